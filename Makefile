@@ -1,0 +1,34 @@
+# Two commands set everything up on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test serve lint clean
+
+install: $(STAMP)
+
+# Re-run only when the dependency list changes. torch is installed first and pinned to the CPU
+# build this machine kind keeps on disk; anything that would pull torchvision/torchaudio/torchcodec
+# is refused (their registry builds break `import transformers`).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	@! $(PY) -m pip list 2>/dev/null | grep -qiE '^(torchvision|torchaudio|torchcodec) ' || \
+		{ echo "error: torchvision/torchaudio/torchcodec must not be installed"; exit 1; }
+	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest
+
+serve: install
+	$(VENV)/bin/mstar serve
+
+lint: install
+	$(VENV)/bin/ruff check mstar tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""mstar: serving runtime for composite multimodal models (Walk Graph)."""

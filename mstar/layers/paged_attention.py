@@ -1,0 +1,368 @@
+"""Attention over the paged KV cache: metadata, a pure-PyTorch reference backend, and a backend registry.
+
+KV storage for one layer is a pair of tensors ``k_cache, v_cache`` of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``; flat slot ``s`` is
+``cache[s // block_size, s % block_size]``.
+Which slots belong to which sequence is decided by ``mstar.runtime.kv.block_pool`` (pure bookkeeping).
+
+A batch is a ragged concatenation of sequences; every sequence has its own query mode (``QueryMode``):
+
+* ``CAUSAL_APPEND``: the new tokens are written; new token ``j`` attends to all previously cached tokens
+  and to new tokens ``0..j`` (prefill, chunked prefill, decode with one token).
+* ``BLOCK_APPEND``: the new tokens are written; each attends to all previously cached tokens and to *all*
+  new tokens (bidirectional within the block: world-model frames, image token blocks).
+* ``READ_ONLY``: nothing is written; the new tokens attend to all cached tokens and bidirectionally to
+  each other through the K/V passed in (diffusion steps querying a cached context).
+
+Invariants of the reference implementation:
+
+* Each sequence is computed independently from its own slice of ``q`` and its own cache blocks, so its output
+  does not depend on the rest of the batch (batch invariance, bitwise for the torch backend).
+* Read-only sequences never modify the cache; append sequences modify exactly the slots in their
+  ``slot_mapping`` entries.
+* The layer imports nothing from the runtime; it is driven only by tensors and the explicit
+  ``AttentionMetadata``.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import importlib.util
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "BackendUnavailableError",
+    "QueryMode",
+    "TorchPagedBackend",
+    "available_backends",
+    "copy_blocks",
+    "gather_kv",
+    "get_backend",
+    "paged_attention",
+    "register_backend",
+    "write_kv",
+]
+
+
+class QueryMode(enum.Enum):
+    """How the new tokens of one sequence attend, and whether their K/V are stored (see module docstring)."""
+
+    CAUSAL_APPEND = "causal_append"
+    BLOCK_APPEND = "block_append"
+    READ_ONLY = "read_only"
+
+    @property
+    def writes(self) -> bool:
+        return self is not QueryMode.READ_ONLY
+
+
+BlockTables = list[list[int]] | torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-batch metadata built by the runtime, passed explicitly to every attention call (no globals).
+
+    The batch is a ragged concatenation of ``B`` sequences: query tokens of sequence ``i`` are
+    ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]``.
+
+    Fields:
+      cu_seqlens_q: int64 ``[B+1]``, non-decreasing, ``cu_seqlens_q[0] == 0``,
+        ``cu_seqlens_q[-1] == total_q``.
+      slot_mapping: int64 ``[total_q]``, the flat cache slot where each query token's new K/V is WRITTEN.
+        Entries of ``READ_ONLY`` sequences are ignored (use -1); a negative slot is never written.
+      block_tables: either ``list[list[int]]`` (one list of block ids per sequence, token order, any length
+        >= ``ceil(context_lens[i] / block_size)``) or a padded int tensor ``[B, max_blocks]`` whose row ``i``
+        holds the same ids padded with -1. Entries past ``ceil(context_lens[i] / block_size)`` are ignored.
+      context_lens: int64 ``[B]``, cached tokens sequence ``i`` attends to AFTER this step's writes. For
+        append modes this includes the new tokens (so ``context_lens[i] >= n_i``); for ``READ_ONLY`` it is
+        the cached context only (the new tokens are attended to from the passed-in K/V).
+      modes: ``B`` query modes.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: BlockTables
+    context_lens: torch.Tensor
+    modes: list[QueryMode]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.modes)
+
+    def query_lens(self) -> list[int]:
+        cu = self.cu_seqlens_q.tolist()
+        return [b - a for a, b in zip(cu[:-1], cu[1:])]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        block_tables: BlockTables,
+        context_lens: Sequence[int],
+        modes: Sequence[QueryMode | str],
+        slot_mapping: Sequence[int] | torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+    ) -> AttentionMetadata:
+        """Convenience constructor from Python lists (``slot_mapping=None`` means "write nothing": all -1)."""
+        cu = [0]
+        for n in query_lens:
+            cu.append(cu[-1] + int(n))
+        if slot_mapping is None:
+            slot_mapping = [-1] * cu[-1]
+        return cls(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int64, device=device),
+            slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_tables=block_tables,
+            context_lens=torch.tensor(list(context_lens), dtype=torch.int64, device=device),
+            modes=[QueryMode(m) for m in modes],
+        )
+
+
+# --------------------------------------------------------------------------------------- cache access
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new ``k``/``v`` ``[total_q, kv_heads, head_dim]`` into their slots; negative slots are skipped.
+
+    Slots must be unique among the non-negative entries. Works for non-contiguous caches (2-D indexing).
+    """
+    if k.shape != v.shape or k.shape[0] != slot_mapping.shape[0]:
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} / "
+                         f"slot_mapping {tuple(slot_mapping.shape)} mismatch")
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
+    if slots.numel() == 0:
+        return
+    block_size = k_cache.shape[1]
+    blk, off = slots // block_size, slots % block_size
+    k_cache[blk, off] = k.to(k_cache.dtype)
+    v_cache[blk, off] = v.to(v_cache.dtype)
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
+              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``num_tokens`` cached K and V of a sequence, each ``[num_tokens, kv_heads, head_dim]``."""
+    block_size = k_cache.shape[1]
+    ids = torch.as_tensor(block_ids, dtype=torch.int64, device=k_cache.device)
+    needed = math.ceil(num_tokens / block_size)
+    if ids.numel() < needed:
+        raise ValueError(f"block table has {ids.numel()} blocks, {num_tokens} tokens need {needed}")
+    pos = torch.arange(num_tokens, device=k_cache.device)
+    blk, off = ids[pos // block_size], pos % block_size
+    return k_cache[blk, off], v_cache[blk, off]
+
+
+def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> None:
+    """Perform pending copy-on-write copies ``(src_block, dst_block)`` in order.
+
+    Order matters: a chain ``(a, b), (b, c)`` must see the first copy before the second.
+
+    Call once per layer with the pairs from ``KVCacheManager.pop_pending_copies()``, before the forward pass.
+    """
+    for src, dst in pairs:
+        k_cache[dst].copy_(k_cache[src])
+        v_cache[dst].copy_(v_cache[src])
+
+
+# ----------------------------------------------------------------------------------------------- masks
+#
+#   One sequence, n = 3 new query tokens, context_len = 7 after the write, so P = 4 tokens were cached before.
+#   Keys are the cache positions 0..context_len-1 (new tokens were just written at positions P..P+n-1).
+#
+#                         |<------ cached (P) ------>|<--- new (n) --->|
+#        key position:       0     1     2     3        4     5     6
+#   CAUSAL_APPEND
+#     query 0 (pos 4)        x     x     x     x        x     .     .
+#     query 1 (pos 5)        x     x     x     x        x     x     .
+#     query 2 (pos 6)        x     x     x     x        x     x     x
+#   BLOCK_APPEND             every entry x (the new tokens see each other in both directions)
+#
+#   READ_ONLY: nothing was written, so context_len = P; keys are cache[0:P] then the n passed-in K/V:
+#                         |<------ cache (P) ------->|<- passed in (n) ->|   (all x)
+#
+def _build_mask(mode: QueryMode, n: int, num_keys: int, device: torch.device) -> torch.Tensor:
+    """Boolean ``[n, num_keys]`` mask, True = may attend. Every row has a True (key 0 or itself)."""
+    if mode is QueryMode.CAUSAL_APPEND:
+        prev = num_keys - n
+        query_pos = prev + torch.arange(n, device=device)
+        key_pos = torch.arange(num_keys, device=device)
+        return key_pos[None, :] <= query_pos[:, None]
+    return torch.ones(n, num_keys, dtype=torch.bool, device=device)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """q ``[n, Hq, D]``, k/v ``[S, Hkv, D]`` (Hq % Hkv == 0; query head h uses kv head h // (Hq // Hkv))."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              meta: AttentionMetadata, cu: list[int], ctx: list[int]) -> None:
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on tokens or head_dim")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+    if tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not match k/v heads and head_dim "
+                         f"{tuple(k.shape[1:])}")
+    b = meta.num_seqs
+    if len(cu) != b + 1 or cu[0] != 0 or cu[-1] != q.shape[0] or any(x > y for x, y in zip(cu[:-1], cu[1:])):
+        raise ValueError(f"cu_seqlens_q {cu} inconsistent with {b} sequences and {q.shape[0]} query tokens")
+    if len(ctx) != b or len(meta.block_tables) != b:
+        raise ValueError(f"context_lens ({len(ctx)}) / block_tables ({len(meta.block_tables)}) "
+                         f"must have {b} entries")
+    if meta.slot_mapping.shape[0] != q.shape[0]:
+        raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} entries for "
+                         f"{q.shape[0]} query tokens")
+    for i, mode in enumerate(meta.modes):
+        n = cu[i + 1] - cu[i]
+        if ctx[i] < 0 or (mode.writes and ctx[i] < n):
+            raise ValueError(f"sequence {i} ({mode.name}): context_len {ctx[i]} < {n} new tokens")
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float | None = None) -> torch.Tensor:
+    """Attention of a ragged batch over the paged cache; returns ``[total_q, q_heads, head_dim]`` (q's dtype).
+
+    ``q`` is ``[total_q, q_heads, head_dim]``; ``k``/``v`` are the new tokens'
+    ``[total_q, kv_heads, head_dim]``; q_heads must be a multiple of kv_heads (GQA/MQA).
+    First writes k/v of the append-mode sequences into their slots, then, per sequence, gathers its cached K/V
+    through its block table and attends with the mask of its mode. ``scale`` defaults to ``head_dim ** -0.5``.
+    """
+    cu = meta.cu_seqlens_q.tolist()
+    ctx = meta.context_lens.tolist()
+    _validate(q, k, v, k_cache, meta, cu, ctx)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+
+    # 1. Store the new K/V of append-mode sequences (read-only sequences' slots are masked to -1).
+    writes = torch.zeros(q.shape[0], dtype=torch.bool)
+    for i, mode in enumerate(meta.modes):
+        if mode.writes:
+            writes[cu[i]:cu[i + 1]] = True
+    if bool(writes.any()):
+        slots = meta.slot_mapping.to(torch.int64)
+        slots = torch.where(writes.to(slots.device), slots, torch.full_like(slots, -1))
+        write_kv(k_cache, v_cache, k, v, slots)
+
+    # 2. Attend, one sequence at a time.
+    out = torch.zeros_like(q)
+    for i, mode in enumerate(meta.modes):
+        s, e = cu[i], cu[i + 1]
+        if s == e:
+            continue
+        k_seq, v_seq = gather_kv(k_cache, v_cache, meta.block_tables[i], ctx[i])
+        k_seq, v_seq = k_seq.to(q.dtype), v_seq.to(q.dtype)
+        if mode is QueryMode.READ_ONLY:
+            k_seq = torch.cat([k_seq, k[s:e].to(q.dtype)])
+            v_seq = torch.cat([v_seq, v[s:e].to(q.dtype)])
+        mask = _build_mask(mode, e - s, k_seq.shape[0], q.device)
+        out[s:e] = _attend(q[s:e], k_seq, v_seq, mask, scale)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- backends
+class BackendUnavailableError(ImportError):
+    """A registered attention backend cannot be used here (its package or implementation is missing)."""
+
+
+class AttentionBackend(ABC):
+    """An implementation of paged attention; must honour the ``AttentionMetadata`` contract."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
+        """Same contract as :func:`paged_attention`."""
+
+    def copy_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    pairs: Sequence[tuple[int, int]]) -> None:
+        copy_blocks(k_cache, v_cache, pairs)
+
+
+class TorchPagedBackend(AttentionBackend):
+    """Pure-PyTorch reference backend (any device; clarity over speed)."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale=None):
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+# name -> ("module:attr" of the backend class, packages it needs). Imported only when requested.
+_REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
+    "torch": ("mstar.layers.paged_attention:TorchPagedBackend", ()),
+    "flashinfer": ("mstar.layers.flashinfer_attention:FlashInferPagedBackend", ("flashinfer",)),
+}
+_INSTANCES: dict[str, AttentionBackend] = {}
+
+
+def register_backend(name: str, target: str, requires: Sequence[str] = ()) -> None:
+    """Register (or replace) a backend lazily: ``target`` is ``"package.module:ClassName"``."""
+    if ":" not in target:
+        raise ValueError(f"backend target must be 'module:Class', got {target!r}")
+    _REGISTRY[name] = (target, tuple(requires))
+    _INSTANCES.pop(name, None)
+
+
+def available_backends() -> list[str]:
+    """Registered backends whose required packages are installed (their modules are not imported)."""
+    return [name for name, (_, requires) in _REGISTRY.items()
+            if all(importlib.util.find_spec(pkg) is not None for pkg in requires)]
+
+
+def get_backend(name: str = "torch") -> AttentionBackend:
+    """The (cached) backend instance for ``name``; its module is imported only now.
+
+    Raises ValueError for an unknown name and :class:`BackendUnavailableError` if the backend's package or
+    implementation module is not installed.
+    """
+    if name in _INSTANCES:
+        return _INSTANCES[name]
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; registered: {sorted(_REGISTRY)}")
+    target, requires = _REGISTRY[name]
+    for pkg in requires:
+        if importlib.util.find_spec(pkg) is None:
+            raise BackendUnavailableError(
+                f"attention backend {name!r} needs the {pkg!r} package, which is not installed; "
+                f"install it or use get_backend('torch')")
+    module_name, attr = target.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise BackendUnavailableError(
+            f"attention backend {name!r} could not be imported ({exc}); use get_backend('torch')") from exc
+    cls = getattr(module, attr)
+    backend = cls()
+    if not isinstance(backend, AttentionBackend):
+        raise TypeError(f"{target} is not an AttentionBackend")
+    _INSTANCES[name] = backend
+    return backend

@@ -1,0 +1,390 @@
+"""Token sampling for autoregressive decoding.
+
+The central entry point is :func:`sample`, which turns a batch of next-token logits ``[B, V]`` into one
+token id per row.  Processing follows the order used by Hugging Face ``generate``:
+
+1. repetition penalty (over prompt + generated tokens),
+2. temperature,
+3. top-k,
+4. top-p (nucleus),
+
+followed by either an argmax (``temperature == 0``) or a random draw.
+
+Batch invariance
+----------------
+For a request with a ``seed`` the sampled token depends only on that row's logits, its
+:class:`SamplingParams`, its seen tokens and its step index -- never on the other rows, the batch size or
+the row's position.  This holds because
+
+* every transformation above is row-wise (element-wise ops, per-row sort / softmax / cumsum),
+* the random draw uses the exponential-race (Gumbel-max) trick: the token is
+  ``argmax(scaled_logits - log(E))`` with ``E ~ Exp(1)`` i.i.d. over the full vocabulary, which selects
+  token ``j`` with probability ``softmax(scaled_logits)[j]`` without any normalisation, and
+* the noise ``E`` for a row is drawn from a fresh :class:`torch.Generator` seeded from
+  ``(seed, step_index)`` alone, always for the full vocabulary, regardless of masking.
+
+Rows without a seed draw from a process-wide generator (non-deterministic across processes).
+Seeded results are reproducible for a given device type; CPU and accelerator generators produce different
+streams.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = [
+    "SamplingParams",
+    "apply_repetition_penalty",
+    "apply_temperature",
+    "apply_top_k_top_p",
+    "row_seed",
+    "sample",
+]
+
+_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
+
+
+# --------------------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------------------
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling configuration.
+
+    * ``temperature``: ``0`` selects greedy decoding (argmax); otherwise logits are divided by it.
+    * ``top_k``: keep only the ``top_k`` highest logits (ties with the k-th value are kept); ``0`` disables.
+    * ``top_p``: keep the smallest set of most likely tokens whose probability mass reaches ``top_p``;
+      ``1.0`` disables.
+    * ``repetition_penalty``: HF semantics; for every token already seen (prompt + generated) a positive
+      logit is divided by the penalty and a non-positive one multiplied by it. ``1.0`` disables.
+    * ``seed``: makes sampling reproducible and batch invariant; ``None`` uses a process-wide generator.
+    * ``max_tokens``, ``stop_token_ids``, ``ignore_eos``: stopping criteria, carried for the scheduler.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # temperature
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        # top_k
+        if not _is_int(self.top_k):
+            raise ValueError(f"top_k must be an int >= 0 (0 disables), got {self.top_k!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k!r}")
+        # top_p
+        if not _is_real(self.top_p) or not math.isfinite(self.top_p):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        object.__setattr__(self, "top_p", float(self.top_p))
+        # repetition_penalty
+        if not _is_real(self.repetition_penalty) or not math.isfinite(self.repetition_penalty):
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+            )
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        # seed
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        # max_tokens
+        if not _is_int(self.max_tokens):
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        # stop_token_ids
+        stop = self.stop_token_ids
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, Sequence):
+            raise ValueError(f"stop_token_ids must be a sequence of ints >= 0, got {stop!r}")
+        if not all(_is_int(t) and t >= 0 for t in stop):
+            raise ValueError(f"stop_token_ids must contain only ints >= 0, got {stop!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(stop))
+        # ignore_eos
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is deterministic argmax (``temperature == 0``)."""
+        return self.temperature == 0.0
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> SamplingParams:
+        """Build from a mapping (e.g. a request's JSON body).
+
+        Keys whose value is ``None`` are ignored (the default is used).  Unknown keys raise ``ValueError``
+        listing the valid keys.
+        """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"sampling params must be a mapping, got {type(d).__name__}")
+        valid = cls.field_names()
+        unknown = sorted(str(k) for k in d if k not in valid)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; valid keys are: {', '.join(valid)}")
+        kwargs = {k: v for k, v in d.items() if v is not None}
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Randomness
+# --------------------------------------------------------------------------------------------------------
+
+
+def _splitmix64(x: int) -> int:
+    """The SplitMix64 finaliser: a bijection on 64-bit integers with good avalanche."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def row_seed(seed: int, step: int) -> int:
+    """Deterministic 63-bit generator seed for request ``seed`` at sampling step ``step``.
+
+    Distinct steps of the same seed map to distinct 64-bit values before the final 63-bit mask.
+    """
+    return _splitmix64((_splitmix64(seed & _MASK64) + step) & _MASK64) & _MASK63
+
+
+_shared_lock = threading.Lock()
+_shared_generators: dict[str, torch.Generator] = {}
+
+
+def _new_generator(device: torch.device) -> torch.Generator:
+    try:
+        return torch.Generator(device=device)
+    except RuntimeError:  # device type without its own generator: fall back to CPU
+        return torch.Generator(device="cpu")
+
+
+def _shared_generator(device: torch.device) -> torch.Generator:
+    key = str(device)
+    gen = _shared_generators.get(key)
+    if gen is None:
+        gen = _new_generator(device)
+        gen.manual_seed(secrets.randbits(63))
+        _shared_generators[key] = gen
+    return gen
+
+
+def _exponential_noise(vocab: int, device: torch.device, seed: int | None, step: int) -> torch.Tensor:
+    """``-log(E)`` for ``E ~ Exp(1)`` of length ``vocab`` (standard Gumbel noise), float32 on ``device``."""
+    if seed is None:
+        with _shared_lock:
+            gen = _shared_generator(device)
+            e = torch.empty(vocab, dtype=torch.float32, device=gen.device).exponential_(generator=gen)
+    else:
+        gen = _new_generator(device)
+        gen.manual_seed(row_seed(seed, step))
+        e = torch.empty(vocab, dtype=torch.float32, device=gen.device).exponential_(generator=gen)
+    # Guard against E == 0 (log -> -inf would turn a masked -inf logit into NaN).
+    e = e.clamp_min_(torch.finfo(torch.float32).tiny)
+    return e.log_().neg_().to(device)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Logit processors (all row-wise, all return new tensors)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _per_row(
+    values: Sequence[float] | Sequence[int] | torch.Tensor,
+    batch: int,
+    name: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    t = torch.as_tensor(values, dtype=dtype, device=device).reshape(-1)
+    if t.numel() != batch:
+        raise ValueError(f"{name} has {t.numel()} entries for a batch of {batch}")
+    return t
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor,
+    seen_tokens: Sequence[Sequence[int]] | None,
+    penalties: Sequence[float] | torch.Tensor,
+) -> torch.Tensor:
+    """HF repetition penalty, per row: for each distinct token in ``seen_tokens[i]``, a logit ``> 0`` is
+    divided by ``penalties[i]`` and any other logit multiplied by it.
+
+    ``logits`` is ``[B, V]``; returns a new float32 tensor.  Token ids outside ``[0, V)`` raise ValueError.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [batch, vocab], got shape {tuple(logits.shape)}")
+    out = logits.to(torch.float32, copy=True)
+    batch, vocab = out.shape
+    pen = _per_row(penalties, batch, "penalties", torch.float32, torch.device("cpu"))
+    if not bool((pen > 0).all()):
+        raise ValueError("repetition penalties must be > 0")
+    if seen_tokens is None:
+        return out
+    if len(seen_tokens) != batch:
+        raise ValueError(f"seen_tokens has {len(seen_tokens)} entries for a batch of {batch}")
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, toks in enumerate(seen_tokens):
+        if pen[i].item() == 1.0 or toks is None or len(toks) == 0:
+            continue
+        uniq = set(int(t) for t in toks)
+        lo, hi = min(uniq), max(uniq)
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"seen token id out of range [0, {vocab}) in row {i}: {lo if lo < 0 else hi}")
+        rows.extend([i] * len(uniq))
+        cols.extend(sorted(uniq))
+    if not rows:
+        return out
+    r = torch.tensor(rows, dtype=torch.long, device=out.device)
+    c = torch.tensor(cols, dtype=torch.long, device=out.device)
+    p = pen.to(out.device)[r]
+    vals = out[r, c]
+    out[r, c] = torch.where(vals > 0, vals / p, vals * p)
+    return out
+
+
+def apply_temperature(logits: torch.Tensor, temperatures: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """Divide each row by its temperature; rows with temperature 0 (greedy) are left unchanged."""
+    out = logits.to(torch.float32)
+    temps = _per_row(temperatures, out.shape[0], "temperatures", torch.float32, out.device)
+    temps = torch.where(temps > 0, temps, torch.ones_like(temps))
+    return out / temps[:, None]
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: Sequence[int] | torch.Tensor,
+    top_p: Sequence[float] | torch.Tensor,
+) -> torch.Tensor:
+    """Mask (set to ``-inf``) logits outside each row's top-k and then its nucleus (top-p).
+
+    * top-k keeps every logit ``>=`` the k-th largest (ties kept, as in HF); ``k <= 0`` or ``k >= V``
+      disables it.
+    * top-p then keeps, in descending order, each token whose preceding probability mass (of the top-k
+      filtered distribution) is ``< p``: the smallest prefix reaching mass ``p``; at least one token is
+      always kept.  ``p >= 1`` disables it.
+
+    ``logits`` is ``[B, V]``; returns a new float32 tensor.  A single descending sort serves both filters.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [batch, vocab], got shape {tuple(logits.shape)}")
+    out = logits.to(torch.float32, copy=True)
+    batch, vocab = out.shape
+    ks = _per_row(top_k, batch, "top_k", torch.long, out.device)
+    ps = _per_row(top_p, batch, "top_p", torch.float32, out.device)
+    use_k = (ks > 0) & (ks < vocab)
+    use_p = ps < 1.0
+    if batch == 0 or vocab == 0 or not bool((use_k | use_p).any()):
+        return out
+
+    sorted_vals, sorted_idx = torch.sort(out, dim=-1, descending=True)
+    # top-k: threshold at the k-th largest value (ties with it survive).
+    kth = sorted_vals.gather(-1, (ks.clamp(1, vocab) - 1)[:, None])
+    neg_inf = torch.tensor(float("-inf"), dtype=out.dtype, device=out.device)
+    kth = torch.where(use_k[:, None], kth, neg_inf)
+    sorted_vals = sorted_vals.masked_fill(sorted_vals < kth, float("-inf"))
+    # top-p on the (already top-k filtered) distribution.
+    probs = torch.softmax(sorted_vals, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop = (mass_before >= ps[:, None]) & use_p[:, None]
+    drop[:, 0] = False
+    sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
+    return out.scatter(-1, sorted_idx, sorted_vals)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------------------------------------
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seen_tokens: list[Sequence[int]] | None,
+    step_indices: list[int],
+) -> torch.Tensor:
+    """Sample one token per row.
+
+    Args:
+        logits: ``[B, V]`` next-token logits, any floating dtype (computed in float32).
+        params: one :class:`SamplingParams` per row.
+        seen_tokens: per row, the token ids seen so far (prompt + generated) for the repetition penalty;
+            ``None`` means none for every row.
+        step_indices: per row, how many tokens that request has sampled so far (0 for the first).
+
+    Returns:
+        int64 tensor ``[B]`` on ``logits.device``.  For seeded rows the result depends only on that row's
+        inputs (see the module docstring); greedy rows are the argmax of the penalised logits.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [batch, vocab], got shape {tuple(logits.shape)}")
+    batch, vocab = logits.shape
+    if len(params) != batch:
+        raise ValueError(f"got {len(params)} SamplingParams for a batch of {batch}")
+    if len(step_indices) != batch:
+        raise ValueError(f"got {len(step_indices)} step indices for a batch of {batch}")
+    if seen_tokens is not None and len(seen_tokens) != batch:
+        raise ValueError(f"got {len(seen_tokens)} seen_tokens entries for a batch of {batch}")
+    for s in step_indices:
+        if not _is_int(s) or s < 0:
+            raise ValueError(f"step indices must be ints >= 0, got {s!r}")
+    device = logits.device
+    if batch == 0:
+        return torch.empty(0, dtype=torch.long, device=device)
+    if vocab == 0:
+        raise ValueError("logits have an empty vocabulary dimension")
+
+    x = apply_repetition_penalty(logits, seen_tokens, [p.repetition_penalty for p in params])
+
+    greedy = [p.greedy for p in params]
+    out = torch.empty(batch, dtype=torch.long, device=device)
+    g_rows = [i for i, g in enumerate(greedy) if g]
+    s_rows = [i for i, g in enumerate(greedy) if not g]
+
+    if g_rows:
+        # top-k / top-p never remove the maximum, so greedy is argmax of the penalised logits.
+        gi = torch.tensor(g_rows, dtype=torch.long, device=device)
+        out[gi] = torch.argmax(x[gi], dim=-1)
+
+    if s_rows:
+        si = torch.tensor(s_rows, dtype=torch.long, device=device)
+        sp = [params[i] for i in s_rows]
+        xs = apply_temperature(x[si], [p.temperature for p in sp])
+        xs = apply_top_k_top_p(xs, [p.top_k for p in sp], [p.top_p for p in sp])
+        noise = torch.stack(
+            [_exponential_noise(vocab, device, p.seed, step_indices[i]) for i, p in zip(s_rows, sp)]
+        )
+        out[si] = torch.argmax(xs + noise, dim=-1)
+    return out

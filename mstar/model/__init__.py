@@ -1,0 +1,26 @@
+"""Model-definition surface: ModelDef, NodeSubmodule, NodeInputs and the model registry."""
+
+from mstar.layers.paged_attention import QueryMode
+from mstar.model.base import ModelDef, WalkState
+from mstar.model.registry import register_model, registered_models, resolve_model
+from mstar.model.submodule import (
+    EngineInputs,
+    ForwardInfo,
+    KVSpec,
+    NodeInputs,
+    NodeSubmodule,
+)
+
+__all__ = [
+    "QueryMode",
+    "EngineInputs",
+    "ForwardInfo",
+    "KVSpec",
+    "ModelDef",
+    "NodeInputs",
+    "NodeSubmodule",
+    "WalkState",
+    "register_model",
+    "registered_models",
+    "resolve_model",
+]

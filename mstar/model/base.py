@@ -1,0 +1,79 @@
+"""``ModelDef``: what a model author writes — a Walk Graph, a ``next_walk`` state machine and the
+factory of the submodules that compute each node."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from mstar.graph import WalkGraph
+from mstar.model.submodule import NodeSubmodule
+
+
+@dataclass
+class WalkState:
+    """One request's state as the model's ``next_walk`` sees it, per partition.
+
+    ``tensors`` holds values kept on the request: the request's own inputs plus every value a walk
+    routed ``TO_STATE`` (by edge name; a later value replaces an earlier one). ``history`` lists
+    the walks this partition has finished, in order. Models subclass this to add their own fields
+    (e.g. BAGEL's list of pending prefill steps) and build it in ``ModelDef.create_state``.
+    """
+
+    request_id: str
+    partition: str
+    params: Mapping[str, Any]
+    tensors: dict[str, list[Any]] = field(default_factory=dict)
+    history: list[str] = field(default_factory=list)
+    stream_done: bool = False  # consumer partitions: the producer finished and the stream is drained
+
+    @property
+    def last_walk(self) -> str | None:
+        return self.history[-1] if self.history else None
+
+
+class ModelDef:
+    """Base class of every model.
+
+    Subclasses implement ``build_graph`` and ``next_walk``, and ``build_submodules`` to be
+    servable. ``views`` maps a node that is a weight-sharing view of another node to that node
+    (BAGEL's ``LLM_cfg_text`` -> ``LLM``): the runtime then batches them in one forward and gives
+    each its own cache name.
+    """
+
+    name: str = "model"
+    views: Mapping[str, str] = {}
+
+    def build_graph(self) -> WalkGraph:
+        raise NotImplementedError
+
+    @cached_property
+    def graph(self) -> WalkGraph:
+        g = self.build_graph()
+        if not isinstance(g, WalkGraph):
+            raise TypeError(f"{type(self).__name__}.build_graph() must return a WalkGraph, got {type(g).__name__}")
+        for view, base in self.views.items():
+            if view not in g.node_names or base not in g.node_names:
+                raise ValueError(f"{type(self).__name__}.views: {view!r} -> {base!r} names a node no walk uses")
+        return g
+
+    def create_state(self, request_id: str, partition: str, inputs: Mapping[str, list[Any]],
+                     params: Mapping[str, Any]) -> WalkState:
+        return WalkState(request_id=request_id, partition=partition, params=params, tensors=dict(inputs))
+
+    def next_walk(self, state: WalkState) -> str | None:
+        """Name of the walk this partition of the request runs next, or None when it is finished."""
+        raise NotImplementedError
+
+    def validate_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> None:
+        """Raise ValueError with a clear message for bad input (the server answers HTTP 400)."""
+
+    def build_submodules(self, node_names: Iterable[str]) -> dict[str, NodeSubmodule]:
+        """Modules for ``node_names`` (the nodes placed on one rank). Views map to their base's module."""
+        raise NotImplementedError(f"{type(self).__name__} declares a graph but no submodules")
+
+    def module_of(self, node: str) -> str:
+        """The node whose module computes ``node`` (itself unless it is a view)."""
+        return self.views.get(node, node)

@@ -1,0 +1,121 @@
+"""The compute side of a node: ``NodeSubmodule`` and what flows in and out of it.
+
+The runtime calls, for every request in a batch, ``prepare_inputs`` (per request, cheap, may look
+at the request's parameters and iteration), then ONE ``forward`` over the whole batch. ``forward``
+receives each named tensor concatenated along dim 0 over the batch (``EngineInputs.splits`` gives
+each request's rows) and returns, for every output name, one tensor per request in batch order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mstar.layers.paged_attention import QueryMode
+
+
+@dataclass(frozen=True)
+class ForwardInfo:
+    """What a node knows about one request when preparing its inputs."""
+
+    request_id: str
+    walk: str
+    node: str
+    iteration: tuple[int, ...]  # index in each enclosing loop, outermost first; () at top level
+    params: Mapping[str, Any]  # the request's parameters (read-only)
+    cache_len: int = 0  # tokens already in this node's cache for the request (KV nodes)
+
+
+@dataclass
+class NodeInputs:
+    """One request's contribution to a batched forward.
+
+    ``tensor_inputs``: tensors concatenated over the batch along dim 0 (give each request's rows
+    on dim 0). ``extras``: per-request non-tensor values handed to ``forward`` as lists.
+    KV nodes also say how many new tokens they bring (``num_tokens``, = rows of the token
+    tensors), how they attend (``mode``), which cache they use (``cache_name``; default: the
+    node's own) and optionally ``fork_from=(cache_name, num_tokens)``: before this forward, create
+    the cache as a copy-on-write fork sharing the first ``num_tokens`` tokens of another cache of
+    the same request (None = all of them).
+    """
+
+    tensor_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
+    num_tokens: int = 0
+    mode: QueryMode = QueryMode.CAUSAL_APPEND
+    cache_name: str | None = None
+    fork_from: tuple[str, int | None] | None = None
+
+
+@dataclass
+class EngineInputs:
+    """Batch-level inputs the engine builds; passed explicitly to ``forward`` (no globals)."""
+
+    walks: list[str]  # per request
+    nodes: list[str]  # per request (several names when weight-sharing views batch together)
+    request_ids: list[str]
+    infos: list[ForwardInfo]
+    splits: dict[str, list[int]]  # per tensor name: rows contributed by each request
+    extras: dict[str, list[Any]]  # per extra name: one value per request (None where absent)
+    # KV nodes only:
+    attention: Any = None  # mstar.layers.paged_attention.AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (k_cache, v_cache)
+    positions: torch.Tensor | None = None  # int64 [total_tokens]: absolute position of each new token
+    num_tokens: list[int] | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.request_ids)
+
+    def split(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Split a batched tensor back into per-request pieces along dim 0, using ``name``'s rows."""
+        return list(torch.split(tensor, self.splits[name], dim=0))
+
+    def token_splits(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Split a [total_tokens, ...] tensor of a KV node into per-request pieces."""
+        return list(torch.split(tensor, self.num_tokens, dim=0))
+
+    def last_token_rows(self) -> torch.Tensor:
+        """Index of each request's last new token in the flattened token batch."""
+        counts = torch.tensor(self.num_tokens, dtype=torch.long)
+        return torch.cumsum(counts, 0) - 1
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Shape of a node's paged KV cache. All views of one module share a KVSpec."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KVSpec.{name} must be >= 1")
+
+
+class NodeSubmodule(torch.nn.Module):
+    """Base class of every node's computation.
+
+    Subclasses set ``kv_spec`` (a ``KVSpec``) when the node attends over a KV cache the runtime
+    owns; stateless nodes leave it None.
+    """
+
+    kv_spec: KVSpec | None = None
+
+    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
+                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
+        """Turn one request's edge values into its share of the batch.
+
+        Default: each input's first tensor, unchanged.
+        """
+        return NodeInputs(tensor_inputs={name: values[0] for name, values in inputs.items()})
+
+    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs,
+                **tensors: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        raise NotImplementedError

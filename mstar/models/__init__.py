@@ -1,0 +1,8 @@
+"""Model families shipped with mstar. Each registers its names here; nothing heavy is imported."""
+
+from mstar.model.registry import register_model
+
+# Structure-only declarations (graph + next_walk, no weights yet): drawable with `mstar graph`.
+register_model("bagel", "mstar.models.bagel.graph:BagelGraph")
+register_model("qwen3-omni", "mstar.models.qwen3_omni.graph:Qwen3OmniGraph")
+register_model("orpheus", "mstar.models.orpheus.graph:OrpheusGraph")

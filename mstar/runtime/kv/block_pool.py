@@ -1,0 +1,314 @@
+"""Paged KV-cache bookkeeping (pure Python, no tensors).
+
+The KV cache of every attention layer is one tensor of ``num_blocks`` blocks of ``block_size`` token slots.
+This module only decides *which* slots a token's K/V lives in; the tensors themselves are handled by
+``mstar.layers.paged_attention``. A flat slot index is ``block * block_size + offset``.
+
+Invariants (checked by the tests after every operation):
+
+* ``BlockPool``: a block is either free (refcount 0, on the free list exactly once) or used (refcount >= 1,
+  not on the free list). ``num_free + num_used == num_blocks``.
+* ``KVCacheManager``: the refcount of every block equals the number of block tables that contain it (a table
+  never contains the same block twice), and every table satisfies
+  ``len(blocks) == ceil(num_tokens / block_size)``.
+* Token ``p`` of a sequence lives in slot ``blocks[p // block_size] * block_size + p % block_size``.
+* A shared block (refcount > 1) is never written: before a sequence writes into a shared, partially filled
+  last block it gets a private copy (copy-on-write, see :meth:`KVCacheManager.append_slots`). Full blocks
+  are never written again, so they may be shared freely. Slots past a table's ``num_tokens`` hold garbage
+  and are never read through that table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+__all__ = ["BlockPool", "BlockTable", "KVCacheManager", "OutOfBlocks"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class OutOfBlocks(RuntimeError):
+    """An allocation could not be satisfied. ``needed`` blocks were required, only ``free`` were free.
+
+    Raised before any state changes: every allocating operation in this module is all-or-nothing.
+    """
+
+    def __init__(self, needed: int, free: int, detail: str = "") -> None:
+        self.needed = needed
+        self.free = free
+        self.detail = detail
+        msg = f"out of KV-cache blocks: need {needed}, only {free} free"
+        super().__init__(f"{msg} ({detail})" if detail else msg)
+
+    def __reduce__(self):  # keep the exception picklable despite the custom __init__
+        return (type(self), (self.needed, self.free, self.detail))
+
+
+class BlockPool:
+    """A fixed pool of ``num_blocks`` reference-counted blocks of ``block_size`` token slots.
+
+    ``allocate`` hands out a free block with refcount 1; ``incref``/``decref`` share and release it; a block
+    whose refcount drops to 0 returns to the free list. Freed blocks are reused most-recently-freed first;
+    a fresh pool hands out blocks in increasing id order.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._refcounts = [0] * num_blocks
+        # Used as a stack: pop() from the end, so the lowest id comes out first on a fresh pool.
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def _check(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(f"block id {block} out of range [0, {self.num_blocks})")
+
+    def allocate(self) -> int:
+        """Take one free block; its refcount becomes 1. Raises :class:`OutOfBlocks` if none is free."""
+        if not self._free:
+            raise OutOfBlocks(1, 0)
+        block = self._free.pop()
+        self._refcounts[block] = 1
+        return block
+
+    def allocate_many(self, n: int) -> list[int]:
+        """Take ``n`` free blocks, all or nothing."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > len(self._free):
+            raise OutOfBlocks(n, len(self._free))
+        return [self.allocate() for _ in range(n)]
+
+    def incref(self, block: int) -> None:
+        """Add a reference to a used block. Sharing a free block is an error (ValueError)."""
+        self._check(block)
+        if self._refcounts[block] == 0:
+            raise ValueError(f"incref of free block {block}")
+        self._refcounts[block] += 1
+
+    def decref(self, block: int) -> None:
+        """Drop a reference; at 0 the block returns to the free list. Decref of a free block: ValueError."""
+        self._check(block)
+        if self._refcounts[block] == 0:
+            raise ValueError(f"decref of free block {block}")
+        self._refcounts[block] -= 1
+        if self._refcounts[block] == 0:
+            self._free.append(block)
+
+    def refcount(self, block: int) -> int:
+        self._check(block)
+        return self._refcounts[block]
+
+    def __repr__(self) -> str:
+        return (f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"used={self.num_used}, free={self.num_free})")
+
+
+@dataclass
+class BlockTable:
+    """The blocks holding one growing KV sequence, in token order.
+
+    Invariant: ``len(blocks) == ceil(num_tokens / block_size)``; only the last block may be partially filled.
+    """
+
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+Key = tuple[str, str]
+
+
+class KVCacheManager:
+    """Per-request, per-cache-name block tables over one BlockPool.
+
+    Tables persist across the walks of a request and are freed by :meth:`free_request`. Keys are
+    ``(request_id: str, cache_name: str)``. A table that does not exist behaves as an empty sequence for
+    :meth:`num_tokens`, :meth:`can_append` and :meth:`append_slots` (which creates it).
+
+    Copy-on-write contract: operations that must stop sharing a block record ``(src_block, dst_block)``
+    pairs. The caller drains them with :meth:`pop_pending_copies` and must perform them *in order*, on every
+    layer's K and V cache, before the forward pass that writes the newly reserved slots. Block ids in
+    pending pairs are not pinned: a src block freed in the meantime keeps its contents until a forward pass
+    writes to it, which is why the copies must run first.
+    """
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self._tables: dict[Key, BlockTable] = {}
+        self._by_request: dict[str, dict[str, None]] = {}  # request -> ordered set of cache names
+        self._pending: list[tuple[int, int]] = []
+
+    # ----------------------------------------------------------------------------------------- queries
+    def has(self, request_id: str, cache_name: str) -> bool:
+        return (request_id, cache_name) in self._tables
+
+    def num_tokens(self, request_id: str, cache_name: str) -> int:
+        """Tokens held by the sequence (0 if the table does not exist)."""
+        table = self._tables.get((request_id, cache_name))
+        return 0 if table is None else table.num_tokens
+
+    def _get(self, request_id: str, cache_name: str) -> BlockTable:
+        try:
+            return self._tables[(request_id, cache_name)]
+        except KeyError:
+            raise KeyError(f"no KV sequence for request {request_id!r}, cache {cache_name!r}") from None
+
+    def _plan_append(self, table: BlockTable | None, n: int) -> tuple[bool, int]:
+        """(needs copy-on-write of the last block, number of new blocks) for appending n tokens."""
+        if n < 0:
+            raise ValueError(f"cannot append {n} tokens")
+        if table is None:
+            return False, _cdiv(n, self.block_size)
+        if n == 0:
+            return False, 0
+        cur = table.num_tokens
+        cow = cur % self.block_size != 0 and self.pool.refcount(table.blocks[-1]) > 1
+        return cow, _cdiv(cur + n, self.block_size) - len(table.blocks)
+
+    def blocks_needed(self, request_id: str, cache_name: str, n: int) -> int:
+        """Free blocks that appending n tokens would consume (including a copy-on-write block)."""
+        cow, new = self._plan_append(self._tables.get((request_id, cache_name)), n)
+        return int(cow) + new
+
+    def can_append(self, request_id: str, cache_name: str, n: int) -> bool:
+        return self.blocks_needed(request_id, cache_name, n) <= self.pool.num_free
+
+    def block_table(self, request_id: str, cache_name: str) -> list[int]:
+        """A copy of the sequence's block ids, in token order. KeyError if absent."""
+        return list(self._get(request_id, cache_name).blocks)
+
+    def slot_mapping(self, request_id: str, cache_name: str, start: int = 0,
+                     end: int | None = None) -> list[int]:
+        """Flat slot indices of tokens ``[start, end)`` (default: all tokens) of the sequence."""
+        table = self._get(request_id, cache_name)
+        end = table.num_tokens if end is None else end
+        if not 0 <= start <= end <= table.num_tokens:
+            raise ValueError(f"token range [{start}, {end}) outside sequence of {table.num_tokens} tokens")
+        bs = self.block_size
+        return [table.blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def cache_names(self, request_id: str) -> list[str]:
+        return list(self._by_request.get(request_id, ()))
+
+    def iter_tables(self) -> Iterator[tuple[Key, BlockTable]]:
+        """All live tables as ``((request_id, cache_name), copy_of_table)``."""
+        for key, table in self._tables.items():
+            yield key, BlockTable(list(table.blocks), table.num_tokens)
+
+    def stats(self) -> dict:
+        return {
+            "blocks_total": self.pool.num_blocks,
+            "blocks_used": self.pool.num_used,
+            "blocks_free": self.pool.num_free,
+            "block_size": self.block_size,
+            "sequences": len(self._tables),
+        }
+
+    # --------------------------------------------------------------------------------------- mutations
+    def _register(self, key: Key, table: BlockTable) -> None:
+        self._tables[key] = table
+        self._by_request.setdefault(key[0], {})[key[1]] = None
+
+    def append_slots(self, request_id: str, cache_name: str, n: int) -> list[int]:
+        """Reserve ``n`` new token slots at the end of the sequence; return their flat slot indices.
+
+        Creates the table if absent (even for ``n == 0``). All-or-nothing: on :class:`OutOfBlocks` nothing
+        changes. If the last block is partially filled and shared (refcount > 1, e.g. after a mid-block
+        fork, on either side of the fork), it is replaced by a fresh private block, the old one is decref'd
+        and ``(old, fresh)`` is queued for :meth:`pop_pending_copies`.
+        """
+        key = (request_id, cache_name)
+        table = self._tables.get(key)
+        cow, new = self._plan_append(table, n)
+        needed = int(cow) + new
+        if needed > self.pool.num_free:
+            raise OutOfBlocks(needed, self.pool.num_free, f"appending {n} tokens to {key}")
+        if table is None:
+            table = BlockTable()
+            self._register(key, table)
+        if cow:
+            old = table.blocks[-1]
+            fresh = self.pool.allocate()
+            self._pending.append((old, fresh))
+            table.blocks[-1] = fresh
+            self.pool.decref(old)  # refcount was > 1, so old stays alive for its other holders
+        table.blocks.extend(self.pool.allocate() for _ in range(new))
+        start = table.num_tokens
+        table.num_tokens = start + n
+        bs = self.block_size
+        return [table.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+
+    def pop_pending_copies(self) -> list[tuple[int, int]]:
+        """Drain the queued ``(src_block, dst_block)`` copy-on-write copies, oldest first."""
+        pending, self._pending = self._pending, []
+        return pending
+
+    def fork(self, request_id: str, src_cache: str, dst_cache: str, num_tokens: int | None = None) -> None:
+        """Make ``dst_cache`` share the first ``num_tokens`` (default all) tokens of ``src_cache``."""
+        self.fork_from(request_id, src_cache, request_id, dst_cache, num_tokens)
+
+    def fork_from(self, src_request: str, src_cache: str, dst_request: str, dst_cache: str,
+                  num_tokens: int | None = None) -> None:
+        """Create ``(dst_request, dst_cache)`` sharing the first ``num_tokens`` tokens' blocks of the source.
+
+        No data is copied and no block is allocated (cannot raise OutOfBlocks): the covered blocks are
+        incref'd. If ``num_tokens`` ends mid-block, that block is shared too; whichever side writes into it
+        first gets a private copy (copy-on-write in :meth:`append_slots`). Raises KeyError if the source is
+        absent, ValueError if the destination exists or ``num_tokens`` exceeds the source's length.
+        """
+        src = self._get(src_request, src_cache)
+        dst_key = (dst_request, dst_cache)
+        if dst_key in self._tables:
+            raise ValueError(f"KV sequence {dst_key} already exists")
+        nt = src.num_tokens if num_tokens is None else num_tokens
+        if not 0 <= nt <= src.num_tokens:
+            raise ValueError(f"cannot fork {nt} tokens from a sequence of {src.num_tokens}")
+        blocks = src.blocks[: _cdiv(nt, self.block_size)]
+        for b in blocks:
+            self.pool.incref(b)
+        self._register(dst_key, BlockTable(list(blocks), nt))
+
+    def truncate(self, request_id: str, cache_name: str, num_tokens: int) -> None:
+        """Drop tokens past ``num_tokens``, releasing whole blocks no longer covered. KeyError if absent."""
+        table = self._get(request_id, cache_name)
+        if not 0 <= num_tokens <= table.num_tokens:
+            raise ValueError(f"cannot truncate a sequence of {table.num_tokens} tokens to {num_tokens}")
+        keep = _cdiv(num_tokens, self.block_size)
+        for b in reversed(table.blocks[keep:]):
+            self.pool.decref(b)
+        del table.blocks[keep:]
+        table.num_tokens = num_tokens
+
+    def free(self, request_id: str, cache_name: str) -> None:
+        """Release one sequence's blocks and forget its table. Idempotent."""
+        table = self._tables.pop((request_id, cache_name), None)
+        if table is None:
+            return
+        for b in reversed(table.blocks):
+            self.pool.decref(b)
+        names = self._by_request.get(request_id)
+        if names is not None:
+            names.pop(cache_name, None)
+            if not names:
+                del self._by_request[request_id]
+
+    def free_request(self, request_id: str) -> None:
+        """Release every sequence of a request (finish or abort). Idempotent."""
+        for name in list(self._by_request.get(request_id, ())):
+            self.free(request_id, name)

@@ -1,0 +1,435 @@
+"""Tests for mstar.layers.sampling."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from mstar.layers.sampling import (
+    SamplingParams,
+    apply_repetition_penalty,
+    apply_temperature,
+    apply_top_k_top_p,
+    row_seed,
+    sample,
+)
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Hand-written references (row by row, HF formulations)
+# --------------------------------------------------------------------------------------------------------
+
+
+def ref_top_k(row: torch.Tensor, k: int) -> torch.Tensor:
+    if k <= 0 or k >= row.numel():
+        return row.clone()
+    kth = torch.topk(row, k).values[-1]
+    return row.masked_fill(row < kth, float("-inf"))
+
+
+def ref_top_p(row: torch.Tensor, p: float) -> torch.Tensor:
+    """HF TopPLogitsWarper formulation: ascending sort, drop tokens with cumulative mass <= 1 - p."""
+    if p >= 1.0:
+        return row.clone()
+    vals, idx = torch.sort(row, descending=False)
+    cum = vals.softmax(-1).cumsum(-1)
+    remove = cum <= (1 - p)
+    remove[-1] = False
+    out = row.clone()
+    out[idx[remove]] = float("-inf")
+    return out
+
+
+def ref_rep_penalty(row: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
+    out = row.clone()
+    for t in set(seen):
+        v = out[t].item()
+        out[t] = v / penalty if v > 0 else v * penalty
+    return out
+
+
+def nucleus_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+    return torch.softmax(ref_top_p(logits.float() / temperature, top_p), -1)
+
+
+def one(logits_row: torch.Tensor, p: SamplingParams, seen: list[int] | None, step: int) -> int:
+    return int(sample(logits_row[None], [p], None if seen is None else [seen], [step])[0])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Greedy
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_greedy_equals_argmax() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g)
+    params = [SamplingParams(temperature=0.0)] * 6
+    out = sample(logits, params, None, [0] * 6)
+    assert out.dtype == torch.int64 and out.shape == (6,)
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_greedy_ignores_seed_and_step() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 30, generator=g)
+    expected = logits.argmax(-1)
+    for seed in (None, 0, 7, 123456789):
+        for step in (0, 5):
+            params = [SamplingParams(temperature=0.0, seed=seed, top_k=5, top_p=0.5)] * 4
+            assert torch.equal(sample(logits, params, None, [step] * 4), expected)
+
+
+def test_greedy_applies_repetition_penalty() -> None:
+    logits = torch.tensor([[3.0, 2.0, -1.0]])
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    assert int(sample(logits, [p], [[0]], [0])[0]) == 1  # 3.0 / 2 = 1.5 < 2.0
+    assert int(sample(logits, [p], None, [0])[0]) == 0
+
+
+def test_low_precision_and_no_mutation() -> None:
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(3, 40, generator=g)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        logits = base.to(dtype)
+        before = logits.clone()
+        params = [SamplingParams(temperature=0.8, seed=1, repetition_penalty=1.3, top_k=10, top_p=0.9)] * 3
+        out = sample(logits, params, [[1, 2], [3], []], [0, 1, 2])
+        assert out.dtype == torch.int64 and out.shape == (3,)
+        assert ((out >= 0) & (out < 40)).all()
+        assert torch.equal(logits, before)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Seeded sampling and batch invariance
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_same_seed_and_step_same_token() -> None:
+    g = torch.Generator().manual_seed(3)
+    row = torch.randn(1000, generator=g)
+    p = SamplingParams(temperature=1.0, seed=42)
+    for step in range(10):
+        assert one(row, p, None, step) == one(row, p, None, step)
+
+
+def test_seeded_draws_vary_with_step_and_seed() -> None:
+    row = torch.zeros(1000)  # uniform: collisions are rare
+    by_step = {one(row, SamplingParams(seed=42), None, s) for s in range(20)}
+    by_seed = {one(row, SamplingParams(seed=s), None, 0) for s in range(20)}
+    assert len(by_step) > 15 and len(by_seed) > 15
+
+
+def test_row_seed_properties() -> None:
+    seeds = {row_seed(s, t) for s in range(-3, 30) for t in range(50)}
+    assert len(seeds) == 33 * 50
+    assert all(0 <= x < 2**63 for x in seeds)
+    assert row_seed(5, 7) == row_seed(5, 7)
+
+
+def _random_params(g: torch.Generator) -> SamplingParams:
+    r = torch.rand(6, generator=g).tolist()
+    seed = None if r[0] < 0.25 else int(torch.randint(0, 2**31, (1,), generator=g))
+    return SamplingParams(
+        temperature=0.0 if r[1] < 0.2 else 0.3 + 1.2 * r[2],
+        top_k=0 if r[3] < 0.5 else int(1 + 20 * r[3]),
+        top_p=1.0 if r[4] < 0.5 else 0.5 + 0.5 * r[4],
+        repetition_penalty=1.0 if r[5] < 0.5 else 1.0 + r[5],
+        seed=seed,
+    )
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_batch_invariance(trial: int) -> None:
+    vocab = 64
+    g = torch.Generator().manual_seed(1000 + trial)
+    target_logits = torch.randn(vocab, generator=g) * 0.5
+    target_params = SamplingParams(
+        temperature=[0.7, 1.0, 1.5][trial % 3],
+        top_k=[0, 20][trial % 2],
+        top_p=[1.0, 0.95, 0.8][trial % 3],
+        repetition_penalty=[1.0, 1.2][(trial // 2) % 2],
+        seed=trial * 7919 + 1,
+    )
+    target_seen = torch.randint(0, vocab, (10,), generator=g).tolist()
+    target_step = trial * 3
+
+    alone = one(target_logits, target_params, target_seen, target_step)
+
+    for position in (0, 3, 7):
+        others = torch.randn(8, vocab, generator=g) * 2.0
+        logits = others.clone()
+        logits[position] = target_logits
+        params = [_random_params(g) for _ in range(8)]
+        params[position] = target_params
+        seen = [
+            torch.randint(0, vocab, (int(torch.randint(0, 6, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(8)
+        ]
+        seen[position] = target_seen
+        steps = torch.randint(0, 100, (8,), generator=g).tolist()
+        steps[position] = target_step
+        out = sample(logits, params, seen, steps)
+        assert int(out[position]) == alone, f"position {position}"
+        # the same batch in bf16 still yields a valid token for every row
+        assert ((out >= 0) & (out < vocab)).all()
+
+
+def test_batch_invariance_many_rows_one_call() -> None:
+    """Rows of one big batch agree with the same rows sampled one at a time."""
+    vocab = 32
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(40, vocab, generator=g)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=(i % 3) * 5, seed=i) for i in range(40)]
+    steps = list(range(40))
+    batched = sample(logits, params, None, steps)
+    singles = [one(logits[i], params[i], None, steps[i]) for i in range(40)]
+    assert batched.tolist() == singles
+    # reversed order gives the reversed answer
+    rev = sample(logits.flip(0), params[::-1], None, steps[::-1])
+    assert rev.tolist() == singles[::-1]
+
+
+def test_unseeded_rows_valid() -> None:
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 20, generator=g)
+    out = sample(logits, [SamplingParams(top_k=3)] * 5, None, [0] * 5)
+    top3 = logits.topk(3, dim=-1).indices
+    assert all(int(out[i]) in top3[i].tolist() for i in range(5))
+
+
+# --------------------------------------------------------------------------------------------------------
+# top-k / top-p
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [None, 0, 99])
+def test_top_k_1_equals_greedy(seed: int | None) -> None:
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(8, 100, generator=g)
+    params = [SamplingParams(temperature=1.3, top_k=1, seed=seed)] * 8
+    assert torch.equal(sample(logits, params, None, list(range(8))), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("seed", [None, 0, 99])
+def test_tiny_top_p_equals_greedy(seed: int | None) -> None:
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(8, 100, generator=g)
+    params = [SamplingParams(temperature=2.0, top_p=1e-6, seed=seed)] * 8
+    assert torch.equal(sample(logits, params, None, list(range(8))), logits.argmax(-1))
+
+
+def test_top_k_top_p_match_reference_per_row() -> None:
+    g = torch.Generator().manual_seed(9)
+    batch, vocab = 24, 50
+    logits = torch.randn(batch, vocab, generator=g) * 2
+    ks = [[0, 1, 5, 17, 49, 50, 80][i % 7] for i in range(batch)]
+    ps = [[1.0, 0.9, 0.5, 0.3, 0.99, 0.05][i % 6] for i in range(batch)]
+    out = apply_top_k_top_p(logits, ks, ps)
+    assert out.dtype == torch.float32 and out.shape == logits.shape
+    for i in range(batch):
+        ref = ref_top_p(ref_top_k(logits[i], ks[i]), ps[i])
+        assert torch.equal(torch.isinf(out[i]), torch.isinf(ref)), f"row {i}"
+        kept = ~torch.isinf(ref)
+        assert torch.equal(out[i][kept], logits[i][kept])
+
+
+def test_top_k_keeps_ties_and_disabled_is_identity() -> None:
+    logits = torch.tensor([[1.0, 2.0, 2.0, 0.0]])
+    out = apply_top_k_top_p(logits, [1], [1.0])
+    assert torch.isinf(out).tolist() == [[True, False, False, True]]
+    assert torch.equal(apply_top_k_top_p(logits, [0], [1.0]), logits)
+
+
+def test_top_p_keeps_smallest_nucleus() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None]
+    kept = lambda p: (~torch.isinf(apply_top_k_top_p(logits, [0], [p])[0])).sum().item()  # noqa: E731
+    assert kept(0.4) == 1
+    assert kept(0.7) == 2
+    assert kept(0.85) == 3
+    assert kept(0.9) == 3
+    assert kept(0.99) == 4
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed")
+def test_processors_match_transformers() -> None:
+    from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(10)
+    logits = torch.randn(4, 60, generator=g)
+    ids = torch.randint(0, 60, (4, 12), generator=g)
+    for k in (1, 5, 30):
+        ref = TopKLogitsWarper(top_k=k)(ids, logits.clone())
+        assert torch.equal(torch.isinf(apply_top_k_top_p(logits, [k] * 4, [1.0] * 4)), torch.isinf(ref))
+    for p in (0.3, 0.8, 0.95):
+        ref = TopPLogitsWarper(top_p=p)(ids, logits.clone())
+        assert torch.equal(torch.isinf(apply_top_k_top_p(logits, [0] * 4, [p] * 4)), torch.isinf(ref))
+    ref = RepetitionPenaltyLogitsProcessor(penalty=1.7)(ids, logits.clone())
+    ours = apply_repetition_penalty(logits, ids.tolist(), [1.7] * 4)
+    torch.testing.assert_close(ours, ref)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Repetition penalty and temperature
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_repetition_penalty_hand_example() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 0.0, -4.0], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    seen = [[0, 1, 1, 4, 5, 5], [2]]
+    out = apply_repetition_penalty(logits, seen, [2.0, 1.0])
+    expected = torch.tensor([[1.0, -2.0, 0.5, 3.0, 0.0, -8.0], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    assert torch.equal(out, expected)
+    assert torch.equal(logits[0], torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0, -4.0]))  # not in place
+    # penalty < 1 encourages repetition, and matches the reference formula
+    out2 = apply_repetition_penalty(logits, seen, [0.5, 0.5])
+    for i in range(2):
+        assert torch.equal(out2[i], ref_rep_penalty(logits[i], seen[i], 0.5))
+    # no seen tokens: identity
+    assert torch.equal(apply_repetition_penalty(logits, None, [2.0, 2.0]), logits)
+
+
+def test_repetition_penalty_rejects_out_of_range_ids() -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        apply_repetition_penalty(torch.zeros(1, 4), [[4]], [1.5])
+    with pytest.raises(ValueError, match="out of range"):
+        apply_repetition_penalty(torch.zeros(1, 4), [[-1]], [1.5])
+
+
+def test_temperature() -> None:
+    logits = torch.tensor([[2.0, -1.0], [2.0, -1.0]])
+    out = apply_temperature(logits, [0.5, 0.0])
+    assert torch.equal(out, torch.tensor([[4.0, -2.0], [2.0, -1.0]]))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Statistics
+# --------------------------------------------------------------------------------------------------------
+
+# chi-square critical values at alpha = 1e-3, indexed by degrees of freedom
+_CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor, n: int) -> tuple[float, int]:
+    """Pearson statistic over the support; bins with expected count < 5 are pooled into one."""
+    support = probs > 0
+    assert counts[~support].sum().item() == 0, "token outside the support was sampled"
+    expected = (probs[support] * n).double()
+    observed = counts[support].double()
+    small = expected < 5
+    if small.any():
+        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+        observed = torch.cat([observed[~small], observed[small].sum()[None]])
+        if expected[-1] < 5:  # pooled tail still small: fold it into the smallest regular bin
+            j = int(expected[:-1].argmin())
+            expected[j] += expected[-1]
+            observed[j] += observed[-1]
+            expected, observed = expected[:-1], observed[:-1]
+    stat = (((observed - expected) ** 2) / expected).sum().item()
+    return stat, expected.numel() - 1
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p"),
+    [(0.7, 1.0), (1.0, 0.9), (0.7, 0.9)],
+)
+def test_empirical_frequencies_match_softmax(temperature: float, top_p: float) -> None:
+    n = 2000
+    row = torch.tensor([1.0, 0.8, 0.5, 0.3, 0.0, -0.2, -0.5, -1.0, -3.0, -4.0])
+    probs = nucleus_probs(row, temperature, top_p)
+    if top_p < 1:
+        assert (probs == 0).sum() >= 1  # the nucleus actually truncates
+    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=2024)] * n
+    tokens = sample(row.expand(n, -1), params, None, list(range(n)))
+    counts = torch.bincount(tokens, minlength=row.numel())
+    stat, dof = _chi_square(counts, probs, n)
+    assert stat < _CHI2_999[dof], (stat, dof, counts.tolist(), (probs * n).tolist())
+    # and a loose absolute bound on each frequency
+    assert (counts / n - probs).abs().max().item() < 4 * math.sqrt(0.25 / n)
+
+
+def test_unseeded_frequencies_plausible() -> None:
+    n = 2000
+    row = torch.tensor([1.0, 0.0, -1.0])
+    tokens = sample(row.expand(n, -1), [SamplingParams()] * n, None, [0] * n)
+    freq = torch.bincount(tokens, minlength=3) / n
+    assert (freq - row.softmax(-1)).abs().max().item() < 0.06
+
+
+# --------------------------------------------------------------------------------------------------------
+# SamplingParams
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"seed": "x"}, "seed"),
+        ({"stop_token_ids": (1, -2)}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+    ],
+)
+def test_params_validation_names_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_params_defaults_and_normalisation() -> None:
+    p = SamplingParams(temperature=1, top_p=1, stop_token_ids=[3, 4])  # type: ignore[arg-type]
+    assert isinstance(p.temperature, float) and isinstance(p.top_p, float)
+    assert p.stop_token_ids == (3, 4)
+    assert not p.greedy and SamplingParams(temperature=0).greedy
+    hash(p)  # frozen + hashable
+
+
+def test_from_dict() -> None:
+    p = SamplingParams.from_dict({"temperature": 0.5, "top_k": None, "seed": 3, "stop_token_ids": [1, 2]})
+    assert p == SamplingParams(temperature=0.5, seed=3, stop_token_ids=(1, 2))
+    assert SamplingParams.from_dict({}) == SamplingParams()
+    with pytest.raises(ValueError) as ei:
+        SamplingParams.from_dict({"temperature": 0.5, "frequency_penalty": 0.1})
+    msg = str(ei.value)
+    assert "frequency_penalty" in msg
+    for name in (
+        "temperature",
+        "top_k",
+        "top_p",
+        "repetition_penalty",
+        "seed",
+        "max_tokens",
+        "stop_token_ids",
+        "ignore_eos",
+    ):
+        assert name in msg
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams.from_dict({"top_p": 2})
+
+
+def test_sample_argument_checks() -> None:
+    logits = torch.zeros(2, 5)
+    with pytest.raises(ValueError):
+        sample(logits, [SamplingParams()], None, [0, 0])
+    with pytest.raises(ValueError):
+        sample(logits, [SamplingParams()] * 2, None, [0])
+    with pytest.raises(ValueError):
+        sample(logits, [SamplingParams()] * 2, [[1]], [0, 0])
+    with pytest.raises(ValueError):
+        sample(logits, [SamplingParams()] * 2, None, [0, -1])
+    with pytest.raises(ValueError):
+        sample(torch.zeros(5), [SamplingParams()], None, [0])
+    assert sample(torch.zeros(0, 5), [], None, []).shape == (0,)
