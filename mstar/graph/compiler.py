@@ -192,6 +192,10 @@ def compile_walk(walk_name: str, section: Section, inputs: tuple[str, ...], part
                 raise lay.err(f"dynamic loop {lname!r}: stop_node {loop.stop_node!r} must sit directly in "
                               f"its body, not in a nested loop")
             stop_nodes[loop.stop_node] = loop.stop_signal
+            body = [n for n, it in lay.node_items.items() if lname in lay.frame_chain(it.frame)]
+            if loop.defer_stop_check and len(body) != 1:
+                raise lay.err(f"dynamic loop {lname!r}: defer_stop_check needs a single-node body (an extra "
+                              f"iteration is discarded whole); this body has {sorted(body)}")
         for edge in loop.outputs:
             where = f"loop {lname!r}, output {edge.name!r}"
             producers = [Producer(n) for n, it in lay.node_items.items()

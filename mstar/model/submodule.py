@@ -27,6 +27,7 @@ class ForwardInfo:
     iteration: tuple[int, ...]  # index in each enclosing loop, outermost first; () at top level
     params: Mapping[str, Any]  # the request's parameters (read-only)
     cache_len: int = 0  # tokens already in this node's cache for the request (KV nodes)
+    stream_chunks: Mapping[str, Any] = field(default_factory=dict)  # stream input -> chunk position info
 
 
 @dataclass

@@ -1,0 +1,256 @@
+"""``Runtime``: the public entry point.
+
+    with Runtime("orpheus-tiny") as rt:
+        outs = rt.generate([inputs_a, inputs_b], params)   # blocking, input order kept
+        h = rt.submit(inputs, params)                      # returns at once
+        for item in h: ...                                 # streamed EMIT_TO_CLIENT items
+        rt.abort(h.request_id)
+        rt.stats()
+
+Inline mode runs the conductor and every rank's worker in one background thread of this process
+(fast, for tests and laptops); process mode (``workers="process"``) runs one process per rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import uuid
+from collections import defaultdict, deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar.model.base import ModelDef
+from mstar.model.registry import resolve_model
+from mstar.placement import Placement
+from mstar.runtime.conductor import Conductor, RequestStatus
+from mstar.runtime.messages import CONDUCTOR, Emit, StatsRequest
+from mstar.runtime.routing import Routing
+from mstar.runtime.worker import Worker
+
+
+class RequestError(RuntimeError):
+    """Raised while iterating a request that failed."""
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    name: str
+    value: list[torch.Tensor]
+    modality: str | None
+    node: str
+    walk: str
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    status: RequestStatus
+    error: str | None = None
+    outputs: dict[str, list[list[torch.Tensor]]] = field(default_factory=dict)  # edge name -> emitted values
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def tensors(self, name: str) -> list[torch.Tensor]:
+        """Every tensor emitted on ``name``, flattened in emission order."""
+        return [t for value in self.outputs.get(name, []) for t in value]
+
+
+class RequestHandle:
+    """A submitted request: iterate it (sync or async) for its streamed items."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._events: queue.Queue = queue.Queue()
+        self._output = RequestOutput(request_id, RequestStatus.WAITING)
+        self._done = threading.Event()
+
+    def _sink(self, kind: str, payload: Any) -> None:  # called on the driver thread
+        if kind == "item":
+            msg: Emit = payload
+            self._output.outputs.setdefault(msg.name, []).append(msg.value)
+            self._events.put(StreamItem(msg.name, msg.value, msg.modality, msg.node, msg.walk))
+        else:
+            self._output.status, self._output.error = payload
+            self._done.set()
+            self._events.put(None)
+
+    def __iter__(self) -> Iterator[StreamItem]:
+        while True:
+            ev = self._events.get()
+            if ev is None:
+                self._events.put(None)  # later iterations end at once too
+                if self._output.status is RequestStatus.FAILED:
+                    raise RequestError(f"request {self.request_id} failed: {self._output.error}")
+                return
+            yield ev
+
+    async def __aiter__(self):
+        while True:
+            ev = await asyncio.to_thread(self._events.get)
+            if ev is None:
+                self._events.put(None)
+                if self._output.status is RequestStatus.FAILED:
+                    raise RequestError(f"request {self.request_id} failed: {self._output.error}")
+                return
+            yield ev
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        return self._output
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+class _InlineTransport:
+    """Messages between objects of one process: a hand-off, no copy, no serialization."""
+
+    def __init__(self, wake: threading.Event) -> None:
+        self.boxes: dict[int, deque] = defaultdict(deque)
+        self._wake = wake
+
+    def send(self, dest: int, msg: Any) -> None:
+        self.boxes[dest].append(msg)
+
+
+class Runtime:
+    def __init__(self, model: str | ModelDef | type, placement: str | Path | Placement | None = None, *,
+                 device: str = "cpu", model_kwargs: Mapping[str, Any] | None = None) -> None:
+        self.model = resolve_model(model, **(model_kwargs or {}))
+        graph = self.model.graph
+        if placement is None:
+            placement = Placement.single_rank(graph, model=self.model.name)
+        elif isinstance(placement, (str, Path)):
+            placement = Placement.load(placement)
+        self.placement = placement.check_model(self.model.name).validate(graph)
+        self.routing = Routing(graph, self.placement)
+        self._wake = threading.Event()
+        self._transport = _InlineTransport(self._wake)
+        self._conductor = Conductor(self.model, self.routing, self._transport)
+        self._workers = [Worker(r, self.model, self.routing, self._transport, device)
+                         for r in range(self.routing.num_ranks)]
+        self._commands: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._error: BaseException | None = None
+        self._tokens = itertools.count()
+        self._pollers: list = []
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> Runtime:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._drive, name="mstar-runtime", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            for rid in list(self._conductor.requests):
+                self.abort(rid)
+            self._stop = True
+            self._wake.set()
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> Runtime:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, inputs: Mapping[str, Any], params: Mapping[str, Any] | None = None,
+               request_id: str | None = None) -> RequestHandle:
+        """Validate and submit one request; returns at once. Bad input raises ValueError here."""
+        if self._thread is None:
+            raise RuntimeError("runtime is not started: use `with Runtime(...) as rt:` or rt.start()")
+        params = dict(params or {})
+        norm = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in inputs.items()}
+        self.model.validate_request(norm, params)
+        handle = RequestHandle(request_id or uuid.uuid4().hex[:16])
+        self._command(lambda: self._conductor.submit(handle.request_id, norm, params, handle._sink))
+        return handle
+
+    def generate(self, inputs: list[Mapping[str, Any]] | Mapping[str, Any],
+                 params: Mapping[str, Any] | list[Mapping[str, Any]] | None = None) -> list[RequestOutput]:
+        """Submit every request, wait for all; outputs in input order."""
+        batch = [inputs] if isinstance(inputs, Mapping) else list(inputs)
+        plist = params if isinstance(params, list) else [params] * len(batch)
+        handles = [self.submit(i, p) for i, p in zip(batch, plist)]
+        return [h.result() for h in handles]
+
+    def abort(self, request_id: str) -> None:
+        self._command(lambda: self._conductor.abort(request_id))
+
+    def stats(self, timeout: float = 30.0) -> dict[str, Any]:
+        """KV blocks used/free, queue depths and per-node batch-size histograms, per rank."""
+        token = next(self._tokens)
+        done = threading.Event()
+
+        def ask():
+            for r in range(self.routing.num_ranks):
+                self._transport.send(r, StatsRequest(token))
+
+        self._command(ask)
+        result: dict[str, Any] = {}
+
+        def collect():
+            replies = self._conductor.stats_replies.get(token, {})
+            if len(replies) == self.routing.num_ranks:
+                result["ranks"] = [replies[r] for r in sorted(replies)]
+                result["running_requests"] = self._conductor.num_running()
+                del self._conductor.stats_replies[token]
+                done.set()
+                return True
+            return False
+
+        self._pollers.append(collect)
+        self._wake.set()
+        if not done.wait(timeout):
+            raise TimeoutError("stats did not arrive")
+        return result
+
+    # -- driver --------------------------------------------------------------------------------
+    def _command(self, fn) -> None:
+        self._commands.put(fn)
+        self._wake.set()
+
+    def _drive(self) -> None:
+        boxes = self._transport.boxes
+        try:
+            while not self._stop:
+                did = False
+                while not self._commands.empty():
+                    self._commands.get()()
+                    did = True
+                while boxes[CONDUCTOR]:
+                    self._conductor.handle(boxes[CONDUCTOR].popleft())
+                    did = True
+                for w in self._workers:
+                    box = boxes[w.rank]
+                    while box:
+                        w.handle(box.popleft())
+                        did = True
+                for w in self._workers:
+                    did = w.step() or did
+                if self._pollers:
+                    self._pollers = [p for p in self._pollers if not p()]
+                if not did:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 - surface runtime bugs to every waiting request
+            self._error = e
+            for req in list(self._conductor.requests.values()):
+                req.sink("end", (RequestStatus.FAILED, f"runtime error: {type(e).__name__}: {e}"))
+            raise

@@ -1,0 +1,161 @@
+"""The conductor: owns each request's state and acts only at walk boundaries.
+
+It validates and admits requests, asks the model's ``next_walk`` which walk each partition runs
+next, dispatches walks to their home workers, forwards emitted items to the request's handle, and
+finishes, aborts or fails requests (telling every worker to free what the request held).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mstar.model.base import ModelDef, WalkState
+from mstar.runtime.messages import (
+    Emit,
+    FreeRequest,
+    PartitionReady,
+    RequestFailed,
+    StartWalk,
+    StatsReply,
+    StreamEnd,
+    WalkDone,
+)
+from mstar.runtime.routing import Routing
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: anything at or after FINISHED is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+    ABORTED = 3
+    FAILED = 4
+
+    @property
+    def is_final(self) -> bool:
+        return self >= RequestStatus.FINISHED
+
+
+@dataclass
+class _Partition:
+    state: WalkState
+    running: bool = False
+    done: bool = False
+    walks_run: int = 0
+
+
+@dataclass
+class _Request:
+    request_id: str
+    params: dict[str, Any]
+    partitions: dict[str, _Partition]
+    sink: Callable[[str, Any], None]  # ("item", Emit) / ("end", (status, error))
+    status: RequestStatus = RequestStatus.WAITING
+    error: str | None = None
+    walks: list[str] = field(default_factory=list)
+
+
+class Conductor:
+    def __init__(self, model: ModelDef, routing: Routing, transport) -> None:
+        self.model = model
+        self.routing = routing
+        self.transport = transport
+        self.requests: dict[str, _Request] = {}
+        self.stats_replies: dict[int, dict[int, dict]] = {}
+        self._ids = itertools.count()
+
+    def submit(self, request_id: str, inputs: dict[str, list], params: dict[str, Any],
+               sink: Callable[[str, Any], None]) -> None:
+        """Admit a request (inputs already validated by the caller)."""
+        graph = self.model.graph
+        tensors = dict(inputs)  # shared by every partition: inputs + values routed TO_STATE
+        parts = {}
+        for p in graph.partitions:
+            st = self.model.create_state(request_id, p, tensors, params)
+            st.tensors = tensors
+            parts[p] = _Partition(st)
+        req = _Request(request_id, params, parts, sink, RequestStatus.RUNNING)
+        self.requests[request_id] = req
+        for p in graph.root_partitions:
+            self._advance(req, p)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._end(req, RequestStatus.ABORTED, "aborted")
+
+    # -- messages ------------------------------------------------------------------------------
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, StatsReply):
+            self.stats_replies.setdefault(msg.token, {})[msg.rank] = msg.stats
+            return
+        req = self.requests.get(msg.request_id)
+        if req is None:
+            return  # a late message of a finished request
+        if isinstance(msg, Emit):
+            req.sink("item", msg)
+        elif isinstance(msg, WalkDone):
+            part = req.partitions[msg.partition]
+            part.running = False
+            part.state.tensors.update(msg.state)
+            part.state.history.append(msg.walk)
+            if msg.partition in self.model.graph.root_partitions:
+                self._advance(req, msg.partition)
+        elif isinstance(msg, PartitionReady):
+            part = req.partitions[msg.partition]
+            part.state.stream_done = msg.streams_done
+            if not part.running and not part.done:
+                self._advance(req, msg.partition)
+        elif isinstance(msg, RequestFailed):
+            self._end(req, RequestStatus.FAILED, msg.error)
+        else:
+            raise TypeError(f"conductor: unexpected message {type(msg).__name__}")
+
+    def _advance(self, req: _Request, partition: str) -> None:
+        """Ask the model for the partition's next walk and dispatch it (a walk boundary)."""
+        part = req.partitions[partition]
+        try:
+            walk = self.model.next_walk(part.state)
+            if walk is not None:
+                plan = self.model.graph.plan(walk)
+                if plan.partition != partition:
+                    raise ValueError(f"next_walk returned {walk!r} of partition {plan.partition!r} "
+                                     f"for partition {partition!r}")
+                missing = [n for n in plan.inputs if n not in part.state.tensors]
+                if missing:
+                    raise ValueError(f"walk {walk!r} needs {missing}, which the request state does not hold "
+                                     f"(has {sorted(part.state.tensors)})")
+        except Exception as e:  # noqa: BLE001 - a model bug fails this request only
+            self._end(req, RequestStatus.FAILED, f"{type(e).__name__}: {e}")
+            return
+        if walk is None:
+            part.done = True
+            for consumer in self.routing.consumers_of(partition):
+                self.transport.send(self.routing.partition_home[consumer],
+                                    StreamEnd(req.request_id, partition, consumer))
+            if all(p.done for p in req.partitions.values()):
+                self._end(req, RequestStatus.FINISHED, None)
+            return
+        part.running = True
+        req.walks.append(walk)
+        inputs = {n: part.state.tensors[n] for n in plan.inputs}
+        self.transport.send(self.routing.home(walk),
+                            StartWalk(req.request_id, partition, walk, part.walks_run, inputs, req.params))
+        part.walks_run += 1
+
+    def _end(self, req: _Request, status: RequestStatus, error: str | None) -> None:
+        if req.status.is_final:
+            return
+        req.status, req.error = status, error
+        del self.requests[req.request_id]
+        for rank in range(self.routing.num_ranks):
+            self.transport.send(rank, FreeRequest(req.request_id))
+        req.sink("end", (status, error))
+
+    def num_running(self) -> int:
+        return len(self.requests)

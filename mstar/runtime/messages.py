@@ -1,0 +1,149 @@
+"""Every message that crosses a process boundary, in one place.
+
+Workers and the conductor exchange only these dataclasses, encoded by
+``mstar.runtime.serialization`` (msgpack + raw tensor frames). Edge values are lists of tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mstar.runtime.serialization import register_message
+
+CONDUCTOR = -1  # address of the conductor; workers are addressed by rank
+
+
+@register_message
+@dataclass
+class StartWalk:
+    """Conductor -> home worker: run ``walk`` of ``partition`` for a request."""
+
+    request_id: str
+    partition: str
+    walk: str
+    walk_seq: int  # how many walks this partition ran before: identifies the walk instance
+    inputs: dict[str, Any]
+    params: dict[str, Any]
+
+
+@register_message
+@dataclass
+class WalkDone:
+    """Home worker -> conductor: the walk ended; ``state`` holds the values routed TO_STATE."""
+
+    request_id: str
+    partition: str
+    walk: str
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@register_message
+@dataclass
+class Emit:
+    """Worker -> conductor: a value for the client (EMIT_TO_CLIENT)."""
+
+    request_id: str
+    name: str
+    value: Any
+    modality: str | None
+    node: str
+    walk: str
+
+
+@register_message
+@dataclass
+class ExecNode:
+    """Home worker -> worker holding ``node``: run one node instance, send the result back."""
+
+    request_id: str
+    partition: str
+    walk: str
+    walk_seq: int
+    node: str
+    iteration: tuple
+    inputs: dict[str, Any]
+    chunks: dict[str, Any]  # input -> {"start", "new_start", "is_final"} for stream inputs
+    params: dict[str, Any]
+    home: int
+
+
+@register_message
+@dataclass
+class NodeResult:
+    """Worker -> home worker: outputs of an ExecNode."""
+
+    request_id: str
+    partition: str
+    walk_seq: int
+    node: str
+    iteration: tuple
+    outputs: dict[str, Any]
+
+
+@register_message
+@dataclass
+class StreamPush:
+    """Producer's worker -> consumer partition's home worker: items for a stream buffer."""
+
+    request_id: str
+    from_partition: str
+    partition: str
+    node: str
+    name: str
+    items: list
+
+
+@register_message
+@dataclass
+class StreamEnd:
+    """Conductor -> consumer home: the producing partition finished."""
+
+    request_id: str
+    from_partition: str
+    partition: str
+
+
+@register_message
+@dataclass
+class PartitionReady:
+    """Consumer home -> conductor: an idle consumer partition has a chunk (or its streams ended)."""
+
+    request_id: str
+    partition: str
+    streams_done: bool
+
+
+@register_message
+@dataclass
+class RequestFailed:
+    request_id: str
+    error: str
+
+
+@register_message
+@dataclass
+class FreeRequest:
+    """Conductor -> every worker: drop all state of a request (finished, aborted or failed)."""
+
+    request_id: str
+
+
+@register_message
+@dataclass
+class StatsRequest:
+    token: int
+
+
+@register_message
+@dataclass
+class StatsReply:
+    token: int
+    rank: int
+    stats: dict[str, Any]
+
+
+@register_message
+@dataclass
+class Shutdown:
+    reason: str = ""
