@@ -24,8 +24,9 @@ $(STAMP): pyproject.toml
 test: install
 	$(PY) -m pytest
 
+# The HTTP server arrives with the serving release; until then this shows what the CLI offers.
 serve: install
-	$(VENV)/bin/mstar serve
+	$(VENV)/bin/mstar --help
 
 lint: install
 	$(VENV)/bin/ruff check mstar tests

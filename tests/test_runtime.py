@@ -163,3 +163,27 @@ def test_streaming_partitions_fire_by_chunk_policy(two_ranks):
             assert o.finished, o.error
             assert [t.tolist() for t in o.tensors("sum")] == _expected_windows()
         assert all(r["stream_buffers"] == 0 for r in rt.stats()["ranks"])
+
+
+def test_nested_loop_inside_dynamic_loop():
+    from tests.toy_models import ToyNested, nested_reference
+
+    inits = [torch.zeros(4), torch.tensor([0.5, 0.0, 0.0, 0.0])]
+    frames = [3, 5]
+    with Runtime(ToyNested()) as rt:
+        outs = rt.generate([{"frame_codes": i} for i in inits], [{"frames": f} for f in frames])
+        for o, i, f in zip(outs, inits, frames):
+            assert o.finished, o.error
+            assert [t.tolist() for t in o.tensors("frame")] == nested_reference(i, f)
+        assert rt.stats()["ranks"][0]["walks"] == 0
+
+
+def test_async_iteration_streams_items():
+    import asyncio
+
+    async def run(rt):
+        h = rt.submit({"input_ids": torch.tensor([3, 4])}, {"max_tokens": 5})
+        return [int(item.value[0]) async for item in h]
+
+    with Runtime(ToyLM()) as rt:
+        assert asyncio.run(run(rt)) == TinyAttentionLM(0).reference_generate([3, 4], 5)

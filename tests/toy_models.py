@@ -288,3 +288,66 @@ class ToyStream(ModelDef):
     def build_submodules(self, node_names):
         mods = {"counter": Counter(), "summer": WindowSum()}
         return {n: mods[n] for n in node_names}
+
+
+# -- nested loops: a fixed inner Loop inside a DynamicLoop (Qwen3-Omni's talker + code predictor) ---
+INNER_ITERS = 3
+
+
+class Talker(NodeSubmodule):
+    def prepare_inputs(self, graph_walk, fwd_info, inputs):
+        return NodeInputs(tensor_inputs={"frame_codes": inputs["frame_codes"][0].reshape(1, -1)},
+                          extras={"last": fwd_info.iteration[0] + 1 >= fwd_info.params["frames"]})
+
+    def forward(self, graph_walk, engine_inputs, frame_codes):
+        h = frame_codes.sum(1, keepdim=True) + 1  # [B, 1]
+        return {"hidden": list(h), "code": list(2 * h), "code0": list(2 * h),
+                "stop": [torch.tensor(x) for x in engine_inputs.extras["last"]]}
+
+
+class Predictor(NodeSubmodule):
+    def forward(self, graph_walk, engine_inputs, hidden, code):
+        return {"code": engine_inputs.split("code", code + hidden)}
+
+
+class Assembler(NodeSubmodule):
+    def prepare_inputs(self, graph_walk, fwd_info, inputs):
+        return NodeInputs(tensor_inputs={"frame": torch.cat([inputs["code0"][0], *inputs["code"]]).view(1, -1)})
+
+    def forward(self, graph_walk, engine_inputs, frame):
+        return {"frame_codes": list(frame), "frame": list(frame)}
+
+
+class ToyNested(ModelDef):
+    name = "toy-nested"
+
+    def build_graph(self):
+        body = Sequential([
+            GraphNode("talker", ["frame_codes"], [GraphEdge("predictor", "hidden"), GraphEdge("predictor", "code"),
+                                                  GraphEdge("assembler", "code0")]),
+            Loop(GraphNode("predictor", ["hidden", "code"], [GraphEdge("predictor", "code")]),
+                 max_iters=INNER_ITERS, outputs=[GraphEdge("assembler", "code")], accumulate=["code"],
+                 name="inner"),
+            GraphNode("assembler", ["code0", "code"], [GraphEdge("talker", "frame_codes"),
+                                                       GraphEdge(EMIT_TO_CLIENT, "frame")]),
+        ])
+        loop = DynamicLoop(body, max_iters=64, stop_node="talker", name="outer")
+        return WalkGraph([Walk("talk", loop, inputs=["frame_codes"])])
+
+    def next_walk(self, state):
+        return "talk" if state.last_walk is None else None
+
+    def build_submodules(self, node_names):
+        mods = {"talker": Talker(), "predictor": Predictor(), "assembler": Assembler()}
+        return {n: mods[n] for n in node_names}
+
+
+def nested_reference(init: torch.Tensor, frames: int) -> list[list[float]]:
+    fc, out = init, []
+    for _ in range(frames):
+        h = fc.sum() + 1
+        codes = [2 * h + h * (j + 1) for j in range(INNER_ITERS)]
+        frame = torch.stack([2 * h, *codes])
+        out.append(frame.tolist())
+        fc = frame
+    return out
