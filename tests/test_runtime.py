@@ -187,3 +187,12 @@ def test_async_iteration_streams_items():
 
     with Runtime(ToyLM()) as rt:
         assert asyncio.run(run(rt)) == TinyAttentionLM(0).reference_generate([3, 4], 5)
+
+
+def test_shutdown_ends_in_flight_requests_as_aborted():
+    rt = Runtime(ToyLM()).start()
+    h = rt.submit({"input_ids": torch.tensor([1, 2])}, {"max_tokens": 250})
+    rt.shutdown()
+    assert h.result(timeout=30).status in (RequestStatus.ABORTED, RequestStatus.FINISHED)
+    with pytest.raises(RuntimeError, match="not started"):
+        rt.submit({"input_ids": torch.tensor([1])})

@@ -156,8 +156,6 @@ class Runtime:
 
     def shutdown(self) -> None:
         if self._thread is not None:
-            for rid in list(self._conductor.requests):
-                self.abort(rid)
             self._stop = True
             self._wake.set()
             self._thread.join()
@@ -249,6 +247,11 @@ class Runtime:
                 if not did:
                     self._wake.wait(0.05)
                     self._wake.clear()
+            # shutting down: whatever is still in flight ends as aborted, so no caller waits forever
+            while not self._commands.empty():
+                self._commands.get()()
+            for rid in list(self._conductor.requests):
+                self._conductor.abort(rid)
         except BaseException as e:  # noqa: BLE001 - surface runtime bugs to every waiting request
             self._error = e
             for req in list(self._conductor.requests.values()):
