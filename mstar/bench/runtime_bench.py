@@ -18,7 +18,6 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -212,8 +211,3 @@ def format_table(res: BenchResult) -> str:
                      f"{_fmt(r.overhead_pct)} | {extra_us:.1f} |")
     return "\n".join(lines)
 
-
-def as_dict(res: BenchResult) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return asdict(res)

@@ -59,6 +59,13 @@ class ModelDef:
                 raise ValueError(f"{type(self).__name__}.views: {view!r} -> {base!r} names a node no walk uses")
         return g
 
+    def __getstate__(self) -> dict:
+        # a ModelDef travels to worker processes; its compiled graph (which may hold lambdas, e.g.
+        # chunk-policy factories) is rebuilt there from build_graph()
+        state = dict(self.__dict__)
+        state.pop("graph", None)
+        return state
+
     def create_state(self, request_id: str, partition: str, inputs: Mapping[str, list[Any]],
                      params: Mapping[str, Any]) -> WalkState:
         return WalkState(request_id=request_id, partition=partition, params=params, tensors=dict(inputs))

@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import shutil
+import tempfile
 import threading
+import time
 import uuid
-from collections import defaultdict, deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +32,10 @@ from mstar.model.base import ModelDef
 from mstar.model.registry import resolve_model
 from mstar.placement import Placement
 from mstar.runtime.conductor import Conductor, RequestStatus
-from mstar.runtime.messages import CONDUCTOR, Emit, StatsRequest
+from mstar.runtime.messages import CONDUCTOR, Emit, Shutdown, StatsRequest, WorkerStatus
+from mstar.runtime.process import spawn_workers
 from mstar.runtime.routing import Routing
+from mstar.runtime.transport import InlineTransport, ZmqTransport
 from mstar.runtime.worker import Worker
 
 
@@ -113,20 +117,12 @@ class RequestHandle:
         return self._done.is_set()
 
 
-class _InlineTransport:
-    """Messages between objects of one process: a hand-off, no copy, no serialization."""
-
-    def __init__(self, wake: threading.Event) -> None:
-        self.boxes: dict[int, deque] = defaultdict(deque)
-        self._wake = wake
-
-    def send(self, dest: int, msg: Any) -> None:
-        self.boxes[dest].append(msg)
-
-
 class Runtime:
     def __init__(self, model: str | ModelDef | type, placement: str | Path | Placement | None = None, *,
-                 device: str = "cpu", model_kwargs: Mapping[str, Any] | None = None) -> None:
+                 workers: str = "inline", device: str = "cpu", model_kwargs: Mapping[str, Any] | None = None,
+                 start_timeout: float = 300.0) -> None:
+        if workers not in ("inline", "process"):
+            raise ValueError(f"workers must be 'inline' or 'process', got {workers!r}")
         self.model = resolve_model(model, **(model_kwargs or {}))
         graph = self.model.graph
         if placement is None:
@@ -135,31 +131,85 @@ class Runtime:
             placement = Placement.load(placement)
         self.placement = placement.check_model(self.model.name).validate(graph)
         self.routing = Routing(graph, self.placement)
-        self._wake = threading.Event()
-        self._transport = _InlineTransport(self._wake)
-        self._conductor = Conductor(self.model, self.routing, self._transport)
-        self._workers = [Worker(r, self.model, self.routing, self._transport, device)
-                         for r in range(self.routing.num_ranks)]
+        self.mode = workers
+        self.device = device
+        self.start_timeout = start_timeout
+        self._procs: list = []
+        self._run_dir: str | None = None
+        self._workers: list[Worker] = []
+        if workers == "inline":
+            self._transport: Any = InlineTransport()
+            self._workers = [Worker(r, self.model, self.routing, self._transport, device)
+                             for r in range(self.routing.num_ranks)]
+        self._conductor: Conductor | None = None
         self._commands: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stop = False
-        self._error: BaseException | None = None
+        self._lost: str | None = None  # set when a worker process died
         self._tokens = itertools.count()
         self._pollers: list = []
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> Runtime:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._drive, name="mstar-runtime", daemon=True)
-            self._thread.start()
+        if self._thread is not None:
+            return self
+        if self.mode == "process":
+            self._start_processes()
+        else:
+            self._conductor = Conductor(self.model, self.routing, self._transport)
+        self._stop = False
+        self._thread = threading.Thread(target=self._drive, name="mstar-runtime", daemon=True)
+        self._thread.start()
         return self
 
+    def _start_processes(self) -> None:
+        self._run_dir = tempfile.mkdtemp(prefix="mstar-")
+        self._transport = ZmqTransport(self._run_dir, CONDUCTOR)
+        self._conductor = Conductor(self.model, self.routing, self._transport)
+        self._procs = spawn_workers(self.model, self.placement, self._run_dir, self.device, self.routing.num_ranks)
+        ready: set[int] = set()
+        deadline = time.monotonic() + self.start_timeout
+        while len(ready) < len(self._procs):
+            for msg in self._transport.recv(100):
+                if isinstance(msg, WorkerStatus):
+                    if not msg.ok:
+                        self._stop_processes()
+                        raise RuntimeError(f"worker rank {msg.rank} failed to start:\n{msg.error}")
+                    ready.add(msg.rank)
+            dead = [p for p in self._procs if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                self._stop_processes()
+                why = f"exited with code {dead[0].exitcode}" if dead else f"not ready in {self.start_timeout} s"
+                raise RuntimeError(f"worker process {why}")
+
+    def _stop_processes(self) -> None:
+        for r, p in enumerate(self._procs):
+            if p.is_alive():
+                try:
+                    self._transport.send(r, Shutdown("runtime shutdown"))
+                except Exception:  # noqa: BLE001 - best effort; terminate below
+                    pass
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        self._procs = []
+        if isinstance(self._transport, ZmqTransport):
+            self._transport.close()
+        if self._run_dir:
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            self._run_dir = None
+
     def shutdown(self) -> None:
+        """Abort what is in flight, stop the workers (processes exit, nothing is orphaned)."""
         if self._thread is not None:
             self._stop = True
-            self._wake.set()
+            self._wake()
             self._thread.join()
             self._thread = None
+            if self.mode == "process":
+                self._stop_processes()
 
     def __enter__(self) -> Runtime:
         return self.start()
@@ -173,6 +223,8 @@ class Runtime:
         """Validate and submit one request; returns at once. Bad input raises ValueError here."""
         if self._thread is None:
             raise RuntimeError("runtime is not started: use `with Runtime(...) as rt:` or rt.start()")
+        if self._lost:
+            raise RuntimeError(f"runtime is unhealthy: {self._lost}")
         params = dict(params or {})
         norm = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in inputs.items()}
         self.model.validate_request(norm, params)
@@ -213,8 +265,7 @@ class Runtime:
                 return True
             return False
 
-        self._pollers.append(collect)
-        self._wake.set()
+        self._command(lambda: self._pollers.append(collect))
         if not done.wait(timeout):
             raise TimeoutError("stats did not arrive")
         return result
@@ -222,38 +273,70 @@ class Runtime:
     # -- driver --------------------------------------------------------------------------------
     def _command(self, fn) -> None:
         self._commands.put(fn)
-        self._wake.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.mode == "inline":
+            self._transport.wake.set()
+        # process mode: the driver polls its socket with a short timeout and checks commands after it
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread is not None and self._lost is None
 
     def _drive(self) -> None:
-        boxes = self._transport.boxes
+        conductor = self._conductor
+        last_check = time.monotonic()
         try:
             while not self._stop:
                 did = False
                 while not self._commands.empty():
                     self._commands.get()()
                     did = True
-                while boxes[CONDUCTOR]:
-                    self._conductor.handle(boxes[CONDUCTOR].popleft())
-                    did = True
-                for w in self._workers:
-                    box = boxes[w.rank]
-                    while box:
-                        w.handle(box.popleft())
+                if self.mode == "inline":
+                    did = self._pump_inline(conductor) or did
+                else:
+                    for msg in self._transport.recv(0 if did else 5):
+                        conductor.handle(msg)
                         did = True
-                for w in self._workers:
-                    did = w.step() or did
+                    if time.monotonic() - last_check > 0.25:
+                        last_check = time.monotonic()
+                        self._check_workers(conductor)
                 if self._pollers:
                     self._pollers = [p for p in self._pollers if not p()]
-                if not did:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
+                if not did and self.mode == "inline":
+                    self._transport.wake.wait(0.05)
+                    self._transport.wake.clear()
             # shutting down: whatever is still in flight ends as aborted, so no caller waits forever
             while not self._commands.empty():
                 self._commands.get()()
-            for rid in list(self._conductor.requests):
-                self._conductor.abort(rid)
+            for rid in list(conductor.requests):
+                conductor.abort(rid)
         except BaseException as e:  # noqa: BLE001 - surface runtime bugs to every waiting request
-            self._error = e
-            for req in list(self._conductor.requests.values()):
-                req.sink("end", (RequestStatus.FAILED, f"runtime error: {type(e).__name__}: {e}"))
+            self._lost = f"runtime error: {type(e).__name__}: {e}"
+            for rid in list(conductor.requests):
+                conductor.fail(rid, self._lost)
             raise
+
+    def _pump_inline(self, conductor: Conductor) -> bool:
+        boxes = self._transport.boxes
+        did = False
+        while boxes[CONDUCTOR]:
+            conductor.handle(boxes[CONDUCTOR].popleft())
+            did = True
+        for w in self._workers:
+            box = boxes[w.rank]
+            while box:
+                w.handle(box.popleft())
+                did = True
+        for w in self._workers:
+            did = w.step() or did
+        return did
+
+    def _check_workers(self, conductor: Conductor) -> None:
+        for rank, p in enumerate(self._procs):
+            if not p.is_alive() and self._lost is None:
+                self._lost = f"worker rank {rank} died (exit code {p.exitcode})"
+        if self._lost:
+            for rid in list(conductor.requests):
+                conductor.fail(rid, self._lost)

@@ -89,6 +89,11 @@ class Conductor:
         if req is not None:
             self._end(req, RequestStatus.ABORTED, "aborted")
 
+    def fail(self, request_id: str, error: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._end(req, RequestStatus.FAILED, error)
+
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> None:
         if isinstance(msg, StatsReply):

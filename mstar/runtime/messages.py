@@ -147,3 +147,13 @@ class StatsReply:
 @dataclass
 class Shutdown:
     reason: str = ""
+
+
+@register_message
+@dataclass
+class WorkerStatus:
+    """Worker process -> conductor: ready to serve (ok) or failed to start (error holds why)."""
+
+    rank: int
+    ok: bool
+    error: str = ""

@@ -1,0 +1,54 @@
+"""Worker processes: one per rank, started with the ``spawn`` method (safe with threads and torch).
+
+A worker process builds its rank's submodules, reports ``WorkerStatus``, then loops: receive
+messages -> handle them -> run one batched forward; it waits on its socket when idle (no busy
+loop) and exits when told to shut down or when its parent process is gone (no orphans).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from typing import Any
+
+from mstar.runtime.messages import CONDUCTOR, WorkerStatus
+
+
+def worker_main(rank: int, model: Any, placement: Any, run_dir: str, device: str, parent_pid: int) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    from mstar.runtime.routing import Routing
+    from mstar.runtime.transport import ZmqTransport
+    from mstar.runtime.worker import Worker
+
+    transport = ZmqTransport(run_dir, rank)
+    try:
+        worker = Worker(rank, model, Routing(model.graph, placement), transport, device)
+    except Exception:  # noqa: BLE001 - report why this rank could not start
+        transport.send(CONDUCTOR, WorkerStatus(rank, False, traceback.format_exc()))
+        transport.close()
+        return
+    transport.send(CONDUCTOR, WorkerStatus(rank, True))
+    busy = False
+    try:
+        while worker.running:
+            for msg in transport.recv(0 if busy else 50):
+                worker.handle(msg)
+            busy = worker.step()
+            if not busy and os.getppid() != parent_pid:
+                break  # the serving process died: do not linger
+    finally:
+        transport.close()
+
+
+def spawn_workers(model: Any, placement: Any, run_dir: str, device: str, num_ranks: int) -> list:
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(num_ranks):
+        p = ctx.Process(target=worker_main, args=(rank, model, placement, run_dir, device, os.getpid()),
+                        name=f"mstar-worker-{rank}", daemon=True)
+        p.start()
+        procs.append(p)
+    return procs
