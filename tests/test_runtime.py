@@ -196,3 +196,19 @@ def test_shutdown_ends_in_flight_requests_as_aborted():
     assert h.result(timeout=30).status in (RequestStatus.ABORTED, RequestStatus.FINISHED)
     with pytest.raises(RuntimeError, match="not started"):
         rt.submit({"input_ids": torch.tensor([1])})
+
+
+PD_SPLIT = {"model": "toy-lm", "node_groups": [
+    {"node_names": ["LLM"], "ranks": [0], "graph_walks": ["prefill"]},
+    {"node_names": ["LLM"], "ranks": [1], "graph_walks": ["decode"]}]}
+
+
+def test_prefill_decode_split_moves_kv_between_ranks():
+    ref = TinyAttentionLM(0)
+    with Runtime(ToyLM(), Placement.from_dict(PD_SPLIT)) as rt:
+        outs = rt.generate([{"input_ids": torch.tensor(p)} for p in PROMPTS], {"max_tokens": 9})
+        for p, o in zip(PROMPTS, outs):
+            assert tokens(o) == ref.reference_generate(p, 9), o.error
+        ranks = rt.stats()["ranks"]
+        assert sum(ranks[0]["batch_sizes"]["LLM"].values()) > 0 and sum(ranks[1]["batch_sizes"]["LLM"].values()) > 0
+        assert kv_used(rt) == 0

@@ -63,3 +63,14 @@ def test_dead_worker_fails_in_flight_requests_clearly():
             rt.submit({"input_ids": torch.tensor([1])})
     finally:
         rt.shutdown()
+
+
+def test_prefill_decode_split_across_processes():
+    from tests.test_runtime import PD_SPLIT
+
+    ref = TinyAttentionLM(0)
+    with Runtime(ToyLM(), Placement.from_dict(PD_SPLIT), workers="process") as rt:
+        outs = rt.generate([{"input_ids": torch.tensor(p)} for p in PROMPTS], {"max_tokens": 9})
+        for p, o in zip(PROMPTS, outs):
+            assert tokens(o) == ref.reference_generate(p, 9), o.error
+        assert kv_used(rt) == 0

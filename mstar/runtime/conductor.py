@@ -17,6 +17,8 @@ from mstar.model.base import ModelDef, WalkState
 from mstar.runtime.messages import (
     Emit,
     FreeRequest,
+    KVMoved,
+    MigrateKV,
     PartitionReady,
     RequestFailed,
     StartWalk,
@@ -58,6 +60,9 @@ class _Request:
     status: RequestStatus = RequestStatus.WAITING
     error: str | None = None
     walks: list[str] = field(default_factory=list)
+    node_ranks: dict[str, int] = field(default_factory=dict)  # where each node last ran (its KV lives there)
+    migrations: set[int] = field(default_factory=set)  # KV moves to finish before ``deferred`` starts
+    deferred: list[tuple[int, StartWalk]] = field(default_factory=list)
 
 
 class Conductor:
@@ -116,6 +121,12 @@ class Conductor:
             part.state.stream_done = msg.streams_done
             if not part.running and not part.done:
                 self._advance(req, msg.partition)
+        elif isinstance(msg, KVMoved):
+            req.migrations.discard(msg.token)
+            if not req.migrations:
+                for rank, start in req.deferred:
+                    self.transport.send(rank, start)
+                req.deferred.clear()
         elif isinstance(msg, RequestFailed):
             self._end(req, RequestStatus.FAILED, msg.error)
         else:
@@ -149,9 +160,28 @@ class Conductor:
         part.running = True
         req.walks.append(walk)
         inputs = {n: part.state.tensors[n] for n in plan.inputs}
-        self.transport.send(self.routing.home(walk),
-                            StartWalk(req.request_id, partition, walk, part.walks_run, inputs, req.params))
+        start = StartWalk(req.request_id, partition, walk, part.walks_run, inputs, req.params)
         part.walks_run += 1
+        self._migrate_kv(req, walk)
+        if req.migrations:
+            req.deferred.append((self.routing.home(walk), start))
+        else:
+            self.transport.send(self.routing.home(walk), start)
+
+    def _migrate_kv(self, req: _Request, walk: str) -> None:
+        """Per-walk placement: a node now placed on another rank than where it last ran for this
+        request gets its module's caches moved there before the walk starts."""
+        moves = set()
+        for node in self.model.graph.plan(walk).nodes:
+            rank = self.routing.rank_of(node, walk)
+            prev = req.node_ranks.get(node)
+            if prev is not None and prev != rank:
+                moves.add((self.model.module_of(node), prev, rank))
+            req.node_ranks[node] = rank
+        for module, src, dest in sorted(moves):
+            token = next(self._ids)
+            req.migrations.add(token)
+            self.transport.send(src, MigrateKV(req.request_id, module, dest, token))
 
     def _end(self, req: _Request, status: RequestStatus, error: str | None) -> None:
         if req.status.is_final:

@@ -135,6 +135,14 @@ class StatelessEngine:
     def free_request(self, request_id: str) -> None:
         pass
 
+    def export_request(self, request_id: str) -> dict[str, Any]:
+        """This request's state, removed from here (stateless engines hold none)."""
+        return {}
+
+    def import_request(self, request_id: str, caches: dict[str, Any]) -> None:
+        if caches:
+            raise ValueError(f"{type(self.module).__name__} holds no KV cache: cannot import one")
+
     def stats(self) -> dict[str, Any]:
         return {}
 
@@ -208,6 +216,31 @@ class KVCacheEngine(StatelessEngine):
 
     def free_request(self, request_id: str) -> None:
         self.manager.free_request(request_id)
+
+    def _flat(self, cache: torch.Tensor) -> torch.Tensor:
+        return cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, kv_heads, head_dim]
+
+    def export_request(self, request_id: str) -> dict[str, Any]:
+        """Gather every cache of the request into dense tensors (forked prefixes are copied) and free it."""
+        m = self.manager
+        out = {}
+        for name in m.cache_names(request_id):
+            idx = torch.tensor(m.slot_mapping(request_id, name), dtype=torch.long)
+            out[name] = {"num_tokens": m.num_tokens(request_id, name),
+                         "k": [self._flat(k)[idx].clone() for k, _ in self.kv_caches],
+                         "v": [self._flat(v)[idx].clone() for _, v in self.kv_caches]}
+        m.free_request(request_id)
+        return out
+
+    def import_request(self, request_id: str, caches: dict[str, Any]) -> None:
+        m = self.manager
+        for name, c in caches.items():
+            if m.has(request_id, name):
+                m.free(request_id, name)
+            idx = torch.tensor(m.append_slots(request_id, name, c["num_tokens"]), dtype=torch.long)
+            for layer, (k, v) in enumerate(self.kv_caches):
+                self._flat(k)[idx] = c["k"][layer].to(k.dtype)
+                self._flat(v)[idx] = c["v"][layer].to(v.dtype)
 
     def stats(self) -> dict[str, Any]:
         return self.manager.stats()

@@ -157,3 +157,34 @@ class WorkerStatus:
     rank: int
     ok: bool
     error: str = ""
+
+
+@register_message
+@dataclass
+class MigrateKV:
+    """Conductor -> worker holding a request's caches of ``module``: move them to rank ``dest``."""
+
+    request_id: str
+    module: str
+    dest: int
+    token: int
+
+
+@register_message
+@dataclass
+class KVImport:
+    """Worker -> worker: a request's caches of ``module``: name -> {num_tokens, k: [layer], v: [layer]}."""
+
+    request_id: str
+    module: str
+    caches: dict[str, Any]
+    token: int
+
+
+@register_message
+@dataclass
+class KVMoved:
+    """Destination worker -> conductor: the caches of a migration are in place."""
+
+    request_id: str
+    token: int

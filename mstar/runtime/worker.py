@@ -20,6 +20,9 @@ from mstar.runtime.messages import (
     Emit,
     ExecNode,
     FreeRequest,
+    KVImport,
+    KVMoved,
+    MigrateKV,
     NodeResult,
     PartitionReady,
     RequestFailed,
@@ -100,6 +103,17 @@ class Worker:
             self._streams_changed(msg.request_id, msg.partition)
         elif isinstance(msg, FreeRequest):
             self._free(msg.request_id)
+        elif isinstance(msg, MigrateKV):
+            eng = self.engines.get(msg.module)
+            caches = eng.export_request(msg.request_id) if eng is not None else {}
+            self.transport.send(msg.dest, KVImport(msg.request_id, msg.module, caches, msg.token))
+        elif isinstance(msg, KVImport):
+            eng = self.engines.get(msg.module)
+            if eng is not None:
+                self._guarded(msg.request_id, lambda: eng.import_request(msg.request_id, msg.caches))
+            elif msg.caches:
+                self._fail(msg.request_id, f"rank {self.rank} received KV of {msg.module!r}, which it does not hold")
+            self.transport.send(CONDUCTOR, KVMoved(msg.request_id, msg.token))
         elif isinstance(msg, StatsRequest):
             self.transport.send(CONDUCTOR, StatsReply(msg.token, self.rank, self.stats()))
         elif isinstance(msg, Shutdown):
