@@ -63,6 +63,7 @@ class _Request:
     node_ranks: dict[str, int] = field(default_factory=dict)  # where each node last ran (its KV lives there)
     migrations: set[int] = field(default_factory=set)  # KV moves to finish before ``deferred`` starts
     deferred: list[tuple[int, StartWalk]] = field(default_factory=list)
+    streamed: dict[str, int] = field(default_factory=dict)  # "partition/node/name" -> items pushed so far
 
 
 class Conductor:
@@ -113,6 +114,8 @@ class Conductor:
             part = req.partitions[msg.partition]
             part.running = False
             part.state.tensors.update(msg.state)
+            for k, n in msg.streamed.items():
+                req.streamed[k] = req.streamed.get(k, 0) + n
             part.state.history.append(msg.walk)
             if msg.partition in self.model.graph.root_partitions:
                 self._advance(req, msg.partition)
@@ -152,15 +155,16 @@ class Conductor:
         if walk is None:
             part.done = True
             for consumer in self.routing.consumers_of(partition):
+                expected = {k.split("/", 1)[1]: n for k, n in req.streamed.items() if k.split("/", 1)[0] == consumer}
                 self.transport.send(self.routing.partition_home[consumer],
-                                    StreamEnd(req.request_id, partition, consumer))
+                                    StreamEnd(req.request_id, partition, consumer, expected))
             if all(p.done for p in req.partitions.values()):
                 self._end(req, RequestStatus.FINISHED, None)
             return
         part.running = True
         req.walks.append(walk)
         inputs = {n: part.state.tensors[n] for n in plan.inputs}
-        start = StartWalk(req.request_id, partition, walk, part.walks_run, inputs, req.params)
+        start = StartWalk(req.request_id, partition, walk, part.walks_run, inputs, req.params, dict(req.streamed))
         part.walks_run += 1
         self._migrate_kv(req, walk)
         if req.migrations:

@@ -25,6 +25,7 @@ class StartWalk:
     walk_seq: int  # how many walks this partition ran before: identifies the walk instance
     inputs: dict[str, Any]
     params: dict[str, Any]
+    stream_offsets: dict[str, int] = field(default_factory=dict)  # stream key -> items pushed by earlier walks
 
 
 @register_message
@@ -36,6 +37,7 @@ class WalkDone:
     partition: str
     walk: str
     state: dict[str, Any] = field(default_factory=dict)
+    streamed: dict[str, int] = field(default_factory=dict)  # stream key -> items this walk pushed
 
 
 @register_message
@@ -92,6 +94,7 @@ class StreamPush:
     node: str
     name: str
     items: list
+    offset: int  # stream index of items[0]: pushes from different walks/ranks are applied in order
 
 
 @register_message
@@ -102,6 +105,7 @@ class StreamEnd:
     request_id: str
     from_partition: str
     partition: str
+    expected: dict[str, int] = field(default_factory=dict)  # "node/name" -> total items the stream carries
 
 
 @register_message

@@ -20,7 +20,10 @@ from mstar.graph.chunking import Chunk, ChunkPolicy
 class _Input:
     policy: ChunkPolicy
     from_partition: str
-    pending: deque = field(default_factory=deque)
+    pending: deque = field(default_factory=deque)  # chunks that fired, not consumed yet
+    next_offset: int = 0  # stream index of the next item to apply
+    held: dict[int, list] = field(default_factory=dict)  # pushes that arrived ahead of their turn
+    expected: int | None = None  # total items of the stream, known once the producer ended
 
 
 class StreamBuffer:
@@ -28,29 +31,36 @@ class StreamBuffer:
         self.inputs: dict[tuple[str, str], _Input] = {}  # (node, input name) -> policy + pending chunks
         self.walk_running = False
         self.notified = False
-        self._ended: set[str] = set()
+        self._ended: dict[str, dict[str, int]] = {}  # producer partition -> expected totals by "node/name"
 
     def ensure(self, node: str, name: str, from_partition: str, factory) -> _Input:
         key = (node, name)
         if key not in self.inputs:
-            self.inputs[key] = _Input(factory(), from_partition)
+            inp = self.inputs[key] = _Input(factory(), from_partition)
             if from_partition in self._ended:
-                self._finish(self.inputs[key])
+                inp.expected = self._ended[from_partition].get(f"{node}/{name}", 0)
         return self.inputs[key]
 
-    def push(self, node: str, name: str, from_partition: str, factory, items: list[Any]) -> None:
+    def push(self, node: str, name: str, from_partition: str, factory, items: list[Any], offset: int) -> None:
         inp = self.ensure(node, name, from_partition, factory)
-        inp.pending.extend(inp.policy.push(items))
+        inp.held[offset] = items
+        while inp.next_offset in inp.held:
+            batch = inp.held.pop(inp.next_offset)
+            inp.pending.extend(inp.policy.push(batch))
+            inp.next_offset += len(batch)
+        self._maybe_finish(inp)
 
-    def end(self, from_partition: str) -> None:
-        self._ended.add(from_partition)
-        for inp in self.inputs.values():
-            if inp.from_partition == from_partition and not inp.policy.done:
-                self._finish(inp)
+    def end(self, from_partition: str, expected: dict[str, int]) -> None:
+        self._ended[from_partition] = dict(expected)
+        for (node, name), inp in self.inputs.items():
+            if inp.from_partition == from_partition:
+                inp.expected = expected.get(f"{node}/{name}", 0)
+                self._maybe_finish(inp)
 
     @staticmethod
-    def _finish(inp: _Input) -> None:
-        inp.pending.extend(inp.policy.finish())
+    def _maybe_finish(inp: _Input) -> None:
+        if inp.expected is not None and inp.next_offset >= inp.expected and not inp.policy.done:
+            inp.pending.extend(inp.policy.finish())
 
     def pull(self, node: str, name: str) -> Chunk | None:
         inp = self.inputs.get((node, name))
@@ -66,7 +76,8 @@ class StreamBuffer:
         return any(inp.pending for inp in self.inputs.values())
 
     def all_ended(self, producers: set[str]) -> bool:
-        return producers <= self._ended
+        """Every producer ended and every item it announced has arrived."""
+        return producers <= self._ended.keys() and all(inp.policy.done for inp in self.inputs.values())
 
     def buffered(self) -> int:
         return sum(inp.policy.buffered + sum(len(c.items) for c in inp.pending) for inp in self.inputs.values())

@@ -51,7 +51,9 @@ class _Walk:
     partition: str
     walk: str
     params: dict[str, Any]
+    offsets: dict[str, int]  # stream key -> items pushed by this partition's earlier walks
     state: dict[str, Any] = field(default_factory=dict)
+    pushed: Counter = field(default_factory=Counter)  # stream key -> items this walk pushed
 
 
 class Worker:
@@ -96,10 +98,11 @@ class Worker:
         elif isinstance(msg, StreamPush):
             buf = self.streams.setdefault((msg.request_id, msg.partition), StreamBuffer())
             factory = self.routing.chunk_policy_factory(msg.from_partition, msg.partition, msg.name)
-            buf.push(msg.node, msg.name, msg.from_partition, factory, msg.items)
+            buf.push(msg.node, msg.name, msg.from_partition, factory, msg.items, msg.offset)
             self._streams_changed(msg.request_id, msg.partition)
         elif isinstance(msg, StreamEnd):
-            self.streams.setdefault((msg.request_id, msg.partition), StreamBuffer()).end(msg.from_partition)
+            self.streams.setdefault((msg.request_id, msg.partition), StreamBuffer()).end(msg.from_partition,
+                                                                                         msg.expected)
             self._streams_changed(msg.request_id, msg.partition)
         elif isinstance(msg, FreeRequest):
             self._free(msg.request_id)
@@ -137,8 +140,13 @@ class Worker:
             self.walks[key].state[name] = value
 
         def stream(partition, node, name, value):
+            w = self.walks[key]
+            skey = f"{partition}/{node}/{name}"
+            offset = w.offsets.get(skey, 0) + w.pushed[skey]
+            w.pushed[skey] += len(value)
             home = self.routing.partition_home[partition]
-            self.transport.send(home, StreamPush(msg.request_id, msg.partition, partition, node, name, list(value)))
+            self.transport.send(home, StreamPush(msg.request_id, msg.partition, partition, node, name, list(value),
+                                                 offset))
 
         def pull(node, name):
             b = self.streams.get((msg.request_id, msg.partition))
@@ -147,7 +155,7 @@ class Worker:
         def start():
             tracker = WalkTracker(self.routing.graph.plan(msg.walk), msg.inputs, emit=emit, to_state=to_state,
                                   stream=stream, pull_stream=pull, read_stop=_read_stop)
-            self.walks[key] = _Walk(tracker, msg.partition, msg.walk, msg.params)
+            self.walks[key] = _Walk(tracker, msg.partition, msg.walk, msg.params, dict(msg.stream_offsets))
             self._dispatch(key, tracker.start())
             self._maybe_walk_done(key)
 
@@ -187,7 +195,7 @@ class Worker:
             return
         del self.walks[key]
         rid, partition, _ = key
-        self.transport.send(CONDUCTOR, WalkDone(rid, partition, w.walk, w.state))
+        self.transport.send(CONDUCTOR, WalkDone(rid, partition, w.walk, w.state, dict(w.pushed)))
         buf = self.streams.get((rid, partition))
         if buf is not None:
             buf.walk_running = False
