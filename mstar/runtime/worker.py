@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import traceback
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,9 +82,15 @@ class Worker:
         self._seq = itertools.count()
         self.running = True
         self.batch_hist: dict[str, Counter] = {b: Counter() for b in self.engines}
+        # requests already freed here: a message for one (sent before its sender learned of the end)
+        # is dropped, so it cannot allocate KV blocks or buffers that nobody would free
+        self._freed: OrderedDict[str, None] = OrderedDict()
 
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> None:
+        rid = getattr(msg, "request_id", None)
+        if rid is not None and rid in self._freed and not isinstance(msg, FreeRequest):
+            return
         if isinstance(msg, StartWalk):
             self._start_walk(msg)
         elif isinstance(msg, ExecNode):
@@ -106,6 +112,9 @@ class Worker:
             self._streams_changed(msg.request_id, msg.partition)
         elif isinstance(msg, FreeRequest):
             self._free(msg.request_id)
+            self._freed[msg.request_id] = None
+            if len(self._freed) > 100_000:
+                self._freed.popitem(last=False)
         elif isinstance(msg, MigrateKV):
             eng = self.engines.get(msg.module)
             caches = eng.export_request(msg.request_id) if eng is not None else {}
