@@ -94,11 +94,11 @@ def test_abort_frees_everything():
         assert kv_used(rt) == 0 and stats["running_requests"] == 0 and stats["ranks"][0]["walks"] == 0
 
 
-def test_many_requests_with_random_aborts_and_failures_leave_no_blocks():
+def test_500_requests_with_random_aborts_and_failures_leave_no_blocks():
     rng = random.Random(0)
     with Runtime(ToyLM()) as rt:
         handles = []
-        for _ in range(150):
+        for _ in range(500):
             prompt = [rng.randrange(1, 30) for _ in range(rng.randrange(1, 12))]
             if rng.random() < 0.1:
                 prompt.append(POISON)
@@ -212,3 +212,17 @@ def test_prefill_decode_split_moves_kv_between_ranks():
         ranks = rt.stats()["ranks"]
         assert sum(ranks[0]["batch_sizes"]["LLM"].values()) > 0 and sum(ranks[1]["batch_sizes"]["LLM"].values()) > 0
         assert kv_used(rt) == 0
+
+
+def test_stream_consumed_one_item_per_loop_iteration():
+    from tests.toy_models import ToyStreamLoop
+
+    with Runtime(ToyStreamLoop()) as rt:
+        ids = [torch.tensor([3.0, 1.0, 4.0, 1.0, 5.0]), torch.tensor([2.0, 7.0])]
+        outs = rt.generate([{"ids": i, "total": torch.zeros(1)} for i in ids])
+        for i, o in zip(ids, outs):
+            assert o.finished, o.error
+            running = [float(t) for t in o.tensors("running")]
+            # one step per streamed item, then one step on the empty final chunk that ends the loop
+            assert running == [float(x) for x in torch.cumsum(i, 0)] + [float(i.sum())]
+        assert all(r["stream_buffers"] == 0 for r in rt.stats()["ranks"])

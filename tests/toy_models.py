@@ -351,3 +351,62 @@ def nested_reference(init: torch.Tensor, frames: int) -> list[list[float]]:
         out.append(frame.tolist())
         fc = frame
     return out
+
+
+# -- a stream consumed inside a loop, one item per iteration (Thinker -> Talker) ----------------------
+class Echo(NodeSubmodule):
+    """Producer: emits its input ids one per decode step into the stream."""
+
+    def prepare_inputs(self, graph_walk, fwd_info, inputs):
+        i = fwd_info.iteration[0]
+        ids = inputs["ids"][0]
+        return NodeInputs(tensor_inputs={"tok": ids[i].view(1)}, extras={"last": i + 1 >= ids.numel(), "ids": ids})
+
+    def forward(self, graph_walk, engine_inputs, tok):
+        ids = [info for info in engine_inputs.extras["ids"]]
+        return {"ids": ids, "item": engine_inputs.split("tok", tok),
+                "stop": [torch.tensor(x) for x in engine_inputs.extras["last"]]}
+
+
+class Accumulate(NodeSubmodule):
+    """Consumer loop: adds each streamed item to a running sum; after the stream ends it runs
+    ``extra`` more steps on empty chunks (continue_after_done) and then stops."""
+
+    def prepare_inputs(self, graph_walk, fwd_info, inputs):
+        items = inputs["item"]
+        done = fwd_info.stream_chunks["item"]["is_final"] and not items
+        val = torch.stack(items).sum().view(1).float() if items else torch.zeros(1)
+        return NodeInputs(tensor_inputs={"total": inputs["total"][0].view(1), "val": val},
+                          extras={"done": done})
+
+    def forward(self, graph_walk, engine_inputs, total, val):
+        new = total + val
+        return {"total": engine_inputs.split("total", new), "running": engine_inputs.split("total", new),
+                "stop": [torch.tensor(d) for d in engine_inputs.extras["done"]]}
+
+
+class ToyStreamLoop(ModelDef):
+    name = "toy-stream-loop"
+
+    def build_graph(self):
+        from mstar.graph import FixedChunkPolicy
+
+        prod = DynamicLoop(GraphNode("echo", ["ids"], [GraphEdge("echo", "ids"),
+                                                       StreamingGraphEdge("acc", "item", target_partition="B")]),
+                           max_iters=64)
+        cons = DynamicLoop(GraphNode("acc", ["item", "total"], [GraphEdge("acc", "total"),
+                                                                GraphEdge(EMIT_TO_CLIENT, "running")]),
+                           max_iters=64)
+        topo = PartitionTopology([Connection("A", "B", "item",
+                                             lambda: FixedChunkPolicy(chunk_size=1, continue_after_done=True))])
+        return WalkGraph([Walk("speak", prod, inputs=["ids"], partition="A"),
+                          Walk("listen", cons, inputs=["total"], partition="B")], topology=topo)
+
+    def next_walk(self, state):
+        if state.partition == "A":
+            return "speak" if state.last_walk is None else None
+        return "listen" if state.last_walk is None else None
+
+    def build_submodules(self, node_names):
+        mods = {"echo": Echo(), "acc": Accumulate()}
+        return {n: mods[n] for n in node_names}

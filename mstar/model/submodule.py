@@ -17,7 +17,7 @@ import torch
 from mstar.layers.paged_attention import QueryMode
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ForwardInfo:
     """What a node knows about one request when preparing its inputs."""
 

@@ -19,7 +19,7 @@ from mstar.model.submodule import EngineInputs, ForwardInfo, NodeInputs, NodeSub
 from mstar.runtime.kv.block_pool import BlockPool, KVCacheManager, OutOfBlocks
 
 
-@dataclass
+@dataclass(slots=True)
 class WorkItem:
     """One node instance of one request, ready to run."""
 

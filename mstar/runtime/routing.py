@@ -11,6 +11,7 @@ class Routing:
         self.graph = graph
         self.placement = placement
         self.num_ranks = placement.num_ranks
+        self._ranks = {(n, w): placement.ranks_of(n, w)[0] for w, plan in graph.plans.items() for n in plan.nodes}
         self._home: dict[str, int] = {}
         for name, plan in graph.plans.items():
             streamed = [n for n in plan.nodes.values()
@@ -30,7 +31,7 @@ class Routing:
             self.producers[c.to_partition].add(c.from_partition)
 
     def rank_of(self, node: str, walk: str) -> int:
-        return self.placement.ranks_of(node, walk)[0]
+        return self._ranks[(node, walk)]
 
     def home(self, walk: str) -> int:
         return self._home[walk]

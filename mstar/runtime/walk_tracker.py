@@ -26,7 +26,7 @@ from mstar.graph.plan import InputBinding, InputKind, NodePlan, RouteKind, WalkP
 Vec = tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ReadyNode:
     """A node instance whose inputs are all present."""
 
@@ -84,6 +84,12 @@ class WalkTracker:
         self.running: set[tuple[str, Vec]] = set()
         self.done = False
         self._outer_needs = self._outer_requirements()
+        # per frame: (member nodes, member loops, all members); per node: bindings set at iteration start
+        self._members = {None: (*plan.frame_members(None), frozenset(plan.top_nodes + plan.top_loops))}
+        for name, lp in plan.loops.items():
+            self._members[name] = (lp.body_nodes, lp.inner_loops, frozenset(lp.body_nodes + lp.inner_loops))
+        self._start_bindings = {n: [(i, b) for i, b in np_.inputs.items() if b.kind is not InputKind.LOCAL]
+                                for n, np_ in plan.nodes.items()}
 
     # -- public --------------------------------------------------------------------------------
     def start(self) -> list[ReadyNode]:
@@ -174,13 +180,12 @@ class WalkTracker:
 
     def _start_iteration(self, frame: _Frame) -> None:
         frame.started = True
-        nodes, loops = self.plan.frame_members(frame.loop)
-        frame.remaining = set(nodes) | set(loops)
+        nodes, loops, members = self._members[frame.loop]
+        frame.remaining = set(members)
         vec = frame.vec
         for name in nodes:
             np_ = self.plan.nodes[name]
-            self.slots[(name, vec)] = {}
-            for inp, b in np_.inputs.items():
+            for inp, b in self._start_bindings[name]:
                 self._bind_start(frame, np_, inp, b, vec)
             if not np_.input_names:
                 self._check_ready(name, vec)
@@ -192,8 +197,6 @@ class WalkTracker:
             self._maybe_end_iteration(frame)
 
     def _bind_start(self, frame: _Frame, np_: NodePlan, inp: str, b: InputBinding, vec: Vec) -> None:
-        if b.kind is InputKind.LOCAL:
-            return
         if b.kind is InputKind.CARRIED:
             if frame.it > 0:
                 self._deliver(np_.name, vec, inp, frame.carried.pop((np_.name, inp)))

@@ -175,7 +175,7 @@ class Worker:
         w = self.walks[key]
         rid, partition, walk_seq = key
         for r in ready:
-            chunks = {k: _chunk_info(c) for k, c in r.stream_chunks.items()}
+            chunks = {k: _chunk_info(c) for k, c in r.stream_chunks.items()} if r.stream_chunks else {}
             target = self.routing.rank_of(r.node, w.walk)
             if target == self.rank:
                 self._enqueue(WorkItem(next(self._seq), rid, partition, w.walk, walk_seq, r.node, r.iteration,
@@ -239,9 +239,10 @@ class Worker:
                 self._fail(item.request_id, str(out))
                 continue
             if item.home == self.rank:
-                key = (item.request_id, item.partition, item.walk_seq)
-                self._guarded(item.request_id, lambda k=key, it=item, o=out: self._node_done(k, it.node,
-                                                                                             it.iteration, o))
+                try:
+                    self._node_done((item.request_id, item.partition, item.walk_seq), item.node, item.iteration, out)
+                except Exception as e:  # noqa: BLE001 - one request's error must not stop the worker
+                    self._fail(item.request_id, f"{type(e).__name__}: {e}")
             else:
                 self.transport.send(item.home, NodeResult(item.request_id, item.partition, item.walk_seq,
                                                           item.node, item.iteration, out))
