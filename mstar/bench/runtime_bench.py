@@ -3,7 +3,7 @@
 (a) ``step``: per-step cost of the runtime on a trivial loop (one stateless node computing ``x + 1``,
     fed back to itself ``iters`` times, nothing emitted). B concurrent requests run through an
     inline ``Runtime``; every step is one batched forward of size B. Reported: wall time / iters.
-(b) ``matmul``: the same loop with a node doing real work (``x @ W``, W hidden x hidden fp32), run
+(b) ``matmul``: the same loop with a node doing real work (an MLP stack shaped like a small LLM's), run
     through the ``Runtime`` vs. a bare Python loop that concatenates the same B inputs and calls the
     module's ``forward`` ``iters`` times. Reported: both times and (runtime - bare) / bare.
 
@@ -37,16 +37,22 @@ class AddOne(NodeSubmodule):
 
 
 class MatMul(NodeSubmodule):
-    """Real work: ``x @ W`` with an orthogonal W (the values stay bounded over many iterations)."""
+    """Real work, shaped like a small LLM's MLPs: ``layers`` x (x + down(silu(up(x)))), layer-normed so
+    values stay bounded over many iterations (hidden 512 / intermediate 1408 / 8 layers by default)."""
 
-    def __init__(self, hidden: int, seed: int = 0):
+    def __init__(self, hidden: int, intermediate: int = 1408, layers: int = 8, seed: int = 0):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        q, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=g))
-        self.w = torch.nn.Parameter(q.contiguous())
+        self.up = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(hidden, intermediate, generator=g) / hidden ** 0.5) for _ in range(layers)])
+        self.down = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(intermediate, hidden, generator=g) / intermediate ** 0.5)
+             for _ in range(layers)])
 
     def forward(self, graph_walk, engine_inputs, x):
-        return {"x": engine_inputs.split("x", x @ self.w)}
+        for up, down in zip(self.up, self.down):
+            x = torch.nn.functional.layer_norm(x + torch.nn.functional.silu(x @ up) @ down, x.shape[-1:])
+        return {"x": engine_inputs.split("x", x)}
 
 
 class LoopBench(ModelDef):
@@ -54,10 +60,10 @@ class LoopBench(ModelDef):
 
     name = "bench-loop"
 
-    def __init__(self, kind: str = "step", iters: int = 200, hidden: int = 256):
+    def __init__(self, kind: str = "step", iters: int = 200, hidden: int = 512, layers: int = 8):
         if kind not in ("step", "matmul"):
             raise ValueError(f"kind must be 'step' or 'matmul', got {kind!r}")
-        self.kind, self.iters, self.hidden = kind, iters, hidden
+        self.kind, self.iters, self.hidden, self.layers = kind, iters, hidden, layers
 
     def build_graph(self) -> WalkGraph:
         body = GraphNode(NODE, ["x"], [GraphEdge(NODE, "x")])
@@ -67,7 +73,7 @@ class LoopBench(ModelDef):
         return "loop" if state.last_walk is None else None
 
     def build_submodules(self, node_names):
-        return {NODE: AddOne() if self.kind == "step" else MatMul(self.hidden)}
+        return {NODE: AddOne() if self.kind == "step" else MatMul(self.hidden, layers=self.layers)}
 
 
 def _inputs(batch: int, width: int) -> list[torch.Tensor]:
@@ -140,8 +146,8 @@ class BenchResult:
     results: list[BatchResult]
 
 
-def run_runtime_bench(batches: list[int], iters: int = 200, repeats: int = 3, hidden: int = 256,
-                      warmup: bool = True) -> BenchResult:
+def run_runtime_bench(batches: list[int], iters: int = 200, repeats: int = 3, hidden: int = 512,
+                      warmup: bool = True, layers: int = 8) -> BenchResult:
     if iters < 1 or repeats < 1 or hidden < 1 or not batches or min(batches) < 1:
         raise ValueError("iters, repeats, hidden and every batch size must be >= 1")
     results = []
@@ -162,7 +168,7 @@ def run_runtime_bench(batches: list[int], iters: int = 200, repeats: int = 3, hi
             raise RuntimeError(f"batch {b}: expected {iters} forwards of size {b}, got histogram {step_hist}")
 
         # (b) matmul node: runtime vs bare loop, alternating
-        mm_model = LoopBench("matmul", iters, hidden)
+        mm_model = LoopBench("matmul", iters, hidden, layers)
         xs = _inputs(b, hidden)
         bare_module = mm_model.build_submodules([NODE])[NODE].eval()
         rt_s, bare_s = [], []
@@ -201,7 +207,7 @@ def format_table(res: BenchResult) -> str:
         f"iters={res.iters} repeats={res.repeats} hidden={res.hidden} torch_threads={res.threads}; "
         f"median (min–max)",
         "",
-        "| batch | (a) us/step, x+1 node | (b) runtime ms, x@W | (b) bare loop ms | (b) runtime overhead % |"
+        "| batch | (a) us/step, x+1 node | (b) runtime ms, MLP node | (b) bare loop ms | (b) runtime overhead % |"
         " (b) us/step over bare |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
