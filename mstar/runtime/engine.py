@@ -69,20 +69,21 @@ class StatelessEngine:
     def run(self, items: list[WorkItem]) -> list[dict[str, list[torch.Tensor]] | ItemError]:
         """Outputs per item, in order; an ItemError in place of a failed item."""
         prepared: list[tuple[WorkItem, NodeInputs, ForwardInfo] | ItemError] = []
+        prepare = self.module.prepare_inputs
+        failed = False
         for item in items:
-            info = ForwardInfo(item.request_id, item.walk, item.node, tuple(item.iteration), item.params,
-                               self.cache_len(item), dict(item.chunks))
+            info = ForwardInfo(item.request_id, item.walk, item.node, item.iteration, item.params,
+                               self.cache_len(item), item.chunks)
             try:
-                ni = self.module.prepare_inputs(item.walk, info, item.inputs)
-                prepared.append((item, ni, info))
+                prepared.append((item, prepare(item.walk, info, item.inputs), info))
             except Exception as e:  # noqa: BLE001 - a bad request fails alone
                 prepared.append(ItemError(item, e))
+                failed = True
+        if not failed:
+            return self._run_isolated(prepared)
         ok = [p for p in prepared if not isinstance(p, ItemError)]
-        results: dict[int, Any] = {}
-        if ok:
-            for (item, _, _), out in zip(ok, self._run_isolated(ok)):
-                results[id(item)] = out
-        return [p if isinstance(p, ItemError) else results[id(p[0])] for p in prepared]
+        outs = iter(self._run_isolated(ok) if ok else [])
+        return [p if isinstance(p, ItemError) else next(outs) for p in prepared]
 
     def _run_isolated(self, batch: list) -> list:
         try:

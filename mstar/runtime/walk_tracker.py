@@ -26,7 +26,7 @@ from mstar.graph.plan import InputBinding, InputKind, NodePlan, RouteKind, WalkP
 Vec = tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReadyNode:
     """A node instance whose inputs are all present."""
 
@@ -36,7 +36,7 @@ class ReadyNode:
     stream_chunks: dict[str, Any]  # input name -> Chunk, for STREAM inputs
 
 
-@dataclass
+@dataclass(slots=True)
 class _Frame:
     loop: str | None
     base: Vec  # iteration vector of the parent frame's current iteration

@@ -77,6 +77,7 @@ class Worker:
                                       if module.kv_spec is not None else StatelessEngine(module))
             self.max_batch[base] = min(self.max_batch.get(base, 1 << 30), placement.max_batch_size(node))
         self.queues: dict[str, deque[WorkItem]] = {b: deque() for b in self.engines}
+        self._queue_of = {node: self.queues[model.module_of(node)] for node in nodes}
         self.walks: dict[tuple[str, str, int], _Walk] = {}
         self.streams: dict[tuple[str, str], StreamBuffer] = {}
         self._seq = itertools.count()
@@ -171,12 +172,13 @@ class Worker:
         self._guarded(msg.request_id, start)
 
     # -- execution -----------------------------------------------------------------------------
-    def _dispatch(self, key, ready: list[ReadyNode]) -> None:
-        w = self.walks[key]
+    def _dispatch(self, key, ready: list[ReadyNode], w: _Walk | None = None) -> None:
+        w = w or self.walks[key]
         rid, partition, walk_seq = key
+        rank_of = self.routing.rank_of
         for r in ready:
             chunks = {k: _chunk_info(c) for k, c in r.stream_chunks.items()} if r.stream_chunks else {}
-            target = self.routing.rank_of(r.node, w.walk)
+            target = rank_of(r.node, w.walk)
             if target == self.rank:
                 self._enqueue(WorkItem(next(self._seq), rid, partition, w.walk, walk_seq, r.node, r.iteration,
                                        r.inputs, chunks, w.params, self.rank))
@@ -185,18 +187,20 @@ class Worker:
                                                      r.inputs, chunks, w.params, self.rank))
 
     def _enqueue(self, item: WorkItem) -> None:
-        base = self.model.module_of(item.node)
-        if base not in self.queues:
+        q = self._queue_of.get(item.node)
+        if q is None:
             raise RuntimeError(f"worker {self.rank} got node {item.node!r}, which is not placed on it")
-        self.queues[base].append(item)
+        q.append(item)
 
     def _node_done(self, key, node: str, vec: tuple, outputs: dict) -> None:
         w = self.walks.get(key)
         if w is None:
             return
         ready = w.tracker.node_done(node, vec, outputs)
-        self._dispatch(key, ready)
-        self._maybe_walk_done(key)
+        if ready:
+            self._dispatch(key, ready, w)
+        if w.tracker.done:
+            self._maybe_walk_done(key)
 
     def _maybe_walk_done(self, key) -> None:
         w = self.walks.get(key)
