@@ -226,3 +226,20 @@ def test_stream_consumed_one_item_per_loop_iteration():
             # one step per streamed item, then one step on the empty final chunk that ends the loop
             assert running == [float(x) for x in torch.cumsum(i, 0)] + [float(i.sum())]
         assert all(r["stream_buffers"] == 0 for r in rt.stats()["ranks"])
+
+
+def test_weight_sharing_views_on_different_ranks():
+    ins = _flow_inputs(2, seed=9)
+    placement = Placement.from_dict({"model": "toy-flow", "node_groups": [
+        {"node_names": ["LLM", "combine", "decoder"], "ranks": [0]},
+        {"node_names": ["LLM_uncond"], "ranks": [1], "graph_walks": ["flow"]}]})
+    with Runtime(ToyFlow(uncond_prefix=None), placement) as rt:
+        outs = rt.generate(ins)
+        llm = rt._workers[0].engines["LLM"].module
+        ranks = rt.stats()["ranks"]
+        assert sum(ranks[1]["batch_sizes"]["LLM"].values()) > 0  # the unconditional branch ran on rank 1
+        assert kv_used(rt) == 0
+    for i, o in zip(ins, outs):
+        assert o.finished, o.error
+        torch.testing.assert_close(o.tensors("image")[0], flow_reference(llm, i["text_ids"], i["latents"], None),
+                                   atol=1e-5, rtol=1e-5)

@@ -74,3 +74,39 @@ def test_prefill_decode_split_across_processes():
         for p, o in zip(PROMPTS, outs):
             assert tokens(o) == ref.reference_generate(p, 9), o.error
         assert kv_used(rt) == 0
+
+
+def test_large_tensors_cross_processes_through_shared_memory(monkeypatch):
+    from tests.toy_models import ToyFlow
+
+    monkeypatch.setenv("MSTAR_SHM_THRESHOLD", "4096")  # the worker processes read it when they start
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    ins = [{"text_ids": torch.tensor([1, 2]), "latents": torch.randn(4096, 16), "time_index": torch.tensor(0)}]
+    placement = Placement.from_dict({"model": "toy-flow", "node_groups": [
+        {"node_names": ["LLM", "LLM_uncond"], "ranks": [0]}, {"node_names": ["combine", "decoder"], "ranks": [1]}]})
+    with Runtime(ToyFlow()) as rt:
+        inline = rt.generate(ins)[0].tensors("image")[0]
+    with Runtime(ToyFlow(), placement, workers="process") as rt:
+        (out,) = rt.generate(ins)  # 256 KiB latents between the workers: through shared memory
+        assert out.finished, out.error
+    torch.testing.assert_close(out.tensors("image")[0], inline, atol=1e-5, rtol=1e-5)
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not [n for n in after - before if n.startswith("mstar-")]
+
+
+def test_shared_memory_round_trip_is_zero_copy_on_receive(tmp_path):
+    from mstar.runtime.transport import ZmqTransport
+
+    a = ZmqTransport(str(tmp_path), -1)
+    b = ZmqTransport(str(tmp_path), 0)
+    try:
+        t = torch.randn(512, 1024)  # 2 MiB: over the shared-memory threshold
+        a.send(0, {"t": t, "small": torch.ones(3)})
+        msgs = []
+        while not msgs:
+            msgs = b.recv(1000)
+        assert torch.equal(msgs[0]["t"], t) and torch.equal(msgs[0]["small"], torch.ones(3))
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(a.shm_prefix)]  # unlinked on receipt
+    finally:
+        a.close()
+        b.close()

@@ -137,8 +137,9 @@ FLOW_STEPS, LATENT_TOKENS, CFG_SCALE = 4, 2, 2.0
 class FlowLLM(NodeSubmodule):
     kv_spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=HIDDEN)
 
-    def __init__(self):
+    def __init__(self, uncond_prefix: int | None = 1):
         super().__init__()
+        self.uncond_prefix = uncond_prefix
         g = torch.Generator().manual_seed(7)
         self.embed = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g))
         self.wq = torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN, generator=g) / 4)
@@ -151,7 +152,8 @@ class FlowLLM(NodeSubmodule):
             ids = inputs["text_ids"][0].reshape(-1).long()
             return NodeInputs(tensor_inputs={"x": self.embed[ids]}, num_tokens=ids.numel())
         lat = inputs["latents"][0]
-        fork = ("LLM", 1) if fwd_info.node == "LLM_uncond" else None  # the unconditional cache = first token only
+        # the unconditional branch sees a prefix of the main cache (a fork), or no context at all
+        fork = ("LLM", self.uncond_prefix) if fwd_info.node == "LLM_uncond" and self.uncond_prefix else None
         return NodeInputs(tensor_inputs={"x": lat}, num_tokens=lat.shape[0], mode=QueryMode.READ_ONLY,
                           fork_from=fork, extras={"t": inputs["time_index"][0]})
 
@@ -200,8 +202,14 @@ class Decoder(NodeSubmodule):
 
 
 class ToyFlow(ModelDef):
+    """``uncond_prefix=None``: the unconditional branch attends to no context, so it can run on
+    another rank than the main branch (a fork needs the source cache on its own rank)."""
+
     name = "toy-flow"
     views = {"LLM_uncond": "LLM"}
+
+    def __init__(self, uncond_prefix: int | None = 1):
+        self.uncond_prefix = uncond_prefix
 
     def build_graph(self):
         branch_main = GraphNode("LLM", ["latents", "time_index"], [GraphEdge("combine", "v_main"),
@@ -222,12 +230,13 @@ class ToyFlow(ModelDef):
         return {None: "prefill", "prefill": "flow"}.get(state.last_walk)
 
     def build_submodules(self, node_names):
-        llm = FlowLLM()
+        llm = FlowLLM(self.uncond_prefix)
         mods = {"LLM": llm, "LLM_uncond": llm, "combine": Combine(), "decoder": Decoder()}
         return {n: mods[n] for n in node_names}
 
 
-def flow_reference(llm: FlowLLM, text_ids: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+def flow_reference(llm: FlowLLM, text_ids: torch.Tensor, latents: torch.Tensor, uncond_prefix: int | None = 1
+                   ) -> torch.Tensor:
     """Dense oracle: context K/V kept as plain tensors; the unconditional branch sees the first token."""
     ctx = llm.embed[text_ids]
     k_ctx, v_ctx = ctx @ llm.wk, ctx @ llm.wv
@@ -240,7 +249,8 @@ def flow_reference(llm: FlowLLM, text_ids: torch.Tensor, latents: torch.Tensor) 
     lat = latents
     for _ in range(FLOW_STEPS):
         vm = attend(lat, k_ctx, v_ctx)
-        vu = attend(lat, k_ctx[:1], v_ctx[:1])
+        n = uncond_prefix or 0
+        vu = attend(lat, k_ctx[:n], v_ctx[:n])
         lat = lat - (vu + CFG_SCALE * (vm - vu)) / FLOW_STEPS
     return lat.sum(0)
 

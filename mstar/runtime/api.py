@@ -196,6 +196,7 @@ class Runtime:
                 p.join(timeout=5)
         self._procs = []
         if isinstance(self._transport, ZmqTransport):
+            self._transport.sweep_shm()
             self._transport.close()
         if self._run_dir:
             shutil.rmtree(self._run_dir, ignore_errors=True)

@@ -3,7 +3,8 @@
 ``InlineTransport``: objects of one process; a message is handed over as is (no copy).
 ``ZmqTransport``: processes of one host over ZeroMQ IPC sockets; every message is encoded by
 ``mstar.runtime.serialization`` (msgpack header + raw tensor frames, never pickle) and tensors are
-decoded without a copy from the received frames. Each endpoint binds one PULL socket and lazily
+decoded without a copy from the received frames. Tensor frames of 1 MiB or more go through POSIX
+shared memory instead of the socket. Each endpoint binds one PULL socket and lazily
 connects one PUSH socket per peer; ZeroMQ keeps per-peer FIFO order, which the protocol relies on
 (e.g. a walk's NodeResults arrive in the order they were sent). A transport across hosts (TCP, RDMA)
 implements the same three methods.
@@ -11,11 +12,19 @@ implements the same three methods.
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 from collections import defaultdict, deque
 from typing import Any
 
+import msgpack
+
 from mstar.runtime.serialization import decode, encode
+
+# tensor frames this large travel through shared memory (one copy instead of two through the socket)
+SHM_THRESHOLD = int(os.environ.get("MSTAR_SHM_THRESHOLD", 1 << 20))
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 class InlineTransport:
@@ -46,10 +55,12 @@ class ZmqTransport:
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.pull.bind(ipc_address(run_dir, own))
         self.pushes: dict[int, Any] = {}
+        self.shm_prefix = "mstar-" + os.path.basename(run_dir.rstrip("/"))
+        self._shm_count = 0
         self._lock = threading.Lock()  # send() may be called from a user thread and the driver
 
     def send(self, dest: int, msg: Any) -> None:
-        frames = encode(msg)
+        frames = self._to_shm(encode(msg))
         with self._lock:
             sock = self.pushes.get(dest)
             if sock is None:
@@ -69,8 +80,60 @@ class ZmqTransport:
                     frames = self.pull.recv_multipart(flags=self._zmq.NOBLOCK, copy=False)
                 except self._zmq.Again:
                     break
-                out.append(decode(frames))
+                out.append(decode(self._from_shm(frames)))
         return out
+
+    # Large frames: the sender writes the bytes into a fresh file in /dev/shm (POSIX shared memory)
+    # and sends its name; the receiver maps it, unlinks the name at once (the mapping stays valid
+    # while a decoded tensor uses it) and decodes the tensor straight from the mapping. Frame 0 of
+    # the wire message lists the indexes of such frames; names start with the run's prefix so
+    # shutdown can sweep any a dead receiver left behind.
+    def _to_shm(self, frames: list) -> list:
+        big = [] if not SHM_DIR else [i for i, f in enumerate(frames)
+                                      if i > 0 and memoryview(f).nbytes >= SHM_THRESHOLD]
+        if not big:
+            return [b"\x90", *frames]  # msgpack empty list: no shared-memory frames
+        out = list(frames)
+        for i in big:
+            self._shm_count += 1
+            name = f"{self.shm_prefix}-{self.own + 1}-{self._shm_count}"
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            try:
+                view = memoryview(frames[i]).cast("B")
+                written = 0
+                while written < view.nbytes:
+                    written += os.write(fd, view[written:])
+            finally:
+                os.close(fd)
+            out[i] = f"{name}:{view.nbytes}".encode()
+        return [msgpack.packb(big), *out]
+
+    @staticmethod
+    def _from_shm(frames: list) -> list:
+        raw0 = frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]
+        big = msgpack.unpackb(bytes(raw0))
+        frames = list(frames[1:])
+        for i in big:
+            raw = frames[i].buffer if hasattr(frames[i], "buffer") else frames[i]
+            name, _, size = bytes(raw).decode().rpartition(":")
+            path = os.path.join(SHM_DIR, name)
+            fd = os.open(path, os.O_RDWR)
+            try:
+                frames[i] = memoryview(mmap.mmap(fd, int(size)))
+            finally:
+                os.close(fd)
+                os.unlink(path)
+        return frames
+
+    def sweep_shm(self) -> None:
+        """Remove shared-memory files of this run that no receiver consumed (a receiver died)."""
+        if SHM_DIR:
+            for name in os.listdir(SHM_DIR):
+                if name.startswith(self.shm_prefix + "-"):
+                    try:
+                        os.unlink(os.path.join(SHM_DIR, name))
+                    except FileNotFoundError:
+                        pass
 
     def close(self) -> None:
         with self._lock:
