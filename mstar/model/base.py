@@ -81,6 +81,13 @@ class ModelDef:
         """Modules for ``node_names`` (the nodes placed on one rank). Views map to their base's module."""
         raise NotImplementedError(f"{type(self).__name__} declares a graph but no submodules")
 
+    def api_adapter(self):
+        """How the HTTP API talks to this model (``mstar.model.adapter.ApiAdapter``); default: the
+        native ``/generate`` route only."""
+        from mstar.model.adapter import ApiAdapter
+
+        return ApiAdapter()
+
     def module_of(self, node: str) -> str:
         """The node whose module computes ``node`` (itself unless it is a view)."""
         return self.views.get(node, node)

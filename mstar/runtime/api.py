@@ -69,41 +69,67 @@ class RequestOutput:
 
 
 class RequestHandle:
-    """A submitted request: iterate it (sync or async) for its streamed items."""
+    """A submitted request: iterate it (sync or async) for its streamed items.
+
+    Items also accumulate in ``result().outputs``. Async iteration binds the handle to the running
+    event loop: the driver thread then hands items over with ``call_soon_threadsafe`` (no thread
+    per waiting request).
+    """
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._events: queue.Queue = queue.Queue()
         self._output = RequestOutput(request_id, RequestStatus.WAITING)
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._aqueue: asyncio.Queue | None = None
 
     def _sink(self, kind: str, payload: Any) -> None:  # called on the driver thread
         if kind == "item":
             msg: Emit = payload
             self._output.outputs.setdefault(msg.name, []).append(msg.value)
-            self._events.put(StreamItem(msg.name, msg.value, msg.modality, msg.node, msg.walk))
+            ev = StreamItem(msg.name, msg.value, msg.modality, msg.node, msg.walk)
         else:
             self._output.status, self._output.error = payload
             self._done.set()
-            self._events.put(None)
+            ev = None
+        with self._lock:
+            if self._aqueue is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._aqueue.put_nowait, ev)
+                except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+                    pass
+            else:
+                self._events.put(ev)
+
+    def _end_of_stream(self) -> None:
+        if self._output.status is RequestStatus.FAILED:
+            raise RequestError(f"request {self.request_id} failed: {self._output.error}")
 
     def __iter__(self) -> Iterator[StreamItem]:
+        if self._aqueue is not None:
+            raise RuntimeError("this handle is being iterated asynchronously")
         while True:
             ev = self._events.get()
             if ev is None:
                 self._events.put(None)  # later iterations end at once too
-                if self._output.status is RequestStatus.FAILED:
-                    raise RequestError(f"request {self.request_id} failed: {self._output.error}")
+                self._end_of_stream()
                 return
             yield ev
 
     async def __aiter__(self):
+        with self._lock:
+            if self._aqueue is None:
+                self._loop = asyncio.get_running_loop()
+                self._aqueue = asyncio.Queue()
+                while not self._events.empty():
+                    self._aqueue.put_nowait(self._events.get_nowait())
         while True:
-            ev = await asyncio.to_thread(self._events.get)
+            ev = await self._aqueue.get()
             if ev is None:
-                self._events.put(None)
-                if self._output.status is RequestStatus.FAILED:
-                    raise RequestError(f"request {self.request_id} failed: {self._output.error}")
+                self._aqueue.put_nowait(None)
+                self._end_of_stream()
                 return
             yield ev
 

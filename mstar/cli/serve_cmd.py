@@ -1,0 +1,85 @@
+"""``mstar serve``: start the runtime and its workers, then serve the HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import logging
+import signal
+import sys
+import time
+
+DEFAULT_MODEL = "llama-tiny"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible + native /generate)",
+                       description="Serve a model over HTTP.")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"registered model name or module:Class (default: {DEFAULT_MODEL}, offline, dummy weights)")
+    p.add_argument("--config", help="placement YAML (default: everything on one rank)")
+    p.add_argument("--model-path", help="checkpoint directory of the model")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default=None,
+                   help="dummy: random weights, no checkpoint needed")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on API routes")
+    p.add_argument("--max-queue", type=int, default=256, help="requests in flight before answering 429")
+    p.add_argument("--workers", choices=["inline", "process"], default="process",
+                   help="process: one worker process per rank (default); inline: all in this process")
+    p.add_argument("--served-model-name", help="model id clients use (default: the model argument)")
+    p.set_defaults(func=run)
+
+
+def model_kwargs(target, args: argparse.Namespace) -> dict:
+    """The CLI options the model's constructor accepts; an option it does not take is an error."""
+    wanted = {"model_path": args.model_path, "load_format": args.load_format}
+    wanted = {k: v for k, v in wanted.items() if v is not None}
+    if not wanted:
+        return {}
+    params = inspect.signature(target).parameters
+    for k in wanted:
+        if k not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise ValueError(f"model {args.model!r} does not take --{k.replace('_', '-')}")
+    return wanted
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("mstar.serve")
+    import uvicorn
+
+    from mstar.model.registry import import_target, registered_models
+    from mstar.runtime.api import Runtime
+    from mstar.server.app import create_app
+    from mstar.server.serving import ServingEngine
+
+    registry = registered_models()
+    target = import_target(registry[args.model]) if args.model in registry else (
+        import_target(args.model) if ":" in args.model else None)
+    if target is None:
+        raise ValueError(f"unknown model {args.model!r}; registered: {', '.join(registry)}")
+    kwargs = model_kwargs(target, args)
+    t0 = time.perf_counter()
+    log.info("loading %s (%s workers)...", args.model, args.workers)
+    runtime = Runtime(args.model, args.config, workers=args.workers, model_kwargs=kwargs)
+    runtime.start()
+    log.info("model ready in %.1f s on %d rank(s)", time.perf_counter() - t0, runtime.routing.num_ranks)
+    name = args.served_model_name or args.model
+    app = create_app(ServingEngine(runtime, name, args.max_queue), api_key=args.api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    # uvicorn re-raises a captured SIGTERM after its shutdown, which would kill this process before the
+    # workers are stopped: handle the signals here, let uvicorn drain, then shut the runtime down
+    server.capture_signals = contextlib.nullcontext
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    print(f"mstar: serving {name} on http://{args.host}:{args.port} (OpenAI base_url http://{args.host}:"
+          f"{args.port}/v1)", file=sys.stderr, flush=True)
+    try:
+        server.run()  # returns on SIGINT / SIGTERM after draining connections
+    finally:
+        log.info("shutting down: aborting in-flight requests, stopping workers")
+        runtime.shutdown()
+    return 0

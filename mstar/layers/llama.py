@@ -1,0 +1,198 @@
+"""Llama building blocks over a flat token batch, attending through the runtime's paged KV cache.
+
+Every block works on ``[T, hidden]``: the tokens of all requests of a batch concatenated (their
+rows and cache slots are described by the ``EngineInputs`` the runtime builds). Parameter names
+mirror the Hugging Face checkpoint layout, so a ``LlamaBackbone`` stored as attribute ``model`` of
+a module next to an ``lm_head`` has exactly the checkpoint's names::
+
+    model.embed_tokens.weight
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight
+    model.layers.{i}.{input,post_attention}_layernorm.weight
+    model.norm.weight
+    lm_head.weight
+
+Families built on Llama (Orpheus TTS, ...) reuse these blocks with their own heads.
+Biases in the projections are not supported (``attention_bias`` / ``mlp_bias`` must be false).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.layers.paged_attention import AttentionBackend, paged_attention
+from mstar.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary
+
+__all__ = [
+    "LlamaArchitecture",
+    "LlamaAttention",
+    "LlamaBackbone",
+    "LlamaDecoderLayer",
+    "LlamaMLP",
+    "RMSNorm",
+    "check_llama_architecture",
+]
+
+
+class LlamaArchitecture(Protocol):
+    """What the blocks read from a config (``mstar.models.llama.config.LlamaConfig`` provides it)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+
+
+def check_llama_architecture(cfg: Any) -> None:
+    """Raise ValueError, naming the field, for what these blocks do not implement."""
+    if getattr(cfg, "attention_bias", False):
+        raise ValueError("attention_bias=True is not supported by mstar's Llama layers (q/k/v/o projections "
+                         "must have no bias)")
+    if getattr(cfg, "mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported by mstar's Llama layers (gate/up/down projections "
+                         "must have no bias)")
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported by mstar's Llama layers (only 'silu')")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ValueError(f"num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
+                         f"num_key_value_heads ({cfg.num_key_value_heads})")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm; statistics in float32, the weight applied in the input's dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(in_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class LlamaAttention(nn.Module):
+    """GQA self-attention of layer ``layer_idx`` over ``engine_inputs.kv_caches[layer_idx]``."""
+
+    def __init__(self, cfg: LlamaArchitecture, layer_idx: int, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        if getattr(cfg, "attention_bias", False):
+            check_llama_architecture(cfg)
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scaling = self.head_dim ** -0.5
+        self.backend = backend
+        kw = {"bias": False, "dtype": dtype, "device": device}
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, **kw)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, **kw)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, **kw)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, engine_inputs: Any) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` (already normed); ``cos``/``sin`` ``[T, head_dim]`` at the tokens' positions."""
+        t = x.shape[0]
+        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = engine_inputs.kv_caches[self.layer_idx]
+        meta = engine_inputs.attention
+        if self.backend is None:
+            out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.scaling)
+        else:
+            out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scaling)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, bias: bool = False) -> None:
+        super().__init__()
+        if bias:
+            raise ValueError("mlp_bias=True is not supported by mstar's Llama layers (gate/up/down projections "
+                             "must have no bias)")
+        kw = {"bias": False, "dtype": dtype, "device": device}
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks, each with a residual connection."""
+
+    def __init__(self, cfg: LlamaArchitecture, layer_idx: int, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        self.self_attn = LlamaAttention(cfg, layer_idx, backend=backend, **kw)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, bias=getattr(cfg, "mlp_bias", False), **kw)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, engine_inputs: Any) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, engine_inputs)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaBackbone(nn.Module):
+    """Token embedding -> decoder layers -> final norm, over a flat batch of new tokens.
+
+    ``forward(input_ids, engine_inputs)`` reads ``engine_inputs.positions`` (absolute position of
+    each token, for the rotary embedding), ``engine_inputs.attention`` (the paged-attention
+    metadata) and ``engine_inputs.kv_caches`` (one ``(k_cache, v_cache)`` per layer). Models that
+    splice other embeddings in (audio, vision) pass ``inputs_embeds`` instead of ids.
+    """
+
+    def __init__(self, cfg: LlamaArchitecture, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        check_llama_architecture(cfg)
+        kw = {"dtype": dtype, "device": device}
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i, backend=backend, **kw)
+                                     for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor | None, engine_inputs: Any,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states ``[T, hidden]`` of the batch's new tokens."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids.to(self.embed_tokens.weight.device))
+        h = inputs_embeds
+        positions = engine_inputs.positions
+        if positions is None or positions.shape[0] != h.shape[0]:
+            got = None if positions is None else tuple(positions.shape)
+            raise ValueError(f"engine_inputs.positions must hold one position per token ({h.shape[0]}), got {got}")
+        if engine_inputs.kv_caches is None or len(engine_inputs.kv_caches) < len(self.layers):
+            raise ValueError(f"engine_inputs.kv_caches must hold one (k, v) cache per layer ({len(self.layers)})")
+        cos, sin = self.rotary_emb(positions, dtype=h.dtype, device=h.device)
+        for layer in self.layers:
+            h = layer(h, cos, sin, engine_inputs)
+        return self.norm(h)

@@ -1,0 +1,91 @@
+"""How a model meets the HTTP API: requests -> its inputs, emitted items -> API outputs.
+
+Each family declares an ``ApiAdapter`` in its own folder (``ModelDef.api_adapter()``); the server
+stays model-agnostic. Adapters see plain dicts (the parsed JSON body of a route) and return tensors
+and parameters for the runtime; they raise ``ValueError`` for bad input (HTTP 400).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+CHAT = "chat"  # POST /v1/chat/completions
+SPEECH = "speech"  # POST /v1/audio/speech (+ GET /v1/audio/voices)
+IMAGES = "images"  # POST /v1/images/generations
+IMAGE_EDITS = "image_edits"  # POST /v1/images/edits
+GENERATE = "generate"  # POST /generate (every model)
+
+ROUTE_PATHS = {
+    CHAT: "/v1/chat/completions",
+    SPEECH: "/v1/audio/speech",
+    IMAGES: "/v1/images/generations",
+    IMAGE_EDITS: "/v1/images/edits",
+    GENERATE: "/generate",
+}
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    num_tokens: int = 1
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    pcm: torch.Tensor  # int16 mono samples
+    sample_rate: int
+
+
+@dataclass(frozen=True)
+class ImageOut:
+    pixels: torch.Tensor  # uint8 [H, W, 3]
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """What a route hands the runtime: inputs, parameters and per-request decoding state."""
+
+    inputs: dict[str, Any]
+    params: dict[str, Any]
+    prompt_tokens: int = 0
+
+
+class ApiAdapter:
+    """Base adapter: only the native ``/generate`` route."""
+
+    routes: frozenset[str] = frozenset({GENERATE})
+    voices: tuple[str, ...] = ()
+    default_voice: str | None = None
+    sample_rate: int = 24000
+
+    def chat_request(self, body: Mapping[str, Any], images: list[torch.Tensor],
+                     audio: list[tuple[torch.Tensor, int]]) -> ApiRequest:
+        """``body``: the chat completion request; ``images`` decoded (uint8 HWC), ``audio`` (pcm, rate)."""
+        raise NotImplementedError
+
+    def speech_request(self, body: Mapping[str, Any]) -> ApiRequest:
+        raise NotImplementedError
+
+    def image_request(self, body: Mapping[str, Any], image: torch.Tensor | None) -> ApiRequest:
+        raise NotImplementedError
+
+    def new_decoder(self, route: str, request: ApiRequest) -> ItemDecoder:
+        """A per-request object turning streamed items into API outputs."""
+        raise NotImplementedError
+
+
+class ItemDecoder:
+    """Turns one request's emitted items into API outputs (stateful: e.g. incremental detokenizing).
+    ``finish_reason`` is reported to the client when the request ends ("stop" or "length")."""
+
+    finish_reason: str = "stop"
+
+    def feed(self, name: str, value: list[torch.Tensor]) -> list[TextDelta | AudioChunk | ImageOut]:
+        raise NotImplementedError
+
+    def finish(self) -> list[TextDelta | AudioChunk | ImageOut]:
+        return []

@@ -1,0 +1,255 @@
+"""Build a ``LlamaCausalLM`` and fill its weights: a Hugging Face safetensors checkpoint or dummy values.
+
+Checkpoints: ``model.safetensors``, or shards listed by ``model.safetensors.index.json``. Loading
+is strict and name-for-name (the module mirrors the checkpoint layout): every tensor header is
+checked first (missing, unexpected and mis-shaped names are all reported in one error, before
+any data is read), then the shards are copied in one by one, converted to the requested dtype.
+Tied parameters (``lm_head.weight`` is ``model.embed_tokens.weight`` under
+``tie_word_embeddings``) need only one of their names in the checkpoint; when both are present the
+first-registered name (the embedding) wins, as transformers does.
+
+``load_format="dummy"`` skips the checkpoint: weights are drawn from a generator with a fixed seed
+(so every rank of a placement builds the same model), norms set to one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar.layers.llama import RMSNorm
+from mstar.models.llama.config import LlamaConfig, read_json
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DTYPES",
+    "LOAD_FORMATS",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "LoadReport",
+    "build_llama_model",
+    "checkpoint_files",
+    "init_dummy_weights",
+    "load_safetensors",
+    "resolve_dtype",
+]
+
+DTYPES: Mapping[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# checkpoint entries that are recomputed, not loaded (old transformers saved the RoPE table)
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_MAX_LISTED = 20
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not fit the model (names, shapes) or cannot be read."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A model directory, config or weight file is missing."""
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    if isinstance(dtype, str):
+        key = dtype.lower().removeprefix("torch.")
+        if key in DTYPES:
+            return DTYPES[key]
+    raise ValueError(f"unsupported dtype {dtype!r}; use one of: float32, bfloat16, float16")
+
+
+def _listed(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown + (f", ... ({len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else "")
+
+
+def checkpoint_files(model_path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory, in load order."""
+    path = Path(model_path)
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"model path {str(path)!r} does not exist or is not a directory")
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = read_json(index, INDEX_FILE).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: 'weight_map' must be a non-empty mapping of tensor name -> shard file")
+        shards = list(dict.fromkeys(str(v) for v in weight_map.values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise CheckpointNotFoundError(f"{index} lists shard file(s) that are missing: {_listed(missing)}")
+        return [path / s for s in shards]
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    others = sorted(path.glob("*.safetensors"))
+    if others:
+        return others
+    legacy = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
+    hint = f" (found {_listed(legacy)}: only safetensors checkpoints are supported)" if legacy else ""
+    raise CheckpointNotFoundError(f"no weights in {str(path)!r}: expected {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+@dataclass
+class LoadReport:
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    skipped: list[str] = field(default_factory=list)  # ignored entries and tied duplicates
+
+
+def _targets(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[int, list[str]]]:
+    """Every loadable name -> tensor (tied names included) and the names of each distinct tensor."""
+    state = module.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}
+    for name, t in state.items():
+        groups.setdefault(id(t), []).append(name)
+    return state, groups
+
+
+def load_safetensors(module: torch.nn.Module, files: Iterable[str | Path]) -> LoadReport:
+    """Copy a safetensors checkpoint into ``module`` by name (strict; see the module docstring)."""
+    try:
+        from safetensors import safe_open
+    except ImportError as e:  # pragma: no cover - safetensors ships with the serving extras
+        raise ImportError("loading checkpoints needs the 'safetensors' package (pip install safetensors)") from e
+
+    files = [Path(f) for f in files]
+    state, groups = _targets(module)
+    canonical = {key: names[0] for key, names in groups.items()}
+    report = LoadReport(files=[str(f) for f in files])
+
+    # 1. headers only: decide where every tensor comes from, report every mismatch at once
+    source: dict[int, tuple[Path, str]] = {}  # tensor -> (file, name) to load it from
+    seen: dict[str, Path] = {}
+    unexpected: list[str] = []
+    bad_shapes: list[str] = []
+    duplicates: list[str] = []
+    for f in files:
+        try:
+            handle = safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:  # noqa: BLE001 - name the file in the error
+            raise CheckpointError(f"cannot read safetensors file {str(f)!r}: {e}") from e
+        with handle as st:
+            for name in st.keys():
+                if name.endswith(IGNORED_SUFFIXES):
+                    report.skipped.append(name)
+                    continue
+                if name in seen:
+                    duplicates.append(f"{name} ({seen[name].name} and {f.name})")
+                    continue
+                seen[name] = f
+                target = state.get(name)
+                if target is None:
+                    unexpected.append(name)
+                    continue
+                shape = tuple(st.get_slice(name).get_shape())
+                if shape != tuple(target.shape):
+                    bad_shapes.append(f"{name}: checkpoint {list(shape)} vs model {list(target.shape)}")
+                    continue
+                key = id(target)
+                if key not in source or name == canonical[key]:
+                    if key in source:
+                        report.skipped.append(source[key][1])
+                    source[key] = (f, name)
+                else:
+                    report.skipped.append(name)
+    missing = [names[0] if len(names) == 1 else f"{names[0]} (or {', '.join(names[1:])})"
+               for key, names in groups.items() if key not in source]
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {_listed(missing)}")
+    if unexpected:
+        problems.append(f"not in the model (unexpected): {_listed(unexpected)}")
+    if bad_shapes:
+        problems.append(f"shape mismatch: {_listed(bad_shapes)}")
+    if duplicates:
+        problems.append(f"stored in several files: {_listed(duplicates)}")
+    if problems:
+        where = files[0].parent if files else "?"
+        raise CheckpointError(f"checkpoint {str(where)!r} does not match {type(module).__name__}: "
+                              + "; ".join(problems))
+
+    # 2. data, shard by shard
+    by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
+    for key, (f, name) in source.items():
+        by_file.setdefault(f, []).append((name, state[groups[key][0]]))
+    t_all = time.perf_counter()
+    for i, f in enumerate(files, 1):
+        items = by_file.get(f, [])
+        t0 = time.perf_counter()
+        nbytes = 0
+        with safe_open(str(f), framework="pt", device="cpu") as st, torch.no_grad():
+            for name, target in items:
+                tensor = st.get_tensor(name)
+                target.copy_(tensor)
+                nbytes += tensor.numel() * tensor.element_size()
+        report.tensors += len(items)
+        report.bytes += nbytes
+        log.info("loaded shard %d/%d %s: %d tensors, %.1f MiB in %.2f s", i, len(files), f.name, len(items),
+                 nbytes / 2**20, time.perf_counter() - t0)
+    report.seconds = time.perf_counter() - t_all
+    if report.skipped:
+        log.debug("skipped checkpoint entries: %s", _listed(report.skipped))
+    return report
+
+
+def init_dummy_weights(module: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Deterministic random weights (normal, ``std``) in registration order; RMSNorm weights = 1.
+
+    Values are drawn in float32 and then cast, so every dtype gets (a rounding of) the same model.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+        for m in module.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+
+def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = None, load_format: str = "auto",
+                      dtype: str | torch.dtype = "float32", eos_token_ids: Iterable[int] | None = None,
+                      seed: int = 0, default_sampling: Mapping[str, Any] | None = None) -> Any:
+    """A ``LlamaCausalLM`` on CPU with its weights (from ``model_path`` unless ``load_format="dummy"``).
+
+    The module is created without initialising its parameters (on the meta device) and then
+    materialised, so building a large model costs one copy of its weights.
+    """
+    from mstar.models.llama.modules import DEFAULT_SAMPLING, LlamaCausalLM
+
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
+    torch_dtype = resolve_dtype(dtype)
+    files: list[Path] = []
+    if load_format != "dummy":
+        if model_path is None:
+            raise CheckpointError("a model_path (checkpoint directory) is required unless load_format='dummy'")
+        files = checkpoint_files(model_path)
+    module = LlamaCausalLM(config, dtype=torch_dtype, device="meta", eos_token_ids=eos_token_ids,
+                           default_sampling=default_sampling or DEFAULT_SAMPLING)
+    module.to_empty(device="cpu")
+    module.tie_weights()
+    if load_format == "dummy":
+        init_dummy_weights(module, seed)
+        log.info("initialised dummy Llama weights (seed %d, %s)", seed, torch_dtype)
+    else:
+        report = load_safetensors(module, files)
+        log.info("loaded %s: %d tensors, %.1f MiB from %d file(s) in %.2f s (%s)", model_path, report.tensors,
+                 report.bytes / 2**20, len(files), report.seconds, torch_dtype)
+    return module.eval()

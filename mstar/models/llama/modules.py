@@ -1,0 +1,119 @@
+"""The ``LLM`` node of a Llama: backbone + LM head + sampling, over the runtime's paged KV cache.
+
+One module serves both walks and batches them together:
+
+* ``prefill``: input ``input_ids`` (the prompt) -> the first generated token;
+* ``decode``: input ``token`` (the previous token) -> the next one, plus the loop's ``stop`` flag.
+
+Besides ``token`` and ``stop`` the node outputs ``seen``: the prompt and every generated token so
+far (int64), which the repetition penalty needs. It travels through the walk (request state after
+prefill, a loop feedback edge in decode), so it is correct wherever each walk runs; requests
+without a repetition penalty carry an empty tensor instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from mstar.layers.llama import LlamaBackbone
+from mstar.layers.paged_attention import AttentionBackend
+from mstar.layers.sampling import SamplingParams, sample
+from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
+from mstar.models.llama.config import LlamaConfig
+
+__all__ = ["DEFAULT_SAMPLING", "LlamaCausalLM", "request_sampling", "stop_token_set"]
+
+# Defaults under a request's ``params["sampling"]``: greedy, 16 new tokens.
+DEFAULT_SAMPLING: Mapping[str, Any] = {"temperature": 0.0, "max_tokens": 16}
+
+
+def request_sampling(params: Mapping[str, Any], defaults: Mapping[str, Any] = DEFAULT_SAMPLING) -> SamplingParams:
+    """The request's ``SamplingParams``: ``defaults``, then ``params["sampling"]``, then a top-level
+    ``params["max_tokens"]``. Bad values raise ValueError."""
+    sampling = params.get("sampling") or {}
+    if not isinstance(sampling, Mapping):
+        raise ValueError(f"params['sampling'] must be a mapping, got {type(sampling).__name__}")
+    merged = {**defaults, **{k: v for k, v in sampling.items() if v is not None}}
+    if params.get("max_tokens") is not None:
+        merged["max_tokens"] = params["max_tokens"]
+    return SamplingParams.from_dict(merged)
+
+
+def stop_token_set(sp: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:
+    """Tokens that end generation: ``stop_token_ids``, plus the EOS ids unless ``ignore_eos``."""
+    stop = set(sp.stop_token_ids)
+    if not sp.ignore_eos:
+        stop.update(eos_token_ids)
+    return frozenset(stop)
+
+
+class LlamaCausalLM(NodeSubmodule):
+    """``model`` (a ``LlamaBackbone``) + ``lm_head``: HF ``LlamaForCausalLM`` parameter names."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None, eos_token_ids: Iterable[int] | None = None,
+                 default_sampling: Mapping[str, Any] = DEFAULT_SAMPLING,
+                 backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaBackbone(config, dtype=dtype, device=device, backend=backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+        self.kv_spec = KVSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
+        self.eos_token_ids = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.default_sampling = dict(default_sampling)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings`` the LM head is the embedding matrix (one parameter)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` (model dtype) of final-normed hidden states ``[N, hidden]``."""
+        return self.lm_head(hidden)
+
+    # -- runtime interface -----------------------------------------------------------------------
+    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
+                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
+        sp = request_sampling(fwd_info.params, self.default_sampling)
+        if "input_ids" in inputs:  # prefill: the prompt; first sampled token
+            ids = inputs["input_ids"][0].reshape(-1).to(torch.long)
+            step = 0
+            seen = ids if sp.repetition_penalty != 1.0 else None
+        else:  # decode: the previous token; iteration i samples token i + 1
+            ids = inputs["token"][0].reshape(-1).to(torch.long)
+            step = fwd_info.iteration[-1] + 1 if fwd_info.iteration else 0
+            seen = inputs["seen"][0].reshape(-1).to(torch.long) if sp.repetition_penalty != 1.0 else None
+        if ids.numel() == 0:
+            raise ValueError("LLM node got no tokens")
+        return NodeInputs(tensor_inputs={"ids": ids}, num_tokens=ids.numel(),
+                          extras={"sampling": sp, "step": step, "seen": seen,
+                                  "stop_ids": stop_token_set(sp, self.eos_token_ids)})
+
+    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs,
+                ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        ei = engine_inputs
+        hidden = self.model(ids, ei)
+        last = hidden[ei.last_token_rows().to(hidden.device)]
+        logits = self.compute_logits(last)
+        seen = ei.extras["seen"]
+        seen_lists = None if all(s is None for s in seen) else [[] if s is None else s.tolist() for s in seen]
+        tokens = sample(logits, ei.extras["sampling"], seen_lists, ei.extras["step"]).cpu()
+        out_tokens, out_seen, out_stop = [], [], []
+        for i, tok in enumerate(tokens.tolist()):
+            t = tokens[i:i + 1].clone()
+            out_tokens.append(t)
+            s = seen[i]
+            out_seen.append(torch.zeros(0, dtype=torch.long) if s is None else torch.cat([s.cpu(), t]))
+            sp: SamplingParams = ei.extras["sampling"][i]
+            done = tok in ei.extras["stop_ids"][i] or ei.extras["step"][i] + 1 >= sp.max_tokens
+            out_stop.append(torch.tensor(done))
+        return {"token": out_tokens, "seen": out_seen, "stop": out_stop}

@@ -1,0 +1,67 @@
+"""Prometheus metrics at /metrics. Names follow what users of vLLM-style servers look for.
+
+Request-level series are recorded as requests run; runtime state (queue depth, KV blocks,
+per-node batch sizes) is read from ``Runtime.stats()`` when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mstar_requests", "HTTP requests by route and status",
+                                ["model", "route", "status"], registry=r)
+        self.running = Gauge("mstar_running_requests", "requests admitted and not finished", ["model"], registry=r)
+        self.ttft = Histogram("mstar_time_to_first_token_seconds", "time to first token", ["model", "route"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("mstar_inter_token_latency_seconds", "time between streamed tokens",
+                             ["model", "route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttfa = Histogram("mstar_time_to_first_audio_seconds", "time to first audio packet",
+                              ["model", "route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("mstar_e2e_request_latency_seconds", "end-to-end request latency",
+                             ["model", "route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.rtf = Histogram("mstar_audio_real_time_factor", "generation time / audio duration", ["model", "route"],
+                             buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 5, 10), registry=r)
+        self.aborted = Counter("mstar_aborted_requests", "requests aborted because the client went away",
+                               ["model"], registry=r)
+        self.tokens = Counter("mstar_generation_tokens", "generated tokens", ["model", "route"], registry=r)
+        self.runtime_stats = None  # set by the app: a callable returning Runtime.stats()
+
+    def install_runtime_collector(self, stats_fn) -> None:
+        self.registry.register(_RuntimeCollector(self.model, stats_fn))
+
+
+class _RuntimeCollector:
+    def __init__(self, model: str, stats_fn) -> None:
+        self.model, self.stats_fn = model, stats_fn
+
+    def collect(self):
+        try:
+            stats = self.stats_fn()
+        except Exception:  # noqa: BLE001 - a scrape must not fail because the runtime is down
+            return
+        queue = GaugeMetricFamily("mstar_queue_depth", "work items waiting in node queues",
+                                  labels=["model", "rank", "node"])
+        used = GaugeMetricFamily("mstar_kv_blocks_used", "KV-cache blocks in use", labels=["model", "rank", "node"])
+        free = GaugeMetricFamily("mstar_kv_blocks_free", "free KV-cache blocks", labels=["model", "rank", "node"])
+        batches = GaugeMetricFamily("mstar_node_batches", "batched forwards run, by batch size",
+                                    labels=["model", "rank", "node", "batch_size"])
+        for r in stats["ranks"]:
+            rank = str(r["rank"])
+            for node, depth in r["queue_depth"].items():
+                queue.add_metric([self.model, rank, node], depth)
+            for node, kv in r["kv"].items():
+                used.add_metric([self.model, rank, node], kv["blocks_used"])
+                free.add_metric([self.model, rank, node], kv["blocks_free"])
+            for node, hist in r["batch_sizes"].items():
+                for size, count in hist.items():
+                    batches.add_metric([self.model, rank, node, str(size)], count)
+        yield from (queue, used, free, batches)

@@ -1,0 +1,105 @@
+"""The bridge between HTTP handlers and the runtime: admission control, streaming, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from mstar.runtime.api import RequestError, Runtime, StreamItem
+from mstar.server.errors import APIError
+from mstar.server.metrics import ServerMetrics
+
+
+class ServingEngine:
+    def __init__(self, runtime: Runtime, model_name: str, max_queue: int = 256) -> None:
+        self.runtime = runtime
+        self.model_name = model_name
+        self.max_queue = max_queue
+        self.adapter = runtime.model.api_adapter()
+        self.metrics = ServerMetrics(model_name)
+        self.metrics.install_runtime_collector(lambda: runtime.stats(timeout=5.0))
+        self.in_flight = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.runtime.healthy
+
+    def check_ready(self) -> None:
+        if not self.ready:
+            raise APIError(503, f"model {self.model_name} is not ready: {self.runtime._lost or 'starting'}")
+
+    async def stream(self, route: str, inputs: dict[str, Any], params: dict[str, Any]) -> AsyncIterator[StreamItem]:
+        """Submit and stream items; a consumer that stops iterating (client gone) aborts the request."""
+        self.check_ready()
+        if self.in_flight >= self.max_queue:
+            raise APIError(429, f"server is at capacity ({self.max_queue} requests in flight); retry later")
+        try:
+            handle = self.runtime.submit(inputs, params)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        except RuntimeError as e:
+            raise APIError(503, str(e)) from e
+        self.in_flight += 1
+        self.metrics.running.labels(self.model_name).inc()
+        finished = False
+        try:
+            async for item in handle:
+                yield item
+            finished = True
+        except RequestError as e:
+            finished = True
+            raise APIError(_status_of(str(e)), str(e)) from e
+        finally:
+            self.in_flight -= 1
+            self.metrics.running.labels(self.model_name).dec()
+            if not finished:
+                self.metrics.aborted.labels(self.model_name).inc()
+                self.runtime.abort(handle.request_id)
+
+
+def _status_of(error: str) -> int:
+    """A request that failed on bad input is the client's fault (400); a lost worker is 503."""
+    if "worker rank" in error and "died" in error:
+        return 503
+    if "ValueError" in error:
+        return 400
+    return 500
+
+
+class Timer:
+    """Per-request latency bookkeeping for the metrics."""
+
+    def __init__(self, metrics: ServerMetrics, route: str) -> None:
+        self.m, self.route = metrics, route
+        self.t0 = time.perf_counter()
+        self.last: float | None = None
+        self.first_audio = False
+
+    def token(self, n: int = 1) -> None:
+        now = time.perf_counter()
+        labels = (self.m.model, self.route)
+        if self.last is None:
+            self.m.ttft.labels(*labels).observe(now - self.t0)
+        else:
+            self.m.itl.labels(*labels).observe(now - self.last)
+        self.last = now
+        self.m.tokens.labels(*labels).inc(n)
+
+    def audio(self) -> None:
+        if not self.first_audio:
+            self.first_audio = True
+            self.m.ttfa.labels(self.m.model, self.route).observe(time.perf_counter() - self.t0)
+
+    def done(self, audio_seconds: float = 0.0) -> None:
+        dt = time.perf_counter() - self.t0
+        self.m.e2e.labels(self.m.model, self.route).observe(dt)
+        if audio_seconds > 0:
+            self.m.rtf.labels(self.m.model, self.route).observe(dt / audio_seconds)
+
+
+async def maybe_await(x):
+    if asyncio.iscoroutine(x):
+        return await x
+    return x

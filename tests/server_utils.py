@@ -1,0 +1,48 @@
+"""Run the HTTP server in a background thread on a free loopback port (tests only)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from mstar.runtime.api import Runtime
+from mstar.server.app import create_app
+from mstar.server.serving import ServingEngine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model, name: str, *, api_key: str | None = None, max_queue: int = 64, **rt_kwargs):
+    runtime = Runtime(model, **rt_kwargs).start()
+    engine = ServingEngine(runtime, name, max_queue)
+    app = create_app(engine, api_key=api_key)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("server did not start")
+        time.sleep(0.01)
+    try:
+        yield url, engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        runtime.shutdown()
+
+
+def get(url: str, path: str, **kw) -> httpx.Response:
+    return httpx.get(url + path, timeout=30, **kw)
