@@ -287,3 +287,20 @@ def test_burst_gets_429_and_memory_stays_bounded():
         assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
         assert next(r for r in rs if r.status_code == 429).json()["error"]["type"] == "rate_limit_error"
         wait_for(lambda: kv_blocks_used(engine) == 0)
+
+
+@pytest.mark.slow
+def test_lost_worker_gives_503():
+    import os
+    import signal
+
+    with running_server(ToyChat(), MODEL, workers="process") as (url, engine):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
+                                              max_tokens=2).choices[0].message.content
+        os.kill(engine.runtime._procs[0].pid, signal.SIGKILL)
+        wait_for(lambda: get(url, "/health").status_code == 503)
+        assert "worker rank 0 died" in get(url, "/health").json()["error"]["message"]
+        with pytest.raises(openai.InternalServerError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2)
+        assert e.value.status_code == 503
