@@ -24,9 +24,9 @@ $(STAMP): pyproject.toml
 test: install
 	$(PY) -m pytest
 
-# The HTTP server arrives with the serving release; until then this shows what the CLI offers.
+# Serves the embedded default model (tiny, dummy weights, offline) on 127.0.0.1:8000.
 serve: install
-	$(VENV)/bin/mstar --help
+	$(VENV)/bin/mstar serve
 
 lint: install
 	$(VENV)/bin/ruff check mstar tests

@@ -38,6 +38,12 @@ __all__ = [
 ]
 
 
+_ATTN_BIAS = ("attention_bias=True is not supported by mstar's Llama layers "
+              "(q/k/v/o projections must have no bias)")
+_MLP_BIAS = ("mlp_bias=True is not supported by mstar's Llama layers "
+             "(gate/up/down projections must have no bias)")
+
+
 class LlamaArchitecture(Protocol):
     """What the blocks read from a config (``mstar.models.llama.config.LlamaConfig`` provides it)."""
 
@@ -56,11 +62,9 @@ class LlamaArchitecture(Protocol):
 def check_llama_architecture(cfg: Any) -> None:
     """Raise ValueError, naming the field, for what these blocks do not implement."""
     if getattr(cfg, "attention_bias", False):
-        raise ValueError("attention_bias=True is not supported by mstar's Llama layers (q/k/v/o projections "
-                         "must have no bias)")
+        raise ValueError(_ATTN_BIAS)
     if getattr(cfg, "mlp_bias", False):
-        raise ValueError("mlp_bias=True is not supported by mstar's Llama layers (gate/up/down projections "
-                         "must have no bias)")
+        raise ValueError(_MLP_BIAS)
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported by mstar's Llama layers (only 'silu')")
@@ -95,7 +99,7 @@ class LlamaAttention(nn.Module):
                  device: torch.device | str | None = None, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         if getattr(cfg, "attention_bias", False):
-            check_llama_architecture(cfg)
+            raise ValueError(_ATTN_BIAS)
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -108,8 +112,10 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, **kw)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, **kw)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, engine_inputs: Any) -> torch.Tensor:
-        """``x`` ``[T, hidden]`` (already normed); ``cos``/``sin`` ``[T, head_dim]`` at the tokens' positions."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                engine_inputs: Any) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` (already normed); ``cos``/``sin`` ``[T, head_dim]`` at the tokens'
+        positions."""
         t = x.shape[0]
         q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
@@ -130,8 +136,7 @@ class LlamaMLP(nn.Module):
                  device: torch.device | str | None = None, bias: bool = False) -> None:
         super().__init__()
         if bias:
-            raise ValueError("mlp_bias=True is not supported by mstar's Llama layers (gate/up/down projections "
-                             "must have no bias)")
+            raise ValueError(_MLP_BIAS)
         kw = {"bias": False, "dtype": dtype, "device": device}
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
@@ -149,11 +154,13 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         self.self_attn = LlamaAttention(cfg, layer_idx, backend=backend, **kw)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, bias=getattr(cfg, "mlp_bias", False), **kw)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, bias=getattr(cfg, "mlp_bias", False),
+                            **kw)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, engine_inputs: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                engine_inputs: Any) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, engine_inputs)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -189,9 +196,11 @@ class LlamaBackbone(nn.Module):
         positions = engine_inputs.positions
         if positions is None or positions.shape[0] != h.shape[0]:
             got = None if positions is None else tuple(positions.shape)
-            raise ValueError(f"engine_inputs.positions must hold one position per token ({h.shape[0]}), got {got}")
+            raise ValueError(f"engine_inputs.positions must hold one position per token ({h.shape[0]}), "
+                             f"got {got}")
         if engine_inputs.kv_caches is None or len(engine_inputs.kv_caches) < len(self.layers):
-            raise ValueError(f"engine_inputs.kv_caches must hold one (k, v) cache per layer ({len(self.layers)})")
+            raise ValueError(f"engine_inputs.kv_caches must hold one (k, v) cache per layer "
+                             f"({len(self.layers)})")
         cos, sin = self.rotary_emb(positions, dtype=h.dtype, device=h.device)
         for layer in self.layers:
             h = layer(h, cos, sin, engine_inputs)

@@ -81,7 +81,8 @@ class RopeScaling:
 
 def parse_rope_scaling(d: Mapping[str, Any] | None, max_position_embeddings: int | None = None
                        ) -> RopeScaling | None:
-    """A ``RopeScaling`` from an HF ``rope_scaling`` / ``rope_parameters`` dict; None for the default schedule.
+    """A ``RopeScaling`` from an HF ``rope_scaling`` / ``rope_parameters`` dict; None for the default
+    schedule.
 
     The type is read from ``rope_type`` (or the legacy ``type``). For ``llama3`` a missing
     ``original_max_position_embeddings`` falls back to ``max_position_embeddings`` as in transformers.
@@ -94,7 +95,8 @@ def parse_rope_scaling(d: Mapping[str, Any] | None, max_position_embeddings: int
     if rope_type == "default":
         return None
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; "
+                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if "factor" not in d:
         raise ValueError(f"rope scaling {rope_type!r} needs a 'factor'")
     if rope_type == "linear":

@@ -6,4 +6,7 @@ from mstar.model.registry import register_model
 register_model("bagel", "mstar.models.bagel.graph:BagelGraph")
 register_model("qwen3-omni", "mstar.models.qwen3_omni.graph:Qwen3OmniGraph")
 register_model("orpheus", "mstar.models.orpheus.graph:OrpheusGraph")
-register_model("llama", "mstar.models.llama.graph:LlamaLM"); register_model("llama-tiny", "mstar.models.llama.graph:LlamaTiny")  # noqa: E702, E501
+
+# Text generation: a Hugging Face Llama checkpoint, and a tiny one with dummy weights (offline).
+register_model("llama", "mstar.models.llama.graph:LlamaLM")
+register_model("llama-tiny", "mstar.models.llama.graph:LlamaTiny")

@@ -33,7 +33,7 @@ def _token_ids(value: Any, name: str) -> tuple[int, ...]:
         raise ValueError(f"{name} must be an int or a list of ints, got {value!r}")
     if isinstance(value, int):
         return (value,)
-    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if isinstance(value, (list, tuple)) and all(type(v) is int for v in value):
         return tuple(value)
     raise ValueError(f"{name} must be an int or a list of ints, got {value!r}")
 
@@ -70,8 +70,8 @@ class LlamaConfig:
     mlp_bias: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "max_position_embeddings"):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "max_position_embeddings"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"LlamaConfig.{name} must be an int >= 1, got {v!r}")
@@ -123,7 +123,8 @@ class LlamaConfig:
             rope = d.get("rope_scaling")
         rope = dict(rope or {})
         if rope and all(isinstance(v, Mapping) for v in rope.values()):
-            raise ValueError(f"{source}: per-layer-type rope_parameters {sorted(rope)} are not supported for Llama")
+            raise ValueError(f"{source}: per-layer-type rope_parameters {sorted(rope)} are not supported "
+                             f"for Llama")
         theta = rope.get("rope_theta")
         if theta is None:
             theta = d.get("rope_theta")
@@ -204,7 +205,7 @@ class LlamaConfig:
 # three frequency bands all occur at head_dim 16 (wavelengths 6 and 20 kept, 63 blended, >= 199
 # scaled), tied embeddings. Token ids fit the ByteTokenizer (pad 0, bos 1, eos 2, bytes 3..258).
 TINY = LlamaConfig(
-    vocab_size=512,
+    vocab_size=259,  # exactly the byte tokenizer: every generated id decodes to a byte
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,

@@ -40,7 +40,8 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 def build_llama_graph(max_decode_iters: int) -> WalkGraph:
     emit = GraphEdge(EMIT_TO_CLIENT, "token", output_modality="text")
-    prefill = GraphNode(NODE, ["input_ids"], [GraphEdge(TO_STATE, "token"), GraphEdge(TO_STATE, "seen"), emit])
+    prefill = GraphNode(NODE, ["input_ids"],
+                        [GraphEdge(TO_STATE, "token"), GraphEdge(TO_STATE, "seen"), emit])
     decode = DynamicLoop(
         GraphNode(NODE, ["token", "seen"], [GraphEdge(NODE, "token"), GraphEdge(NODE, "seen"), emit]),
         max_iters=max_decode_iters,
@@ -73,8 +74,8 @@ class LlamaLM(ModelDef):
         self.seed = seed
         if config is None:
             if self.model_path is None:
-                raise ValueError(f"{self.name}: model_path (a checkpoint directory with config.json) is required, "
-                                 f"or pass config= (with load_format='dummy' for random weights)")
+                raise ValueError(f"{self.name}: model_path (a checkpoint directory with config.json) is "
+                                 f"required, or pass config= (with load_format='dummy' for random weights)")
             config = LlamaConfig.from_pretrained(self.model_path)
         elif isinstance(config, Mapping):
             config = LlamaConfig.from_hf_dict(config, source="config")
@@ -138,21 +139,28 @@ class LlamaLM(ModelDef):
             raise ValueError(f"{self.name}: input_ids must be one 1-D integer torch tensor of token ids")
         ids = values[0]
         if ids.dim() != 1 or ids.dtype not in _INT_DTYPES:
-            raise ValueError(f"{self.name}: input_ids must be a 1-D integer tensor, got shape {tuple(ids.shape)} "
-                             f"dtype {ids.dtype}")
+            raise ValueError(f"{self.name}: input_ids must be a 1-D integer tensor, got shape "
+                             f"{tuple(ids.shape)} dtype {ids.dtype}")
         if ids.numel() == 0:
             raise ValueError(f"{self.name}: input_ids is empty")
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:
-            raise ValueError(f"{self.name}: input_ids must be token ids in [0, {vocab}), got {lo if lo < 0 else hi}")
+            raise ValueError(f"{self.name}: input_ids must be token ids in [0, {vocab}), "
+                             f"got {lo if lo < 0 else hi}")
         sp = self.sampling_params(params)  # bad sampling values raise ValueError here
         bad_stop = [t for t in sp.stop_token_ids if t >= vocab]
         if bad_stop:
-            raise ValueError(f"{self.name}: stop_token_ids {bad_stop} are outside the vocabulary [0, {vocab})")
+            raise ValueError(f"{self.name}: stop_token_ids {bad_stop} are outside the vocabulary "
+                             f"[0, {vocab})")
         n = ids.numel()
         if n + sp.max_tokens > max_pos:
-            raise ValueError(f"{self.name}: prompt ({n} tokens) + max_tokens ({sp.max_tokens}) = {n + sp.max_tokens} "
-                             f"exceeds max_position_embeddings ({max_pos})")
+            raise ValueError(f"{self.name}: prompt ({n} tokens) + max_tokens ({sp.max_tokens}) = "
+                             f"{n + sp.max_tokens} exceeds max_position_embeddings ({max_pos})")
+
+    def api_adapter(self):
+        from mstar.models.llama.adapter import LlamaChatAdapter
+
+        return LlamaChatAdapter(self)
 
     # -- modules ---------------------------------------------------------------------------------
     def build_submodules(self, node_names: Iterable[str]) -> dict[str, NodeSubmodule]:

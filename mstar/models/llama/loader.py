@@ -88,7 +88,8 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
     if index.is_file():
         weight_map = read_json(index, INDEX_FILE).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index}: 'weight_map' must be a non-empty mapping of tensor name -> shard file")
+            raise CheckpointError(f"{index}: 'weight_map' must be a non-empty mapping of tensor name -> "
+                                  f"shard file")
         shards = list(dict.fromkeys(str(v) for v in weight_map.values()))
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
@@ -101,7 +102,8 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
         return others
     legacy = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
     hint = f" (found {_listed(legacy)}: only safetensors checkpoints are supported)" if legacy else ""
-    raise CheckpointNotFoundError(f"no weights in {str(path)!r}: expected {SINGLE_FILE} or {INDEX_FILE}{hint}")
+    raise CheckpointNotFoundError(f"no weights in {str(path)!r}: expected {SINGLE_FILE} or "
+                                  f"{INDEX_FILE}{hint}")
 
 
 @dataclass
@@ -127,7 +129,8 @@ def load_safetensors(module: torch.nn.Module, files: Iterable[str | Path]) -> Lo
     try:
         from safetensors import safe_open
     except ImportError as e:  # pragma: no cover - safetensors ships with the serving extras
-        raise ImportError("loading checkpoints needs the 'safetensors' package (pip install safetensors)") from e
+        raise ImportError("loading checkpoints needs the 'safetensors' package "
+                          "(pip install safetensors)") from e
 
     files = [Path(f) for f in files]
     state, groups = _targets(module)
@@ -209,15 +212,19 @@ def load_safetensors(module: torch.nn.Module, files: Iterable[str | Path]) -> Lo
     return report
 
 
-def init_dummy_weights(module: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Deterministic random weights (normal, ``std``) in registration order; RMSNorm weights = 1.
+def init_dummy_weights(module: torch.nn.Module, seed: int = 0, std: float | None = None) -> None:
+    """Deterministic random weights, drawn in registration order; RMSNorm weights = 1.
 
-    Values are drawn in float32 and then cast, so every dtype gets (a rounding of) the same model.
+    Each parameter is normal with standard deviation ``std``, by default ``1 / sqrt(fan_in)`` (its
+    last dimension; ``1 / sqrt(hidden)`` for the embedding), which keeps activations and logits of
+    order one, so even a tiny dummy model gives prompt-dependent, non-degenerate text. Values are
+    drawn in float32 and then cast: every dtype gets (a rounding of) the same model.
     """
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+            scale = std if std is not None else p.shape[-1] ** -0.5
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * scale)
         for m in module.modules():
             if isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
@@ -239,7 +246,8 @@ def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = No
     files: list[Path] = []
     if load_format != "dummy":
         if model_path is None:
-            raise CheckpointError("a model_path (checkpoint directory) is required unless load_format='dummy'")
+            raise CheckpointError("a model_path (checkpoint directory) is required unless "
+                                  "load_format='dummy'")
         files = checkpoint_files(model_path)
     module = LlamaCausalLM(config, dtype=torch_dtype, device="meta", eos_token_ids=eos_token_ids,
                            default_sampling=default_sampling or DEFAULT_SAMPLING)

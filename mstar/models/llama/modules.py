@@ -31,7 +31,8 @@ __all__ = ["DEFAULT_SAMPLING", "LlamaCausalLM", "request_sampling", "stop_token_
 DEFAULT_SAMPLING: Mapping[str, Any] = {"temperature": 0.0, "max_tokens": 16}
 
 
-def request_sampling(params: Mapping[str, Any], defaults: Mapping[str, Any] = DEFAULT_SAMPLING) -> SamplingParams:
+def request_sampling(params: Mapping[str, Any],
+                     defaults: Mapping[str, Any] = DEFAULT_SAMPLING) -> SamplingParams:
     """The request's ``SamplingParams``: ``defaults``, then ``params["sampling"]``, then a top-level
     ``params["max_tokens"]``. Bad values raise ValueError."""
     sampling = params.get("sampling") or {}
@@ -61,7 +62,8 @@ class LlamaCausalLM(NodeSubmodule):
         super().__init__()
         self.config = config
         self.model = LlamaBackbone(config, dtype=dtype, device=device, backend=backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
+                                 device=device)
         self.kv_spec = KVSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
         self.eos_token_ids = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.default_sampling = dict(default_sampling)

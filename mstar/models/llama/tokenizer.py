@@ -54,7 +54,8 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError as e:  # pragma: no cover - tokenizers ships with the serving extras
-            raise ImportError("loading tokenizer.json needs the 'tokenizers' package (pip install tokenizers)") from e
+            raise ImportError("loading tokenizer.json needs the 'tokenizers' package "
+                              "(pip install tokenizers)") from e
         self.path = str(path)
         try:
             self._tok: Any = Tokenizer.from_file(self.path)
@@ -112,10 +113,11 @@ def load_tokenizer(model_path: str | Path, eos_token_ids: Sequence[int] | None =
         raise CheckpointNotFoundError(f"model path {str(path)!r} does not exist or is not a directory")
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
-        raise CheckpointNotFoundError(f"no tokenizer.json in {str(path)!r} (only the fast-tokenizer format is "
-                                      f"supported)")
+        raise CheckpointNotFoundError(f"no tokenizer.json in {str(path)!r} (only the fast-tokenizer "
+                                      f"format is supported)")
     cfg = read_json(path / "config.json", "config.json") if (path / "config.json").is_file() else {}
     bos = cfg.get("bos_token_id")
     pad = cfg.get("pad_token_id")
     eos = tuple(eos_token_ids) if eos_token_ids is not None else checkpoint_eos_ids(path)
-    return HFTokenizer(tok_file, eos, bos if isinstance(bos, int) else None, pad if isinstance(pad, int) else None)
+    return HFTokenizer(tok_file, eos, bos if isinstance(bos, int) else None,
+                       pad if isinstance(pad, int) else None)

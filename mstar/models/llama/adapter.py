@@ -1,0 +1,110 @@
+"""Llama behind the OpenAI chat API: messages -> prompt ids, streamed token ids -> text deltas."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar.model.adapter import CHAT, GENERATE, ApiAdapter, ApiRequest, ItemDecoder, TextDelta
+
+# OpenAI request fields -> our sampling fields (None values are left to the model's defaults)
+_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
+                    "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos"}
+
+
+def _text_of(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(p.get("text") or "" for p in content if p.get("type") == "text")
+
+
+class ChatTemplate:
+    """The checkpoint's Jinja chat template (tokenizer_config.json), or a plain "role: text" layout."""
+
+    def __init__(self, model_path: str | None) -> None:
+        self.template = None
+        self.specials: dict[str, str] = {}
+        cfg = Path(model_path) / "tokenizer_config.json" if model_path else None
+        if cfg is not None and cfg.is_file():
+            data = json.loads(cfg.read_text())
+            source = data.get("chat_template")
+            if isinstance(source, str):
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                self.template = env.from_string(source)
+                for key in ("bos_token", "eos_token"):
+                    tok = data.get(key)
+                    self.specials[key] = tok.get("content", "") if isinstance(tok, dict) else (tok or "")
+
+    def render(self, messages: list[Mapping[str, Any]]) -> tuple[str, bool]:
+        """The prompt text and whether it already holds the special tokens (no BOS to add)."""
+        msgs = [{"role": m["role"], "content": _text_of(m.get("content"))} for m in messages]
+        if self.template is not None:
+            return self.template.render(messages=msgs, add_generation_prompt=True, **self.specials), True
+        return "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:", False
+
+
+class LlamaChatAdapter(ApiAdapter):
+    routes = frozenset({CHAT, GENERATE})
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.template = ChatTemplate(model.model_path)
+
+    def chat_request(self, body, images, audio):
+        if images or audio:
+            raise ValueError(f"{self.model.name} is a text model: image and audio inputs are not supported")
+        prompt, has_specials = self.template.render(body["messages"])
+        ids = self.model.tokenizer.encode(prompt, add_special_tokens=not has_specials)
+        sampling = {ours: body[theirs] for theirs, ours in _SAMPLING_FIELDS.items() if body.get(theirs) is not None}
+        stop = body.get("stop")
+        if stop:
+            raise ValueError("'stop' strings are not supported yet; use stop_token_ids")
+        if body.get("stop_token_ids"):
+            sampling["stop_token_ids"] = list(body["stop_token_ids"])
+        params: dict[str, Any] = {"sampling": sampling}
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        if max_tokens is not None:
+            params["max_tokens"] = int(max_tokens)
+        inputs = {"input_ids": [torch.tensor(ids, dtype=torch.long)]}
+        self.model.validate_request(inputs, params)  # context-length and vocabulary checks -> 400
+        return ApiRequest(inputs, params, prompt_tokens=len(ids))
+
+    def new_decoder(self, route, request):
+        sp = self.model.sampling_params(request.params)
+        return _TextDecoder(self.model.tokenizer, sp.max_tokens, set(self.model.eos_token_ids) | set(sp.stop_token_ids))
+
+
+class _TextDecoder(ItemDecoder):
+    """Incremental detokenizing: decode all ids so far, emit what was added; hold back a trailing
+    replacement character (an incomplete UTF-8 sequence) until the next token completes it."""
+
+    def __init__(self, tokenizer, max_tokens: int, stop_ids: set[int]) -> None:
+        self.tok, self.max_tokens, self.stop_ids = tokenizer, max_tokens, stop_ids
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def feed(self, name, value):
+        token = int(value[0].reshape(-1)[0])
+        self.ids.append(token)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+            return [TextDelta("", 1)]
+        if len(self.ids) >= self.max_tokens:
+            self.finish_reason = "length"
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return [TextDelta("", 1)]
+        delta, self.sent = text[len(self.sent):], text
+        return [TextDelta(delta, 1)]
+
+    def finish(self):
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        rest = text[len(self.sent):]
+        self.sent = text
+        return [TextDelta(rest, 0)] if rest else []
