@@ -433,3 +433,19 @@ def test_sample_argument_checks() -> None:
     with pytest.raises(ValueError):
         sample(torch.zeros(5), [SamplingParams()], None, [0])
     assert sample(torch.zeros(0, 5), [], None, []).shape == (0,)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 10.0])
+def test_partial_top_k_top_p_equals_full_sort(monkeypatch, scale):
+    import mstar.layers.sampling as smp
+
+    g = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(6, 3000, generator=g) * scale
+    logits[0, :5] = 50.0  # ties at the top
+    top_k = [0, 5, 300, 0, 40, 0]
+    top_p = [0.9, 1.0, 0.8, 0.5, 0.95, 1.0]
+    fast = smp.apply_top_k_top_p(logits, top_k, top_p)
+    monkeypatch.setattr(smp, "_PARTIAL_K", 10**9)  # force the full sort
+    full = smp.apply_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(torch.isinf(fast), torch.isinf(full))
+    assert torch.equal(fast[~torch.isinf(fast)], full[~torch.isinf(full)])

@@ -309,6 +309,15 @@ def apply_top_k_top_p(
     if batch == 0 or vocab == 0 or not bool((use_k | use_p).any()):
         return out
 
+    fast = _top_k_top_p_partial(out, ks, ps, use_k, use_p)
+    if fast is not None:
+        return fast
+    finite = torch.isfinite(out)
+    if batch == 1 and int(finite.sum()) * 4 < vocab:
+        # most of the row is already masked (constrained decoding): filter only its finite part
+        kept = finite[0].nonzero().squeeze(-1)
+        sub = apply_top_k_top_p(out[:, kept], ks, ps)
+        return torch.full_like(out, float("-inf")).index_copy_(1, kept, sub)
     sorted_vals, sorted_idx = torch.sort(out, dim=-1, descending=True)
     # top-k: threshold at the k-th largest value (ties with it survive).
     kth = sorted_vals.gather(-1, (ks.clamp(1, vocab) - 1)[:, None])
@@ -322,6 +331,45 @@ def apply_top_k_top_p(
     drop[:, 0] = False
     sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
     return out.scatter(-1, sorted_idx, sorted_vals)
+
+
+_PARTIAL_K = 256
+
+
+def _top_k_top_p_partial(out: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, use_k: torch.Tensor,
+                         use_p: torch.Tensor) -> torch.Tensor | None:
+    """The same filtering from the ``_PARTIAL_K`` largest logits only, when that is provably exact
+    for every row (its kept set lies inside them); None otherwise. A full sort of a 150k-token
+    vocabulary costs ~20 ms per row on a CPU; ``topk`` of 256 a fraction of that.
+
+    Exact when, per row: top-k is on with k < K and the k-th value is strictly above the K-th (no
+    ties reach past K); or top-k is off and the K largest already hold probability mass >= p (so
+    the nucleus ends inside them); or neither filter is on (the row is left unchanged).
+    """
+    batch, vocab = out.shape
+    k_cap = min(_PARTIAL_K, vocab)
+    if k_cap >= vocab:
+        return None
+    top_vals, top_idx = torch.topk(out, k_cap, dim=-1)  # sorted, descending
+    kk = ks.clamp(1, k_cap)
+    kth = top_vals.gather(-1, (kk - 1)[:, None])
+    k_ok = use_k & (ks < k_cap) & (kth[:, 0] > top_vals[:, -1])
+    full_lse = torch.logsumexp(out, dim=-1)
+    p_ok = use_p & ~use_k & (torch.exp(torch.logsumexp(top_vals, dim=-1) - full_lse) >= ps)
+    active = use_k | use_p
+    if not bool((k_ok | p_ok | ~active).all()):
+        return None
+    vals = top_vals.masked_fill(use_k[:, None] & (top_vals < kth), float("-inf"))
+    # probabilities under the row's filtered distribution: top-k rows normalise over their kept set
+    # (inside the K), the others over the whole vocabulary
+    lse = torch.where(use_k, torch.logsumexp(vals, dim=-1), full_lse)
+    probs = torch.exp(vals - lse[:, None])
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop = (mass_before >= ps[:, None]) & use_p[:, None]
+    drop[:, 0] = False
+    vals = vals.masked_fill(drop, float("-inf"))
+    filtered = torch.full_like(out, float("-inf")).scatter(-1, top_idx, vals)
+    return torch.where(active[:, None], filtered, out)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -382,9 +430,14 @@ def sample(
         si = torch.tensor(s_rows, dtype=torch.long, device=device)
         sp = [params[i] for i in s_rows]
         xs = apply_temperature(x[si], [p.temperature for p in sp])
-        xs = apply_top_k_top_p(xs, [p.top_k for p in sp], [p.top_p for p in sp])
-        noise = torch.stack(
-            [_exponential_noise(vocab, device, p.seed, step_indices[i]) for i, p in zip(s_rows, sp)]
-        )
-        out[si] = torch.argmax(xs + noise, dim=-1)
+        xs = torch.cat([apply_top_k_top_p(xs[r:r + 1], [p.top_k], [p.top_p]) for r, p in enumerate(sp)])
+        for row, (i, p) in enumerate(zip(s_rows, sp)):
+            # the race runs over the tokens the filters kept only (noise drawn for those alone, in
+            # vocabulary order): same distribution, and cheap when top-k / top-p keep a few tokens
+            kept = torch.isfinite(xs[row]).nonzero().squeeze(-1)
+            if kept.numel() == 0 or kept.numel() == vocab:
+                out[i] = torch.argmax(xs[row] + _exponential_noise(vocab, device, p.seed, step_indices[i]))
+            else:
+                race = xs[row, kept] + _exponential_noise(kept.numel(), device, p.seed, step_indices[i])
+                out[i] = kept[torch.argmax(race)]
     return out

@@ -5,7 +5,10 @@ from mstar.model.registry import register_model
 # Structure-only declarations (graph + next_walk, no weights yet): drawable with `mstar graph`.
 register_model("bagel", "mstar.models.bagel.graph:BagelGraph")
 register_model("qwen3-omni", "mstar.models.qwen3_omni.graph:Qwen3OmniGraph")
-register_model("orpheus", "mstar.models.orpheus.graph:OrpheusGraph")
+
+# Text-to-speech: Orpheus (Llama + SNAC), and its tiny offline variant.
+register_model("orpheus", "mstar.models.orpheus.model:OrpheusTTS")
+register_model("orpheus-tiny", "mstar.models.orpheus.model:OrpheusTiny")
 
 # Text generation: a Hugging Face Llama checkpoint, and a tiny one with dummy weights (offline).
 register_model("llama", "mstar.models.llama.graph:LlamaLM")

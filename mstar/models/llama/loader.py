@@ -232,8 +232,10 @@ def init_dummy_weights(module: torch.nn.Module, seed: int = 0, std: float | None
 
 def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = None, load_format: str = "auto",
                       dtype: str | torch.dtype = "float32", eos_token_ids: Iterable[int] | None = None,
-                      seed: int = 0, default_sampling: Mapping[str, Any] | None = None) -> Any:
-    """A ``LlamaCausalLM`` on CPU with its weights (from ``model_path`` unless ``load_format="dummy"``).
+                      seed: int = 0, default_sampling: Mapping[str, Any] | None = None,
+                      module_cls: type | None = None) -> Any:
+    """A ``LlamaCausalLM`` (or ``module_cls``, a subclass) on CPU with its weights (from ``model_path``
+    unless ``load_format="dummy"``).
 
     The module is created without initialising its parameters (on the meta device) and then
     materialised, so building a large model costs one copy of its weights.
@@ -249,8 +251,8 @@ def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = No
             raise CheckpointError("a model_path (checkpoint directory) is required unless "
                                   "load_format='dummy'")
         files = checkpoint_files(model_path)
-    module = LlamaCausalLM(config, dtype=torch_dtype, device="meta", eos_token_ids=eos_token_ids,
-                           default_sampling=default_sampling or DEFAULT_SAMPLING)
+    module = (module_cls or LlamaCausalLM)(config, dtype=torch_dtype, device="meta", eos_token_ids=eos_token_ids,
+                                           default_sampling=default_sampling or DEFAULT_SAMPLING)
     module.to_empty(device="cpu")
     module.tie_weights()
     if load_format == "dummy":

@@ -82,6 +82,10 @@ class LlamaCausalLM(NodeSubmodule):
         """Logits ``[N, vocab]`` (model dtype) of final-normed hidden states ``[N, hidden]``."""
         return self.lm_head(hidden)
 
+    def process_logits(self, logits: torch.Tensor, engine_inputs: EngineInputs) -> torch.Tensor:
+        """Hook for subclasses (e.g. constrained decoding) before sampling; the identity here."""
+        return logits
+
     # -- runtime interface -----------------------------------------------------------------------
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
@@ -105,7 +109,7 @@ class LlamaCausalLM(NodeSubmodule):
         ei = engine_inputs
         hidden = self.model(ids, ei)
         last = hidden[ei.last_token_rows().to(hidden.device)]
-        logits = self.compute_logits(last)
+        logits = self.process_logits(self.compute_logits(last), ei)
         seen = ei.extras["seen"]
         seen_lists = None if all(s is None for s in seen) else [[] if s is None else s.tolist() for s in seen]
         tokens = sample(logits, ei.extras["sampling"], seen_lists, ei.extras["step"]).cpu()

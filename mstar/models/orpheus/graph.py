@@ -1,4 +1,15 @@
-"""Orpheus TTS's Walk Graph: an LLM partition streaming audio tokens into a codec partition."""
+"""Orpheus TTS's Walk Graph: an LLM partition streaming audio tokens into a codec partition.
+
+::
+
+    partition llm:    prefill: input_ids -> LLM -> token, seen (TO_STATE); audio_token ~> codec; token (client)
+                      decode:  DynamicLoop(LLM: token, seen -> token, seen (fed back); audio_token ~> codec;
+                                           token (client))
+    partition codec:  snac_chunk: audio_token (a 28-token window, stride 7) -> snac_decoder -> audio (client)
+
+Only audio tokens enter the stream (the LLM node sends an empty list for other tokens), so the
+codec's stream index of a token is its index among the request's audio tokens.
+"""
 
 from __future__ import annotations
 
@@ -23,10 +34,12 @@ SNAC_STRIDE = 7  # one new frame
 
 def build_orpheus_graph(max_new_tokens: int = 1200) -> WalkGraph:
     to_codec = StreamingGraphEdge(next_node="snac_decoder", name="audio_token", target_partition="codec")
+    tokens_out = GraphEdge(EMIT_TO_CLIENT, "token")  # every generated token, for /generate clients and tests
     prefill = GraphNode(name="LLM", input_names=["input_ids"],
-                        outputs=[GraphEdge(TO_STATE, "token"), to_codec])
+                        outputs=[GraphEdge(TO_STATE, "token"), GraphEdge(TO_STATE, "seen"), to_codec, tokens_out])
     decode = DynamicLoop(
-        section=GraphNode(name="LLM", input_names=["token"], outputs=[GraphEdge("LLM", "token"), to_codec]),
+        section=GraphNode(name="LLM", input_names=["token", "seen"],
+                          outputs=[GraphEdge("LLM", "token"), GraphEdge("LLM", "seen"), to_codec, tokens_out]),
         max_iters=max_new_tokens,
         defer_stop_check=True,
     )
@@ -38,20 +51,28 @@ def build_orpheus_graph(max_new_tokens: int = 1200) -> WalkGraph:
     ])
     return WalkGraph([
         Walk("prefill", prefill, inputs=["input_ids"], partition="llm"),
-        Walk("decode", decode, inputs=["token"], partition="llm"),
+        Walk("decode", decode, inputs=["token", "seen"], partition="llm"),
         Walk("snac_chunk", codec, partition="codec"),
     ], topology=topology)
 
 
-class OrpheusGraph(ModelDef):
-    """Orpheus's graph and state machine (structure only)."""
+def orpheus_next_walk(state: WalkState, first_token_ends: bool) -> str | None:
+    if state.partition == "codec":
+        return None if state.stream_done else "snac_chunk"
+    if state.last_walk is None:
+        return "prefill"
+    if state.last_walk == "prefill" and not first_token_ends:
+        return "decode"
+    return None
 
-    name = "orpheus"
+
+class OrpheusGraph(ModelDef):
+    """Orpheus's graph and state machine alone (no weights): `mstar graph orpheus-graph`."""
+
+    name = "orpheus-graph"
 
     def build_graph(self) -> WalkGraph:
         return build_orpheus_graph()
 
     def next_walk(self, state: WalkState) -> str | None:
-        if state.partition == "codec":
-            return None if state.stream_done else "snac_chunk"
-        return {None: "prefill", "prefill": "decode"}.get(state.last_walk)
+        return orpheus_next_walk(state, False)

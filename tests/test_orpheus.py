@@ -1,0 +1,161 @@
+"""Orpheus TTS end to end: HF-checkpoint parity of the speech LM through the runtime (batched, and
+on the prefill/decode split), streamed audio equal to the offline sliding-window decode, the
+OpenAI speech route returning valid WAV, and the shipped placements."""
+
+from __future__ import annotations
+
+import io
+import json
+import wave
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from mstar import Runtime
+from mstar.model import resolve_model
+from mstar.models.orpheus.codec import AUDIO_TOKEN_BASE, TOKENS_PER_FRAME, to_pcm16, tokens_to_codes
+from mstar.models.orpheus.model import END_OF_PROMPT, START_OF_HUMAN, STOP_TOKEN, VOCAB_SIZE, OrpheusTTS
+from mstar.models.orpheus.snac_loader import TINY_SNAC_CONFIG, dummy_snac
+from mstar.placement import Placement
+from tests.server_utils import running_server
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [[START_OF_HUMAN, 5, 9, 13, *END_OF_PROMPT], [START_OF_HUMAN, 7, *END_OF_PROMPT],
+           [START_OF_HUMAN, 11, 12, 13, 14, 15, 16, *END_OF_PROMPT]]
+GREEDY = {"max_tokens": 40, "sampling": {"temperature": 0.0, "repetition_penalty": 1.0, "ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def orpheus_ckpt(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=True, bos_token_id=128000, eos_token_id=STOP_TOKEN,
+                                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 64})
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.copy_(2.0 / p.shape[-1] ** 0.5 * torch.randn(p.shape, generator=g))
+    model.generation_config.eos_token_id = None
+    path = tmp_path_factory.mktemp("orpheus")
+    model.save_pretrained(path)
+    snac_dir = path / "snac"
+    snac_dir.mkdir()
+    codec = dummy_snac(1)
+    (snac_dir / "config.json").write_text(json.dumps(TINY_SNAC_CONFIG))
+    torch.save(codec.state_dict(), snac_dir / "pytorch_model.bin")
+    return model, path
+
+
+def hf_tokens(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+PD = {"model": "orpheus", "node_groups": [
+    {"node_names": ["LLM"], "ranks": [0], "graph_walks": ["prefill"]},
+    {"node_names": ["LLM"], "ranks": [1], "graph_walks": ["decode"]},
+    {"node_names": ["snac_decoder"], "ranks": [1]}]}
+
+
+@pytest.mark.parametrize("placement", [None, PD], ids=["one-rank", "prefill-decode-split"])
+def test_speech_lm_matches_hf_generate(orpheus_ckpt, placement):
+    hf, path = orpheus_ckpt
+    expected = [hf_tokens(hf, p, 40) for p in PROMPTS]
+    with Runtime(OrpheusTTS(model_path=path), Placement.from_dict(placement) if placement else None) as rt:
+        outs = rt.generate([{"input_ids": torch.tensor(p)} for p in PROMPTS], GREEDY)
+        for o, exp in zip(outs, expected):
+            assert o.finished, o.error
+            assert [int(t) for t in o.tensors("token")] == exp
+        assert sum(kv["blocks_used"] for r in rt.stats()["ranks"] for kv in r["kv"].values()) == 0
+
+
+def offline_reference(snac_model, audio_tokens: list[int]) -> torch.Tensor:
+    """Orpheus' reference streaming, written out: all tokens first, then for every count k = 28,
+    35, ... decode the last 28 tokens and keep the second frame's samples."""
+    pieces = []
+    s = None
+    for k in range(28, len(audio_tokens) + 1, 7):
+        codes, valid = tokens_to_codes(audio_tokens[k - 28:k], k - 28)
+        assert valid
+        with torch.inference_mode():
+            audio = snac_model.decode(codes)[0, 0]
+        s = audio.shape[-1] // 4
+        pieces.append(to_pcm16(audio[s:2 * s]))
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int16)
+
+
+def test_streamed_audio_equals_offline_sliding_window_decode():
+    model = resolve_model("orpheus-tiny")
+    params = {"max_tokens": 120, "sampling": {"seed": 3}}
+    with Runtime(model) as rt:
+        outs = rt.generate([{"input_ids": torch.tensor(p)} for p in PROMPTS], params)
+        snac_model = rt._workers[0].engines["snac_decoder"].module.snac
+    for o in outs:
+        assert o.finished, o.error
+        toks = [int(t) for t in o.tensors("token")]
+        audio_tokens = [t for t in toks if t >= AUDIO_TOKEN_BASE]
+        assert len(audio_tokens) >= 56  # constrained decoding: (almost) every token is audio
+        streamed = torch.cat(o.tensors("audio"))
+        ref = offline_reference(snac_model, audio_tokens)
+        assert streamed.shape == ref.shape and streamed.numel() > 0
+        # windows of one request may batch into one SNAC call: at most one LSB apart (float noise)
+        assert int((streamed.int() - ref.int()).abs().max()) <= 1
+        assert float((streamed == ref).float().mean()) > 0.99
+
+
+def test_speech_route_returns_valid_wav_streamed_and_not():
+    with running_server(resolve_model("orpheus-tiny"), "orpheus-tiny") as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        extra = {"max_tokens": 70, "seed": 1}
+        speech = client.audio.speech.create(model="orpheus-tiny", input="Hello <laugh> world", voice="tara",
+                                            response_format="wav", extra_body=extra)
+        with wave.open(io.BytesIO(speech.read())) as w:
+            assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+            n = w.getnframes()
+            assert n > 0
+        with client.audio.speech.with_streaming_response.create(
+                model="orpheus-tiny", input="Hello <laugh> world", voice="tara", response_format="wav",
+                extra_body={**extra, "stream_format": "audio"}) as resp:
+            data = resp.read()
+        assert data[:4] == b"RIFF" and data[8:12] == b"WAVE"
+        assert len(data) - 44 == 2 * n  # same seed, same audio, streamed with an open-ended header
+        voices = client.get("/audio/voices", cast_to=object)
+        assert "tara" in voices["voices"]
+        with pytest.raises(openai.BadRequestError, match="unknown voice"):
+            client.audio.speech.create(model="orpheus-tiny", input="x", voice="nobody")
+
+
+def test_real_layout_needs_snac_directory(orpheus_ckpt, tmp_path):
+    _, path = orpheus_ckpt
+    bare = tmp_path / "llm_only"
+    bare.mkdir()
+    for f in path.iterdir():
+        if f.is_file():
+            (bare / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ValueError, match="SNAC codec directory"):
+        OrpheusTTS(model_path=bare)
+
+
+@pytest.mark.parametrize("name", ["orpheus_single.yaml", "orpheus_pd_split.yaml", "orpheus_codec_rank.yaml"])
+def test_shipped_placements_validate(name):
+    from mstar.models.orpheus.graph import build_orpheus_graph
+
+    p = Placement.load(ROOT / "examples" / "placements" / name).check_model("orpheus")
+    assert p.validate(build_orpheus_graph()).num_ranks in (1, 2)
+
+
+def test_audio_token_encoding_matches_reference_formula():
+    codes = [0, 4095, 17, 4000, 1, 2, 3]
+    tokens = [AUDIO_TOKEN_BASE + c + i * 4096 for i, c in enumerate(codes)]
+    (l0, l1, l2), valid = tokens_to_codes(tokens, 0)
+    assert valid and l0.tolist() == [[0]] and l1.tolist() == [[4095, 1]] and l2.tolist() == [[17, 4000, 2, 3]]
+    assert len(tokens) == TOKENS_PER_FRAME
