@@ -104,7 +104,7 @@ def test_orpheus_prefill_decode_and_codec_partition():
     lp = decode.loops["LLM_loop"]
     assert lp.dynamic and lp.defer_stop_check and lp.max_iters == 1200
     kinds = {r.kind for r in decode.nodes["LLM"].routes}
-    assert kinds == {RouteKind.FEEDBACK, RouteKind.STREAM}
+    assert kinds == {RouteKind.FEEDBACK, RouteKind.STREAM, RouteKind.EMIT}
     assert g.plan("prefill").nodes["LLM"].routes[0].kind is RouteKind.STATE
     m = OrpheusGraph()
     st = WalkState("r", "llm", {})

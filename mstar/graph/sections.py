@@ -143,13 +143,11 @@ class GraphNode(Section):
 
 
 @dataclass(frozen=True, eq=False)
-class Sequential(Section):
-    """Sections run one after another; a later section consumes earlier outputs."""
-
+class _Composite(Section):
     sections: Sequence[Section]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sections", _as_sections("Sequential", self.sections))
+        object.__setattr__(self, "sections", _as_sections(type(self).__name__, self.sections))
 
     def iter_nodes(self) -> Iterator[GraphNode]:
         for s in self.sections:
@@ -161,29 +159,17 @@ class Sequential(Section):
 
     @property
     def label(self) -> str:
-        return "Sequential"
+        return type(self).__name__
 
 
 @dataclass(frozen=True, eq=False)
-class Parallel(Section):
+class Sequential(_Composite):
+    """Sections run one after another; a later section consumes earlier outputs."""
+
+
+@dataclass(frozen=True, eq=False)
+class Parallel(_Composite):
     """Independent branches that may run at the same time; a later node joins their outputs."""
-
-    sections: Sequence[Section]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "sections", _as_sections("Parallel", self.sections))
-
-    def iter_nodes(self) -> Iterator[GraphNode]:
-        for s in self.sections:
-            yield from s.iter_nodes()
-
-    def iter_loops(self) -> Iterator[Loop]:
-        for s in self.sections:
-            yield from s.iter_loops()
-
-    @property
-    def label(self) -> str:
-        return "Parallel"
 
 
 @dataclass(frozen=True, eq=False)
