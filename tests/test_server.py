@@ -304,3 +304,13 @@ def test_lost_worker_gives_503():
         with pytest.raises(openai.InternalServerError) as e:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2)
         assert e.value.status_code == 503
+
+
+def test_chat_image_output_is_a_data_url_part(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "draw"}], "max_tokens": 2, "image_out": True}
+    r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=30)
+    content = r.json()["choices"][0]["message"]["content"]
+    assert content[0] == {"type": "text", "text": expected_text("draw", 2)}
+    url = content[1]["image_url"]["url"]
+    assert content[1]["type"] == "image_url" and url.startswith("data:image/png;base64,")
+    assert Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).size == (4, 2)

@@ -49,7 +49,7 @@ class _Decoder(ItemDecoder):
         return outs
 
     def finish(self):
-        if self.route in (IMAGES, IMAGE_EDITS):
+        if self.route in (IMAGES, IMAGE_EDITS) or (self.route == CHAT and self.req.params.get("image_out")):
             w, h = self.req.params["size"]
             base = sum(self.tokens) % 256
             return [ImageOut(torch.full((h, w, 3), base, dtype=torch.uint8))]
@@ -77,8 +77,9 @@ class ToyAdapter(ApiAdapter):
         if body.get("seed") is not None:
             sampling["seed"] = body["seed"]
         audio_out = bool(body.get("modalities") and "audio" in body["modalities"])
-        return ApiRequest({"input_ids": torch.tensor(ids)}, {"max_tokens": max_tokens, "sampling": sampling,
-                                                            "audio": audio_out}, prompt_tokens=len(ids))
+        params = {"max_tokens": max_tokens, "sampling": sampling, "audio": audio_out,
+                  "image_out": bool(body.get("image_out")), "size": (4, 2)}
+        return ApiRequest({"input_ids": torch.tensor(ids)}, params, prompt_tokens=len(ids))
 
     def speech_request(self, body):
         ids = encode_text(body["input"])

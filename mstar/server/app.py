@@ -95,6 +95,10 @@ def create_app(engine: ServingEngine, api_key: str | None = None, limits: Server
             first = None
         return first, agen
 
+    def image_part(out: ImageOut) -> dict:
+        url = "data:image/png;base64," + base64.b64encode(media.encode_png(out.pixels)).decode()
+        return {"type": "image_url", "image_url": {"url": url}}
+
     # -- status --------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
@@ -148,7 +152,7 @@ def create_app(engine: ServingEngine, api_key: str | None = None, limits: Server
                 yield out
 
         if not req.stream:
-            text, pcm, n_tokens = [], [], 0
+            text, pcm, images, n_tokens = [], [], [], 0
             async for out in outputs():
                 if isinstance(out, TextDelta):
                     text.append(out.text)
@@ -157,8 +161,12 @@ def create_app(engine: ServingEngine, api_key: str | None = None, limits: Server
                 elif isinstance(out, AudioChunk):
                     timer.audio()
                     pcm.append(out.pcm)
+                elif isinstance(out, ImageOut):
+                    images.append(image_part(out))
             content = "".join(text)
             message: dict[str, Any] = {"role": "assistant", "content": content}
+            if images:  # images out: content becomes a list of parts, text first
+                message["content"] = ([{"type": "text", "text": content}] if content else []) + images
             audio_s = 0.0
             if want_audio and pcm:
                 wav, _ = media.encode_audio(torch.cat(pcm), adapter.sample_rate, "wav")
@@ -191,6 +199,8 @@ def create_app(engine: ServingEngine, api_key: str | None = None, limits: Server
                     elif isinstance(out, AudioChunk) and want_audio:
                         timer.audio()
                         yield chunk({"audio": {"data": base64.b64encode(media.pcm_bytes(out.pcm)).decode()}})
+                    elif isinstance(out, ImageOut):
+                        yield chunk({"content": [image_part(out)]})
             except APIError as e:
                 yield f"data: {json.dumps(error_body(e.status, e.message))}\n\n"
                 yield "data: [DONE]\n\n"
