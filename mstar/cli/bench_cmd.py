@@ -1,18 +1,25 @@
-"""``mstar bench runtime``: measure the runtime's per-step overhead (see mstar/bench/runtime_bench.py)."""
+"""``mstar bench runtime``: measure the runtime's per-step overhead (see mstar/bench/runtime_bench.py).
+``mstar bench orpheus``: Orpheus TTS serving vs. HF generate baselines (see mstar/bench/orpheus_bench.py)."""
 
 from __future__ import annotations
 
 import argparse
 
 
-def _batches(text: str) -> list[int]:
-    try:
-        vals = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--batch takes comma-separated ints, got {text!r}") from e
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"--batch takes positive ints, got {text!r}")
-    return vals
+def _int_list(flag: str):
+    def parse(text: str) -> list[int]:
+        try:
+            vals = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated ints, got {text!r}") from e
+        if not vals or min(vals) < 1:
+            raise argparse.ArgumentTypeError(f"{flag} takes positive ints, got {text!r}")
+        return vals
+
+    return parse
+
+
+_batches = _int_list("--batch")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +35,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--layers", type=int, default=8, help="MLP layers of the work node (default 8)")
     r.set_defaults(func=run)
 
+    o = bsub.add_parser("orpheus", help="Orpheus TTS serving vs. HF generate baselines",
+                        description="orpheus-tiny (scaled up) served by mstar vs. the same weights in HF "
+                                    "transformers: sequential generate+decode and one static batch. Reports "
+                                    "audio-s per wall-s, time to first audio and RTF per concurrency.")
+    o.add_argument("--concurrency", type=_int_list("--concurrency"), default=[1, 4, 16],
+                   help="comma-separated numbers of concurrent requests (default 1,4,16)")
+    o.add_argument("--tokens", type=int, default=140, help="new tokens per request, EOS ignored (default 140)")
+    o.add_argument("--repeats", type=int, default=1, help="runs per system and concurrency (default 1)")
+    o.add_argument("--hidden", type=int, default=256, help="hidden size of the speech LM (default 256)")
+    o.add_argument("--layers", type=int, default=4, help="decoder layers of the speech LM (default 4)")
+    o.add_argument("--head-dim", type=int, default=64, help="attention head dim of the speech LM (default 64)")
+    o.add_argument("--workers", choices=["inline", "process"], default="inline",
+                   help="mstar runtime mode (default inline)")
+    o.add_argument("--seed", type=int, default=0, help="weights and sampling seed (default 0)")
+    o.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    o.set_defaults(func=run_orpheus)
+
 
 def run(args: argparse.Namespace) -> int:
     from mstar.bench.runtime_bench import format_table, run_runtime_bench
@@ -35,4 +59,22 @@ def run(args: argparse.Namespace) -> int:
     res = run_runtime_bench(args.batch, iters=args.iters, repeats=args.repeats, hidden=args.hidden,
                             layers=args.layers)
     print(format_table(res))
+    return 0
+
+
+def run_orpheus(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
+    from mstar.bench.orpheus_bench import format_table, run_orpheus_bench, to_json
+
+    res = run_orpheus_bench(args.concurrency, tokens=args.tokens, repeats=args.repeats, hidden=args.hidden,
+                            layers=args.layers, head_dim=args.head_dim, workers=args.workers, seed=args.seed,
+                            log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_table(res))
+    data = to_json(res)
+    print(json.dumps(data))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(data, f, indent=1)
     return 0

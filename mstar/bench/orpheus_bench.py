@@ -1,0 +1,380 @@
+"""Orpheus TTS serving benchmark: ``mstar bench orpheus``.
+
+Three systems generate speech for the same C requests (different short texts, ``prompt_ids``
+format), with the same weights: an ``OrpheusTiny`` (dummy weights, scaled up so a step is real work)
+whose LLM weights are copied into a ``transformers.LlamaForCausalLM``, and its SNAC codec.
+
+* ``mstar``: an ``mstar.Runtime`` (inline by default); the C requests are submitted at once and their
+  streamed items are timed as they arrive. TTFA = first non-empty ``audio`` item - submit; end = the
+  request's end of stream. Audio is streamed by the reference rule (frames 1..N-3 of N, see
+  ``mstar/models/orpheus/codec.py``).
+* ``hf-sequential``: the plain script without a server: per request, HF ``generate`` and then ONE SNAC
+  decode of all its whole frames. Requests queue one after another, all submitted at t0: request k's
+  TTFA (= its end) includes the k-1 before it.
+* ``hf-static-batch``: one HF ``generate`` over the C left-padded prompts, then one SNAC decode per
+  request. Nobody hears anything before everything is done: TTFA = end = total time.
+
+Every request generates exactly ``tokens`` new tokens on every system (EOS ignored), with the
+Orpheus sampling defaults (temperature 0.6, top_p 0.8, repetition_penalty 1.3, no top-k) and the
+same constrained audio decoding (only the stop token and the 4096 audio tokens valid at SNAC position
+``i % 7`` of the i-th generated token may be sampled), so both do the same work and produce valid
+codes. Sampling seeds differ between the systems: the tokens are not the same, only their number.
+
+Audio seconds are those each system produces (int16 samples / 24000): the streaming rule emits N-3
+frames where the baselines decode all N. Throughput = total audio s / wall s of the batch;
+RTF of a request = (end - submit) / its audio s. With the tiny SNAC (16 samples per frame instead of
+2048) the absolute audio seconds are tiny; the ratios between systems are what the benchmark is for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from mstar.models.orpheus.codec import (
+    AUDIO_TOKEN_BASE,
+    CODE_SIZE,
+    TOKENS_PER_FRAME,
+    to_pcm16,
+    tokens_to_codes,
+)
+from mstar.models.orpheus.model import DEFAULT_SAMPLING, STOP_TOKEN, VOICES, OrpheusTiny
+from mstar.models.orpheus.snac_loader import samples_per_frame
+from mstar.runtime.api import Runtime
+
+SYSTEMS = ("mstar", "hf-sequential", "hf-static-batch")
+SAMPLE_RATE = 24000
+TEXTS = (
+    "Hello there, how are you today?",
+    "The quick brown fox jumps over the lazy dog.",
+    "Please leave a message after the tone.",
+    "It is going to rain this afternoon <sigh>.",
+    "Welcome back! Your order has shipped.",
+    "Turn left at the next intersection.",
+    "I can't believe it actually worked <laugh>.",
+    "Thank you for calling, goodbye.",
+)
+SAMPLING = {k: DEFAULT_SAMPLING[k] for k in ("temperature", "top_p", "repetition_penalty")}
+
+
+def request_texts(n: int) -> list[tuple[str, str]]:
+    """``n`` different short (text, voice) pairs."""
+    return [(f"{TEXTS[i % len(TEXTS)]} Number {i}.", VOICES[i % len(VOICES)]) for i in range(n)]
+
+
+# -- measurements -----------------------------------------------------------------------------------
+@dataclass
+class RequestTiming:
+    ttfa_s: float  # first audio - submit
+    end_s: float  # end of the request - submit
+    audio_samples: int
+    tokens: int
+
+    @property
+    def audio_s(self) -> float:
+        return self.audio_samples / SAMPLE_RATE
+
+    @property
+    def rtf(self) -> float:
+        return self.end_s / self.audio_s if self.audio_samples else math.inf
+
+
+@dataclass
+class SystemRun:
+    wall_s: float
+    requests: list[RequestTiming]
+
+    @property
+    def audio_s(self) -> float:
+        return sum(r.audio_s for r in self.requests)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolation percentile (``q`` in [0, 100]) of a non-empty list."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass
+class SystemSummary:
+    system: str
+    concurrency: int
+    throughput: float  # audio s per wall s (median over repeats)
+    ttfa_p50_ms: float
+    ttfa_p95_ms: float
+    rtf_p50: float
+    wall_s: float  # median over repeats
+    audio_s_per_request: float  # mean
+    tokens_per_request: float  # mean
+    raw: dict[str, list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, system: str, concurrency: int, runs: list[SystemRun]) -> SystemSummary:
+        reqs = [r for run in runs for r in run.requests]
+        ttfa = [r.ttfa_s * 1e3 for r in reqs]
+        return cls(system, concurrency,
+                   throughput=statistics.median(run.audio_s / run.wall_s for run in runs),
+                   ttfa_p50_ms=percentile(ttfa, 50), ttfa_p95_ms=percentile(ttfa, 95),
+                   rtf_p50=percentile([r.rtf for r in reqs], 50),
+                   wall_s=statistics.median(run.wall_s for run in runs),
+                   audio_s_per_request=statistics.fmean(r.audio_s for r in reqs),
+                   tokens_per_request=statistics.fmean(r.tokens for r in reqs),
+                   raw={"wall_s": [run.wall_s for run in runs], "ttfa_ms": ttfa,
+                        "end_ms": [r.end_s * 1e3 for r in reqs]})
+
+
+@dataclass
+class ConcurrencyResult:
+    concurrency: int
+    systems: dict[str, SystemSummary]
+    throughput_ratio: dict[str, float]  # ours / baseline
+    ttfa_ratio: dict[str, float]  # baseline p50 / ours p50
+    goal_throughput_3x: bool  # vs the better baseline
+    goal_ttfa_5x: bool  # vs the baseline with the lower TTFA
+
+
+@dataclass
+class OrpheusBenchResult:
+    tokens: int
+    repeats: int
+    hidden: int
+    layers: int
+    head_dim: int
+    workers: str
+    threads: int
+    samples_per_frame: int
+    results: list[ConcurrencyResult]
+
+
+# -- the shared model ---------------------------------------------------------------------------------
+def build_models(hidden: int, layers: int, head_dim: int, seed: int = 0):
+    """``(orpheus_model, hf_llama, snac)``: the HF model holds exactly our LLM node's weights."""
+    import transformers
+
+    model = OrpheusTiny(hidden_size=hidden, num_layers=layers, head_dim=head_dim, seed=seed)
+    mods = model.build_submodules(["LLM", "snac_decoder"])
+    ours = mods["LLM"]
+    hf_cfg = transformers.LlamaConfig(**model.llm_config.to_hf_dict())
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    state = ours.state_dict()
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or any(not k.endswith("rotary_emb.inv_freq") for k in missing):
+        raise RuntimeError(f"weight copy into LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
+    hf_state = hf.state_dict()
+    for name, t in state.items():
+        if not torch.equal(hf_state[name], t):
+            raise RuntimeError(f"weight {name} differs after the copy")
+    if hf_cfg.tie_word_embeddings and hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr():
+        raise RuntimeError("LlamaForCausalLM's lm_head is not tied to its embedding")
+    hf.generation_config.eos_token_id = None  # ignore EOS: exactly max_new_tokens
+    hf.generation_config.pad_token_id = 0
+    return model, hf, mods["snac_decoder"].snac, ours
+
+
+def _state_digest(module: torch.nn.Module) -> list[float]:
+    with torch.no_grad():
+        return [float(p.double().sum()) for p in module.parameters()]
+
+
+# -- mstar --------------------------------------------------------------------------------------------
+def _params(tokens: int, seed: int) -> dict[str, Any]:
+    return {"max_tokens": tokens, "sampling": {**SAMPLING, "ignore_eos": True, "seed": seed}}
+
+
+def run_mstar(rt: Runtime, prompts: list[list[int]], tokens: int, seed: int) -> SystemRun:
+    """Submit every request at once (one scheduling step), time the streamed items of each."""
+
+    async def consume(handle, submitted: float) -> RequestTiming:
+        first, samples, ntok = None, 0, 0
+        async for item in handle:
+            if item.name == "audio":
+                n = sum(int(v.numel()) for v in item.value)
+                if n and first is None:
+                    first = time.perf_counter()
+                samples += n
+            elif item.name == "token":
+                ntok += sum(int(v.numel()) for v in item.value)
+        end = time.perf_counter()
+        return RequestTiming((first if first is not None else end) - submitted, end - submitted, samples, ntok)
+
+    async def main() -> SystemRun:
+        gate = threading.Event()
+        rt._command(gate.wait)  # hold the driver so that the C submissions start in the same step
+        t0 = time.perf_counter()
+        subs = []
+        for i, p in enumerate(prompts):
+            subs.append((rt.submit({"input_ids": torch.tensor(p)}, _params(tokens, seed + i)), time.perf_counter()))
+        gate.set()
+        reqs = await asyncio.gather(*(consume(h, s) for h, s in subs))
+        return SystemRun(time.perf_counter() - t0, list(reqs))
+
+    return asyncio.run(main())
+
+
+# -- HF baselines ---------------------------------------------------------------------------------------
+def audio_constraint(prompt_len: int):
+    """A HF ``LogitsProcessor``: the constraint of ``OrpheusLM.process_logits`` (generated token i may
+    only be the stop token or an audio token of SNAC position i % 7)."""
+    from transformers import LogitsProcessor
+
+    class AudioConstraint(LogitsProcessor):
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+            step = input_ids.shape[1] - prompt_len
+            lo = AUDIO_TOKEN_BASE + (step % TOKENS_PER_FRAME) * CODE_SIZE
+            mask = torch.full_like(scores, float("-inf"))
+            mask[:, lo:lo + CODE_SIZE] = 0.0
+            mask[:, STOP_TOKEN] = 0.0
+            return scores + mask
+
+    return AudioConstraint()
+
+
+def hf_generate(hf, prompts: list[list[int]], tokens: int, seed: int) -> list[list[int]]:
+    """One ``generate`` over the (left-padded) prompts; the ``tokens`` new tokens of each."""
+    from transformers import LogitsProcessorList
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=tokens,
+                          min_new_tokens=tokens, logits_processor=LogitsProcessorList([audio_constraint(width)]),
+                          **SAMPLING)
+    return out[:, width:].tolist()
+
+
+def decode_all(snac_model, generated: list[int], samples_per_frame: int) -> torch.Tensor:
+    """All whole frames of the request's audio tokens, decoded at once -> int16 PCM (silence for a
+    request whose codes are invalid, which only a sampled stop token mid-stream can cause)."""
+    audio = [t for t in generated if t >= AUDIO_TOKEN_BASE]
+    frames = len(audio) // TOKENS_PER_FRAME
+    if frames == 0:
+        return torch.zeros(0, dtype=torch.int16)
+    codes, valid = tokens_to_codes(audio[:frames * TOKENS_PER_FRAME], 0)
+    if not valid:
+        return torch.zeros(frames * samples_per_frame, dtype=torch.int16)
+    with torch.inference_mode():
+        return to_pcm16(snac_model.decode(codes)[0, 0])
+
+
+def run_hf_sequential(hf, snac_model, prompts: list[list[int]], tokens: int, seed: int,
+                      samples_per_frame: int) -> SystemRun:
+    t0 = time.perf_counter()
+    reqs = []
+    for i, p in enumerate(prompts):
+        [gen] = hf_generate(hf, [p], tokens, seed + i)
+        pcm = decode_all(snac_model, gen, samples_per_frame)
+        done = time.perf_counter() - t0
+        reqs.append(RequestTiming(done, done, int(pcm.numel()), len(gen)))
+    return SystemRun(time.perf_counter() - t0, reqs)
+
+
+def run_hf_static(hf, snac_model, prompts: list[list[int]], tokens: int, seed: int,
+                  samples_per_frame: int) -> SystemRun:
+    t0 = time.perf_counter()
+    gens = hf_generate(hf, prompts, tokens, seed)
+    pcms = [decode_all(snac_model, g, samples_per_frame) for g in gens]
+    wall = time.perf_counter() - t0
+    return SystemRun(wall, [RequestTiming(wall, wall, int(pcm.numel()), len(g)) for pcm, g in zip(pcms, gens)])
+
+
+# -- driver ---------------------------------------------------------------------------------------------
+def _check(system: str, run: SystemRun, tokens: int) -> SystemRun:
+    bad = [r.tokens for r in run.requests if r.tokens != tokens]
+    if bad:
+        raise RuntimeError(f"{system}: requests generated {bad} tokens, expected {tokens} each")
+    if not all(r.audio_samples > 0 for r in run.requests):
+        raise RuntimeError(f"{system}: a request produced no audio (tokens={tokens}: too few frames?)")
+    return run
+
+
+def run_orpheus_bench(concurrency: list[int], tokens: int = 140, repeats: int = 1, hidden: int = 256,
+                      layers: int = 4, head_dim: int = 64, workers: str = "inline", warmup: bool = True,
+                      seed: int = 0, log: Callable[[str], None] | None = None) -> OrpheusBenchResult:
+    if not concurrency or min(concurrency) < 1 or repeats < 1:
+        raise ValueError("every concurrency and repeats must be >= 1")
+    if tokens < 4 * TOKENS_PER_FRAME:
+        raise ValueError(f"tokens must be >= {4 * TOKENS_PER_FRAME} (4 frames) for the stream to emit audio")
+    say = log or (lambda _msg: None)
+    model, hf, snac_model, ours = build_models(hidden, layers, head_dim, seed)
+    spf = samples_per_frame(snac_model)
+    results = []
+    with Runtime(model, workers=workers) as rt:
+        if workers == "inline":  # the runtime built its own modules: make sure they are the same weights
+            served = rt._workers[0].engines["LLM"].module
+            if _state_digest(served) != _state_digest(ours):
+                raise RuntimeError("the runtime's LLM weights differ from the baseline's")
+        del ours
+        if warmup:
+            warm = [model.prompt_ids(t, v) for t, v in request_texts(2)]
+            wt = min(tokens, 5 * TOKENS_PER_FRAME)
+            run_mstar(rt, warm, wt, seed)
+            run_hf_sequential(hf, snac_model, warm[:1], wt, seed, spf)
+            run_hf_static(hf, snac_model, warm, wt, seed, spf)
+        for c in concurrency:
+            prompts = [model.prompt_ids(t, v) for t, v in request_texts(c)]
+            runs: dict[str, list[SystemRun]] = {s: [] for s in SYSTEMS}
+            for rep in range(repeats):
+                s0 = seed + 1000 * (rep + 1)
+                for system in SYSTEMS:
+                    say(f"concurrency {c} repeat {rep + 1}/{repeats}: {system}")
+                    if system == "mstar":
+                        run = run_mstar(rt, prompts, tokens, s0)
+                    elif system == "hf-sequential":
+                        run = run_hf_sequential(hf, snac_model, prompts, tokens, s0 + 500, spf)
+                    else:
+                        run = run_hf_static(hf, snac_model, prompts, tokens, s0 + 500, spf)
+                    runs[system].append(_check(system, run, tokens))
+                    say(f"  wall {run.wall_s:.2f} s")
+            summ = {s: SystemSummary.of(s, c, r) for s, r in runs.items()}
+            mine = summ["mstar"]
+            base = [s for s in SYSTEMS if s != "mstar"]
+            tput = {s: mine.throughput / summ[s].throughput for s in base}
+            ttfa = {s: summ[s].ttfa_p50_ms / mine.ttfa_p50_ms for s in base}
+            results.append(ConcurrencyResult(c, summ, tput, ttfa, goal_throughput_3x=min(tput.values()) >= 3.0,
+                                             goal_ttfa_5x=min(ttfa.values()) >= 5.0))
+    return OrpheusBenchResult(tokens, repeats, hidden, layers, head_dim, workers, torch.get_num_threads(), spf,
+                              results)
+
+
+def to_json(res: OrpheusBenchResult) -> dict[str, Any]:
+    return asdict(res)
+
+
+def format_table(res: OrpheusBenchResult) -> str:
+    lines = [f"tokens={res.tokens} repeats={res.repeats} hidden={res.hidden} layers={res.layers} "
+             f"head_dim={res.head_dim} workers={res.workers} torch_threads={res.threads} "
+             f"SNAC samples/frame={res.samples_per_frame}"]
+    for r in res.results:
+        lines += [
+            "",
+            f"concurrency {r.concurrency}:",
+            "",
+            "| system | audio-s per wall-s | TTFA p50 ms | TTFA p95 ms | RTF p50 | wall s | audio s/request "
+            "| ours/this throughput | this/ours TTFA p50 |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, s in r.systems.items():
+            tput = f"{r.throughput_ratio[name]:.2f}x" if name in r.throughput_ratio else "—"
+            ttfa = f"{r.ttfa_ratio[name]:.2f}x" if name in r.ttfa_ratio else "—"
+            lines.append(f"| {name} | {s.throughput:.5f} | {s.ttfa_p50_ms:.0f} | {s.ttfa_p95_ms:.0f} | "
+                         f"{s.rtf_p50:.0f} | {s.wall_s:.2f} | {s.audio_s_per_request:.4f} | {tput} | {ttfa} |")
+        lines.append("")
+        lines.append(f"goals: throughput >= 3x the better baseline: {'met' if r.goal_throughput_3x else 'NOT met'} "
+                     f"({min(r.throughput_ratio.values()):.2f}x); TTFA >= 5x lower than the baselines: "
+                     f"{'met' if r.goal_ttfa_5x else 'NOT met'} ({min(r.ttfa_ratio.values()):.2f}x)")
+    return "\n".join(lines)
