@@ -159,3 +159,29 @@ def test_audio_token_encoding_matches_reference_formula():
     (l0, l1, l2), valid = tokens_to_codes(tokens, 0)
     assert valid and l0.tolist() == [[0]] and l1.tolist() == [[4095, 1]] and l2.tolist() == [[17, 4000, 2, 3]]
     assert len(tokens) == TOKENS_PER_FRAME
+
+
+def test_restricted_sampling_equals_masked_full_vocabulary():
+    """Constrained decoding samples over 4097 candidate logits only; the seeded result equals sampling
+    the full vocabulary with every other logit masked (and the same repetition penalty)."""
+    from mstar.layers.sampling import SamplingParams, sample
+    from mstar.model import EngineInputs
+    from mstar.models.orpheus.codec import CODE_SIZE
+
+    node = resolve_model("orpheus-tiny").build_submodules(["LLM"])["LLM"]
+    g = torch.Generator().manual_seed(0)
+    last = torch.randn(5, node.config.hidden_size, generator=g)
+    steps = [0, 3, 6, 7, 40]
+    sp = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=s) for s in range(5)]
+    seen = [torch.tensor([STOP_TOKEN, AUDIO_TOKEN_BASE + 5, AUDIO_TOKEN_BASE + 3 * 4096 + 7, 42]) for _ in range(5)]
+    ei = EngineInputs(walks=["decode"] * 5, nodes=["LLM"] * 5, request_ids=list("abcde"), infos=[], splits={},
+                      extras={"sampling": sp, "step": steps, "seen": seen})
+    restricted = node.sample_next(last, ei)
+    logits = node.compute_logits(last)
+    mask = torch.full_like(logits, float("-inf"))
+    for r, step in enumerate(steps):
+        lo = AUDIO_TOKEN_BASE + (step % 7) * CODE_SIZE
+        mask[r, lo:lo + CODE_SIZE] = 0
+        mask[r, STOP_TOKEN] = 0
+    full = sample(logits + mask, sp, [s.tolist() for s in seen], steps)
+    assert restricted.tolist() == full.tolist()

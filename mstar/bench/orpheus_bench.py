@@ -223,7 +223,7 @@ def run_mstar(rt: Runtime, prompts: list[list[int]], tokens: int, seed: int) -> 
 
 # -- HF baselines ---------------------------------------------------------------------------------------
 def audio_constraint(prompt_len: int):
-    """A HF ``LogitsProcessor``: the constraint of ``OrpheusLM.process_logits`` (generated token i may
+    """A HF ``LogitsProcessor``: the constraint of ``OrpheusLM.sample_next`` (generated token i may
     only be the stop token or an audio token of SNAC position i % 7)."""
     from transformers import LogitsProcessor
 

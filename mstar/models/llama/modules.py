@@ -109,10 +109,23 @@ class LlamaCausalLM(NodeSubmodule):
         ei = engine_inputs
         hidden = self.model(ids, ei)
         last = hidden[ei.last_token_rows().to(hidden.device)]
+        return self.step_outputs(self.sample_next(last, ei), ei)
+
+    @staticmethod
+    def seen_lists(engine_inputs: EngineInputs) -> list[list[int]] | None:
+        """Per request, the tokens the repetition penalty counts (None when no request uses one)."""
+        seen = engine_inputs.extras["seen"]
+        return None if all(s is None for s in seen) else [[] if s is None else s.tolist() for s in seen]
+
+    def sample_next(self, last: torch.Tensor, engine_inputs: EngineInputs) -> torch.Tensor:
+        """The next token of every request (int64 [B], CPU) from its last hidden state."""
+        ei = engine_inputs
         logits = self.process_logits(self.compute_logits(last), ei)
+        return sample(logits, ei.extras["sampling"], self.seen_lists(ei), ei.extras["step"]).cpu()
+
+    def step_outputs(self, tokens: torch.Tensor, engine_inputs: EngineInputs) -> dict[str, list[torch.Tensor]]:
+        ei = engine_inputs
         seen = ei.extras["seen"]
-        seen_lists = None if all(s is None for s in seen) else [[] if s is None else s.tolist() for s in seen]
-        tokens = sample(logits, ei.extras["sampling"], seen_lists, ei.extras["step"]).cpu()
         out_tokens, out_seen, out_stop = [], [], []
         for i, tok in enumerate(tokens.tolist()):
             t = tokens[i:i + 1].clone()

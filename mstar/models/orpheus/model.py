@@ -20,6 +20,7 @@ import torch
 
 from mstar.layers.llama import check_llama_architecture
 from mstar.layers.rotary import RopeScaling
+from mstar.layers.sampling import sample
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.loader import LOAD_FORMATS, build_llama_model, resolve_dtype
@@ -57,15 +58,25 @@ class OrpheusLM(LlamaCausalLM):
 
     constrain_audio = False
 
-    def process_logits(self, logits, engine_inputs):
+    def sample_next(self, last, engine_inputs):
         if not self.constrain_audio:
-            return logits
-        mask = torch.full_like(logits, float("-inf"))
-        for row, step in enumerate(engine_inputs.extras["step"]):
+            return super().sample_next(last, engine_inputs)
+        # Only the stop token and the 4096 audio tokens of the next position can be sampled: compute
+        # just those logits (in vocabulary order, so the seeded draw equals a full-vocabulary
+        # sample with every other logit masked), sample among them, map back to token ids.
+        ei = engine_inputs
+        weight = self.lm_head.weight
+        cols = []
+        for step in ei.extras["step"]:
             lo = AUDIO_TOKEN_BASE + (step % TOKENS_PER_FRAME) * CODE_SIZE
-            mask[row, lo:lo + CODE_SIZE] = 0.0
-            mask[row, STOP_TOKEN] = 0.0
-        return logits + mask
+            cols.append(torch.cat([torch.tensor([STOP_TOKEN]), torch.arange(lo, lo + CODE_SIZE)]))
+        logits = torch.stack([last[r] @ weight[c.to(weight.device)].T for r, c in enumerate(cols)])
+        seen = self.seen_lists(ei)
+        if seen is not None:  # the penalty counts only tokens that are candidates here: map them
+            seen = [[0 if t == STOP_TOKEN else 1 + t - int(c[1]) for t in s
+                     if t == STOP_TOKEN or int(c[1]) <= t < int(c[1]) + CODE_SIZE] for c, s in zip(cols, seen)]
+        picked = sample(logits, ei.extras["sampling"], seen, ei.extras["step"]).cpu()
+        return torch.stack([c[i] for c, i in zip(cols, picked)])
 
     def forward(self, graph_walk, engine_inputs, ids):
         out = super().forward(graph_walk, engine_inputs, ids)
