@@ -158,9 +158,10 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[
     needed = math.ceil(num_tokens / block_size)
     if ids.numel() < needed:
         raise ValueError(f"block table has {ids.numel()} blocks, {num_tokens} tokens need {needed}")
-    pos = torch.arange(num_tokens, device=k_cache.device)
-    blk, off = ids[pos // block_size], pos % block_size
-    return k_cache[blk, off], v_cache[blk, off]
+    ids = ids[:needed]  # whole blocks, then the first num_tokens slots of them
+    k = k_cache.index_select(0, ids).flatten(0, 1)[:num_tokens]
+    v = v_cache.index_select(0, ids).flatten(0, 1)[:num_tokens]
+    return k, v
 
 
 def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> None:
@@ -201,19 +202,17 @@ def _build_mask(mode: QueryMode, n: int, num_keys: int, device: torch.device) ->
     return torch.ones(n, num_keys, dtype=torch.bool, device=device)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             scale: float) -> torch.Tensor:
-    """q ``[n, Hq, D]``, k/v ``[S, Hkv, D]`` (Hq % Hkv == 0; query head h uses kv head h // (Hq // Hkv))."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
+    """q ``[n, Hq, D]``, k/v ``[S, Hkv, D]`` (Hq % Hkv == 0; query head h uses kv head h // (Hq // Hkv)).
+    ``mask`` None: every query sees every key."""
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
         scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.squeeze(0).transpose(0, 1)
 
@@ -282,7 +281,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if mode is QueryMode.READ_ONLY:
             k_seq = torch.cat([k_seq, k[s:e].to(q.dtype)])
             v_seq = torch.cat([v_seq, v[s:e].to(q.dtype)])
-        mask = _build_mask(mode, e - s, k_seq.shape[0], q.device)
+        # a single causal query (decode) and the bidirectional modes see every key: no mask needed
+        full = mode is not QueryMode.CAUSAL_APPEND or e - s == 1
+        mask = None if full else _build_mask(mode, e - s, k_seq.shape[0], q.device)
         out[s:e] = _attend(q[s:e], k_seq, v_seq, mask, scale)
     return out
 

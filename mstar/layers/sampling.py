@@ -430,7 +430,10 @@ def sample(
         si = torch.tensor(s_rows, dtype=torch.long, device=device)
         sp = [params[i] for i in s_rows]
         xs = apply_temperature(x[si], [p.temperature for p in sp])
-        xs = torch.cat([apply_top_k_top_p(xs[r:r + 1], [p.top_k], [p.top_p]) for r, p in enumerate(sp)])
+        if len(sp) == 1:  # a single row may take the compacted path (mostly-masked logits)
+            xs = apply_top_k_top_p(xs, [sp[0].top_k], [sp[0].top_p])
+        else:
+            xs = apply_top_k_top_p(xs, [p.top_k for p in sp], [p.top_p for p in sp])
         for row, (i, p) in enumerate(zip(s_rows, sp)):
             # the race runs over the tokens the filters kept only (noise drawn for those alone, in
             # vocabulary order): same distribution, and cheap when top-k / top-p keep a few tokens

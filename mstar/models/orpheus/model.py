@@ -66,11 +66,14 @@ class OrpheusLM(LlamaCausalLM):
         # sample with every other logit masked), sample among them, map back to token ids.
         ei = engine_inputs
         weight = self.lm_head.weight
-        cols = []
-        for step in ei.extras["step"]:
+        cols, rows = [], []
+        for r, step in enumerate(ei.extras["step"]):
             lo = AUDIO_TOKEN_BASE + (step % TOKENS_PER_FRAME) * CODE_SIZE
             cols.append(torch.cat([torch.tensor([STOP_TOKEN]), torch.arange(lo, lo + CODE_SIZE)]))
-        logits = torch.stack([last[r] @ weight[c.to(weight.device)].T for r, c in enumerate(cols)])
+            # the window is a contiguous slice of the head: no gather, one small matmul
+            rows.append(torch.cat([last[r:r + 1] @ weight[STOP_TOKEN:STOP_TOKEN + 1].T,
+                                   last[r:r + 1] @ weight[lo:lo + CODE_SIZE].T], dim=1))
+        logits = torch.cat(rows)
         seen = self.seen_lists(ei)
         if seen is not None:  # the penalty counts only tokens that are candidates here: map them
             seen = [[0 if t == STOP_TOKEN else 1 + t - int(c[1]) for t in s
