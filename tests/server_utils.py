@@ -46,3 +46,22 @@ def running_server(model, name: str, *, api_key: str | None = None, max_queue: i
 
 def get(url: str, path: str, **kw) -> httpx.Response:
     return httpx.get(url + path, timeout=30, **kw)
+
+
+@contextlib.contextmanager
+def running_app(app):
+    """Any ASGI app on a free loopback port, in a background thread."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

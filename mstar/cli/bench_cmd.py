@@ -52,6 +52,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--out", default=None, help="also write the results as JSON to this file")
     o.set_defaults(func=run_orpheus)
 
+    v = bsub.add_parser("serve", help="load generator against a running server (ours or OpenAI-compatible)",
+                        description="Send requests to a running server and report throughput and latency "
+                                    "percentiles per concurrency level or request rate.")
+    v.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    v.add_argument("--model", required=True, help="model id to put in the requests")
+    v.add_argument("--workload", "--route", dest="workload", default="chat",
+                   choices=["chat", "chat-image", "speech", "images", "generate"])
+    v.add_argument("--concurrency", type=_batches, default=None, help="closed loop: comma-separated levels")
+    v.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson arrivals per second")
+    v.add_argument("--num-requests", type=int, default=32)
+    v.add_argument("--max-tokens", type=int, default=32)
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--api-key", default=None)
+    v.add_argument("--out", help="write the results as JSON")
+    v.add_argument("--plot", help="write a PNG of throughput and latency against concurrency")
+    v.set_defaults(func=run_serve)
+
 
 def run(args: argparse.Namespace) -> int:
     from mstar.bench.runtime_bench import format_table, run_runtime_bench
@@ -77,4 +94,21 @@ def run_orpheus(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(data, f, indent=1)
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from mstar.bench.serve_bench import dump_json, format_table, run_serve_bench, write_plot
+
+    if args.num_requests < 1:
+        raise ValueError("--num-requests must be >= 1")
+    if args.request_rate is not None and args.request_rate <= 0:
+        raise ValueError("--request-rate must be > 0")
+    report = run_serve_bench(args.url, args.workload, args.model, args.concurrency, args.request_rate,
+                             args.num_requests, args.seed, args.max_tokens, args.api_key)
+    print(format_table(report))
+    if args.out:
+        dump_json(report, args.out)
+    if args.plot:
+        write_plot(report, args.plot)
     return 0
