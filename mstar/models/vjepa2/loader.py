@@ -1,0 +1,156 @@
+"""Load V-JEPA 2-AC weights: Meta's ``vjepa2-ac-vitg.pt`` (a torch pickle) or deterministic dummy values.
+
+The checkpoint is a dict with ``encoder`` and ``predictor`` state dicts whose keys carry DDP / wrapper
+prefixes (``module.backbone.blocks.0.attn.qkv.weight``); stripping leading ``module.`` and ``backbone.``
+gives the names of ``VJepaEncoder`` / ``ACPredictor`` parameters one for one. It is read with
+``torch.load(weights_only=True)``: only tensors and plain containers are unpickled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mstar.models.llama.loader import CheckpointError, CheckpointNotFoundError
+from mstar.models.vjepa2.config import TINY_ENCODER, TINY_PREDICTOR, EncoderConfig, PredictorConfig
+from mstar.models.vjepa2.modules import ACPredictor, VJepaEncoder
+
+__all__ = [
+    "PREFIXES",
+    "build_vjepa2_ac",
+    "dummy_vjepa2",
+    "init_random_weights",
+    "load_into",
+    "load_vjepa2_ac",
+    "strip_prefixes",
+]
+
+PREFIXES = ("module.", "backbone.")
+_MAX_LISTED = 20
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown + (f", ... ({len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else "")
+
+
+def strip_prefixes(state: Mapping[str, torch.Tensor], prefixes: Iterable[str] = PREFIXES) -> dict[str, torch.Tensor]:
+    """Drop any run of leading ``prefixes`` from every key (``module.backbone.x`` -> ``x``)."""
+    prefixes = tuple(prefixes)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        name = key
+        while True:
+            for p in prefixes:
+                if name.startswith(p):
+                    name = name[len(p):]
+                    break
+            else:
+                break
+        if name in out:
+            raise CheckpointError(f"two checkpoint keys map to {name!r} after stripping {prefixes}")
+        out[name] = value
+    return out
+
+
+def load_vjepa2_ac(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Read ``(encoder_state, predictor_state)`` from a V-JEPA 2-AC checkpoint, prefixes stripped."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{path}: V-JEPA 2-AC checkpoint not found")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad checkpoint
+        raise CheckpointError(f"{path}: cannot read as a torch checkpoint (weights_only): {e}") from e
+    if not isinstance(ckpt, Mapping):
+        raise CheckpointError(f"{path}: expected a dict with 'encoder' and 'predictor', got {type(ckpt).__name__}")
+    states = []
+    for part in ("encoder", "predictor"):
+        sd = ckpt.get(part)
+        if not isinstance(sd, Mapping):
+            raise CheckpointError(f"{path}: no '{part}' state dict (top-level keys: {_listed(sorted(ckpt))})")
+        bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise CheckpointError(f"{path}: '{part}' entries that are not tensors: {_listed(bad)}")
+        states.append(strip_prefixes(sd))
+    return states[0], states[1]
+
+
+def load_into(module: nn.Module, state: Mapping[str, torch.Tensor], *, what: str = "checkpoint",
+              ignore: Iterable[str] = ()) -> None:
+    """Copy ``state`` into ``module`` strictly: missing, unexpected and mis-shaped names are all reported
+    in one ``CheckpointError`` before anything is copied. Keys starting with an ``ignore`` prefix are
+    skipped (for checkpoint extras the module does not model); values are cast to the module's dtypes.
+    """
+    ignore = tuple(ignore)
+    state = {k: v for k, v in state.items() if not (ignore and k.startswith(ignore))}
+    expected = module.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    shapes = [f"{k} (checkpoint {tuple(state[k].shape)}, model {tuple(v.shape)})"
+              for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    problems = []
+    if missing:
+        problems.append(f"missing: {_listed(missing)}")
+    if unexpected:
+        problems.append(f"unexpected: {_listed(unexpected)}")
+    if shapes:
+        problems.append(f"shape mismatch: {_listed(shapes)}")
+    if problems:
+        raise CheckpointError(f"{what} does not fit {type(module).__name__}: " + "; ".join(problems))
+    with torch.no_grad():
+        for k, v in expected.items():
+            v.copy_(state[k].to(v.dtype))
+
+
+def build_vjepa2_ac(
+    path: str | Path,
+    encoder_config: EncoderConfig | None = None,
+    predictor_config: PredictorConfig | None = None,
+) -> tuple[VJepaEncoder, ACPredictor]:
+    """Build the real-size encoder and predictor (ViT-g + AC predictor by default) from a checkpoint."""
+    from mstar.models.vjepa2.config import AC_PREDICTOR, VITG_ENCODER
+
+    enc_state, pred_state = load_vjepa2_ac(path)
+    encoder = VJepaEncoder(encoder_config or VITG_ENCODER)
+    predictor = ACPredictor(predictor_config or AC_PREDICTOR)
+    load_into(encoder, enc_state, what=f"{path} [encoder]")
+    load_into(predictor, pred_state, what=f"{path} [predictor]")
+    return encoder.eval(), predictor.eval()
+
+
+def init_random_weights(module: nn.Module, seed: int) -> nn.Module:
+    """Fill every parameter from a seeded generator with values that keep activations O(1).
+
+    Matrices / conv kernels: N(0, 1/fan_in); LayerNorm weights: 1 + N(0, 0.1); other vectors: N(0, 0.1).
+    Parameters are visited in sorted-name order, so two modules with the same names get the same values.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name in sorted(params):
+            p = params[name]
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.ndim >= 2:
+                value = noise / math.sqrt(p[0].numel())
+            elif name.endswith("weight"):  # LayerNorm scale
+                value = 1.0 + 0.1 * noise
+            else:
+                value = 0.1 * noise
+            p.copy_(value.to(p.dtype))
+    return module
+
+
+def dummy_vjepa2(
+    seed: int = 0,
+    encoder_config: EncoderConfig = TINY_ENCODER,
+    predictor_config: PredictorConfig = TINY_PREDICTOR,
+) -> tuple[VJepaEncoder, ACPredictor]:
+    """Tiny encoder + predictor (by default) with deterministic random weights, in eval mode."""
+    encoder = init_random_weights(VJepaEncoder(encoder_config), seed)
+    predictor = init_random_weights(ACPredictor(predictor_config), seed + 1)
+    return encoder.eval(), predictor.eval()
