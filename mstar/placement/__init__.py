@@ -49,90 +49,27 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from mstar.placement.groups import (
+    DEFAULT_RANK,
+    TOP_LEVEL_KEYS,
+    NodeGroup,
+    PlacementError,
+    RuntimeLimits,
+    _fmt_list,
+)
+from mstar.placement.parse import (
+    _applying_group,
+    _check_groups,
+    _graph_nodes_in_order,
+    _parse_group,
+    _parse_runtime,
+    _where,
+)
+
 if TYPE_CHECKING:
     from mstar.graph import WalkGraph
 
 __all__ = ["NodeGroup", "Placement", "PlacementError", "RuntimeLimits"]
-
-TOP_LEVEL_KEYS = ("model", "name", "node_groups", "runtime")
-GROUP_KEYS = ("node_names", "ranks", "graph_walks", "tp_size", "max_batch_size")
-RUNTIME_KEYS = ("max_batch_size", "kv_cache_blocks", "kv_block_size", "max_queue")
-
-DEFAULT_RANK = 0
-"""Rank that runs every node no group mentions."""
-
-
-class PlacementError(ValueError):
-    """A placement file (or dict) is malformed or does not fit the model's Walk Graph."""
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _fmt_list(items: Iterable[object]) -> str:
-    return "[" + ", ".join(str(x) for x in items) + "]"
-
-
-# ------------------------------------------------------------------------------------------------
-# data classes
-# ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RuntimeLimits:
-    """Runtime sizes shared by every rank (all positive ints)."""
-
-    max_batch_size: int = 32
-    kv_cache_blocks: int = 1024
-    kv_block_size: int = 16
-    max_queue: int = 1024
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if not _is_int(v) or v < 1:
-                raise PlacementError(f"runtime.{f.name} must be a positive int, got {v!r}")
-
-
-@dataclass(frozen=True)
-class NodeGroup:
-    """Nodes placed together on ``ranks`` (one tensor-parallel replica of ``tp_size`` ranks).
-
-    ``graph_walks`` is None for a group that applies to every walk, or the walks it is limited to.
-    ``max_batch_size`` is None to use ``RuntimeLimits.max_batch_size``.
-    """
-
-    node_names: tuple[str, ...]
-    ranks: tuple[int, ...]
-    graph_walks: tuple[str, ...] | None = None
-    tp_size: int = 1
-    max_batch_size: int | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "node_names", tuple(self.node_names))
-        object.__setattr__(self, "ranks", tuple(self.ranks))
-        if self.graph_walks is not None:
-            object.__setattr__(self, "graph_walks", tuple(self.graph_walks))
-
-    @property
-    def scoped(self) -> bool:
-        return self.graph_walks is not None
-
-    def applies_to(self, walk: str) -> bool:
-        return self.graph_walks is None or walk in self.graph_walks
-
-    @property
-    def label(self) -> str:
-        return ", ".join(self.node_names)
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"node_names": list(self.node_names), "ranks": list(self.ranks)}
-        if self.graph_walks is not None:
-            d["graph_walks"] = list(self.graph_walks)
-        if self.tp_size != 1:
-            d["tp_size"] = self.tp_size
-        if self.max_batch_size is not None:
-            d["max_batch_size"] = self.max_batch_size
-        return d
 
 
 @dataclass(frozen=True)
@@ -416,146 +353,3 @@ class Placement:
 # ------------------------------------------------------------------------------------------------
 # parsing and graph-independent checks
 # ------------------------------------------------------------------------------------------------
-def _where(source: str, i: int, g: NodeGroup | None) -> str:
-    return f"{source}: node_groups[{i}]" + (f" ({g.label})" if g is not None and g.node_names else "")
-
-
-def _str_list(value: object, what: str, where: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not value:
-        raise PlacementError(f"{where}: {what} must be a non-empty list of names, got {value!r}")
-    for v in value:
-        if not isinstance(v, str) or not v or v != v.strip():
-            raise PlacementError(f"{where}: {what} must be a non-empty list of names, got {v!r} in {value!r}")
-    dups = sorted({v for v in value if value.count(v) > 1})
-    if dups:
-        raise PlacementError(f"{where}: {what} lists {', '.join(map(repr, dups))} more than once")
-    return tuple(value)
-
-
-def _pos_int(value: object, what: str, where: str) -> int:
-    if not _is_int(value) or value < 1:
-        raise PlacementError(f"{where}: {what} must be a positive int, got {value!r}")
-    return value
-
-
-def _parse_group(i: int, raw: object, source: str) -> NodeGroup:
-    where = f"{source}: node_groups[{i}]"
-    if not isinstance(raw, Mapping):
-        raise PlacementError(f"{where}: must be a mapping with node_names and ranks, got {raw!r}")
-    names_raw = raw.get("node_names")
-    if isinstance(names_raw, list) and all(isinstance(n, str) for n in names_raw) and names_raw:
-        where = f"{where} ({', '.join(names_raw)})"
-    unknown = [k for k in raw if k not in GROUP_KEYS]
-    if unknown:
-        raise PlacementError(f"{where}: unknown key(s) {_fmt_list(map(repr, unknown))}; "
-                             f"valid keys: {', '.join(GROUP_KEYS)}")
-    for key in ("node_names", "ranks"):
-        if key not in raw:
-            raise PlacementError(f"{where}: missing {key!r}")
-    names = _str_list(names_raw, "node_names", where)
-    ranks = raw["ranks"]
-    if not isinstance(ranks, list) or not ranks or not all(_is_int(r) for r in ranks):
-        raise PlacementError(f"{where}: ranks must be a non-empty list of ints, got {ranks!r}")
-    walks = raw.get("graph_walks")
-    if walks is not None:
-        walks = _str_list(walks, "graph_walks", where + " (omit graph_walks to apply to every walk)")
-    tp = raw.get("tp_size", 1)
-    if not _is_int(tp):
-        raise PlacementError(f"{where}: tp_size must be an int, got {tp!r}")
-    mbs = raw.get("max_batch_size")
-    if mbs is not None:
-        mbs = _pos_int(mbs, "max_batch_size", where)
-    return NodeGroup(node_names=names, ranks=tuple(ranks), graph_walks=walks, tp_size=tp, max_batch_size=mbs)
-
-
-def _parse_runtime(raw: object, source: str) -> RuntimeLimits:
-    if raw is None:
-        return RuntimeLimits()
-    where = f"{source}: runtime"
-    if not isinstance(raw, Mapping):
-        raise PlacementError(f"{where}: must be a mapping, got {raw!r}")
-    unknown = [k for k in raw if k not in RUNTIME_KEYS]
-    if unknown:
-        raise PlacementError(f"{where}: unknown key(s) {_fmt_list(map(repr, unknown))}; "
-                             f"valid keys: {', '.join(RUNTIME_KEYS)}")
-    values = {k: _pos_int(v, k, where) for k, v in raw.items()}
-    return RuntimeLimits(**values)
-
-
-def _check_groups(groups: Iterable[NodeGroup], source: str) -> None:
-    """Graph-independent checks of parsed (or hand-built) groups."""
-    groups = list(groups)
-    if not groups:
-        raise PlacementError(f"{source}: node_groups is empty")
-    for i, g in enumerate(groups):
-        where = _where(source, i, g)
-        if not g.node_names:
-            raise PlacementError(f"{where}: node_names is empty")
-        if len(set(g.node_names)) != len(g.node_names):
-            raise PlacementError(f"{where}: node_names lists a node more than once")
-        if g.graph_walks is not None and not g.graph_walks:
-            raise PlacementError(f"{where}: graph_walks is empty (omit it to apply to every walk)")
-        if not g.ranks:
-            raise PlacementError(f"{where}: ranks is empty")
-        if not all(_is_int(r) for r in g.ranks):
-            raise PlacementError(f"{where}: ranks must be ints, got {list(g.ranks)}")
-        negative = [r for r in g.ranks if r < 0]
-        if negative:
-            raise PlacementError(f"{where}: negative rank {negative[0]} in ranks {_fmt_list(g.ranks)}")
-        dups = sorted({r for r in g.ranks if g.ranks.count(r) > 1})
-        if dups:
-            raise PlacementError(f"{where}: duplicate rank(s) {_fmt_list(dups)} in ranks "
-                                 f"{_fmt_list(g.ranks)}")
-        if not _is_int(g.tp_size) or g.tp_size < 1:
-            raise PlacementError(f"{where}: tp_size must be a positive int, got {g.tp_size!r}")
-        if len(g.ranks) != g.tp_size:
-            raise PlacementError(
-                f"{where}: ranks {_fmt_list(g.ranks)} has {len(g.ranks)} rank(s) but tp_size is {g.tp_size}; "
-                f"a group is one tensor-parallel replica of exactly tp_size ranks (data-parallel replicas "
-                f"are not supported yet)")
-        if g.max_batch_size is not None and (not _is_int(g.max_batch_size) or g.max_batch_size < 1):
-            raise PlacementError(f"{where}: max_batch_size must be a positive int, got {g.max_batch_size!r}")
-
-    # at most one scoped and one unscoped group per (node, walk)
-    for j, gj in enumerate(groups):
-        for i in range(j):
-            gi = groups[i]
-            for n in gj.node_names:
-                if n not in gi.node_names:
-                    continue
-                if gi.graph_walks is None and gj.graph_walks is None:
-                    raise PlacementError(
-                        f"{_where(source, j, gj)}: node {n!r} is already placed by node_groups[{i}] "
-                        f"({gi.label}) for every walk (neither group sets graph_walks); a node may have "
-                        f"only one group per walk")
-                if gi.graph_walks is not None and gj.graph_walks is not None:
-                    common = [w for w in gj.graph_walks if w in gi.graph_walks]
-                    if common:
-                        raise PlacementError(
-                            f"{_where(source, j, gj)}: node {n!r} is already placed by node_groups[{i}] "
-                            f"({gi.label}) for walk {common[0]!r}; a node may have only one group per walk")
-
-
-def _applying_group(groups: Iterable[NodeGroup], node: str, walk: str) -> int | None:
-    unscoped = None
-    for i, g in enumerate(groups):
-        if node not in g.node_names:
-            continue
-        if g.graph_walks is None:
-            if unscoped is None:
-                unscoped = i
-        elif walk in g.graph_walks:
-            return i
-    return unscoped
-
-
-def _graph_nodes_in_order(graph: WalkGraph) -> list[str]:
-    """The graph's nodes in declaration order (walk by walk, then position in the walk)."""
-    order: dict[str, None] = {}
-    for w in graph.walks:
-        plan = graph.plans[w]
-        for n in plan.nodes:
-            order[n] = None
-    for n in sorted(graph.node_names):
-        order.setdefault(n, None)
-    return list(order)

@@ -1,0 +1,235 @@
+"""V-JEPA 2-AC modules: parity with Meta's reference (cc-vjepa2), cached rollout = native rollout, loader."""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.models.llama.loader import CheckpointError
+from mstar.models.vjepa2 import (
+    TINY_ENCODER,
+    TINY_PREDICTOR,
+    ACPredictor,
+    VJepaEncoder,
+    dummy_vjepa2,
+    encode_frames,
+    load_into,
+    load_vjepa2_ac,
+)
+from mstar.models.vjepa2.config import PredictorConfig
+from mstar.models.vjepa2.loader import init_random_weights
+from tests.vjepa2_ref import reference
+
+T = 3  # frames in a trajectory
+TOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    # the reference wraps attention in the deprecated torch.backends.cuda.sdp_kernel()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def _ref_predictor(ref, cfg: PredictorConfig, frames: int = T) -> nn.Module:
+    model = ref.VisionTransformerPredictorAC(
+        img_size=cfg.img_size, patch_size=cfg.patch_size, num_frames=cfg.tubelet_size * frames,
+        tubelet_size=cfg.tubelet_size, embed_dim=cfg.embed_dim, predictor_embed_dim=cfg.predictor_embed_dim,
+        depth=cfg.depth, num_heads=cfg.num_heads, mlp_ratio=cfg.mlp_ratio, qkv_bias=cfg.qkv_bias,
+        norm_layer=partial(nn.LayerNorm, eps=cfg.layernorm_eps), use_silu=cfg.use_silu,
+        wide_silu=cfg.wide_silu, use_rope=True, is_frame_causal=True, action_embed_dim=cfg.action_dim,
+        use_extrinsics=cfg.use_extrinsics,
+    )
+    return init_random_weights(model, seed=1234).eval()
+
+
+def _ckpt(tmp_path, predictor_state=None, encoder_state=None):
+    wrap = {"predictor": predictor_state or {}, "encoder": encoder_state or {}}
+    ckpt = {part: {"module.backbone." + k: v for k, v in sd.items()} for part, sd in wrap.items()}
+    path = tmp_path / "vjepa2-ac-tiny.pt"
+    torch.save(ckpt, path)
+    return path
+
+
+def _inputs(cfg: PredictorConfig, frames: int = T, batch: int = 2, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(batch, frames * cfg.tokens_per_frame, cfg.embed_dim, generator=g)
+    actions = torch.randn(batch, frames, cfg.action_dim, generator=g)
+    states = torch.randn(batch, frames, cfg.action_dim, generator=g)
+    extr = torch.randn(batch, frames, cfg.action_dim - 1, generator=g) if cfg.use_extrinsics else None
+    return tokens, actions, states, extr
+
+
+@pytest.fixture(scope="module")
+def predictor_pair(tmp_path_factory):
+    ref = reference()
+    ref_model = _ref_predictor(ref, TINY_PREDICTOR)
+    path = _ckpt(tmp_path_factory.mktemp("vjepa2"), predictor_state=ref_model.state_dict())
+    _, pred_state = load_vjepa2_ac(path)
+    ours = ACPredictor(TINY_PREDICTOR)
+    load_into(ours, pred_state)
+    return ref_model, ours.eval()
+
+
+@torch.no_grad()
+def test_predictor_forward_full_matches_reference(predictor_pair):
+    ref_model, ours = predictor_pair
+    tokens, actions, states, _ = _inputs(TINY_PREDICTOR)
+    want = ref_model(tokens, actions, states)
+    got = ours.forward_full(tokens, actions, states)
+    assert got.shape == want.shape == tokens.shape
+    assert want.std() > 0.1  # not degenerate
+    assert (got - want).abs().max() < TOL
+    # shorter trajectories use the top-left corner of the reference's mask
+    want2 = ref_model(tokens[:, : 2 * TINY_PREDICTOR.tokens_per_frame], actions[:, :2], states[:, :2])
+    got2 = ours.forward_full(tokens[:, : 2 * TINY_PREDICTOR.tokens_per_frame], actions[:, :2], states[:, :2])
+    assert (got2 - want2).abs().max() < TOL
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("variant", ["extrinsics_silu", "nonsquare"])
+def test_predictor_variants_match_reference(tmp_path, variant):
+    ref = reference()
+    if variant == "extrinsics_silu":
+        cfg = PredictorConfig(img_size=(32, 32), embed_dim=64, predictor_embed_dim=48, depth=2, num_heads=4,
+                              use_extrinsics=True, use_silu=True)
+    else:  # 2x3 grid: width positions are scaled by grid_h / grid_w
+        cfg = PredictorConfig(img_size=(32, 48), embed_dim=64, predictor_embed_dim=48, depth=2, num_heads=4)
+    ref_model = _ref_predictor(ref, cfg)
+    ours = ACPredictor(cfg)
+    load_into(ours, load_vjepa2_ac(_ckpt(tmp_path, predictor_state=ref_model.state_dict()))[1])
+    tokens, actions, states, extr = _inputs(cfg)
+    want = ref_model(tokens, actions, states, extr)
+    got = ours.eval().forward_full(tokens, actions, states, extr)
+    assert (got - want).abs().max() < TOL
+
+
+@torch.no_grad()
+def test_cached_rollout_equals_native(predictor_pair):
+    ref_model, ours = predictor_pair
+    cfg = TINY_PREDICTOR
+    n = cfg.tokens_per_frame
+    tokens, actions, states, _ = _inputs(cfg, seed=1)
+    cache = ours.new_cache()
+    for t in range(1, T + 1):
+        native = ours.forward_full(tokens[:, : t * n], actions[:, :t], states[:, :t])[:, -n:]
+        native_ref = ref_model(tokens[:, : t * n], actions[:, :t], states[:, :t])[:, -n:]
+        cached = ours.forward_frame(tokens[:, (t - 1) * n: t * n], actions[:, t - 1], states[:, t - 1],
+                                    frame_index=t - 1, cache=cache)
+        assert cached.shape == (tokens.shape[0], n, cfg.embed_dim)
+        assert (cached - native).abs().max() < TOL, t
+        assert (cached - native_ref).abs().max() < TOL, t
+    assert cache.num_frames == T
+    assert cache.length == T * cfg.block_tokens
+    k = cache.layers[0].k
+    assert k is not None and k.shape == (tokens.shape[0], cfg.num_heads, T * cfg.block_tokens, cfg.head_dim)
+    with pytest.raises(ValueError, match="frame_index"):
+        ours.forward_frame(tokens[:, :n], actions[:, 0], states[:, 0], frame_index=0, cache=cache)
+
+
+@torch.no_grad()
+def test_autoregressive_rollout_cached_equals_native():
+    # the world-model wrapper's loop: feed back each layer-normed prediction as the next frame
+    encoder, predictor = dummy_vjepa2(seed=3)
+    cfg = predictor.cfg
+    n = cfg.tokens_per_frame
+    g = torch.Generator().manual_seed(5)
+    frame0 = encode_frames(encoder, torch.randn(1, 1, 3, 32, 32, generator=g))
+    actions = torch.randn(1, T, cfg.action_dim, generator=g)
+    states = torch.randn(1, T, cfg.action_dim, generator=g)
+
+    traj_native = frame0
+    for t in range(1, T + 1):
+        nxt = predictor.forward_full(traj_native, actions[:, :t], states[:, :t])[:, -n:]
+        traj_native = torch.cat([traj_native, F.layer_norm(nxt, (nxt.shape[-1],))], dim=1)
+
+    cache = predictor.new_cache()
+    traj_cached, cur = frame0, frame0
+    for t in range(T):
+        nxt = predictor.forward_frame(cur, actions[:, t], states[:, t], frame_index=t, cache=cache)
+        cur = F.layer_norm(nxt, (nxt.shape[-1],))
+        traj_cached = torch.cat([traj_cached, cur], dim=1)
+    assert (traj_cached - traj_native).abs().max() < TOL
+
+
+@torch.no_grad()
+def test_encoder_matches_reference():
+    ref = reference()
+    c = TINY_ENCODER
+    ref_model = ref.VisionTransformer(
+        img_size=c.img_size, patch_size=c.patch_size, num_frames=4, tubelet_size=c.tubelet_size,
+        in_chans=c.in_chans, embed_dim=c.embed_dim, depth=c.depth, num_heads=c.num_heads,
+        mlp_ratio=c.mlp_ratio, qkv_bias=c.qkv_bias, norm_layer=partial(nn.LayerNorm, eps=c.layernorm_eps),
+        use_rope=True, use_sdpa=True,
+    )
+    init_random_weights(ref_model, seed=77).eval()
+    ours = VJepaEncoder(c)
+    load_into(ours, ref_model.state_dict())
+    ours.eval()
+    g = torch.Generator().manual_seed(0)
+    video = torch.randn(2, 3, 4, 32, 32, generator=g)
+    want = ref_model(video)
+    got = ours(video)
+    assert got.shape == want.shape == (2, 2 * c.tokens_per_frame, c.embed_dim)
+    assert (got - want).abs().max() < TOL
+    # another resolution / length (RoPE positions follow the input grid)
+    video = torch.randn(1, 3, 6, 48, 32, generator=g)
+    assert (ours(video) - ref_model(video)).abs().max() < TOL
+
+
+def test_rope_split_and_mask_facts():
+    ref = reference()
+    # head_dim 64 (ViT-g and the AC predictor): 3 x 20 rotated channels + 4 passed through
+    attn = ref.modules.ACRoPEAttention(1024, num_heads=16)
+    assert (attn.d_dim, attn.h_dim, attn.w_dim) == (20, 20, 20)
+    m = ref.modules.build_action_block_causal_attention_mask(3, 2, 2, add_tokens=2)
+    frame_of = torch.arange(3).repeat_interleave(6)
+    assert torch.equal(m, frame_of[:, None] >= frame_of[None, :])
+
+
+def test_loader_strips_prefixes_and_reports_missing(tmp_path):
+    _, predictor = dummy_vjepa2(seed=0)
+    encoder = VJepaEncoder(TINY_ENCODER)
+    state = predictor.state_dict()
+    path = _ckpt(tmp_path, predictor_state=state, encoder_state=encoder.state_dict())
+    raw = torch.load(path, weights_only=True)
+    assert all(k.startswith("module.backbone.") for k in raw["predictor"])
+    enc_state, pred_state = load_vjepa2_ac(path)
+    assert set(pred_state) == set(state) and set(enc_state) == set(encoder.state_dict())
+
+    fresh = ACPredictor(TINY_PREDICTOR)
+    load_into(fresh, pred_state)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in state.items())
+
+    broken = dict(pred_state)
+    del broken["predictor_blocks.1.attn.qkv.weight"]
+    broken["predictor_blocks.9.extra"] = torch.zeros(1)
+    with pytest.raises(CheckpointError, match=r"missing: predictor_blocks\.1\.attn\.qkv\.weight") as e:
+        load_into(fresh, broken)
+    assert "unexpected: predictor_blocks.9.extra" in str(e.value)
+    broken = dict(pred_state)
+    broken["predictor_norm.weight"] = torch.ones(5)
+    with pytest.raises(CheckpointError, match="shape mismatch: predictor_norm.weight"):
+        load_into(fresh, broken)
+
+    torch.save({"predictor": {}}, tmp_path / "bad.pt")
+    with pytest.raises(CheckpointError, match="no 'encoder' state dict"):
+        load_vjepa2_ac(tmp_path / "bad.pt")
+    with pytest.raises(FileNotFoundError):
+        load_vjepa2_ac(tmp_path / "absent.pt")
+
+
+def test_dummy_is_deterministic():
+    e1, p1 = dummy_vjepa2(seed=7)
+    e2, p2 = dummy_vjepa2(seed=7)
+    for a, b in ((e1, e2), (p1, p2)):
+        sa, sb = a.state_dict(), b.state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    _, p3 = dummy_vjepa2(seed=8)
+    assert not torch.equal(p1.state_dict()["predictor_proj.weight"], p3.state_dict()["predictor_proj.weight"])
