@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# the V-JEPA 2 reference for parity tests; --no-deps keeps its timm/torchvision requirements out
+	$(PY) -m pip install -q --no-deps cc-vjepa2
 	@! $(PY) -m pip list 2>/dev/null | grep -qiE '^(torchvision|torchaudio|torchcodec) ' || \
 		{ echo "error: torchvision/torchaudio/torchcodec must not be installed"; exit 1; }
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true
