@@ -13,3 +13,7 @@ register_model("orpheus-tiny", "mstar.models.orpheus.model:OrpheusTiny")
 # Text generation: a Hugging Face Llama checkpoint, and a tiny one with dummy weights (offline).
 register_model("llama", "mstar.models.llama.graph:LlamaLM")
 register_model("llama-tiny", "mstar.models.llama.graph:LlamaTiny")
+
+# World model: V-JEPA 2-AC (encoder + action-conditioned predictor), and its tiny offline variant.
+register_model("vjepa2-ac", "mstar.models.vjepa2.model:VJepa2AC")
+register_model("vjepa2-ac-tiny", "mstar.models.vjepa2.model:VJepa2ACTiny")

@@ -79,10 +79,16 @@ class Conductor:
                sink: Callable[[str, Any], None]) -> None:
         """Admit a request (inputs already validated by the caller)."""
         graph = self.model.graph
-        tensors = dict(inputs)  # shared by every partition: inputs + values routed TO_STATE
+        # one dict of request tensors shared by every partition: the inputs, what create_state adds,
+        # and later every value routed TO_STATE
+        tensors: dict | None = None
         parts = {}
         for p in graph.partitions:
-            st = self.model.create_state(request_id, p, tensors, params)
+            st = self.model.create_state(request_id, p, dict(inputs), params)
+            if tensors is None:
+                tensors = st.tensors
+            else:
+                tensors.update({k: v for k, v in st.tensors.items() if k not in tensors})
             st.tensors = tensors
             parts[p] = _Partition(st)
         req = _Request(request_id, params, parts, sink, RequestStatus.RUNNING)

@@ -144,6 +144,8 @@ class Worker:
             buf.notified = False
 
         def emit(name, value, modality, node):
+            if isinstance(value, list) and not value:
+                return  # an empty list: nothing to send this iteration
             self.transport.send(CONDUCTOR, Emit(msg.request_id, name, value, modality, node, msg.walk))
 
         def to_state(name, value):

@@ -1,0 +1,103 @@
+"""V-JEPA 2-AC through the runtime: the cached rollout (one frame block appended per loop iteration)
+equals the native rollout that re-runs the predictor over the whole trajectory at every step."""
+
+import httpx
+import pytest
+import torch
+
+from mstar import Runtime
+from mstar.model import resolve_model
+from mstar.models.vjepa2.model import (
+    MAX_FRAMES,
+    compute_new_pose,
+    euler_xyz_to_matrix,
+    matrix_to_euler_xyz,
+    native_rollout,
+)
+from mstar.models.vjepa2.modules import encode_frames
+from mstar.placement import Placement
+from tests.server_utils import running_server
+
+
+def request(seed: int, t: int, horizon: int):
+    g = torch.Generator().manual_seed(seed)
+    return ({"frames": torch.randn(t, 3, 32, 32, generator=g), "states": torch.rand(t, 7, generator=g),
+             "actions": torch.randn(t + horizon - 1, 7, generator=g) * 0.1}, {"horizon": horizon})
+
+
+def check_against_native(rt, reqs, outs):
+    enc = rt._workers[0].engines["encoder"].module.encoder
+    pred = next(w for w in rt._workers if "predictor" in w.engines).engines["predictor"].module.predictor
+    for (inputs, params), out in zip(reqs, outs):
+        assert out.finished, out.error
+        t = inputs["frames"].shape[0]
+        ctx = encode_frames(enc, inputs["frames"][None])[0].view(t, -1, 64)
+        ref = native_rollout(pred, ctx, inputs["states"], inputs["actions"], params["horizon"])
+        got = out.tensors("frame")
+        assert len(got) == params["horizon"]
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def kv_used(rt):
+    return sum(kv["blocks_used"] for r in rt.stats()["ranks"] for kv in r["kv"].values())
+
+
+def test_cached_rollout_equals_native_for_batched_requests():
+    reqs = [request(0, 2, 4), request(1, 1, 3), request(2, 3, 1), request(3, 2, 6)]
+    with Runtime(resolve_model("vjepa2-ac-tiny")) as rt:
+        outs = [h.result() for h in [rt.submit(i, p) for i, p in reqs]]
+        check_against_native(rt, reqs, outs)
+        assert max(rt.stats()["ranks"][0]["batch_sizes"]["predictor"]) > 1  # rollouts of requests batched
+        assert kv_used(rt) == 0
+
+
+def test_rollout_is_placement_invariant():
+    reqs = [request(4, 2, 3), request(5, 2, 2)]
+    placement = Placement.from_dict({"model": "vjepa2-ac-tiny", "node_groups": [
+        {"node_names": ["encoder"], "ranks": [0]}, {"node_names": ["predictor"], "ranks": [1]}]})
+    with Runtime(resolve_model("vjepa2-ac-tiny"), placement) as rt:
+        outs = [h.result() for h in [rt.submit(i, p) for i, p in reqs]]
+        check_against_native(rt, reqs, outs)
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    (lambda i, p: ({**i, "frames": torch.randn(2, 3, 16, 16)}, p), "frames must be"),
+    (lambda i, p: ({**i, "actions": torch.randn(4, 6)}, p), "actions must be"),
+    (lambda i, p: (i, {"horizon": MAX_FRAMES}), "must be at most"),
+    (lambda i, p: ({k: v for k, v in i.items() if k != "states"}, p), "'states' is required"),
+])
+def test_bad_inputs_are_rejected(bad, fragment):
+    with Runtime(resolve_model("vjepa2-ac-tiny")) as rt:
+        inputs, params = bad(*request(6, 2, 3))
+        with pytest.raises(ValueError, match=fragment):
+            rt.submit(inputs, params)
+
+
+def test_pose_integration():
+    g = torch.Generator().manual_seed(0)
+    angles = (torch.rand(5, 3, generator=g) - 0.5) * 2.0
+    torch.testing.assert_close(matrix_to_euler_xyz(euler_xyz_to_matrix(angles)), angles, atol=1e-5, rtol=0)
+    pose = torch.cat([torch.rand(5, 3, generator=g), angles, torch.full((5, 1), 0.9)], -1)
+    action = torch.cat([torch.full((5, 3), 0.1), angles.flip(0) * 0.3, torch.full((5, 1), 0.5)], -1)
+    new = compute_new_pose(pose, action)
+    torch.testing.assert_close(new[:, :3], pose[:, :3] + 0.1)
+    assert torch.equal(new[:, 6], torch.ones(5))  # gripper clipped to [0, 1]
+    composed = euler_xyz_to_matrix(action[:, 3:6]) @ euler_xyz_to_matrix(pose[:, 3:6])
+    torch.testing.assert_close(euler_xyz_to_matrix(new[:, 3:6]), composed, atol=1e-5, rtol=0)
+
+
+def test_generate_route_streams_predicted_frames_and_rejects_bad_input():
+    from mstar.server.media import tensor_to_json
+
+    inputs, params = request(7, 2, 3)
+    body = {"inputs": {k: tensor_to_json(v) for k, v in inputs.items()}, "params": params}
+    with running_server(resolve_model("vjepa2-ac-tiny"), "vjepa2-ac-tiny") as (url, _):
+        r = httpx.post(url + "/generate", json=body, timeout=60)
+        lines = [x for x in r.text.splitlines() if x]
+        assert r.status_code == 200 and lines[-1] == '{"done": true}'
+        frames = [x for x in lines[:-1] if '"name": "frame"' in x]
+        assert len(frames) == 3 and '"shape": [4, 64]' in frames[0]
+        bad = {**body, "inputs": {**body["inputs"], "actions": tensor_to_json(torch.zeros(4, 5))}}
+        r = httpx.post(url + "/generate", json=bad, timeout=60)
+        assert r.status_code == 400 and "actions must be" in r.json()["error"]["message"]
