@@ -101,3 +101,84 @@ def test_generate_route_streams_predicted_frames_and_rejects_bad_input():
         bad = {**body, "inputs": {**body["inputs"], "actions": tensor_to_json(torch.zeros(4, 5))}}
         r = httpx.post(url + "/generate", json=bad, timeout=60)
         assert r.status_code == 400 and "actions must be" in r.json()["error"]["message"]
+
+
+def oracle_plan(pred, ctx, states, past_actions, goal, p):
+    """CEM written out with the native (re-run) rollout: every candidate re-runs the predictor over its
+    whole trajectory at every step; no cache, no forks."""
+    import torch.nn.functional as F
+
+    t, n = ctx.shape[0], pred.cfg.tokens_per_frame
+    mean = torch.zeros(p["horizon"], 7)
+    std = torch.full((p["horizon"], 7), p["init_std"])
+    for i in range(p["iterations"]):
+        gen = torch.Generator().manual_seed(p["seed"] * 1_000_003 + i)
+        cand = mean + std * torch.randn((p["samples"], p["horizon"], 7), generator=gen)
+        finals = []
+        for k in range(p["samples"]):
+            z, s = list(ctx), list(states)
+            for j in range(p["horizon"]):
+                acts = torch.cat([past_actions[:t - 1], cand[k, :j + 1]])
+                with torch.inference_mode():
+                    out = pred.forward_full(torch.cat(z)[None], acts[None], torch.stack(s)[None])
+                s.append(compute_new_pose(s[-1], acts[-1]))
+                z.append(F.layer_norm(out[0, -n:], (out.shape[-1],)))
+            finals.append(z[-1])
+        energy = torch.stack([(f - goal).abs().mean() for f in finals])
+        elite = cand[torch.topk(energy, p["topk"], largest=False).indices]
+        mean, std = elite.mean(0), elite.std(0, unbiased=False)
+    return mean
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_cem_plan_with_forked_sample_caches_equals_oracle(t):
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(t)
+    ctx = F.layer_norm(torch.randn(t, 4, 64, generator=g), (64,))
+    goal = F.layer_norm(torch.randn(4, 64, generator=g), (64,))
+    states, past = torch.rand(t, 7, generator=g), torch.randn(max(t - 1, 0), 7, generator=g) * 0.1
+    p = {"task": "plan", "horizon": 2, "samples": 6, "topk": 2, "iterations": 3, "seed": 11, "init_std": 0.1}
+    with Runtime(resolve_model("vjepa2-ac-tiny")) as rt:
+        (out,) = rt.generate([{"context": ctx, "goal": goal, "states": states, "actions": past}], p)
+        assert out.finished, out.error
+        pred = rt._workers[0].engines["predictor"].module.predictor
+        assert len(out.tensors("energy")) == p["iterations"]
+        assert kv_used(rt) == 0  # the context cache and every sample's fork are freed
+    torch.testing.assert_close(out.tensors("plan")[0], oracle_plan(pred, ctx, states, past, goal, p),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_plan_from_frames_and_goal_frame():
+    inputs, _ = request(8, 2, 1)
+    g = torch.Generator().manual_seed(9)
+    params = {"task": "plan", "horizon": 3, "samples": 8, "topk": 3, "iterations": 2}
+    with Runtime(resolve_model("vjepa2-ac-tiny")) as rt:
+        (out,) = rt.generate([{**inputs, "actions": inputs["actions"][:1],
+                               "goal_frame": torch.randn(3, 32, 32, generator=g)}], params)
+        assert out.finished, out.error
+        assert out.tensors("plan")[0].shape == (3, 7)
+        energies = torch.cat(out.tensors("energy"))
+        assert energies.shape == (2,) and bool(torch.isfinite(energies).all())
+        with pytest.raises(ValueError, match="goal_frame"):
+            rt.submit({**inputs, "actions": inputs["actions"][:1]}, params)
+
+
+def test_plan_samples_and_rollouts_of_other_requests_batch_together():
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(5)
+    ctx = F.layer_norm(torch.randn(2, 4, 64, generator=g), (64,))
+    goal = F.layer_norm(torch.randn(4, 64, generator=g), (64,))
+    states, past = torch.rand(2, 7, generator=g), torch.randn(1, 7, generator=g) * 0.1
+    p = {"task": "plan", "horizon": 2, "samples": 4, "topk": 2, "iterations": 2, "seed": 3, "init_std": 0.1}
+    rollouts = [request(10, 2, 4), request(11, 3, 3)]
+    with Runtime(resolve_model("vjepa2-ac-tiny")) as rt:
+        h_plan = rt.submit({"context": ctx, "goal": goal, "states": states, "actions": past}, p)
+        h_roll = [rt.submit(i, q) for i, q in rollouts]
+        plan = h_plan.result()
+        check_against_native(rt, rollouts, [h.result() for h in h_roll])
+        pred = rt._workers[0].engines["predictor"].module.predictor
+        assert max(rt.stats()["ranks"][0]["batch_sizes"]["predictor"]) > 1
+    torch.testing.assert_close(plan.tensors("plan")[0], oracle_plan(pred, ctx, states, past, goal, p),
+                               atol=1e-4, rtol=1e-4)

@@ -6,6 +6,7 @@ from mstar.model.registry import register_model, registered_models, resolve_mode
 from mstar.model.submodule import (
     EngineInputs,
     ForwardInfo,
+    KVSequence,
     KVSpec,
     NodeInputs,
     NodeSubmodule,
@@ -15,6 +16,7 @@ __all__ = [
     "QueryMode",
     "EngineInputs",
     "ForwardInfo",
+    "KVSequence",
     "KVSpec",
     "ModelDef",
     "NodeInputs",

@@ -32,6 +32,18 @@ class ForwardInfo:
 
 
 @dataclass(slots=True)
+class KVSequence:
+    """One of several cache sequences a request brings to a KV node's forward (e.g. the samples of a
+    planner, each rolling out in its own cache forked from a shared context)."""
+
+    cache_name: str
+    num_tokens: int
+    mode: QueryMode = QueryMode.CAUSAL_APPEND
+    fork_from: tuple[str, int | None] | None = None
+    refork: bool = False  # drop an existing cache of this name first, then fork it again
+
+
+@dataclass(slots=True)
 class NodeInputs:
     """One request's contribution to a batched forward.
 
@@ -41,7 +53,8 @@ class NodeInputs:
     tensors), how they attend (``mode``), which cache they use (``cache_name``; default: the
     node's own) and optionally ``fork_from=(cache_name, num_tokens)``: before this forward, create
     the cache as a copy-on-write fork sharing the first ``num_tokens`` tokens of another cache of
-    the same request (None = all of them).
+    the same request (None = all of them). ``sequences`` replaces all of that with several cache
+    sequences, in order (their tokens are the request's rows, sequence after sequence).
     """
 
     tensor_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -50,6 +63,7 @@ class NodeInputs:
     mode: QueryMode = QueryMode.CAUSAL_APPEND
     cache_name: str | None = None
     fork_from: tuple[str, int | None] | None = None
+    sequences: list[KVSequence] | None = None  # several sequences instead of the single one above
 
 
 @dataclass(slots=True)

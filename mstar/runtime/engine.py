@@ -46,6 +46,7 @@ class KVSeq:
     mode: QueryMode
     fork_from: tuple[str, int | None] | None = None
     positions: torch.Tensor | None = None
+    refork: bool = False
 
 
 class ItemError(Exception):
@@ -164,9 +165,9 @@ class KVCacheEngine(StatelessEngine):
         return self.manager.num_tokens(item.request_id, item.node)
 
     def _seqs(self, item: WorkItem, ni: NodeInputs) -> list[KVSeq]:
-        seqs = ni.extras.get("kv_seqs")
-        if seqs is not None:
-            return seqs
+        if ni.sequences is not None:
+            return [KVSeq(item.request_id, q.cache_name, q.num_tokens, QueryMode(q.mode), q.fork_from, None, q.refork)
+                    for q in ni.sequences]
         return [KVSeq(item.request_id, ni.cache_name or item.node, ni.num_tokens, QueryMode(ni.mode),
                       ni.fork_from)]
 
@@ -178,6 +179,8 @@ class KVCacheEngine(StatelessEngine):
         query_lens, tables, ctx, modes, slots, positions = [], [], [], [], [], []
         try:
             for s in seqs:
+                if s.refork and m.has(s.request_id, s.cache_name):
+                    m.free(s.request_id, s.cache_name)
                 if s.fork_from is not None and not m.has(s.request_id, s.cache_name):
                     src, n = s.fork_from
                     m.fork(s.request_id, src, s.cache_name, n)

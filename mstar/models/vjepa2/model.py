@@ -29,9 +29,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mstar.graph import EMIT_TO_CLIENT, TO_STATE, DynamicLoop, GraphEdge, GraphNode, Walk, WalkGraph
+from mstar.graph import (
+    EMIT_TO_CLIENT,
+    TO_STATE,
+    DynamicLoop,
+    GraphEdge,
+    GraphNode,
+    Sequential,
+    Walk,
+    WalkGraph,
+)
 from mstar.layers.paged_attention import QueryMode, paged_attention
-from mstar.model import KVSpec, ModelDef, NodeInputs, NodeSubmodule, WalkState
+from mstar.model import KVSequence, KVSpec, ModelDef, NodeInputs, NodeSubmodule, WalkState
 from mstar.models.vjepa2.config import TINY_ENCODER, TINY_PREDICTOR, EncoderConfig, PredictorConfig
 from mstar.models.vjepa2.loader import build_vjepa2_ac, dummy_vjepa2
 from mstar.models.vjepa2.modules import ACPredictor, VJepaEncoder, encode_frames
@@ -76,27 +85,38 @@ class EncoderNode(NodeSubmodule):
         self.encoder = encoder
 
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
-        return NodeInputs(extras={"frames": inputs["frames"][0]})
+        goal = inputs["goal_frame"][0] if "goal_frame" in inputs else None
+        return NodeInputs(extras={"frames": inputs["frames"][0], "goal": goal})
+
+    def _encode(self, frames: torch.Tensor) -> torch.Tensor:
+        tokens = encode_frames(self.encoder, frames.unsqueeze(0).to(torch.float32))[0]
+        return tokens.view(frames.shape[0], -1, tokens.shape[-1])
 
     def forward(self, graph_walk, engine_inputs, **_):
-        outs = []
+        outs, goals = [], []
         with torch.inference_mode():
-            for frames in engine_inputs.extras["frames"]:  # requests may differ in frame count
-                tokens = encode_frames(self.encoder, frames.unsqueeze(0).to(torch.float32))[0]
-                outs.append(tokens.view(frames.shape[0], -1, tokens.shape[-1]))
-        return {"context": outs, "feed": [t[-1] for t in outs]}
+            for frames, goal in zip(engine_inputs.extras["frames"], engine_inputs.extras["goal"]):
+                outs.append(self._encode(frames))  # requests may differ in frame count: one call each
+                goals.append(self._encode(goal.unsqueeze(0))[0] if goal is not None else torch.empty(0))
+        return {"context": outs, "feed": [t[-1] for t in outs], "goal": goals}
 
 
 @dataclass(frozen=True)
 class _Step:
-    frame: int  # index of the frame block appended now
+    walk: str
+    frames: tuple[int, ...]  # frame index of each sequence's appended block
     context_len: int
-    emit: bool  # this block's output predicts a frame past the context
-    last: bool
+    emit: bool  # rollout: this block's output predicts a frame past the context
+    last: bool  # the loop ends after this step
 
 
 class PredictorNode(NodeSubmodule):
-    """One frame block per request per step, appended to the request's paged KV cache."""
+    """Frame blocks appended to paged KV caches, one block per sequence per step.
+
+    Walks: ``rollout`` (one sequence, the request's cache: context frames, then its own predictions),
+    ``prefill_context`` (context frames 0..T-2 only, for planning) and ``plan`` (one sequence per CEM
+    sample, each in a cache forked from the context cache and re-forked at every CEM iteration).
+    """
 
     def __init__(self, predictor: ACPredictor) -> None:
         super().__init__()
@@ -106,28 +126,51 @@ class PredictorNode(NodeSubmodule):
 
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
         c = self.predictor.cfg
-        ctx, actions, states = inputs["context"][0], inputs["actions"][0], inputs["states"][0]
+        bt = c.block_tokens
+        ctx, states = inputs["context"][0], inputs["states"][0]
         t = ctx.shape[0]
-        frame = fwd_info.cache_len // c.block_tokens
         horizon = int(fwd_info.params.get("horizon", 1))
-        if frame < t:
-            tokens, state = ctx[frame], states[frame]
+        given = None
+        if graph_walk == "plan":
+            cand = inputs["candidates"][0]  # [N, H, A]
+            n, j = cand.shape[0], fwd_info.iteration[-1]
+            if j == 0:
+                tokens = ctx[t - 1].unsqueeze(0).expand(n, -1, -1)
+                state = states[t - 1].unsqueeze(0).expand(n, -1)
+            else:
+                tokens, state = inputs["feed"][0], inputs["state"][0]
+            # every sample continues the context (frames 0..T-2, when there are any) in its own fork
+            base = ("predictor", None) if t >= 2 else None
+            seqs = [KVSequence(f"sample{k}", bt, QueryMode.BLOCK_APPEND, base, refork=j == 0) for k in range(n)]
+            step = _Step("plan", (t - 1 + j,) * n, t, False, j >= horizon - 1)
+            action = cand[:, j]
         else:
-            tokens, state = inputs["feed"][0], inputs["state"][0]
-        step = _Step(frame, t, frame >= t - 1, frame >= t + horizon - 2)
+            frame = fwd_info.cache_len // bt
+            seqs = None
+            action = inputs["actions"][0][frame].view(1, -1)
+            if frame < t:
+                tokens, state = ctx[frame].unsqueeze(0), states[frame].view(1, -1)
+            else:
+                tokens, state = inputs["feed"][0].unsqueeze(0), inputs["state"][0].view(1, -1)
+            if graph_walk == "prefill_context":
+                step = _Step(graph_walk, (frame,), t, False, frame >= t - 2)
+            else:
+                step = _Step(graph_walk, (frame,), t, frame >= t - 1, frame >= t + horizon - 2)
+            given = states[frame + 1] if frame + 1 < t else None
         return NodeInputs(
-            tensor_inputs={"tokens": tokens.to(torch.float32), "action": actions[frame].view(1, -1).float(),
-                           "state": state.view(1, -1).float()},
-            num_tokens=c.block_tokens, mode=QueryMode.BLOCK_APPEND,
-            extras={"step": step, "given_next_state": states[frame + 1] if frame + 1 < t else None})
+            tensor_inputs={"tokens": tokens.reshape(-1, tokens.shape[-1]).float(), "action": action.float(),
+                           "state": state.float()},
+            num_tokens=len(step.frames) * bt, mode=QueryMode.BLOCK_APPEND, sequences=seqs,
+            extras={"step": step, "given_next_state": given})
 
     def forward(self, graph_walk, engine_inputs, tokens, action, state):
         ei, p, c = engine_inputs, self.predictor, self.predictor.cfg
         steps: list[_Step] = ei.extras["step"]
-        b, n = len(steps), c.tokens_per_frame
-        x = p._embed_frames(tokens.view(b, 1, n, -1), action.view(b, 1, -1), state.view(b, 1, -1), None)
-        x = x.flatten(0, 2)  # [B * block_tokens, D]
-        tables = [p._frame_rope(s.frame, x.device) for s in steps]
+        frames = [f for s in steps for f in s.frames]  # every sequence of the batch, in order
+        n_seq, n = len(frames), c.tokens_per_frame
+        x = p._embed_frames(tokens.view(n_seq, 1, n, -1), action.view(n_seq, 1, -1), state.view(n_seq, 1, -1), None)
+        x = x.flatten(0, 2)  # [sequences * block_tokens, D]
+        tables = [p._frame_rope(f, x.device) for f in frames]
         cos, sin = torch.cat([tc for tc, _ in tables]), torch.cat([ts for _, ts in tables])
         for layer, blk in enumerate(p.predictor_blocks):
             q, k, v = blk.attn._qkv(blk.norm1(x).unsqueeze(0), cos, sin)  # [1, H, L, hd]
@@ -135,29 +178,94 @@ class PredictorNode(NodeSubmodule):
                                 *ei.kv_caches[layer], ei.attention)
             x = x + blk.attn._out(o.transpose(0, 1).unsqueeze(0))[0]
             x = x + blk.mlp(blk.norm2(x))
-        pred = p._readout(x.view(b, 1, c.block_tokens, -1)).view(b, n, -1)
+        pred = p._readout(x.view(n_seq, 1, c.block_tokens, -1)).view(n_seq, n, -1)
         pred = F.layer_norm(pred, (pred.shape[-1],))  # fed back normalised, as the reference wrapper
-        next_state = compute_new_pose(state, action)
-        given = ei.extras["given_next_state"]
-        return {
-            "feed": list(pred),
-            "frame": [[pred[i]] if s.emit else [] for i, s in enumerate(steps)],
-            "state": [g.float() if g is not None else next_state[i] for i, g in enumerate(given)],
-            "stop": [torch.tensor(s.last) for s in steps],
-        }
+        next_state = compute_new_pose(state.view(n_seq, -1), action.view(n_seq, -1))
+        out: dict[str, list] = {"feed": [], "frame": [], "state": [], "stop": []}
+        start = 0
+        for s, given in zip(steps, ei.extras["given_next_state"]):
+            end = start + len(s.frames)
+            if s.walk == "plan":
+                out["feed"].append(pred[start:end])
+                out["state"].append(next_state[start:end])
+            else:
+                out["feed"].append(pred[start])
+                out["state"].append(given.float() if given is not None else next_state[start])
+            out["frame"].append([pred[start]] if s.emit else [])
+            out["stop"].append(torch.tensor(s.last))
+            start = end
+        return out
+
+
+class CemSampler(NodeSubmodule):
+    """Draws the CEM candidates: ``samples`` action sequences ~ N(plan, spread), seeded per request and
+    CEM iteration (so a request's plan does not depend on what it is batched with)."""
+
+    def prepare_inputs(self, graph_walk, fwd_info, inputs):
+        mean, std = inputs["plan"][0], inputs["spread"][0]
+        p = fwd_info.params
+        gen = torch.Generator().manual_seed(int(p.get("seed", 0)) * 1_000_003 + fwd_info.iteration[0])
+        cand = mean + std * torch.randn((int(p.get("samples", 64)), *mean.shape), generator=gen)
+        return NodeInputs(extras={"candidates": cand})
+
+    def forward(self, graph_walk, engine_inputs, **_):
+        return {"candidates": list(engine_inputs.extras["candidates"])}
+
+
+class CemUpdate(NodeSubmodule):
+    """Scores each candidate by the L1 distance of its final predicted frame to the goal frame and refits
+    the sampling distribution to the ``topk`` best; streams the best energy of every iteration."""
+
+    def prepare_inputs(self, graph_walk, fwd_info, inputs):
+        final, cand, goal = inputs["feed"][0], inputs["candidates"][0], inputs["goal"][0]
+        energy = (final - goal.unsqueeze(0)).abs().mean(dim=(1, 2))  # [N]
+        k = int(fwd_info.params.get("topk", 8))
+        best = torch.topk(energy, k, largest=False).indices
+        elite = cand[best]
+        last = fwd_info.iteration[0] + 1 >= int(fwd_info.params.get("iterations", 4))
+        return NodeInputs(extras={"plan": elite.mean(0), "spread": elite.std(0, unbiased=False),
+                                  "energy": energy[best[0]].view(1), "last": last})
+
+    def forward(self, graph_walk, engine_inputs, **_):
+        e = engine_inputs.extras
+        return {"plan": e["plan"], "spread": e["spread"], "energy": e["energy"],
+                "stop": [torch.tensor(x) for x in e["last"]]}
 
 
 # -- the model ------------------------------------------------------------------------------------------
-def build_vjepa2_graph(max_frames: int = MAX_FRAMES) -> WalkGraph:
+def build_vjepa2_graph(max_frames: int = MAX_FRAMES, max_cem_iters: int = 64) -> WalkGraph:
     encode = GraphNode("encoder", ["frames"], [GraphEdge(TO_STATE, "context"), GraphEdge(TO_STATE, "feed")])
+    encode_plan = GraphNode("encoder", ["frames", "goal_frame"],
+                            [GraphEdge(TO_STATE, "context"), GraphEdge(TO_STATE, "feed"), GraphEdge(TO_STATE, "goal")])
     rollout = DynamicLoop(
         GraphNode("predictor", ["context", "actions", "states", "feed", "state"],
                   [GraphEdge("predictor", "feed"), GraphEdge("predictor", "state"),
                    GraphEdge(EMIT_TO_CLIENT, "frame", output_modality="latent")]),
         max_iters=max_frames,
     )
-    return WalkGraph([Walk("encode", encode, inputs=["frames"]),
-                      Walk("rollout", rollout, inputs=["context", "actions", "states", "feed", "state"])])
+    prefill_context = DynamicLoop(GraphNode("predictor", ["context", "actions", "states"]), max_iters=max_frames)
+    plan = DynamicLoop(
+        Sequential([
+            GraphNode("cem_sampler", ["plan", "spread"],
+                      [GraphEdge("predictor", "candidates"), GraphEdge("cem_update", "candidates")]),
+            DynamicLoop(
+                GraphNode("predictor", ["context", "states", "candidates", "feed", "state"],
+                          [GraphEdge("predictor", "feed"), GraphEdge("predictor", "state")]),
+                max_iters=max_frames, outputs=[GraphEdge("cem_update", "feed")], name="horizon"),
+            GraphNode("cem_update", ["feed", "candidates", "goal"],
+                      [GraphEdge("cem_sampler", "plan"), GraphEdge("cem_sampler", "spread"),
+                       GraphEdge(EMIT_TO_CLIENT, "energy")]),
+        ]),
+        max_iters=max_cem_iters, stop_node="cem_update", name="cem",
+        outputs=[GraphEdge(EMIT_TO_CLIENT, "plan", output_modality="actions")],
+    )
+    return WalkGraph([
+        Walk("encode", encode, inputs=["frames"]),
+        Walk("encode_plan", encode_plan, inputs=["frames", "goal_frame"]),
+        Walk("rollout", rollout, inputs=["context", "actions", "states", "feed", "state"]),
+        Walk("prefill_context", prefill_context, inputs=["context", "actions", "states"]),
+        Walk("plan", plan, inputs=["plan", "spread", "context", "states", "feed", "state", "goal"]),
+    ])
 
 
 class VJepa2AC(ModelDef):
@@ -186,12 +294,25 @@ class VJepa2AC(ModelDef):
         tensors["state"] = [inputs["states"][0][-1]]  # the carried state's first value (unused before T)
         if "context" in inputs:
             tensors["feed"] = [inputs["context"][0][-1]]
+        if params.get("task") == "plan":  # the CEM's initial sampling distribution
+            shape = (int(params.get("horizon", 1)), self.predictor_config.action_dim)
+            tensors["plan"] = [torch.zeros(shape)]
+            tensors["spread"] = [torch.full(shape, float(params.get("init_std", 0.1)))]
         return WalkState(request_id=request_id, partition=partition, params=params, tensors=tensors)
 
     def next_walk(self, state: WalkState) -> str | None:
-        if state.last_walk is None:
-            return "rollout" if "context" in state.tensors else "encode"
-        return "rollout" if state.last_walk == "encode" else None
+        plan = state.params.get("task") == "plan"
+        t = self._context_frames(state.tensors)
+        order = (["encode_plan"] if "frames" in state.tensors else []) + (
+            (["prefill_context"] if t >= 2 else []) + ["plan"] if plan else ["rollout"])
+        if "frames" in state.tensors and not plan:
+            order = ["encode", "rollout"]
+        done = len(state.history)
+        return order[done] if done < len(order) else None
+
+    @staticmethod
+    def _context_frames(tensors) -> int:
+        return (tensors["frames"] if "frames" in tensors else tensors["context"])[0].shape[0]
 
     def validate_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> None:
         ec, pc = self.encoder_config, self.predictor_config
@@ -213,6 +334,9 @@ class VJepa2AC(ModelDef):
                 raise ValueError(f"vjepa2-ac: context must be [T, {pc.tokens_per_frame}, {pc.embed_dim}], got "
                                  f"{list(ctx.shape)}")
             t = ctx.shape[0]
+        task = params.get("task", "rollout")
+        if task not in ("rollout", "plan"):
+            raise ValueError(f"vjepa2-ac: task must be 'rollout' or 'plan', got {task!r}")
         horizon = params.get("horizon", 1)
         if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
             raise ValueError(f"vjepa2-ac: horizon must be a positive int, got {horizon!r}")
@@ -222,12 +346,29 @@ class VJepa2AC(ModelDef):
         a = pc.action_dim
         if states.dim() != 2 or tuple(states.shape) != (t, a):
             raise ValueError(f"vjepa2-ac: states must be [{t}, {a}] (one per context frame), got {list(states.shape)}")
-        need = t + horizon - 1
+        need = t + horizon - 1 if task == "rollout" else t - 1
+        what = "context frames + horizon - 1" if task == "rollout" else "the actions between context frames"
         if actions.dim() != 2 or actions.shape[1] != a or actions.shape[0] < need:
-            raise ValueError(f"vjepa2-ac: actions must be [>= {need}, {a}] (context frames + horizon - 1), got "
-                             f"{list(actions.shape)}")
+            raise ValueError(f"vjepa2-ac: actions must be [>= {need}, {a}] ({what}), got {list(actions.shape)}")
+        if task == "plan":
+            self._validate_plan(inputs, params)
         if not all(torch.isfinite(x).all() for x in (states, actions)):
             raise ValueError("vjepa2-ac: states and actions must be finite")
+
+    def _validate_plan(self, inputs, params) -> None:
+        ec, pc = self.encoder_config, self.predictor_config
+        if "frames" in inputs:
+            goal = inputs.get("goal_frame", [None])[0]
+            if goal is None or tuple(goal.shape) != (3, *ec.img_size):
+                raise ValueError(f"vjepa2-ac: planning needs goal_frame [3, {ec.img_size[0]}, {ec.img_size[1]}]")
+        else:
+            goal = inputs.get("goal", [None])[0]
+            if goal is None or tuple(goal.shape) != (pc.tokens_per_frame, pc.embed_dim):
+                raise ValueError(f"vjepa2-ac: planning needs goal [{pc.tokens_per_frame}, {pc.embed_dim}]")
+        samples, topk, iters = (params.get(k, d) for k, d in (("samples", 64), ("topk", 8), ("iterations", 4)))
+        for name, v, hi in (("samples", samples, 1024), ("topk", topk, samples), ("iterations", iters, 64)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+                raise ValueError(f"vjepa2-ac: {name} must be an int in [1, {hi}], got {v!r}")
 
     def build_submodules(self, node_names: Iterable[str]) -> dict[str, NodeSubmodule]:
         names = list(node_names)
@@ -237,7 +378,8 @@ class VJepa2AC(ModelDef):
             encoder, predictor = dummy_vjepa2(self.seed, self.encoder_config, self.predictor_config)
         else:
             encoder, predictor = build_vjepa2_ac(self.model_path, self.encoder_config, self.predictor_config)
-        mods = {"encoder": EncoderNode(encoder.eval()), "predictor": PredictorNode(predictor.eval())}
+        mods = {"encoder": EncoderNode(encoder.eval()), "predictor": PredictorNode(predictor.eval()),
+                "cem_sampler": CemSampler(), "cem_update": CemUpdate()}
         unknown = [n for n in names if n not in mods]
         if unknown:
             raise ValueError(f"vjepa2-ac has no nodes {unknown}")
