@@ -52,6 +52,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--out", default=None, help="also write the results as JSON to this file")
     o.set_defaults(func=run_orpheus)
 
+    w = bsub.add_parser("rollout", help="V-JEPA 2-AC rollout: cached Loop vs. native re-run, same weights",
+                        description="World-model rollout over a persistent KV cache vs. the native rollout "
+                                    "that re-runs the predictor over the whole trajectory every step.")
+    w.add_argument("--horizons", type=_batches, default=[4, 15, 30])
+    w.add_argument("--context", type=int, default=1, help="context frames (default 1)")
+    w.add_argument("--repeats", type=int, default=3)
+    w.set_defaults(func=run_rollout)
+
     v = bsub.add_parser("serve", help="load generator against a running server (ours or OpenAI-compatible)",
                         description="Send requests to a running server and report throughput and latency "
                                     "percentiles per concurrency level or request rate.")
@@ -111,4 +119,11 @@ def run_serve(args: argparse.Namespace) -> int:
         dump_json(report, args.out)
     if args.plot:
         write_plot(report, args.plot)
+    return 0
+
+
+def run_rollout(args: argparse.Namespace) -> int:
+    from mstar.bench.rollout_bench import format_table, run_rollout_bench
+
+    print(format_table(run_rollout_bench(args.horizons, context=args.context, repeats=args.repeats)))
     return 0
