@@ -159,6 +159,12 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[
     if ids.numel() < needed:
         raise ValueError(f"block table has {ids.numel()} blocks, {num_tokens} tokens need {needed}")
     ids = ids[:needed]  # whole blocks, then the first num_tokens slots of them
+    first = int(ids[0]) if needed else 0
+    if needed and int(ids[-1]) - first == needed - 1 and bool((ids == torch.arange(
+            first, first + needed, device=ids.device)).all()):
+        # consecutive blocks (the common case for a request that grew alone): a view, no copy
+        return (k_cache[first:first + needed].flatten(0, 1)[:num_tokens],
+                v_cache[first:first + needed].flatten(0, 1)[:num_tokens])
     k = k_cache.index_select(0, ids).flatten(0, 1)[:num_tokens]
     v = v_cache.index_select(0, ids).flatten(0, 1)[:num_tokens]
     return k, v

@@ -123,6 +123,14 @@ class PredictorNode(NodeSubmodule):
         self.predictor = predictor
         c = predictor.cfg
         self.kv_spec = KVSpec(c.depth, c.num_heads, c.head_dim)
+        self._rope_cache: dict = {}
+
+    def _rope(self, frame: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables of a frame position, computed once per position."""
+        key = (frame, str(device))
+        if key not in self._rope_cache:
+            self._rope_cache[key] = self.predictor._frame_rope(frame, device)
+        return self._rope_cache[key]
 
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
         c = self.predictor.cfg
@@ -170,7 +178,7 @@ class PredictorNode(NodeSubmodule):
         n_seq, n = len(frames), c.tokens_per_frame
         x = p._embed_frames(tokens.view(n_seq, 1, n, -1), action.view(n_seq, 1, -1), state.view(n_seq, 1, -1), None)
         x = x.flatten(0, 2)  # [sequences * block_tokens, D]
-        tables = [p._frame_rope(f, x.device) for f in frames]
+        tables = [self._rope(f, x.device) for f in frames]
         cos, sin = torch.cat([tc for tc, _ in tables]), torch.cat([ts for _, ts in tables])
         for layer, blk in enumerate(p.predictor_blocks):
             q, k, v = blk.attn._qkv(blk.norm1(x).unsqueeze(0), cos, sin)  # [1, H, L, hd]
