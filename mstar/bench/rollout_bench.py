@@ -82,3 +82,110 @@ def format_table(results: list[RolloutResult]) -> str:
         lines.append(f"| {r.horizon} | {r.context} | {r.mstar_s:.3f} | {r.native_s:.3f} | {r.speedup:.2f}x | "
                      f"{r.work_ratio:.2f}x | {r.max_diff:.1e} |")
     return "\n".join(lines)
+
+
+# -- `mstar bench compare rollout`: the issue's configuration against Meta's reference predictor ----------
+COMPARE_CONFIG = dict(embed=256, width=256, depth=8, heads=8, grid=8)  # 64 patch tokens per frame
+COMPARE_FRAME_SLOTS = 32
+
+
+def _native_reference(ref, context, states, actions, horizon):
+    """Meta's rollout: the reference predictor over the whole trajectory at every step, batched over B."""
+    import torch.nn.functional as F
+
+    from mstar.models.vjepa2.model import compute_new_pose
+
+    b, t, n, d = context.shape
+    z, s, preds = context.reshape(b, t * n, d), states, []
+    with torch.inference_mode():
+        for _ in range(horizon):
+            k = z.shape[1] // n
+            out = ref(z, actions[:, :k], s)
+            nxt = F.layer_norm(out[:, -n:], (d,))
+            preds.append(nxt)
+            s = torch.cat([s, compute_new_pose(s[:, -1], actions[:, k - 1]).unsqueeze(1)], 1)
+            z = torch.cat([z, nxt], 1)
+    return preds
+
+
+@dataclass
+class CompareRow:
+    horizon: int
+    batch: int
+    mstar_s: float
+    native_s: float
+    max_diff: float
+
+    @property
+    def speedup(self) -> float:
+        return self.native_s / self.mstar_s
+
+
+def run_rollout_compare(horizons: list[int], batches: list[int], repeats: int = 1,
+                        cem_samples: int = 64, cem_horizon: int = 4, cem_iters: int = 2):
+    from mstar.models.vjepa2.config import TINY_ENCODER
+    from mstar.models.vjepa2.reference import reference_predictor
+
+    pc = bench_config(**COMPARE_CONFIG)
+    model = VJepa2AC(load_format="dummy", encoder_config=TINY_ENCODER, predictor_config=pc)
+    g = torch.Generator().manual_seed(0)
+    rows, cem = [], {}
+    with Runtime(model) as rt:
+        ours = rt._workers[0].engines["predictor"].module.predictor
+        ref = reference_predictor(pc, COMPARE_FRAME_SLOTS)
+        ref.load_state_dict(ours.state_dict())
+        n, d = pc.tokens_per_frame, pc.embed_dim
+        for b in batches:
+            for h in horizons:
+                ctx = torch.nn.functional.layer_norm(torch.randn(b, 1, n, d, generator=g), (d,))
+                states = torch.rand(b, 1, 7, generator=g)
+                actions = torch.randn(b, h, 7, generator=g) * 0.05
+                reqs = [{"context": ctx[i], "states": states[i], "actions": actions[i]} for i in range(b)]
+                rt.generate(reqs, {"horizon": h})  # warm-up
+                ms, ns = [], []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    outs = rt.generate(reqs, {"horizon": h})
+                    ms.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    native = _native_reference(ref, ctx, states, actions, h)
+                    ns.append(time.perf_counter() - t0)
+                diff = max(float((o.tensors("frame")[j] - native[j][i]).abs().max())
+                           for i, o in enumerate(outs) for j in range(h))
+                rows.append(CompareRow(h, b, statistics.median(ms), statistics.median(ns), diff))
+        # CEM planning throughput: N samples x iterations rollouts of cem_horizon steps
+        goal = torch.nn.functional.layer_norm(torch.randn(n, d, generator=g), (d,))
+        ctx = torch.nn.functional.layer_norm(torch.randn(2, n, d, generator=g), (d,))
+        st, past = torch.rand(2, 7, generator=g), torch.randn(1, 7, generator=g) * 0.05
+        params = {"task": "plan", "horizon": cem_horizon, "samples": cem_samples, "topk": 8,
+                  "iterations": cem_iters}
+        req = {"context": ctx, "goal": goal, "states": st, "actions": past}
+        t0 = time.perf_counter()
+        (o,) = rt.generate([req], params)
+        ours_s = time.perf_counter() - t0
+        if not o.finished:
+            raise RuntimeError(o.error)
+        t0 = time.perf_counter()
+        for _ in range(cem_iters):  # the native planner: every sample re-runs the whole trajectory
+            cand = torch.randn(cem_samples, cem_horizon, 7, generator=g) * 0.1
+            acts = torch.cat([past.expand(cem_samples, 1, 7), cand], 1)
+            _native_reference(ref, ctx.expand(cem_samples, 2, n, d), st.expand(cem_samples, 2, 7), acts,
+                              cem_horizon)
+        native_s = time.perf_counter() - t0
+        rollouts = cem_samples * cem_iters
+        cem = {"samples": cem_samples, "horizon": cem_horizon, "iterations": cem_iters,
+               "mstar_rollouts_per_s": rollouts / ours_s, "native_rollouts_per_s": rollouts / native_s}
+    return rows, cem
+
+
+def format_compare(rows: list[CompareRow], cem: dict) -> str:
+    lines = ["| horizon | batch | mstar s | native (reference) s | speed-up | max abs diff |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.horizon} | {r.batch} | {r.mstar_s:.3f} | {r.native_s:.3f} | {r.speedup:.2f}x | "
+                     f"{r.max_diff:.1e} |")
+    lines.append("")
+    lines.append(f"CEM planning, {cem['samples']} samples x {cem['iterations']} iterations, horizon {cem['horizon']}: "
+                 f"mstar {cem['mstar_rollouts_per_s']:.1f} rollouts/s, native {cem['native_rollouts_per_s']:.1f} "
+                 f"rollouts/s ({cem['mstar_rollouts_per_s'] / cem['native_rollouts_per_s']:.2f}x)")
+    return "\n".join(lines)

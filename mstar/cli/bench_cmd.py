@@ -60,6 +60,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--repeats", type=int, default=3)
     w.set_defaults(func=run_rollout)
 
+    x = bsub.add_parser("compare", help="ours vs. the peer baseline in one run (suites: rollout)",
+                        description="Run mstar and a peer baseline side by side, same weights, same run.")
+    x.add_argument("suite", choices=["rollout", "llm", "tts", "t2i"])
+    x.add_argument("--horizons", type=_batches, default=[4, 15, 30])
+    x.add_argument("--batches", type=_batches, default=[1, 8])
+    x.add_argument("--repeats", type=int, default=1)
+    x.set_defaults(func=run_compare)
+
     v = bsub.add_parser("serve", help="load generator against a running server (ours or OpenAI-compatible)",
                         description="Send requests to a running server and report throughput and latency "
                                     "percentiles per concurrency level or request rate.")
@@ -126,4 +134,17 @@ def run_rollout(args: argparse.Namespace) -> int:
     from mstar.bench.rollout_bench import format_table, run_rollout_bench
 
     print(format_table(run_rollout_bench(args.horizons, context=args.context, repeats=args.repeats)))
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    if args.suite == "tts":
+        raise ValueError("the tts comparison is `mstar bench orpheus` (mstar vs. HF generate + SNAC)")
+    if args.suite != "rollout":
+        raise ValueError(f"suite {args.suite!r} is not built yet (the llm suite against vLLM CPU and HF, "
+                         f"and t2i, arrive with their issues); available: rollout")
+    from mstar.bench.rollout_bench import format_compare, run_rollout_compare
+
+    rows, cem = run_rollout_compare(args.horizons, args.batches, repeats=args.repeats)
+    print(format_compare(rows, cem))
     return 0
