@@ -130,7 +130,11 @@ def run_rollout_compare(horizons: list[int], batches: list[int], repeats: int = 
     model = VJepa2AC(load_format="dummy", encoder_config=TINY_ENCODER, predictor_config=pc)
     g = torch.Generator().manual_seed(0)
     rows, cem = [], {}
-    with Runtime(model) as rt:
+    from mstar.placement import Placement
+
+    placement = Placement.from_dict({"model": model.name, "runtime": {"kv_cache_blocks": 8192},
+                                     "node_groups": [{"node_names": sorted(model.graph.node_names), "ranks": [0]}]})
+    with Runtime(model, placement) as rt:
         ours = rt._workers[0].engines["predictor"].module.predictor
         ref = reference_predictor(pc, COMPARE_FRAME_SLOTS)
         ref.load_state_dict(ours.state_dict())
