@@ -233,3 +233,21 @@ def test_dummy_is_deterministic():
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     _, p3 = dummy_vjepa2(seed=8)
     assert not torch.equal(p1.state_dict()["predictor_proj.weight"], p3.state_dict()["predictor_proj.weight"])
+
+
+def test_hf_encoder_layout_loads_and_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from mstar.models.vjepa2.loader import init_random_weights, load_hf_encoder
+
+    cfg = transformers.VJEPA2Config(crop_size=32, patch_size=16, frames_per_clip=4, tubelet_size=2, hidden_size=64,
+                                    num_hidden_layers=2, num_attention_heads=4, mlp_ratio=4.0, pred_hidden_size=48,
+                                    pred_num_hidden_layers=1, pred_num_attention_heads=4)
+    hf = init_random_weights(transformers.VJEPA2Model(cfg), 3).eval()
+    hf.save_pretrained(tmp_path)
+    ours = load_hf_encoder(tmp_path)
+    video = torch.randn(1, 4, 3, 32, 32, generator=torch.Generator().manual_seed(0))  # [B, T, C, H, W]
+    with torch.no_grad():
+        ref = hf(pixel_values_videos=video, skip_predictor=True).last_hidden_state
+        got = ours(video.permute(0, 2, 1, 3, 4))  # ours takes [B, C, T, H, W]
+    assert float(ref.std()) > 0.1
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

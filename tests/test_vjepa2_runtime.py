@@ -182,3 +182,24 @@ def test_plan_samples_and_rollouts_of_other_requests_batch_together():
         assert max(rt.stats()["ranks"][0]["batch_sizes"]["predictor"]) > 1
     torch.testing.assert_close(plan.tensors("plan")[0], oracle_plan(pred, ctx, states, past, goal, p),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_generate_route_plans():
+    import json
+
+    import torch.nn.functional as F
+
+    from mstar.server.media import tensor_to_json
+
+    g = torch.Generator().manual_seed(12)
+    inputs = {"context": F.layer_norm(torch.randn(2, 4, 64, generator=g), (64,)),
+              "goal": F.layer_norm(torch.randn(4, 64, generator=g), (64,)),
+              "states": torch.rand(2, 7, generator=g), "actions": torch.randn(1, 7, generator=g) * 0.1}
+    params = {"task": "plan", "horizon": 2, "samples": 6, "topk": 2, "iterations": 2}
+    body = {"inputs": {k: tensor_to_json(v) for k, v in inputs.items()}, "params": params}
+    with running_server(resolve_model("vjepa2-ac-tiny"), "vjepa2-ac-tiny") as (url, _):
+        r = httpx.post(url + "/generate", json=body, timeout=60)
+        items = [json.loads(x) for x in r.text.splitlines() if x]
+        assert r.status_code == 200 and items[-1] == {"done": True}
+        assert [x["name"] for x in items[:-1]] == ["energy", "energy", "plan"]
+        assert items[-2]["tensors"][0]["shape"] == [2, 7]

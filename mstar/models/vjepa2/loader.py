@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -154,3 +155,55 @@ def dummy_vjepa2(
     encoder = init_random_weights(VJepaEncoder(encoder_config), seed)
     predictor = init_random_weights(ACPredictor(predictor_config), seed + 1)
     return encoder.eval(), predictor.eval()
+
+
+# -- the Hugging Face layout of the encoder (transformers.VJEPA2Model: config.json + model.safetensors) --
+def _hf_encoder_state(hf: Mapping[str, torch.Tensor], depth: int) -> dict[str, torch.Tensor]:
+    """HF names -> ours: separate query/key/value become one fused ``qkv`` (rows q, k, v)."""
+    out: dict[str, torch.Tensor] = {}
+    pre = "encoder."
+    for name, t in hf.items():
+        if not name.startswith(pre):
+            continue
+        n = name[len(pre):]
+        if n.startswith("embeddings.patch_embeddings."):
+            out["patch_embed." + n[len("embeddings.patch_embeddings."):]] = t
+        elif n.startswith("layernorm."):
+            out["norm." + n[len("layernorm."):]] = t
+        elif n.startswith("layer."):
+            i, rest = n[len("layer."):].split(".", 1)
+            if rest.startswith("attention.") and rest.split(".")[1] in ("query", "key", "value"):
+                continue  # fused below
+            out[f"blocks.{i}.{rest.replace('attention.', 'attn.', 1)}"] = t
+    for i in range(depth):
+        for kind in ("weight", "bias"):
+            parts = [hf.get(f"{pre}layer.{i}.attention.{p}.{kind}") for p in ("query", "key", "value")]
+            if all(p is not None for p in parts):
+                out[f"blocks.{i}.attn.qkv.{kind}"] = torch.cat(parts, 0)
+    return out
+
+
+def encoder_config_from_hf(config: Mapping[str, Any]) -> EncoderConfig:
+    size = config.get("crop_size", 256)
+    return EncoderConfig(img_size=(size, size), patch_size=config.get("patch_size", 16),
+                         tubelet_size=config.get("tubelet_size", 2), in_chans=config.get("in_chans", 3),
+                         embed_dim=config["hidden_size"], depth=config["num_hidden_layers"],
+                         num_heads=config["num_attention_heads"], mlp_ratio=config.get("mlp_ratio", 4.0),
+                         qkv_bias=config.get("qkv_bias", True), layernorm_eps=config.get("layer_norm_eps", 1e-6))
+
+
+def load_hf_encoder(path: str | Path) -> VJepaEncoder:
+    """Our encoder from a Hugging Face ``VJEPA2Model`` directory (config.json + model.safetensors)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    for f in (cfg_file, weights):
+        if not f.is_file():
+            raise CheckpointNotFoundError(f"V-JEPA 2 HF encoder: {f} not found")
+    config = encoder_config_from_hf(json.loads(cfg_file.read_text()))
+    encoder = VJepaEncoder(config)
+    load_into(encoder, _hf_encoder_state(load_file(str(weights)), config.depth), what=f"encoder in {path}")
+    return encoder.eval()
