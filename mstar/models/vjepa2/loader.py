@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
