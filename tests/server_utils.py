@@ -25,22 +25,10 @@ def free_port() -> int:
 def running_server(model, name: str, *, api_key: str | None = None, max_queue: int = 64, **rt_kwargs):
     runtime = Runtime(model, **rt_kwargs).start()
     engine = ServingEngine(runtime, name, max_queue)
-    app = create_app(engine, api_key=api_key)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("server did not start")
-        time.sleep(0.01)
     try:
-        yield url, engine
+        with running_app(create_app(engine, api_key=api_key)) as url:
+            yield url, engine
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         runtime.shutdown()
 
 

@@ -109,16 +109,8 @@ def _native_reference(ref, context, states, actions, horizon):
 
 
 @dataclass
-class CompareRow:
-    horizon: int
-    batch: int
-    mstar_s: float
-    native_s: float
-    max_diff: float
-
-    @property
-    def speedup(self) -> float:
-        return self.native_s / self.mstar_s
+class CompareRow(RolloutResult):
+    batch: int = 1
 
 
 def run_rollout_compare(horizons: list[int], batches: list[int], repeats: int = 1,
@@ -156,7 +148,7 @@ def run_rollout_compare(horizons: list[int], batches: list[int], repeats: int = 
                     ns.append(time.perf_counter() - t0)
                 diff = max(float((o.tensors("frame")[j] - native[j][i]).abs().max())
                            for i, o in enumerate(outs) for j in range(h))
-                rows.append(CompareRow(h, b, statistics.median(ms), statistics.median(ns), diff))
+                rows.append(CompareRow(h, 1, statistics.median(ms), statistics.median(ns), diff, batch=b))
         # CEM planning throughput: N samples x iterations rollouts of cem_horizon steps
         goal = torch.nn.functional.layer_norm(torch.randn(n, d, generator=g), (d,))
         ctx = torch.nn.functional.layer_norm(torch.randn(2, n, d, generator=g), (d,))

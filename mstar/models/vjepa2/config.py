@@ -48,8 +48,29 @@ def _check_common(name: str, dim: int, heads: int, patch: int, img: tuple[int, i
         raise ValueError(f"{name}: head_dim {dim // heads} is too small for 3D RoPE (need >= 12)")
 
 
+class _Geometry:
+    """Sizes both configs derive the same way from their width, heads, image and patch size."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.num_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.width * self.mlp_ratio)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.img_size[0] // self.patch_size, self.img_size[1] // self.patch_size
+
+    @property
+    def tokens_per_frame(self) -> int:
+        """Patch tokens per frame (one tubelet for the encoder)."""
+        return self.grid[0] * self.grid[1]
+
+
 @dataclass(frozen=True)
-class EncoderConfig:
+class EncoderConfig(_Geometry):
     """ViT video encoder: Conv3d tubelet patch embedding, pre-norm blocks with 3D RoPE, final LayerNorm."""
 
     img_size: tuple[int, int] = (256, 256)
@@ -73,25 +94,12 @@ class EncoderConfig:
                       self.use_rope)
 
     @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
-
-    @property
-    def mlp_hidden(self) -> int:
-        return int(self.embed_dim * self.mlp_ratio)
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        return self.img_size[0] // self.patch_size, self.img_size[1] // self.patch_size
-
-    @property
-    def tokens_per_frame(self) -> int:
-        """Tokens per tubelet (one predictor frame) at the configured resolution."""
-        return self.grid[0] * self.grid[1]
+    def width(self) -> int:
+        return self.embed_dim
 
 
 @dataclass(frozen=True)
-class PredictorConfig:
+class PredictorConfig(_Geometry):
     """Action-conditioned predictor: per frame [action, state, (extrinsics), H*W patches], frame-causal."""
 
     img_size: tuple[int, int] = (256, 256)
@@ -117,21 +125,8 @@ class PredictorConfig:
                       self.img_size, self.use_rope)
 
     @property
-    def head_dim(self) -> int:
-        return self.predictor_embed_dim // self.num_heads
-
-    @property
-    def mlp_hidden(self) -> int:
-        return int(self.predictor_embed_dim * self.mlp_ratio)
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        return self.img_size[0] // self.patch_size, self.img_size[1] // self.patch_size
-
-    @property
-    def tokens_per_frame(self) -> int:
-        """Patch tokens per frame (what goes in and comes out per frame)."""
-        return self.grid[0] * self.grid[1]
+    def width(self) -> int:
+        return self.predictor_embed_dim
 
     @property
     def cond_tokens(self) -> int:
