@@ -243,3 +243,23 @@ def test_weight_sharing_views_on_different_ranks():
         assert o.finished, o.error
         torch.testing.assert_close(o.tensors("image")[0], flow_reference(llm, i["text_ids"], i["latents"], None),
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("workers", ["inline", "process"])
+def test_view_on_another_rank_forks_a_copy_of_the_cache(workers):
+    # LLM_uncond forks the first token of LLM's cache, which prefill wrote on rank 0: the flow walk
+    # gets a copy of the module's caches on rank 1, dropped when the walk ends
+    ins = _flow_inputs(2, seed=13)
+    placement = Placement.from_dict({"model": "toy-flow", "node_groups": [
+        {"node_names": ["LLM", "combine", "decoder"], "ranks": [0]},
+        {"node_names": ["LLM_uncond"], "ranks": [1], "graph_walks": ["flow"]}]})
+    with Runtime(ToyFlow(), placement, workers=workers) as rt:
+        outs = rt.generate(ins)
+        ranks = rt.stats()["ranks"]
+        assert sum(ranks[1]["batch_sizes"]["LLM"].values()) > 0
+        assert kv_used(rt) == 0
+    llm = ToyFlow().build_submodules(["LLM"])["LLM"]
+    for i, o in zip(ins, outs):
+        assert o.finished, o.error
+        torch.testing.assert_close(o.tensors("image")[0], flow_reference(llm, i["text_ids"], i["latents"]),
+                                   atol=1e-5, rtol=1e-5)

@@ -16,6 +16,7 @@ from typing import Any
 from mstar.model.base import ModelDef, WalkState
 from mstar.runtime.messages import (
     Emit,
+    FreeKV,
     FreeRequest,
     KVMoved,
     MigrateKV,
@@ -60,7 +61,8 @@ class _Request:
     status: RequestStatus = RequestStatus.WAITING
     error: str | None = None
     walks: list[str] = field(default_factory=list)
-    node_ranks: dict[str, int] = field(default_factory=dict)  # where each node last ran (its KV lives there)
+    kv_owner: dict[str, int] = field(default_factory=dict)  # module -> rank holding its caches
+    kv_copies: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # partition -> copies to drop
     migrations: set[int] = field(default_factory=set)  # KV moves to finish before ``deferred`` starts
     deferred: list[tuple[int, StartWalk]] = field(default_factory=list)
     streamed: dict[str, int] = field(default_factory=dict)  # "partition/node/name" -> items pushed so far
@@ -123,6 +125,8 @@ class Conductor:
             for k, n in msg.streamed.items():
                 req.streamed[k] = req.streamed.get(k, 0) + n
             part.state.history.append(msg.walk)
+            for module, rank in req.kv_copies.pop(msg.partition, []):
+                self.transport.send(rank, FreeKV(req.request_id, module))
             if msg.partition in self.model.graph.root_partitions:
                 self._advance(req, msg.partition)
         elif isinstance(msg, PartitionReady):
@@ -172,26 +176,40 @@ class Conductor:
         inputs = {n: part.state.tensors[n] for n in plan.inputs}
         start = StartWalk(req.request_id, partition, walk, part.walks_run, inputs, req.params, dict(req.streamed))
         part.walks_run += 1
-        self._migrate_kv(req, walk)
+        self._migrate_kv(req, partition, walk)
         if req.migrations:
             req.deferred.append((self.routing.home(walk), start))
         else:
             self.transport.send(self.routing.home(walk), start)
 
-    def _migrate_kv(self, req: _Request, walk: str) -> None:
-        """Per-walk placement: a node now placed on another rank than where it last ran for this
-        request gets its module's caches moved there before the walk starts."""
-        moves = set()
+    def _migrate_kv(self, req: _Request, partition: str, walk: str) -> None:
+        """Before a walk starts, put each module's caches where the walk runs the module's nodes.
+
+        A module's caches live on one *owner* rank. When the walk places none of the module's nodes
+        there (per-walk placement: prefill on rank 0, decode on rank 1) they move; when it also places
+        some of them elsewhere (a weight-sharing view on another rank that forks the cache) those
+        ranks get a copy for the duration of the walk, dropped when it ends.
+        """
+        ranks: dict[str, set[int]] = {}
         for node in self.model.graph.plan(walk).nodes:
-            rank = self.routing.rank_of(node, walk)
-            prev = req.node_ranks.get(node)
-            if prev is not None and prev != rank:
-                moves.add((self.model.module_of(node), prev, rank))
-            req.node_ranks[node] = rank
-        for module, src, dest in sorted(moves):
-            token = next(self._ids)
-            req.migrations.add(token)
-            self.transport.send(src, MigrateKV(req.request_id, module, dest, token))
+            ranks.setdefault(self.model.module_of(node), set()).add(self.routing.rank_of(node, walk))
+        for module, used in sorted(ranks.items()):
+            preferred = self.routing.rank_of(module, walk) if module in self.model.graph.plan(walk).nodes \
+                else min(used)
+            owner = req.kv_owner.get(module)
+            if owner is None:
+                req.kv_owner[module] = preferred
+                continue
+            keep = owner in used
+            new_owner = owner if keep else preferred
+            dests = sorted(used - {owner})
+            req.kv_owner[module] = new_owner
+            if not dests:
+                continue
+            tokens = [next(self._ids) for _ in dests]
+            req.migrations.update(tokens)
+            self.transport.send(owner, MigrateKV(req.request_id, module, dests, tokens, keep))
+            req.kv_copies.setdefault(partition, []).extend((module, r) for r in dests if r != new_owner)
 
     def _end(self, req: _Request, status: RequestStatus, error: str | None) -> None:
         if req.status.is_final:

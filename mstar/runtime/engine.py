@@ -137,8 +137,8 @@ class StatelessEngine:
     def free_request(self, request_id: str) -> None:
         pass
 
-    def export_request(self, request_id: str) -> dict[str, Any]:
-        """This request's state, removed from here (stateless engines hold none)."""
+    def export_request(self, request_id: str, free: bool = True) -> dict[str, Any]:
+        """This request's state (removed from here unless ``free`` is False); stateless engines hold none."""
         return {}
 
     def import_request(self, request_id: str, caches: dict[str, Any]) -> None:
@@ -224,8 +224,9 @@ class KVCacheEngine(StatelessEngine):
     def _flat(self, cache: torch.Tensor) -> torch.Tensor:
         return cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, kv_heads, head_dim]
 
-    def export_request(self, request_id: str) -> dict[str, Any]:
-        """Gather every cache of the request into dense tensors (forked prefixes are copied) and free it."""
+    def export_request(self, request_id: str, free: bool = True) -> dict[str, Any]:
+        """Gather every cache of the request into dense tensors (forked prefixes are copied); then free
+        them here unless ``free`` is False (a copy for another rank)."""
         m = self.manager
         out = {}
         for name in m.cache_names(request_id):
@@ -233,7 +234,8 @@ class KVCacheEngine(StatelessEngine):
             out[name] = {"num_tokens": m.num_tokens(request_id, name),
                          "k": [self._flat(k)[idx].clone() for k, _ in self.kv_caches],
                          "v": [self._flat(v)[idx].clone() for _, v in self.kv_caches]}
-        m.free_request(request_id)
+        if free:
+            m.free_request(request_id)
         return out
 
     def import_request(self, request_id: str, caches: dict[str, Any]) -> None:

@@ -166,12 +166,23 @@ class WorkerStatus:
 @register_message
 @dataclass
 class MigrateKV:
-    """Conductor -> worker holding a request's caches of ``module``: move them to rank ``dest``."""
+    """Conductor -> worker holding a request's caches of ``module``: send them to ranks ``dests``
+    (one ack token each); ``keep``: copy (the source keeps its caches) rather than move."""
 
     request_id: str
     module: str
-    dest: int
-    token: int
+    dests: list
+    tokens: list
+    keep: bool = False
+
+
+@register_message
+@dataclass
+class FreeKV:
+    """Conductor -> worker: drop a request's copy of ``module``'s caches (the walk that needed it ended)."""
+
+    request_id: str
+    module: str
 
 
 @register_message

@@ -19,6 +19,7 @@ from mstar.runtime.messages import (
     CONDUCTOR,
     Emit,
     ExecNode,
+    FreeKV,
     FreeRequest,
     KVImport,
     KVMoved,
@@ -118,8 +119,13 @@ class Worker:
                 self._freed.popitem(last=False)
         elif isinstance(msg, MigrateKV):
             eng = self.engines.get(msg.module)
-            caches = eng.export_request(msg.request_id) if eng is not None else {}
-            self.transport.send(msg.dest, KVImport(msg.request_id, msg.module, caches, msg.token))
+            caches = eng.export_request(msg.request_id, free=not msg.keep) if eng is not None else {}
+            for dest, token in zip(msg.dests, msg.tokens):
+                self.transport.send(dest, KVImport(msg.request_id, msg.module, caches, token))
+        elif isinstance(msg, FreeKV):
+            eng = self.engines.get(msg.module)
+            if eng is not None:
+                eng.free_request(msg.request_id)
         elif isinstance(msg, KVImport):
             eng = self.engines.get(msg.module)
             if eng is not None:
