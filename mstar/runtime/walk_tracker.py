@@ -90,6 +90,7 @@ class WalkTracker:
             self._members[name] = (lp.body_nodes, lp.inner_loops, frozenset(lp.body_nodes + lp.inner_loops))
         self._start_bindings = {n: [(i, b) for i, b in np_.inputs.items() if b.kind is not InputKind.LOCAL]
                                 for n, np_ in plan.nodes.items()}
+        self._self_loops = self._find_self_loops()
 
     # -- public --------------------------------------------------------------------------------
     def start(self) -> list[ReadyNode]:
@@ -119,11 +120,13 @@ class WalkTracker:
                 frame.remaining.discard(node)
                 self._maybe_end_iteration(frame, discard_current=True)
                 return self.take_ready()
+        fast = self._self_loops.get(np_.frame) if np_.frame is not None else None
         for route in np_.routes:
             if route.edge_name not in outputs:
                 raise ValueError(f"node {node!r} (walk {self.plan.walk!r}) returned no output {route.edge_name!r}; "
                                  f"it returned {sorted(outputs)}")
-            self._route(route, outputs[route.edge_name], vec, node, frame)
+            if fast is None or route.kind is not RouteKind.FEEDBACK:
+                self._route(route, outputs[route.edge_name], vec, node, frame)
         for name in np_.loop_exit_names:
             self._record_exit(frame, name, outputs[name])
         if np_.stop_signal is not None:
@@ -133,9 +136,31 @@ class WalkTracker:
                 frame.deferred_stop = outputs[np_.stop_signal]
             elif self._read_stop(outputs[np_.stop_signal]):
                 frame.stop = True
+        if fast is not None:
+            self._next_self_iteration(frame, node, fast, outputs)
+            return self.take_ready()
         frame.remaining.discard(node)
         self._maybe_end_iteration(frame)
         return self.take_ready()
+
+    def _next_self_iteration(self, frame: _Frame, node: str, invariant: tuple[str, ...], outputs) -> None:
+        """Fast path for a loop whose body is one node feeding itself (AR decode, rollouts): the next
+        iteration's inputs are this iteration's feedback plus the invariant inputs, directly."""
+        frame.it += 1
+        lp = self.plan.loops[frame.loop]
+        if frame.stop or frame.it >= lp.max_iters:
+            frame.remaining.discard(node)
+            self._finish_loop(frame)
+            return
+        np_ = self.plan.nodes[node]
+        inputs = {}
+        for inp, b in np_.inputs.items():
+            if inp in invariant:
+                inputs[inp] = (self.walk_inputs[inp] if b.kind is InputKind.WALK_INPUT
+                               else self._lookup_outer(frame, node, inp))
+            else:
+                inputs[inp] = outputs[inp]  # carried: the feedback edge has the input's name
+        self.ready.append(ReadyNode(node, frame.vec, inputs, {}))
 
     def stream_ready(self) -> list[ReadyNode]:
         """New stream chunks arrived: retry nodes waiting on a stream input."""
@@ -154,6 +179,27 @@ class WalkTracker:
     @property
     def waiting_on_stream(self) -> bool:
         return bool(self.waiting_streams)
+
+    def _find_self_loops(self) -> dict[str, tuple[str, ...]]:
+        """Loops whose body is one node, every input of which is fed back by that node or invariant:
+        loop name -> the node's invariant inputs."""
+        out = {}
+        for name, lp in self.plan.loops.items():
+            if len(lp.body_nodes) != 1 or lp.inner_loops:
+                continue
+            np_ = self.plan.nodes[lp.body_nodes[0]]
+            invariant, ok = [], True
+            for inp, b in np_.inputs.items():
+                if b.kind is InputKind.CARRIED and b.producer.name == np_.name and not b.producer.is_loop \
+                        and b.initial.kind in (InputKind.WALK_INPUT, InputKind.OUTER):
+                    continue
+                if b.kind in (InputKind.WALK_INPUT, InputKind.OUTER):
+                    invariant.append(inp)
+                else:
+                    ok = False
+            if ok and all(r.dest == np_.name for r in np_.routes if r.kind is RouteKind.FEEDBACK):
+                out[name] = tuple(invariant)
+        return out
 
     # -- frames --------------------------------------------------------------------------------
     def _outer_requirements(self) -> dict[str, set[tuple[str, str]]]:
