@@ -5,9 +5,10 @@ import sys
 
 import pytest
 
-from mstar.graph import InputKind, RouteKind
+from mstar.graph import InputKind, RouteKind, Walk, WalkGraph
 from mstar.model import WalkState
-from mstar.models.bagel.graph import BagelGraph, build_bagel_graph, image_gen_cfg_walk, image_gen_walk
+from mstar.models.bagel.graph import build_bagel_graph, image_gen_cfg_walk, image_gen_walk
+from mstar.models.bagel.model import BagelTiny
 from mstar.models.orpheus.graph import OrpheusGraph, build_orpheus_graph
 from mstar.models.qwen3_omni.graph import build_qwen3_omni_graph
 
@@ -28,7 +29,8 @@ def test_bagel_has_seven_nodes_and_six_walks():
 
 
 def test_seed_image_gen_plan():
-    g = build_bagel_graph()
+    # the seed's single-branch walk, as written: a fixed 49-step Loop feeding back into LLM
+    g = WalkGraph([Walk("image_gen", image_gen_walk(), inputs=["latents", "time_index"])])
     plan = g.plan("image_gen")
     loop = plan.loops["LLM_loop"]
     assert loop.max_iters == 49 and not loop.dynamic and loop.parent is None
@@ -42,18 +44,23 @@ def test_seed_image_gen_plan():
     dec = plan.nodes["vae_decoder"]
     assert dec.inputs["latents"].kind is InputKind.LOCAL and dec.inputs["latents"].producer.is_loop
     assert dec.routes[0].kind is RouteKind.EMIT and dec.routes[0].modality == "image"
+    # the served walk stops after the request's own number of steps
+    served = build_bagel_graph().plan("image_gen").loops["LLM_loop"]
+    assert served.dynamic and served.stop_node == "LLM" and served.exits[0].route.dest == "vae_decoder"
 
 
 def test_seed_image_gen_cfg_plan():
     plan = build_bagel_graph().plan("image_gen_cfg")
     assert plan.join_nodes == ("combine_cfg",)
     combine = plan.nodes["combine_cfg"]
-    assert {b.producer.name for b in combine.inputs.values()} == {"LLM", "LLM_cfg_text", "LLM_cfg_img"}
+    assert {b.producer.name for b in combine.inputs.values() if b.producer} == {"LLM", "LLM_cfg_text", "LLM_cfg_img"}
+    assert combine.inputs["ctx"].kind is InputKind.WALK_INPUT
     fb = [r for r in combine.routes if r.kind is RouteKind.FEEDBACK]
     assert {r.dest for r in fb} == {"LLM", "LLM_cfg_text", "LLM_cfg_img"} and len(fb) == 6
     # the three branches run at the same position of the loop body
     assert len({plan.nodes[n].rank for n in ("LLM", "LLM_cfg_text", "LLM_cfg_img")}) == 1
     assert plan.loops["LLM_loop"].exits[0].producer.name == "combine_cfg"
+    assert plan.loops["LLM_loop"].stop_node == "combine_cfg"
 
 
 def test_seed_sections_construct_as_written():
@@ -63,7 +70,10 @@ def test_seed_sections_construct_as_written():
 
 
 def test_bagel_state_machine_walk_sequences():
-    m = BagelGraph()
+    import torch
+
+    m = BagelTiny()
+    ids, img = torch.tensor([70, 71]), torch.zeros(20, 20, 3, dtype=torch.uint8)
 
     def walks(inputs, params):
         state = m.create_state("r", "main", inputs, params)
@@ -73,10 +83,13 @@ def test_bagel_state_machine_walk_sequences():
             state.history.append(w)
         return seq
 
-    assert walks({"text_ids": [1]}, {"target": "image"}) == ["prefill_text", "image_gen"]
-    assert walks({"text_ids": [1], "image": [0]}, {}) == ["prefill_text", "prefill_vit", "decode"]
-    assert walks({"text_ids": [1], "image": [0]}, {"target": "image", "cfg": True}) == [
-        "prefill_text", "prefill_vae", "prefill_vit", "image_gen_cfg"]
+    assert walks({"text_ids": [ids]}, {"target": "image"}) == ["prefill_text", "image_gen_cfg"]
+    assert walks({"text_ids": [ids]}, {"target": "image", "cfg_text_scale": 1.0}) == ["prefill_text", "image_gen"]
+    assert walks({"text_ids": [ids], "images": [img]}, {}) == ["prefill_vit", "prefill_text", "decode"]
+    assert walks({"text_ids": [ids], "images": [img]}, {"target": "image"}) == [
+        "prefill_vae", "prefill_vit", "prefill_text", "image_gen_cfg"]
+    assert walks({"text_ids": [ids, ids], "images": [img]}, {"order": ["text", "image", "text"]}) == [
+        "prefill_text", "prefill_vit", "prefill_text", "decode"]
     assert m.module_of("LLM_cfg_img") == "LLM"
 
 

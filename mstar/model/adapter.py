@@ -89,3 +89,33 @@ class ItemDecoder:
 
     def finish(self) -> list[TextDelta | AudioChunk | ImageOut]:
         return []
+
+
+class TextStreamDecoder(ItemDecoder):
+    """Incremental detokenizing: decode all ids so far, emit what was added; hold back a trailing
+    replacement character (an incomplete UTF-8 sequence) until the next token completes it."""
+
+    def __init__(self, tokenizer, max_tokens: int, stop_ids: set[int]) -> None:
+        self.tok, self.max_tokens, self.stop_ids = tokenizer, max_tokens, stop_ids
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def feed(self, name, value):
+        token = int(value[0].reshape(-1)[0])
+        self.ids.append(token)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+            return [TextDelta("", 1)]
+        if len(self.ids) >= self.max_tokens:
+            self.finish_reason = "length"
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return [TextDelta("", 1)]
+        delta, self.sent = text[len(self.sent):], text
+        return [TextDelta(delta, 1)]
+
+    def finish(self):
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        rest = text[len(self.sent):]
+        self.sent = text
+        return [TextDelta(rest, 0)] if rest else []

@@ -44,6 +44,7 @@ class ModelDef:
     """
 
     name: str = "model"
+    family: str | None = None  # a placement file written for the family also fits (e.g. "bagel" for "bagel-tiny")
     views: Mapping[str, str] = {}
 
     def build_graph(self) -> WalkGraph:

@@ -2,8 +2,11 @@
 
 from mstar.model.registry import register_model
 
+# Unified multimodal: BAGEL (text/image in, text/image out), and its tiny offline variant.
+register_model("bagel", "mstar.models.bagel.model:BagelModel")
+register_model("bagel-tiny", "mstar.models.bagel.model:BagelTiny")
+
 # Structure-only declarations (graph + next_walk, no weights yet): drawable with `mstar graph`.
-register_model("bagel", "mstar.models.bagel.graph:BagelGraph")
 register_model("qwen3-omni", "mstar.models.qwen3_omni.graph:Qwen3OmniGraph")
 
 # Text-to-speech: Orpheus (Llama + SNAC), and its tiny offline variant.

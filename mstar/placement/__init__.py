@@ -226,9 +226,10 @@ class Placement:
                  for g in groups]
         return min(sizes, default=self.limits.max_batch_size)
 
-    def check_model(self, name: str) -> Placement:
-        """Raise if the placement names a model other than ``name``; return self."""
-        if self.model is not None and self.model != name:
+    def check_model(self, name: str, *aliases: str | None) -> Placement:
+        """Raise if the placement names a model other than ``name`` (or one of ``aliases``, e.g. the
+        family a tiny twin belongs to); return self."""
+        if self.model is not None and self.model != name and self.model not in aliases:
             raise PlacementError(f"{self.source}: placement is for model {self.model!r}, but the model being "
                                  f"served is {name!r}")
         return self

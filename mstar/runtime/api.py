@@ -155,7 +155,7 @@ class Runtime:
             placement = Placement.single_rank(graph, model=self.model.name)
         elif isinstance(placement, (str, Path)):
             placement = Placement.load(placement)
-        self.placement = placement.check_model(self.model.name).validate(graph)
+        self.placement = placement.check_model(self.model.name, self.model.family).validate(graph)
         self.routing = Routing(graph, self.placement)
         self.mode = workers
         self.device = device

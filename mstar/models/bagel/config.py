@@ -60,5 +60,35 @@ BAGEL_7B_MOT = BagelLLMConfig(vocab_size=152064, hidden_size=3584, intermediate_
                               head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6, qk_norm=True)
 
 # A tiny random-weight twin for tests.
-TINY = BagelLLMConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+TINY = BagelLLMConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+@dataclass(frozen=True)
+class ImageTransformSpec:
+    """Resize rule of an image input: longest side <= max_size, shortest >= min_size, both sides
+    multiples of ``stride`` (the reference's MaxLongEdgeMinShortEdgeResize)."""
+
+    max_size: int
+    min_size: int
+    stride: int
+    max_pixels: int = 14 * 14 * 9 * 1024
+
+
+@dataclass(frozen=True)
+class FlowDefaults:
+    """Image generation defaults of one task (the reference's text-to-image and editing settings)."""
+
+    cfg_text_scale: float
+    cfg_img_scale: float
+    cfg_interval: tuple[float, float]
+    cfg_renorm_type: str
+    cfg_renorm_min: float = 0.0
+    num_timesteps: int = 50
+    timestep_shift: float = 3.0
+
+
+T2I_DEFAULTS = FlowDefaults(cfg_text_scale=4.0, cfg_img_scale=1.0, cfg_interval=(0.4, 1.0), cfg_renorm_type="global")
+EDIT_DEFAULTS = FlowDefaults(cfg_text_scale=4.0, cfg_img_scale=2.0, cfg_interval=(0.0, 1.0),
+                             cfg_renorm_type="text_channel")
+RENORM_TYPES = ("global", "channel", "text_channel")

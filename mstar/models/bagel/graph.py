@@ -1,4 +1,4 @@
-"""BAGEL's Walk Graph: seven nodes, six walks over one KV cache (structure only; weights come later).
+"""BAGEL's Walk Graph: seven nodes, six walks over one KV cache (the computations: ``nodes.py``).
 
 Requests take different walks: text-to-image is ``prefill_text -> image_gen[_cfg]``, image
 understanding ``prefill_text -> prefill_vit -> decode``, editing ``prefill_text -> prefill_vae ->
@@ -7,8 +7,6 @@ weights with their own caches, run as the guidance branches of a Parallel block.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 from mstar.graph import (
     EMIT_TO_CLIENT,
@@ -21,7 +19,6 @@ from mstar.graph import (
     Walk,
     WalkGraph,
 )
-from mstar.model import ModelDef, WalkState
 
 NUM_FLOW_STEPS = 49
 
@@ -82,63 +79,66 @@ def image_gen_cfg_walk() -> Sequential:
     ])
 
 
+MAX_FLOW_STEPS = 1000  # bound of the served flow loops (a request's num_timesteps - 1 steps run)
+MAX_DECODE_TOKENS = 4096
+CTX = "ctx"  # every walk's layout input: positions and cache lengths (see mstar.models.bagel.layout)
+
+
 def build_bagel_graph() -> WalkGraph:
-    prefill_text = GraphNode(name="LLM", input_names=["text_ids"])  # writes the KV cache only
+    """The served graph: the seed's walks, with the flow loops stopping after the request's own
+    number of steps (``DynamicLoop``) and a ``ctx`` input that tells each node where its tokens go."""
+    image_out = GraphEdge(EMIT_TO_CLIENT, "image_output", output_modality="image")
+    decoder = GraphNode("vae_decoder", ["latents", CTX], [image_out])
+    prefill_text = GraphNode("LLM", ["text_ids", CTX])  # writes the KV cache(s) only
     prefill_vit = Sequential([
-        GraphNode(name="vit_encoder", input_names=["image"], outputs=[GraphEdge("LLM", "vit_embeds")]),
-        GraphNode(name="LLM", input_names=["vit_embeds"]),
+        GraphNode("vit_encoder", ["image"], [GraphEdge("LLM", "vit_embeds")]),
+        GraphNode("LLM", ["vit_embeds", CTX]),
     ])
     prefill_vae = Sequential([
-        GraphNode(name="vae_encoder", input_names=["image"], outputs=[GraphEdge("LLM", "vae_latents")]),
-        GraphNode(name="LLM", input_names=["vae_latents"]),
+        GraphNode("vae_encoder", ["image"], [GraphEdge("LLM", "vae_latents")]),
+        GraphNode("LLM", ["vae_latents", CTX]),
+    ])
+    # one branch: LLM predicts the velocity and takes the Euler step itself
+    image_gen = Sequential([
+        DynamicLoop(
+            GraphNode("LLM", ["latents", "time_index", CTX],
+                      [GraphEdge("LLM", "latents"), GraphEdge("LLM", "time_index")]),
+            max_iters=MAX_FLOW_STEPS,
+            outputs=[GraphEdge("vae_decoder", "latents")],
+        ),
+        decoder,
+    ])
+    branches = []
+    for b, v in (("LLM", "v_main"), ("LLM_cfg_text", "v_cfg_text"), ("LLM_cfg_img", "v_cfg_img")):
+        outputs = [GraphEdge("combine_cfg", v)]
+        if b == "LLM":
+            outputs += [GraphEdge("combine_cfg", "latents"), GraphEdge("combine_cfg", "time_index")]
+        branches.append(GraphNode(b, ["latents", "time_index", CTX], outputs))
+    feedback = [GraphEdge(b, n) for b in ("LLM", "LLM_cfg_text", "LLM_cfg_img") for n in ("latents", "time_index")]
+    image_gen_cfg = Sequential([
+        DynamicLoop(
+            Sequential([
+                Parallel(branches),
+                GraphNode("combine_cfg", ["v_main", "v_cfg_text", "v_cfg_img", "latents", "time_index", CTX],
+                          feedback),
+            ]),
+            max_iters=MAX_FLOW_STEPS,
+            stop_node="combine_cfg",
+            outputs=[GraphEdge("vae_decoder", "latents")],
+        ),
+        decoder,
     ])
     decode = DynamicLoop(
-        section=GraphNode(
-            name="LLM",
-            input_names=["token"],
-            outputs=[GraphEdge("LLM", "token"), GraphEdge(EMIT_TO_CLIENT, "text", output_modality="text")],
-        ),
-        max_iters=4096,
+        GraphNode("LLM", ["token", CTX],
+                  [GraphEdge("LLM", "token"), GraphEdge(EMIT_TO_CLIENT, "text", output_modality="text")]),
+        max_iters=MAX_DECODE_TOKENS,
         defer_stop_check=True,
     )
     return WalkGraph([
-        Walk("prefill_text", prefill_text, inputs=["text_ids"]),
-        Walk("prefill_vit", prefill_vit, inputs=["image"]),
-        Walk("prefill_vae", prefill_vae, inputs=["image"]),
-        Walk("image_gen", image_gen_walk(), inputs=["latents", "time_index"]),
-        Walk("image_gen_cfg", image_gen_cfg_walk(), inputs=["latents", "time_index"]),
-        Walk("decode", decode, inputs=["token"]),
+        Walk("prefill_text", prefill_text, inputs=["text_ids", CTX]),
+        Walk("prefill_vit", prefill_vit, inputs=["image", CTX]),
+        Walk("prefill_vae", prefill_vae, inputs=["image", CTX]),
+        Walk("image_gen", image_gen, inputs=["latents", "time_index", CTX]),
+        Walk("image_gen_cfg", image_gen_cfg, inputs=["latents", "time_index", CTX]),
+        Walk("decode", decode, inputs=["token", CTX]),
     ])
-
-
-@dataclass
-class BagelState(WalkState):
-    prefill_steps: list[str] = field(default_factory=list)
-    target: str = "text"
-    cfg: bool = False
-
-
-class BagelGraph(ModelDef):
-    """BAGEL's graph and state machine (no weights: drawable and checkable, not servable yet)."""
-
-    name = "bagel"
-    views = {"LLM_cfg_text": "LLM", "LLM_cfg_img": "LLM"}
-
-    def build_graph(self) -> WalkGraph:
-        return build_bagel_graph()
-
-    def create_state(self, request_id, partition, inputs, params):
-        steps = ["prefill_text"]
-        if "image" in inputs:
-            steps += ["prefill_vae", "prefill_vit"] if params.get("target") == "image" else ["prefill_vit"]
-        return BagelState(request_id=request_id, partition=partition, params=params, tensors=dict(inputs),
-                          prefill_steps=steps, target=params.get("target", "text"), cfg=params.get("cfg", False))
-
-    def next_walk(self, state: BagelState) -> str | None:
-        if state.prefill_steps:  # still consuming inputs
-            return state.prefill_steps.pop(0)
-        if state.last_walk in ("image_gen", "image_gen_cfg", "decode"):
-            return None
-        if state.target == "image":
-            return "image_gen_cfg" if state.cfg else "image_gen"
-        return "decode"

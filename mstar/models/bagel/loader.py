@@ -1,0 +1,164 @@
+"""Loading BAGEL from its checkpoint directory (the ``ByteDance-Seed/BAGEL-7B-MoT`` layout)::
+
+    llm_config.json    Qwen2 config of the language model
+    vit_config.json    SigLIP config (BAGEL runs all layers but the last)
+    ema.safetensors    language_model.*, time_embedder.*, vae2llm.*, llm2vae.*, latent_pos_embed.*,
+                       vit_model.vision_model.* (linear patch embedding), connector.*, vit_pos_embed.*
+    ae.safetensors     the FLUX autoencoder, BFL names
+    tokenizer.json     Qwen2 tokenizer with <|im_start|>, <|im_end|>, <|vision_start|>, <|vision_end|>
+
+Each rank loads only the components of the nodes placed on it (a CFG-view rank reads only the LLM).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar.models.bagel.config import BagelLLMConfig
+from mstar.models.bagel.nodes import BagelLLMNode, SpecialTokens
+from mstar.models.bagel.vae import BagelVAE
+from mstar.models.bagel.vit import BagelViT, BagelViTConfig
+
+__all__ = ["CheckpointError", "build_components", "load_spec", "load_tokenizer", "resolve_dtype"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LLM_PREFIXES = ("language_model.", "time_embedder.", "vae2llm.", "llm2vae.", "latent_pos_embed.")
+VIT_PREFIXES = ("vit_model.", "connector.", "vit_pos_embed.")
+_MAX_LISTED = 12
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that does not hold what BAGEL needs."""
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.lower().removeprefix("torch.")]
+    raise ValueError(f"unsupported dtype {dtype!r}; use one of: {', '.join(DTYPES)}")
+
+
+def _json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"missing {path.name} in {str(path.parent)!r}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path.name} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path.name} must hold a JSON object")
+    return data
+
+
+def llm_config_from_json(data: dict[str, Any]) -> BagelLLMConfig:
+    try:
+        return BagelLLMConfig(
+            vocab_size=int(data["vocab_size"]), hidden_size=int(data["hidden_size"]),
+            intermediate_size=int(data["intermediate_size"]), num_hidden_layers=int(data["num_hidden_layers"]),
+            num_attention_heads=int(data["num_attention_heads"]),
+            num_key_value_heads=int(data.get("num_key_value_heads", data["num_attention_heads"])),
+            head_dim=data.get("head_dim"), rope_theta=float(data.get("rope_theta", 1_000_000.0)),
+            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)), qk_norm=True)
+    except KeyError as e:
+        raise CheckpointError(f"llm_config.json lacks {e.args[0]!r}") from e
+
+
+def load_spec(model_path: str | Path):
+    """The ``BagelSpec`` of a checkpoint directory (the reference's fixed settings: latent patch 2,
+    64 latent cells per side, 70 ViT patches per side, FLUX autoencoder)."""
+    from mstar.models.bagel.model import BagelSpec
+    from mstar.models.bagel.vae import FLUX
+
+    path = Path(model_path)
+    if not path.is_dir():
+        raise CheckpointError(f"model path {str(path)!r} does not exist or is not a directory")
+    llm = llm_config_from_json(_json(path / "llm_config.json"))
+    vit = BagelViTConfig.from_json(_json(path / "vit_config.json"), llm_hidden=llm.hidden_size)
+    return BagelSpec(llm=llm, vit=vit, vae=FLUX)
+
+
+def load_tokenizer(model_path: str | Path | None):
+    from mstar.models.llama.tokenizer import HFTokenizer
+
+    if model_path is None:
+        raise CheckpointError("no model path to read tokenizer.json from")
+    f = Path(model_path) / "tokenizer.json"
+    if not f.is_file():
+        raise CheckpointError(f"no tokenizer.json in {str(model_path)!r}")
+    tok = HFTokenizer(f)
+    eos = tok.token_to_id("<|im_end|>")
+    tok.eos_token_ids = (eos,) if eos is not None else ()
+    return tok
+
+
+def _read_prefixed(file: Path, prefixes: tuple[str, ...], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    if not file.is_file():
+        raise CheckpointError(f"missing {file.name} in {str(file.parent)!r}")
+    out = {}
+    with safe_open(str(file), framework="pt") as f:
+        for k in f.keys():
+            if k.startswith(prefixes):
+                t = f.get_tensor(k)
+                out[k] = t.to(dtype) if t.is_floating_point() else t
+    return out
+
+
+def _load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    bad = [f"{k}: {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in sorted(set(own) & set(state))
+           if state[k].shape != own[k].shape]
+    if missing or unexpected or bad:
+        parts = []
+        for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", bad)):
+            if names:
+                parts.append(f"{label} ({len(names)}): {', '.join(names[:_MAX_LISTED])}"
+                             + (" ..." if len(names) > _MAX_LISTED else ""))
+        raise CheckpointError(f"{what} does not match the model; " + "; ".join(parts))
+    module.load_state_dict(state, strict=True)
+
+
+def build_components(spec, need: Iterable[str], tokens: SpecialTokens, *, model_path: str | None,
+                     load_format: str, dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    """The weight-holding components the listed base nodes need: ``LLM`` (BagelLLMNode), ``vit``
+    (BagelViT), ``vae`` (BagelVAE). Dummy weights are seeded per component, so every rank builds the
+    same values whatever it hosts."""
+    need = set(need)
+    out: dict[str, Any] = {}
+    dummy = load_format == "dummy"
+    path = Path(model_path) if model_path is not None else None
+    if "LLM" in need:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            llm = BagelLLMNode(spec.llm, spec.latent_dim, spec.max_latent_size, tokens, dtype=dtype)
+        if not dummy:
+            _load_strict(llm, _read_prefixed(path / "ema.safetensors", LLM_PREFIXES, dtype), "ema.safetensors (LLM)")
+        out["LLM"] = llm.eval()
+    if "vit_encoder" in need:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            vit = BagelViT(spec.vit, dtype=dtype)
+        if not dummy:
+            _load_strict(vit, _read_prefixed(path / "ema.safetensors", VIT_PREFIXES, dtype), "ema.safetensors (ViT)")
+        out["vit"] = vit.eval()
+    if need & {"vae_encoder", "vae_decoder"}:
+        if dummy:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + 2)
+                vae = BagelVAE(spec.vae, dtype=None if dtype == torch.float32 else dtype)
+        else:
+            f = path / "ae.safetensors"
+            if not f.is_file():
+                raise CheckpointError(f"missing ae.safetensors in {str(path)!r}")
+            vae = BagelVAE.from_bfl_file(f, spec.vae, dtype=None if dtype == torch.float32 else dtype)
+        out["vae"] = vae.eval()
+    return out

@@ -1,0 +1,383 @@
+"""BAGEL served: the Walk Graph of ``graph.py`` with real computations (``nodes.py``).
+
+A request is a list of items (text and images, in order) and a target:
+
+* ``target="text"`` (image understanding, or plain chat): ``prefill_text`` / ``prefill_vit`` per item,
+  then ``decode`` (greedy by default; stops at ``<|im_end|>``);
+* ``target="image"`` (text-to-image, editing): ``prefill_text`` / ``prefill_vae`` + ``prefill_vit``
+  per item, then ``image_gen_cfg`` (or ``image_gen`` when no guidance is on), which ends in the VAE
+  decoder and emits the image.
+
+Runtime-level inputs (also the native ``/generate`` route): ``text_ids`` (one 1-D int tensor per text
+item, WITHOUT BAGEL's ``<|im_start|>``/``<|im_end|>`` wrapping, which the model adds) and ``images``
+(one ``uint8 [H, W, 3]`` tensor per image). Parameters: ``target``; ``order`` (item kinds in order,
+e.g. ``["image", "text"]``; default: images first, as the reference inferencer); ``height``/``width``
+(text-to-image size); ``seed`` (initial noise); the flow settings of ``mstar.models.bagel.flow``
+(``cfg_text_scale``, ``cfg_img_scale``, ``cfg_interval``, ``cfg_renorm_type``, ``cfg_renorm_min``,
+``num_timesteps``, ``timestep_shift``; defaults: the reference's text-to-image settings, or its
+editing settings when an image is in the context); ``max_tokens`` and ``sampling`` for text.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from mstar.model import ModelDef, NodeSubmodule, WalkState
+from mstar.models.bagel.config import TINY as TINY_LLM
+from mstar.models.bagel.config import BagelLLMConfig, ImageTransformSpec
+from mstar.models.bagel.flow import flow_settings
+from mstar.models.bagel.graph import build_bagel_graph
+from mstar.models.bagel.image_transform import BagelImageTransform
+from mstar.models.bagel.layout import plan_layout
+from mstar.models.bagel.nodes import (
+    CombineCFG,
+    SpecialTokens,
+    VAEDecoderNode,
+    VAEEncoderNode,
+    ViTNode,
+    request_sampling,
+)
+from mstar.models.bagel.vae import BagelVAEConfig
+from mstar.models.bagel.vit import TINY as TINY_VIT
+from mstar.models.bagel.vit import BagelViTConfig
+
+__all__ = ["BagelModel", "BagelSpec", "BagelState", "BagelTiny", "TINY_SPEC"]
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+MAX_IMAGES = 8
+
+
+@dataclass(frozen=True)
+class BagelSpec:
+    """Everything that shapes a BAGEL model (the reference's BagelConfig plus the image transforms)."""
+
+    llm: BagelLLMConfig
+    vit: BagelViTConfig
+    vae: BagelVAEConfig
+    latent_patch_size: int = 2
+    max_latent_size: int = 64
+    vae_transform: ImageTransformSpec = ImageTransformSpec(1024, 512, 16)
+    vit_transform: ImageTransformSpec = ImageTransformSpec(980, 224, 14)
+    default_size: tuple[int, int] = (1024, 1024)  # (height, width) of text-to-image
+
+    @property
+    def latent_downsample(self) -> int:
+        return self.vae.downsample * self.latent_patch_size
+
+    @property
+    def latent_dim(self) -> int:
+        return self.latent_patch_size ** 2 * self.vae.latent_channels
+
+    @property
+    def max_image_side(self) -> int:
+        return self.max_latent_size * self.latent_downsample
+
+
+# The tiny twin: byte tokenizer + BAGEL's four special tokens (vocab 264), 8-pixel latent cells.
+TINY_SPEC = BagelSpec(
+    llm=TINY_LLM, vit=TINY_VIT,
+    vae=BagelVAEConfig(block_out_channels=(8, 16, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4),
+    latent_patch_size=2, max_latent_size=32,
+    vae_transform=ImageTransformSpec(64, 32, 8), vit_transform=ImageTransformSpec(56, 28, 14),
+    default_size=(64, 64),
+)
+
+
+class BagelByteTokenizer:
+    """UTF-8 bytes (ids 3..258, as ``ByteTokenizer``) plus BAGEL's specials at 259..262."""
+
+    offset, vocab_size = 3, 264
+    specials = {"<|im_start|>": 259, "<|im_end|>": 260, "<|vision_start|>": 261, "<|vision_end|>": 262}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [b + self.offset for b in text.encode("utf-8")]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return bytes(int(i) - self.offset for i in ids if self.offset <= int(i) < 259).decode("utf-8", "replace")
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.specials.get(token)
+
+
+@dataclass
+class BagelState(WalkState):
+    steps: list[tuple[str, dict[str, list[Any]]]] = field(default_factory=list)
+    final: tuple[str, dict[str, list[Any]]] | None = None
+
+
+def _to_pil(img: torch.Tensor) -> Image.Image:
+    return Image.fromarray(np.ascontiguousarray(img.to(torch.uint8).numpy()), "RGB")
+
+
+class BagelModel(ModelDef):
+    """``ByteDance-Seed/BAGEL-7B-MoT`` (``model_path``: ema.safetensors, ae.safetensors, llm_config.json,
+    vit_config.json, tokenizer.json) or, with ``load_format="dummy"``, seeded random weights."""
+
+    name = "bagel"
+    family = "bagel"
+    views = {"LLM_cfg_text": "LLM", "LLM_cfg_img": "LLM"}
+
+    def __init__(self, model_path: str | Path | None = None, load_format: str = "auto",
+                 dtype: str | torch.dtype = "float32", spec: BagelSpec | None = None, seed: int = 0) -> None:
+        from mstar.models.bagel.loader import resolve_dtype
+
+        if load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"unknown load_format {load_format!r}; use auto, safetensors or dummy")
+        self.model_path = str(model_path) if model_path is not None else None
+        self.load_format, self.dtype, self.seed = load_format, resolve_dtype(dtype), seed
+        self._spec = spec  # read from the checkpoint on first use (drawing the graph needs no files)
+        self._tokenizer: Any = None
+        self._resize: tuple[BagelImageTransform, BagelImageTransform] | None = None
+
+    @property
+    def spec(self) -> BagelSpec:
+        if self._spec is None:
+            from mstar.models.bagel.loader import load_spec
+
+            if self.model_path is None:
+                raise ValueError(f"{self.name}: --model-path (a BAGEL checkpoint directory) is required; "
+                                 f"use bagel-tiny for a model without files")
+            self._spec = load_spec(self.model_path)
+        return self._spec
+
+    @property
+    def vae_resize(self) -> BagelImageTransform:
+        return self._transforms()[0]
+
+    @property
+    def vit_resize(self) -> BagelImageTransform:
+        return self._transforms()[1]
+
+    def _transforms(self) -> tuple[BagelImageTransform, BagelImageTransform]:
+        if self._resize is None:
+            self._resize = (BagelImageTransform(*_astuple(self.spec.vae_transform)),
+                            BagelImageTransform(*_astuple(self.spec.vit_transform)))
+        return self._resize
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_tokenizer"] = None
+        return state
+
+    # -- tokenizer -------------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            self._tokenizer = self._load_tokenizer()
+        return self._tokenizer
+
+    def _load_tokenizer(self) -> Any:
+        from mstar.models.bagel.loader import load_tokenizer
+
+        return load_tokenizer(self.model_path)
+
+    @property
+    def special_tokens(self) -> SpecialTokens:
+        tok = self.tokenizer
+        ids = [tok.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>")]
+        if any(i is None for i in ids):
+            raise ValueError(f"{self.name}: the tokenizer lacks BAGEL's special tokens "
+                             f"<|im_start|>, <|im_end|>, <|vision_start|>, <|vision_end|>")
+        return SpecialTokens(*ids)
+
+    # -- graph and state machine -----------------------------------------------------------------
+    def build_graph(self):
+        return build_bagel_graph()
+
+    def _order(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> list[str]:
+        texts, images = len(inputs.get("text_ids", [])), len(inputs.get("images", []))
+        order = params.get("order")
+        if order is None:
+            return ["image"] * images + ["text"] * texts
+        if (not isinstance(order, (list, tuple)) or any(k not in ("text", "image") for k in order)
+                or list(order).count("text") != texts or list(order).count("image") != images):
+            raise ValueError(f"order must list 'text' {texts} times and 'image' {images} times, got {order!r}")
+        return list(order)
+
+    def _image_size(self, params: Mapping[str, Any]) -> tuple[int, int]:
+        h = params.get("height", self.spec.default_size[0])
+        w = params.get("width", self.spec.default_size[1])
+        ld, top = self.spec.latent_downsample, self.spec.max_image_side
+        for name, v in (("height", h), ("width", w)):
+            if isinstance(v, bool) or not isinstance(v, int) or not ld <= v <= top or v % ld:
+                raise ValueError(f"{name} must be a multiple of {ld} in [{ld}, {top}], got {v!r}")
+        return h, w
+
+    def validate_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> None:
+        unknown = sorted(set(inputs) - {"text_ids", "images"})
+        if unknown:
+            raise ValueError(f"{self.name}: unknown inputs {unknown}; use text_ids and images")
+        target = params.get("target", "text")
+        if target not in ("text", "image"):
+            raise ValueError(f"target must be 'text' or 'image', got {target!r}")
+        vocab = self.spec.llm.vocab_size
+        texts = inputs.get("text_ids", [])
+        for ids in texts:
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype not in _INT_DTYPES:
+                raise ValueError("text_ids must be 1-D integer tensors of token ids")
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+                raise ValueError(f"text_ids must be token ids in [0, {vocab})")
+        images = inputs.get("images", [])
+        if len(images) > MAX_IMAGES:
+            raise ValueError(f"at most {MAX_IMAGES} images per request, got {len(images)}")
+        for img in images:
+            if (not isinstance(img, torch.Tensor) or img.dim() != 3 or img.shape[-1] != 3
+                    or img.dtype != torch.uint8 or min(img.shape[0], img.shape[1]) < 1):
+                raise ValueError("images must be uint8 tensors [H, W, 3]")
+        if not texts and not images:
+            raise ValueError(f"{self.name}: the request has neither text nor images")
+        self._order(inputs, params)
+        if target == "image":
+            if not images:
+                self._image_size(params)
+            elif "height" in params or "width" in params:
+                raise ValueError("height/width apply to text-to-image; an edit keeps its input image's size")
+            flow_settings(params, editing=bool(images))
+            if params.get("output_type", "pil") not in ("pil", "latent"):
+                raise ValueError(f"output_type must be 'pil' or 'latent', got {params.get('output_type')!r}")
+            seed = params.get("seed")
+            if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+                raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        else:
+            request_sampling(params)
+
+    def create_state(self, request_id, partition, inputs, params):
+        target = params.get("target", "text")
+        order = self._order(inputs, params)
+        texts, images = list(inputs.get("text_ids", [])), list(inputs.get("images", []))
+        vae_px, vit_px, items = [], [], []
+        ti = ii = 0
+        ld, vit_patch = self.spec.latent_downsample, self.spec.vit.patch_size
+        for kind in order:
+            if kind == "text":
+                items.append(("text", texts[ti].numel() + 2, 0))
+                ti += 1
+                continue
+            pil = self.vae_resize.resize(_to_pil(images[ii]))  # as the reference: VAE size first
+            ii += 1
+            vae = self.vae_resize.to_tensor(pil)
+            vit = self.vit_resize(pil)
+            vae_px.append(vae)
+            vit_px.append(vit)
+            n_vae = (vae.shape[1] // ld) * (vae.shape[2] // ld) + 2
+            n_vit = (vit.shape[1] // vit_patch) * (vit.shape[2] // vit_patch) + 2
+            items.append(("image", n_vae, n_vit))
+        lat_hw = None
+        final: tuple[str, dict[str, list[Any]]]
+        if target == "image":
+            h, w = (vae_px[-1].shape[1], vae_px[-1].shape[2]) if vae_px else self._image_size(params)
+            lat_hw = (h // ld, w // ld)
+            fs = flow_settings(params, editing=bool(vae_px))
+            cfg_img = bool(vae_px) and fs.cfg_text_scale > 1.0 and fs.cfg_img_scale > 1.0
+        else:
+            cfg_img = False
+        steps, ctx = plan_layout(items, target, cfg_img, lat_hw)
+        walk_steps = []
+        text_of = {}
+        ti = ii = 0
+        for idx, kind in enumerate(order):  # item index -> its tensor
+            if kind == "text":
+                text_of[idx] = ("text", ti)
+                ti += 1
+            else:
+                text_of[idx] = ("image", ii)
+                ii += 1
+        for s in steps:
+            kind, j = text_of[s.item]
+            if s.walk == "prefill_text":
+                walk_steps.append((s.walk, {"text_ids": [texts[j].long()], "ctx": [s.ctx.to_tensor()]}))
+            elif s.walk == "prefill_vae":
+                walk_steps.append((s.walk, {"image": [vae_px[j]], "ctx": [s.ctx.to_tensor()]}))
+            else:
+                walk_steps.append((s.walk, {"image": [vit_px[j]], "ctx": [s.ctx.to_tensor()]}))
+        if target == "image":
+            fs = flow_settings(params, editing=bool(vae_px))
+            seed = params.get("seed")
+            g = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(62))
+            noise = torch.randn(lat_hw[0] * lat_hw[1], self.spec.latent_dim, generator=g)
+            guided = fs.cfg_text_scale > 1.0 and any(
+                fs.branch_active("cfg_text", t) for t in _schedule_times(fs))
+            walk = "image_gen_cfg" if guided else "image_gen"
+            final = (walk, {"latents": [noise], "time_index": [torch.tensor(0)], "ctx": [ctx.to_tensor()]})
+        else:
+            final = ("decode", {"token": [torch.tensor([self.special_tokens.im_start])], "ctx": [ctx.to_tensor()]})
+        return BagelState(request_id=request_id, partition=partition, params=params, tensors={},
+                          steps=walk_steps, final=final)
+
+    def next_walk(self, state: BagelState) -> str | None:
+        if state.steps:  # the request's items, in order
+            walk, tensors = state.steps.pop(0)
+        elif state.final is not None:
+            walk, tensors = state.final
+            state.final = None
+        else:
+            return None
+        state.tensors = dict(tensors)
+        return walk
+
+    # -- modules ---------------------------------------------------------------------------------
+    def build_submodules(self, node_names: Iterable[str]) -> dict[str, NodeSubmodule]:
+        from mstar.models.bagel.loader import build_components
+
+        names = list(node_names)
+        unknown = sorted(set(names) - set(self.graph.node_names))
+        if unknown:
+            raise ValueError(f"{self.name} has no nodes {unknown}")
+        need = {self.module_of(n) for n in names}
+        parts = build_components(self.spec, need, self.special_tokens, model_path=self.model_path,
+                                 load_format=self.load_format, dtype=self.dtype, seed=self.seed)
+        mods: dict[str, NodeSubmodule] = {}
+        for n in names:
+            base = self.module_of(n)
+            if base == "LLM":
+                mods[n] = parts["LLM"]
+            elif base == "combine_cfg":
+                mods[n] = parts.setdefault("combine_cfg", CombineCFG())
+            elif base == "vit_encoder":
+                mods[n] = parts.setdefault("vit_encoder", ViTNode(parts["vit"]))
+            elif base == "vae_encoder":
+                mods[n] = parts.setdefault("vae_encoder", VAEEncoderNode(parts["vae"], self.spec.latent_patch_size))
+            elif base == "vae_decoder":
+                mods[n] = parts.setdefault("vae_decoder", VAEDecoderNode(parts["vae"], self.spec.latent_patch_size,
+                                                                         self.spec.vae.latent_channels))
+        return mods
+
+    def api_adapter(self):
+        from mstar.models.bagel.adapter import BagelAdapter
+
+        return BagelAdapter(self)
+
+
+def _schedule_times(fs) -> tuple[float, ...]:
+    from mstar.models.bagel.flow import timestep_schedule
+
+    return timestep_schedule(fs.num_timesteps, fs.timestep_shift)[0]
+
+
+def _astuple(spec: ImageTransformSpec) -> tuple[int, int, int, int]:
+    return spec.max_size, spec.min_size, spec.stride, spec.max_pixels
+
+
+class BagelTiny(BagelModel):
+    """``TINY_SPEC`` with seeded dummy weights and the byte tokenizer: runs offline, no files."""
+
+    name = "bagel-tiny"
+    family = "bagel"
+
+    def __init__(self, model_path: str | Path | None = None, load_format: str = "dummy",
+                 dtype: str | torch.dtype = "float32", seed: int = 0) -> None:
+        if model_path is not None or load_format != "dummy":
+            raise ValueError("bagel-tiny has no checkpoint: it always uses dummy weights "
+                             "(use the 'bagel' model with --model-path for a checkpoint)")
+        super().__init__(None, "dummy", dtype, spec=TINY_SPEC, seed=seed)
+
+    def _load_tokenizer(self) -> Any:
+        return BagelByteTokenizer()
