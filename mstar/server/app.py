@@ -49,6 +49,13 @@ class ServerLimits:
     max_image_pixels: int = 4096 * 4096
 
 
+def _form_value(v: str) -> Any:
+    try:
+        return json.loads(v)
+    except ValueError:
+        return v
+
+
 def create_app(engine: ServingEngine, api_key: str | None = None, limits: ServerLimits = ServerLimits()) -> FastAPI:
     app = FastAPI(title="mstar", version="0.1.0",
                   description=f"Serving {engine.model_name} with the mstar Walk Graph runtime.")
@@ -325,7 +332,7 @@ def create_app(engine: ServingEngine, api_key: str | None = None, limits: Server
         return await run_images(IMAGES, body, None, req.n)
 
     @app.post("/v1/images/edits", response_model=ImagesResponse)
-    async def image_edits(image: Annotated[UploadFile, File()], prompt: Annotated[str, Form()],
+    async def image_edits(request: Request, image: Annotated[UploadFile, File()], prompt: Annotated[str, Form()],
                           model: Annotated[str, Form()], n: Annotated[int, Form()] = 1,
                           size: Annotated[str, Form()] = "256x256"):
         require(IMAGE_EDITS, model)
@@ -333,7 +340,10 @@ def create_app(engine: ServingEngine, api_key: str | None = None, limits: Server
             raise APIError(400, "n must be between 1 and 4", param="n")
         raw = await image.read()
         pixels = adapt(media.decode_image, raw, "image", limits.max_image_pixels)
-        body = {"model": model, "prompt": prompt, "n": n, "size": size}
+        # other form fields (the SDK's extra_body: seed, steps, guidance...) as JSON values where they parse
+        extra = {k: _form_value(v) for k, v in (await request.form()).items()
+                 if k not in ("image", "prompt", "model", "n", "size") and isinstance(v, str)}
+        body = {**extra, "model": model, "prompt": prompt, "n": n, "size": size}
         body["width"], body["height"] = parse_size(size)
         return await run_images(IMAGE_EDITS, body, pixels, n)
 

@@ -55,7 +55,7 @@ class ChatCompletionRequest(_Open):
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    modalities: list[Literal["text", "audio"]] | None = None
+    modalities: list[Literal["text", "audio", "image"]] | None = None
     audio: AudioParams | None = None
     ignore_eos: bool = False
 

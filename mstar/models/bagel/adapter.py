@@ -78,10 +78,8 @@ class BagelAdapter(ApiAdapter):
 
         for m in body["messages"]:
             content = m.get("content")
-            if isinstance(content, str):
-                pending.append(content)
-                continue
-            for part in content or []:
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else (content or [])
+            for part in parts:
                 if part.get("type") == "text":
                     pending.append(part.get("text") or "")
                 elif part.get("type") == "image_url":
