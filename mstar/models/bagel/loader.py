@@ -4,7 +4,7 @@
     vit_config.json    SigLIP config (BAGEL runs all layers but the last)
     ema.safetensors    language_model.*, time_embedder.*, vae2llm.*, llm2vae.*, latent_pos_embed.*,
                        vit_model.vision_model.* (linear patch embedding), connector.*, vit_pos_embed.*
-    ae.safetensors     the FLUX autoencoder, BFL names
+    ae.safetensors     the FLUX autoencoder, BFL names (its geometry is read from the tensor shapes)
     tokenizer.json     Qwen2 tokenizer with <|im_start|>, <|im_end|>, <|vision_start|>, <|vision_end|>
 
 Each rank loads only the components of the nodes placed on it (a CFG-view rank reads only the LLM).
@@ -13,7 +13,10 @@ Each rank loads only the components of the nodes placed on it (a CFG-view rank r
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +24,11 @@ import torch
 
 from mstar.models.bagel.config import BagelLLMConfig
 from mstar.models.bagel.nodes import BagelLLMNode, SpecialTokens
-from mstar.models.bagel.vae import BagelVAE
+from mstar.models.bagel.vae import FLUX, BagelVAE, BagelVAEConfig
 from mstar.models.bagel.vit import BagelViT, BagelViTConfig
 
-__all__ = ["CheckpointError", "build_components", "load_spec", "load_tokenizer", "resolve_dtype"]
+__all__ = ["CheckpointError", "build_components", "load_spec", "load_tokenizer", "resolve_dtype",
+           "vae_config_from_file"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLM_PREFIXES = ("language_model.", "time_embedder.", "vae2llm.", "llm2vae.", "latent_pos_embed.")
@@ -69,18 +73,55 @@ def llm_config_from_json(data: dict[str, Any]) -> BagelLLMConfig:
         raise CheckpointError(f"llm_config.json lacks {e.args[0]!r}") from e
 
 
+def vae_config_from_file(file: Path) -> BagelVAEConfig:
+    """The autoencoder geometry of a BFL ``ae.safetensors``, read from its tensor shapes (only the
+    header is read): block widths from ``encoder.down.{i}.block.0.conv1``, layers per block from the
+    blocks of ``encoder.down.0``, latent channels from ``decoder.conv_in``. The latent scaling and
+    shift stay FLUX's; GroupNorm's group count is not in the weights: 32 (FLUX's) whenever every
+    width is a multiple of it, else the largest divisor of 32 that divides them all. The FLUX file
+    gives exactly ``vae.FLUX``."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+    def shape(key: str) -> tuple[int, ...]:
+        if key not in shapes:
+            raise CheckpointError(f"{file.name} lacks {key!r} (cannot read the autoencoder geometry)")
+        return shapes[key]
+
+    first_block = re.compile(r"encoder\.down\.(\d+)\.block\.0\.conv1\.weight")
+    levels = sorted(int(m[1]) for k in shapes if (m := first_block.fullmatch(k)))
+    if not levels or levels != list(range(len(levels))):
+        raise CheckpointError(f"{file.name}: encoder.down.{{i}}.block.0.conv1.weight must exist for "
+                              f"i = 0, 1, ...; found levels {levels}")
+    channels = tuple(shape(f"encoder.down.{i}.block.0.conv1.weight")[0] for i in levels)
+    layers = 0
+    while f"encoder.down.0.block.{layers}.conv1.weight" in shapes:
+        layers += 1
+    try:
+        return replace(FLUX, block_out_channels=channels, layers_per_block=layers,
+                       latent_channels=shape("decoder.conv_in.weight")[1],
+                       in_channels=shape("encoder.conv_in.weight")[1],
+                       out_channels=shape("decoder.conv_out.weight")[0],
+                       norm_num_groups=math.gcd(32, *channels))
+    except ValueError as e:
+        raise CheckpointError(f"{file.name}: unusable autoencoder geometry: {e}") from e
+
+
 def load_spec(model_path: str | Path):
     """The ``BagelSpec`` of a checkpoint directory (the reference's fixed settings: latent patch 2,
-    64 latent cells per side, 70 ViT patches per side, FLUX autoencoder)."""
+    64 latent cells per side, 70 ViT patches per side; the autoencoder as ``ae.safetensors`` shapes
+    it, FLUX's when the file is absent, e.g. on a rank that hosts only the LLM)."""
     from mstar.models.bagel.model import BagelSpec
-    from mstar.models.bagel.vae import FLUX
 
     path = Path(model_path)
     if not path.is_dir():
         raise CheckpointError(f"model path {str(path)!r} does not exist or is not a directory")
     llm = llm_config_from_json(_json(path / "llm_config.json"))
     vit = BagelViTConfig.from_json(_json(path / "vit_config.json"), llm_hidden=llm.hidden_size)
-    return BagelSpec(llm=llm, vit=vit, vae=FLUX)
+    ae = path / "ae.safetensors"
+    return BagelSpec(llm=llm, vit=vit, vae=vae_config_from_file(ae) if ae.is_file() else FLUX)
 
 
 def load_tokenizer(model_path: str | Path | None):
@@ -159,6 +200,9 @@ def build_components(spec, need: Iterable[str], tokens: SpecialTokens, *, model_
             f = path / "ae.safetensors"
             if not f.is_file():
                 raise CheckpointError(f"missing ae.safetensors in {str(path)!r}")
-            vae = BagelVAE.from_bfl_file(f, spec.vae, dtype=None if dtype == torch.float32 else dtype)
+            try:
+                vae = BagelVAE.from_bfl_file(f, spec.vae, dtype=None if dtype == torch.float32 else dtype)
+            except (ValueError, RuntimeError) as e:  # missing/unexpected keys, wrong shapes
+                raise CheckpointError(f"ae.safetensors does not match the autoencoder: {e}") from e
         out["vae"] = vae.eval()
     return out
