@@ -81,6 +81,15 @@ class BagelLLMNode(NodeSubmodule):
         self.max_latent_size = max_latent_size
         self.tokens = tokens
         self.kv_spec = self.language_model.kv_spec(dtype)
+        # per-forward memo: the three guidance branches of a request query the SAME block each step
+        self._blocks: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pos_rows: dict[tuple[int, int], torch.Tensor] = {}  # latent grid -> position embedding rows
+        self._t_emb: dict[float, torch.Tensor] = {}  # flow time -> timestep embedding
+
+    def _load_from_state_dict(self, *args, **kwargs):  # new weights: drop what was derived from the old
+        self._pos_rows.clear()
+        self._t_emb.clear()
+        super()._load_from_state_dict(*args, **kwargs)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -91,9 +100,18 @@ class BagelLLMNode(NodeSubmodule):
 
     def latent_tokens(self, latents: torch.Tensor, t: float, h: int, w: int) -> torch.Tensor:
         """Noisy (or clean, t=0) latent tokens ``[h*w, D]`` -> LLM inputs: vae2llm + time + 2-D position."""
-        ids = flattened_position_ids(h, w, 1, self.max_latent_size)
-        t_emb = self.time_embedder(torch.tensor([t], dtype=torch.float32)).to(self.dtype)
-        return self.vae2llm(latents.to(self.dtype)) + t_emb + self.latent_pos_embed(ids)
+        pos = self._pos_rows.get((h, w))
+        if pos is None:
+            if len(self._pos_rows) > 256:
+                self._pos_rows.clear()
+            ids = flattened_position_ids(h, w, 1, self.max_latent_size)
+            pos = self._pos_rows[(h, w)] = self.latent_pos_embed(ids)
+        t_emb = self._t_emb.get(t)
+        if t_emb is None:
+            if len(self._t_emb) > 4096:
+                self._t_emb.clear()
+            t_emb = self._t_emb[t] = self.time_embedder(torch.tensor([t], dtype=torch.float32)).to(self.dtype)
+        return torch.addmm(pos + t_emb, latents.to(self.dtype), self.vae2llm.weight.t(), beta=1) + self.vae2llm.bias
 
     def _image_block(self, body: torch.Tensor, gen: bool) -> tuple[torch.Tensor, torch.Tensor]:
         vs, ve = self._embed([self.tokens.vision_start, self.tokens.vision_end])
@@ -153,7 +171,12 @@ class BagelLLMNode(NodeSubmodule):
             e = torch.zeros(0, self.vae2llm.out_features, dtype=self.dtype)
             return NodeInputs({"x": e, "gen": torch.zeros(0, dtype=torch.bool), "pos": torch.zeros(0, dtype=torch.long)},
                               sequences=[], extras={**info, "kind": "skip"})
-        x, gen = self._image_block(self.latent_tokens(lat, ts[i], ctx.lat_h, ctx.lat_w), gen=True)
+        key = (fwd_info.request_id, i)
+        block = self._blocks.get(key)
+        if block is None:
+            block = self._blocks[key] = self._image_block(self.latent_tokens(lat, ts[i], ctx.lat_h, ctx.lat_w),
+                                                          gen=True)
+        x, gen = block
         n = x.shape[0]
         if branch == "main":
             seq, rope = KVSequence("LLM", n, QueryMode.READ_ONLY), ctx.rope
@@ -166,6 +189,7 @@ class BagelLLMNode(NodeSubmodule):
                           sequences=[seq], extras={**info, "latents": lat})
 
     def forward(self, graph_walk, engine_inputs, x, gen, pos):
+        self._blocks.clear()
         ei = engine_inputs
         ei.positions = pos
         hidden = self.language_model(None, ei, gen_mask=gen, inputs_embeds=x) if x.shape[0] else x
