@@ -8,9 +8,17 @@ import torch
 from PIL import Image
 
 from mstar import Runtime
+from mstar.bench.bagel_oracle import (
+    Context,
+    DenseBagel,
+    add_text,
+    add_vae,
+    add_vit,
+    generate_image,
+    greedy_decode,
+)
 from mstar.models.bagel.model import BagelTiny
 from mstar.models.bagel.nodes import CombineCFG
-from tests.bagel_oracle import Context, DenseBagel, add_text, add_vae, add_vit, generate_image, greedy_decode
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -252,3 +260,20 @@ def test_image_output_is_a_decoded_picture(model, rt):
     (img,) = out.tensors("image_output")
     assert img.shape == (24, 40, 3) and img.dtype == torch.uint8
     assert np.asarray(img).std() > 0  # not a constant picture
+
+
+@pytest.mark.slow
+def test_cfg_parallel_placement_with_worker_processes(model):
+    """Three worker processes: the main cache's pages (and the text-only cache) are copied to the
+    guidance ranks for the flow walk; the result equals one rank's."""
+    inp = {"text_ids": [text("edit me")], "images": [image(11)]}
+    params = {"target": "image", "seed": 4, "num_timesteps": 5, "output_type": "latent"}
+    with Runtime(model) as rt:
+        single = latents(rt.generate([inp], params)[0])
+    path = ROOT / "examples" / "placements" / "bagel_cfg_parallel.yaml"
+    with Runtime(model, path, workers="process") as rt:
+        (out,) = rt.generate([inp], params)
+        assert out.finished, out.error
+        ranks = rt.stats()["ranks"]
+        assert all(r["kv"]["LLM"]["blocks_used"] == 0 for r in ranks)  # copies dropped, request freed
+    torch.testing.assert_close(latents(out), single, rtol=0, atol=1e-5)

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from diffusers import AutoencoderKL
 from torch import nn
 
 from mstar.models.bagel.embeddings import patchify, unpatchify
@@ -202,6 +201,8 @@ class BagelVAE(nn.Module):
         super().__init__()
         self.config = config
         with torch.device(device if device is not None else "cpu"):
+            from diffusers import AutoencoderKL  # heavy: only where a VAE is built
+
             self.model = AutoencoderKL(**config.diffusers_kwargs())
         if dtype is not None:
             # plain Module.to: AutoencoderKL keeps no fp32-only modules, and its own .to() warns on a cast

@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import SiglipVisionConfig, SiglipVisionModel
-from transformers.activations import ACT2FN
 
 from mstar.models.bagel.embeddings import PositionEmbedding, flattened_position_ids, patchify
+
+# activations SigLIP configs use (transformers, the heavy import, loads only when a ViT is built)
+_ACTIVATIONS = frozenset({"gelu_pytorch_tanh", "gelu", "gelu_new", "gelu_fast", "quick_gelu", "relu", "silu",
+                          "swish", "tanh"})
 
 __all__ = ["BAGEL_7B_MOT_VIT", "TINY", "BagelViT", "BagelViTConfig", "conv_patch_weight_to_linear"]
 
@@ -63,7 +65,7 @@ class BagelViTConfig:
         if self.llm_hidden % 4:
             raise ValueError(f"llm_hidden must be a multiple of 4 (2D sin-cos table), got {self.llm_hidden}")
         for name in ("hidden_act", "connector_act"):
-            if getattr(self, name) not in ACT2FN:
+            if getattr(self, name) not in _ACTIVATIONS:
                 raise ValueError(f"unknown activation {getattr(self, name)!r} for {name}")
 
     @property
@@ -90,8 +92,10 @@ class BagelViTConfig:
             connector_act=connector_act,
         )
 
-    def siglip_config(self, attn_implementation: str = "sdpa") -> SiglipVisionConfig:
+    def siglip_config(self, attn_implementation: str = "sdpa") -> Any:
         """The ``transformers`` config of the wrapped ``SiglipVisionModel`` (no head)."""
+        from transformers import SiglipVisionConfig
+
         return SiglipVisionConfig(
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
@@ -121,6 +125,8 @@ class _Connector(nn.Module):
     def __init__(self, in_dim: int, out_dim: int, act: str, **kw: Any) -> None:
         super().__init__()
         self.fc1 = nn.Linear(in_dim, out_dim, **kw)
+        from transformers.activations import ACT2FN
+
         self.act = ACT2FN[act]
         self.fc2 = nn.Linear(out_dim, out_dim, **kw)
 
@@ -152,6 +158,8 @@ class BagelViT(nn.Module):
         self.cfg = cfg
         kw = {"dtype": dtype, "device": device}
         with torch.device(device if device is not None else "cpu"):
+            from transformers import SiglipVisionModel
+
             siglip = SiglipVisionModel(cfg.siglip_config(attn_implementation))
             # transformers 4.x nests the transformer under ``vision_model``; 5.x flattens it into the model.
             siglip = getattr(siglip, "vision_model", siglip)
