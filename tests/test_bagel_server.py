@@ -58,6 +58,15 @@ def test_text_to_image_through_the_sdk(server, client):
     assert np.array_equal(imgs[0], ref.tensors("image_output")[0].numpy())
 
 
+def test_n_images_run_as_concurrent_requests(server, client):
+    _, engine = server
+    r = client.images.generate(model=MODEL, prompt="boats", size="16x16", n=4,
+                               extra_body={"seed": 0, "num_inference_steps": 3})
+    assert len(r.data) == 4
+    hist = engine.runtime.stats()["ranks"][0]["batch_sizes"]["combine_cfg"]
+    assert max(hist) >= 2  # the requests ran concurrently: their flow steps shared batches
+
+
 def test_image_edit_through_the_sdk(server, client):
     _, engine = server
     png = png_bytes(1)

@@ -297,9 +297,11 @@ def create_app(engine: ServingEngine, api_key: str | None = None, limits: Server
 
     # -- images --------------------------------------------------------------------------------
     async def run_images(route: str, body: dict, image: torch.Tensor | None, n: int) -> ImagesResponse:
-        data = []
-        for i in range(n):
-            api_req = adapt(adapter.image_request, {**body, "index": i}, image)
+        # the n images run as n concurrent requests (the runtime batches them); all inputs are
+        # validated before any starts, so a bad request starts nothing
+        reqs = [adapt(adapter.image_request, {**body, "index": i}, image) for i in range(n)]
+
+        async def one(api_req) -> list[dict]:
             decoder = adapter.new_decoder(route, api_req)
             timer = Timer(engine.metrics, ROUTE_PATHS[route])
             first, agen = await first_and_rest(engine.stream(route, api_req.inputs, api_req.params))
@@ -310,10 +312,18 @@ def create_app(engine: ServingEngine, api_key: str | None = None, limits: Server
                 outs += decoder.feed(it.name, it.value)
             outs += decoder.finish()
             timer.done()
-            for o in outs:
-                if isinstance(o, ImageOut):
-                    data.append({"b64_json": base64.b64encode(media.encode_png(o.pixels)).decode()})
-        return ImagesResponse(created=int(time.time()), data=data)
+            return [{"b64_json": base64.b64encode(media.encode_png(o.pixels)).decode()}
+                    for o in outs if isinstance(o, ImageOut)]
+
+        tasks = [asyncio.ensure_future(one(r)) for r in reqs]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:  # one failed (or the client left): stop the others, which aborts them
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return ImagesResponse(created=int(time.time()), data=[d for r in results for d in r])
 
     def parse_size(size: str) -> tuple[int, int]:
         try:
