@@ -125,3 +125,23 @@ def test_chat_can_answer_with_an_image(server):
 def test_bad_input_is_a_400(client, call, match):
     with pytest.raises(openai.BadRequestError, match=match):
         call(client)
+
+
+def test_native_generate_route(server):
+    import json
+
+    import httpx
+
+    url, engine = server
+    ids = engine.runtime.model.tokenizer.encode("hello")
+    img = np.arange(20 * 24 * 3, dtype=np.uint8).reshape(20, 24, 3)
+    body = {"inputs": {"text_ids": ids, "images": {"dtype": "uint8", "shape": [20, 24, 3],
+                                                    "data": base64.b64encode(img.tobytes()).decode()}},
+            "params": {"target": "text", "max_tokens": 3, "order": ["image", "text"]}}
+    r = httpx.post(url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    lines = [json.loads(x) for x in r.text.splitlines() if x]
+    assert lines[-1] == {"done": True} and [x["name"] for x in lines[:-1]] == ["text"] * 3
+    bad = httpx.post(url + "/generate", json={"inputs": {"text_ids": [1]}, "params": {"target": "image",
+                                                                                      "height": 3}}, timeout=60)
+    assert bad.status_code == 400 and "multiple of 8" in bad.json()["error"]["message"]
