@@ -1,6 +1,6 @@
-"""A plain-PyTorch oracle of BAGEL inference (tests only): dense per-context K/V tensors, the MoT layer
-math written out from the weights, every guidance branch as its own sequential pass, and the
-reference inferencer's guidance combination and renormalisation.
+"""A plain-PyTorch oracle of BAGEL inference, the t2i benchmark's baseline and the tests' reference:
+dense per-context K/V tensors, the MoT layer math written out from the weights, every guidance branch
+as its own sequential pass, and the reference inferencer's guidance combination and renormalisation.
 
 It shares only WEIGHTS and the stateless components (ViT, VAE, image transforms, tested on their
 own against transformers / diffusers) with the served model; attention, caching, positions, the
@@ -40,50 +40,56 @@ class DenseBagel:
 
     # -- one forward over new tokens against a dense context --------------------------------------
     def forward(self, x, gen, pos, ctx, causal):
-        """``ctx``: list per layer of (K, V) ``[P, kv, hd]``. Returns (final hidden, new ctx)."""
-        c = self.cfg
-        g = gen[:, None]
+        """``ctx``: list per layer of (K, V) ``[P, kv, hd]``. Returns (final hidden, new ctx).
 
-        def per_set(layer, name, t):
-            und, gen_w = getattr(layer, name).weight, getattr(layer, name + "_moe_gen").weight
-            return torch.where(g, _rms(t, gen_w, c.rms_norm_eps), _rms(t, und, c.rms_norm_eps))
+        As the reference: each weight set runs on its own rows only (index split), attention is one
+        fused call over the cached K/V followed by the new tokens' K/V."""
+        c = self.cfg
+        gi, ui = gen.nonzero().squeeze(1), (~gen).nonzero().squeeze(1)
+        eps = c.rms_norm_eps
+
+        def split(t, f_und, f_gen):
+            out_u, out_g = f_und(t[ui]), f_gen(t[gi])
+            out = out_u.new_empty((t.shape[0], *out_u.shape[1:]))
+            out[ui], out[gi] = out_u, out_g
+            return out
+
+        def lin(m):
+            return lambda t: F.linear(t, m.weight, m.bias)
+
+        def norm(m):
+            return lambda t: _rms(t, m.weight, eps)
+
+        def mlp(m):
+            return lambda t: _mlp(m, t)
 
         new_ctx = []
         h = x
+        t = x.shape[0]
+        rep = c.num_attention_heads // c.num_key_value_heads
         for i, layer in enumerate(self.lm.layers):
             a = layer.self_attn
-            n = per_set(layer, "input_layernorm", h)
-            t = n.shape[0]
-            q = torch.where(g, F.linear(n, a.q_proj_moe_gen.weight, a.q_proj_moe_gen.bias),
-                            F.linear(n, a.q_proj.weight, a.q_proj.bias)).view(t, c.num_attention_heads, c.head_dim)
-            k = torch.where(g, F.linear(n, a.k_proj_moe_gen.weight, a.k_proj_moe_gen.bias),
-                            F.linear(n, a.k_proj.weight, a.k_proj.bias)).view(t, c.num_key_value_heads, c.head_dim)
-            v = torch.where(g, F.linear(n, a.v_proj_moe_gen.weight, a.v_proj_moe_gen.bias),
-                            F.linear(n, a.v_proj.weight, a.v_proj.bias)).view(t, c.num_key_value_heads, c.head_dim)
-            gh = gen[:, None, None]
-            q = torch.where(gh, _rms(q, a.q_norm_moe_gen.weight, c.rms_norm_eps), _rms(q, a.q_norm.weight, c.rms_norm_eps))
-            k = torch.where(gh, _rms(k, a.k_norm_moe_gen.weight, c.rms_norm_eps), _rms(k, a.k_norm.weight, c.rms_norm_eps))
+            n = split(h, norm(layer.input_layernorm), norm(layer.input_layernorm_moe_gen))
+            q = split(n, lin(a.q_proj), lin(a.q_proj_moe_gen)).view(t, c.num_attention_heads, c.head_dim)
+            k = split(n, lin(a.k_proj), lin(a.k_proj_moe_gen)).view(t, c.num_key_value_heads, c.head_dim)
+            v = split(n, lin(a.v_proj), lin(a.v_proj_moe_gen)).view(t, c.num_key_value_heads, c.head_dim)
+            q = split(q, norm(a.q_norm), norm(a.q_norm_moe_gen))
+            k = split(k, norm(a.k_norm), norm(a.k_norm_moe_gen))
             q, k = _rope(q, pos, c.rope_theta), _rope(k, pos, c.rope_theta)
             pk, pv = ctx[i] if ctx else (k[:0], v[:0])
             keys, vals = torch.cat([pk, k]), torch.cat([pv, v])
             new_ctx.append((keys, vals))
-            rep = c.num_attention_heads // c.num_key_value_heads
-            kk, vv = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
-            scores = torch.einsum("qhd,khd->hqk", q, kk) * c.head_dim ** -0.5
+            mask = None
             if causal:
                 p = pk.shape[0]
-                allowed = torch.arange(keys.shape[0])[None, :] <= (p + torch.arange(t))[:, None]
-                scores = scores.masked_fill(~allowed[None], float("-inf"))
-            o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv).reshape(t, -1)
-            o = torch.where(g, F.linear(o, a.o_proj_moe_gen.weight), F.linear(o, a.o_proj.weight))
-            h = h + o
-            n = per_set(layer, "post_attention_layernorm", h)
-            m_und, m_gen = layer.mlp, layer.mlp_moe_gen
-            mlp = torch.where(g, _mlp(m_gen, n), _mlp(m_und, n))
-            h = h + mlp
-        out = torch.where(g, _rms(h, self.lm.norm_moe_gen.weight, c.rms_norm_eps),
-                          _rms(h, self.lm.norm.weight, c.rms_norm_eps))
-        return out, new_ctx
+                mask = torch.arange(keys.shape[0])[None, :] <= (p + torch.arange(t))[:, None]
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.repeat_interleave(rep, 1).transpose(0, 1),
+                                               vals.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=mask)
+            o = o.transpose(0, 1).reshape(t, -1)
+            h = h + split(o, lin(a.o_proj), lin(a.o_proj_moe_gen))
+            n = split(h, norm(layer.post_attention_layernorm), norm(layer.post_attention_layernorm_moe_gen))
+            h = h + split(n, mlp(layer.mlp), mlp(layer.mlp_moe_gen))
+        return split(h, norm(self.lm.norm), norm(self.lm.norm_moe_gen)), new_ctx
 
     # -- inputs -----------------------------------------------------------------------------------
     def embed(self, ids):
@@ -152,9 +158,10 @@ def add_vae(model: DenseBagel, ctx: Context, pixels: torch.Tensor):
 
 
 @torch.inference_mode()
-def velocity(model: DenseBagel, ctx: Context, lat, t, h, w):
-    x, gen = model.latent_block(lat, t, h, w)
-    hid, _ = model.forward(x, gen, torch.full((x.shape[0],), ctx.rope), ctx.kv, causal=False)  # not stored
+def velocity(model: DenseBagel, ctx: Context, block):
+    """One pass of the step's packed query block against ``ctx``, read-only (nothing is stored)."""
+    x, gen = block
+    hid, _ = model.forward(x, gen, torch.full((x.shape[0],), ctx.rope), ctx.kv, causal=False)
     nd = model.node
     return F.linear(hid[1:-1], nd.llm2vae.weight, nd.llm2vae.bias)
 
@@ -173,11 +180,12 @@ def generate_image(model: DenseBagel, main: Context, cfg_text: Context, cfg_img:
             st, si = cfg_text_scale, cfg_img_scale
         else:
             st, si = 1.0, 1.0
-        v = velocity(model, main, x, float(t), h, w)
+        block = model.latent_block(x, float(t), h, w)  # built once, queried by every pass
+        v = velocity(model, main, block)
         if st > 1.0:
-            vt_ = velocity(model, cfg_text, x, float(t), h, w)
+            vt_ = velocity(model, cfg_text, block)
         if si > 1.0:
-            vi_ = velocity(model, cfg_img, x, float(t), h, w)
+            vi_ = velocity(model, cfg_img, block)
         if st > 1.0:
             if renorm_type == "text_channel":
                 v_text = vt_ + st * (v - vt_)

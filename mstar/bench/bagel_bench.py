@@ -1,0 +1,168 @@
+"""BAGEL benchmarks (``mstar bench compare t2i``): bagel-tiny text-to-image through the runtime (the
+guidance branches batched into one forward per step, requests batched together) against the dense
+oracle loop (``mstar.bench.bagel_oracle``: three sequential passes per step, one request after
+another), same weights, same seeds, alternating in one run; and image understanding through the
+runtime (time to first token and tokens/s as the batch grows).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mstar.bench.bagel_oracle import Context, DenseBagel, add_text, generate_image
+from mstar.models.bagel.flow import flow_settings
+
+__all__ = ["I2TRow", "T2IRow", "format_i2t", "format_t2i", "run_i2t", "run_t2i_compare"]
+
+PROMPTS = ["a red cube on a wooden table", "a lighthouse at dusk", "two cats playing chess",
+           "a bowl of ramen, top view", "snowy mountains under a full moon", "a paper boat in the rain",
+           "an astronaut riding a horse", "a watercolor of a fox"]
+
+
+@dataclass
+class T2IRow:
+    batch: int
+    ours_s: list[float]
+    oracle_s: list[float]
+    max_diff: float
+
+    @property
+    def ratios(self) -> list[float]:
+        return [o / u for u, o in zip(self.ours_s, self.oracle_s)]
+
+
+@dataclass
+class I2TRow:
+    batch: int
+    ttft_ms: list[float]  # per request, median over repeats of the per-run median
+    tok_s: list[float]  # generated tokens / wall time, per repeat
+
+
+def _ids(model, text: str) -> torch.Tensor:
+    return torch.tensor(model.tokenizer.encode(text), dtype=torch.long)
+
+
+def _oracle(model) -> DenseBagel:
+    parts = model.build_submodules(["LLM", "vit_encoder", "vae_encoder"])
+    return DenseBagel(parts["LLM"], parts["vit_encoder"].vit, parts["vae_encoder"].vae, model.spec.latent_patch_size)
+
+
+def _oracle_images(model, oracle: DenseBagel, prompts: list[str], seeds: list[int], size: int, steps: int):
+    fs = flow_settings({"num_timesteps": steps}, editing=False)
+    ld = model.spec.latent_downsample
+    h = w = size // ld
+    outs = []
+    for prompt, seed in zip(prompts, seeds):
+        main = Context()
+        empty = main.copy()
+        add_text(oracle, main, _ids(model, prompt).tolist())
+        g = torch.Generator().manual_seed(seed)
+        noise = torch.randn(h * w, model.spec.latent_dim, generator=g)
+        outs.append(generate_image(oracle, main, empty, main, noise, h, w, cfg_text_scale=fs.cfg_text_scale,
+                                   cfg_img_scale=fs.cfg_img_scale, cfg_interval=fs.cfg_interval,
+                                   renorm_type=fs.cfg_renorm_type, num_timesteps=steps, shift=fs.timestep_shift))
+    return outs
+
+
+def _ours_images(rt, model, prompts, seeds, size, steps):
+    params = {"target": "image", "height": size, "width": size, "num_timesteps": steps, "output_type": "latent"}
+    handles = [rt.submit({"text_ids": [_ids(model, p)]}, {**params, "seed": s}) for p, s in zip(prompts, seeds)]
+    outs = []
+    for h in handles:
+        r = h.result()
+        if not r.finished:
+            raise RuntimeError(f"t2i request failed: {r.error}")
+        outs.append(r.tensors("image_output")[0])
+    return outs
+
+
+def run_t2i_compare(batches=(1, 4), repeats: int = 3, size: int = 64, steps: int = 50,
+                    model_name: str = "bagel-tiny", progress=print) -> list[T2IRow]:
+    """Latency of B text-to-image requests (B at once through the runtime vs one after another
+    through the oracle), in seconds per batch; both produce latents from the same noise."""
+    from mstar.model import resolve_model
+    from mstar.runtime.api import Runtime
+
+    model = resolve_model(model_name)
+    oracle = _oracle(model)
+    rows = []
+    with Runtime(model) as rt, torch.inference_mode():
+        _ours_images(rt, model, PROMPTS[:1], [0], size, 4)  # warm-up
+        _oracle_images(model, oracle, PROMPTS[:1], [0], size, 4)
+        for b in batches:
+            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
+            seeds = list(range(b))
+            ours, orc, diff = [], [], 0.0
+            for r in range(repeats):
+                t0 = time.perf_counter()
+                got = _ours_images(rt, model, prompts, seeds, size, steps)
+                ours.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                ref = _oracle_images(model, oracle, prompts, seeds, size, steps)
+                orc.append(time.perf_counter() - t0)
+                diff = max(diff, max(float((a - c).abs().max()) for a, c in zip(got, ref)))
+                progress(f"  t2i B={b} repeat {r + 1}/{repeats}: ours {ours[-1]:.3f} s, oracle {orc[-1]:.3f} s")
+            rows.append(T2IRow(b, ours, orc, diff))
+    return rows
+
+
+def run_i2t(batches=(1, 2, 4, 8, 16), repeats: int = 3, max_tokens: int = 32,
+            model_name: str = "bagel-tiny", progress=print) -> list[I2TRow]:
+    """B image-understanding requests at once (one 56x42 image + a question each, greedy,
+    ``max_tokens`` each with EOS ignored): time to first token and generated tokens/s."""
+    from mstar.model import resolve_model
+    from mstar.runtime.api import Runtime
+
+    model = resolve_model(model_name)
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (42, 56, 3), generator=g, dtype=torch.uint8) for _ in range(max(batches))]
+    params = {"target": "text", "max_tokens": max_tokens, "sampling": {"ignore_eos": True}}
+    rows = []
+    with Runtime(model) as rt:
+        def run(b: int) -> tuple[list[float], float]:
+            t0 = time.perf_counter()
+            handles = [rt.submit({"text_ids": [_ids(model, "what is in this picture?")], "images": [images[i]]},
+                                 params) for i in range(b)]
+            ttft, n = [], 0
+            for h in handles:
+                first = None
+                for _ in h:
+                    first = first or time.perf_counter()
+                    n += 1
+                ttft.append((first - t0) * 1e3)
+            return ttft, n / (time.perf_counter() - t0)
+
+        run(1)  # warm-up
+        for b in batches:
+            ttfts, rates = [], []
+            for r in range(repeats):
+                ttft, rate = run(b)
+                ttfts.append(statistics.median(ttft))
+                rates.append(rate)
+                progress(f"  i2t B={b} repeat {r + 1}/{repeats}: TTFT {ttfts[-1]:.1f} ms, {rate:.0f} tok/s")
+            rows.append(I2TRow(b, ttfts, rates))
+    return rows
+
+
+def _cell(xs: list[float], fmt: str = ".3f") -> str:
+    return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}–{max(xs):{fmt}})"
+
+
+def format_t2i(rows: list[T2IRow]) -> str:
+    lines = ["| batch | ours s/batch | oracle s/batch | speed-up (oracle / ours) | max latent diff |",
+             "|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.batch} | {_cell(r.ours_s)} | {_cell(r.oracle_s)} | {_cell(r.ratios, '.2f')}x | "
+                     f"{r.max_diff:.1e} |")
+    return "\n".join(lines)
+
+
+def format_i2t(rows: list[I2TRow]) -> str:
+    lines = ["| batch | TTFT ms (median request) | tokens/s |", "|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.batch} | {_cell(r.ttft_ms, '.1f')} | {_cell(r.tok_s, '.0f')} |")
+    return "\n".join(lines)
