@@ -110,3 +110,24 @@ def test_shared_memory_round_trip_is_zero_copy_on_receive(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+class _BrokenBuild(ToyLM):
+    def build_submodules(self, node_names):
+        raise ValueError("checkpoint shard 3 is truncated")
+
+
+class _BadPreflight(ToyLM):
+    def preflight(self):
+        raise ValueError("no such checkpoint directory")
+
+
+def test_a_worker_that_cannot_build_its_modules_reports_why():
+    rt = Runtime(_BrokenBuild(), workers="process")
+    with pytest.raises(RuntimeError, match="failed to start(.|\n)*checkpoint shard 3 is truncated"):
+        rt.start()
+
+
+def test_preflight_fails_before_any_worker_starts():
+    with pytest.raises(ValueError, match="no such checkpoint directory"):
+        Runtime(_BadPreflight(), workers="process")

@@ -75,6 +75,10 @@ class ModelDef:
         """Name of the walk this partition of the request runs next, or None when it is finished."""
         raise NotImplementedError
 
+    def preflight(self) -> None:
+        """Cheap checks run where the ``Runtime`` is built, before any worker starts (e.g. that the
+        checkpoint directory exists and its configs parse); raise with a clear message."""
+
     def validate_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> None:
         """Raise ValueError with a clear message for bad input (the server answers HTTP 400)."""
 

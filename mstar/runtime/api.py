@@ -156,6 +156,7 @@ class Runtime:
         elif isinstance(placement, (str, Path)):
             placement = Placement.load(placement)
         self.placement = placement.check_model(self.model.name, self.model.family).validate(graph)
+        self.model.preflight()
         self.routing = Routing(graph, self.placement)
         self.mode = workers
         self.device = device
@@ -196,13 +197,13 @@ class Runtime:
         ready: set[int] = set()
         deadline = time.monotonic() + self.start_timeout
         while len(ready) < len(self._procs):
-            for msg in self._transport.recv(100):
+            dead = [p for p in self._procs if not p.is_alive()]
+            for msg in self._transport.recv(500 if dead else 100):  # a dead worker's last word first
                 if isinstance(msg, WorkerStatus):
                     if not msg.ok:
                         self._stop_processes()
                         raise RuntimeError(f"worker rank {msg.rank} failed to start:\n{msg.error}")
                     ready.add(msg.rank)
-            dead = [p for p in self._procs if not p.is_alive()]
             if dead or time.monotonic() > deadline:
                 self._stop_processes()
                 why = f"exited with code {dead[0].exitcode}" if dead else f"not ready in {self.start_timeout} s"

@@ -28,7 +28,7 @@ def worker_main(rank: int, model: Any, placement: Any, run_dir: str, device: str
         worker = Worker(rank, model, Routing(model.graph, placement), transport, device)
     except Exception:  # noqa: BLE001 - report why this rank could not start
         transport.send(CONDUCTOR, WorkerStatus(rank, False, traceback.format_exc()))
-        transport.close()
+        transport.close(linger_ms=5000)  # the reason must reach the parent before this process exits
         return
     transport.send(CONDUCTOR, WorkerStatus(rank, True))
     busy = False

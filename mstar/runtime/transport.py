@@ -135,9 +135,10 @@ class ZmqTransport:
                     except FileNotFoundError:
                         pass
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the sockets; ``linger_ms`` > 0 first lets queued outgoing messages go (a last word)."""
         with self._lock:
             for s in self.pushes.values():
-                s.close(0)
+                s.close(linger_ms)
             self.pushes.clear()
         self.pull.close(0)

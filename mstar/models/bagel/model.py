@@ -148,6 +148,10 @@ class BagelModel(ModelDef):
             self._spec = load_spec(self.model_path)
         return self._spec
 
+    def preflight(self) -> None:
+        self.spec  # noqa: B018 - reads and checks the checkpoint's configs (clear error without --model-path)
+        self.special_tokens  # noqa: B018 - the tokenizer has BAGEL's four special tokens
+
     @property
     def vae_resize(self) -> BagelImageTransform:
         return self._transforms()[0]
