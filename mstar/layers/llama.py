@@ -14,6 +14,14 @@ a module next to an ``lm_head`` has exactly the checkpoint's names::
 
 Families built on Llama (Orpheus TTS, ...) reuse these blocks with their own heads.
 Biases in the projections are not supported (``attention_bias`` / ``mlp_bias`` must be false).
+
+Packed weights (``pack_weights``, called by the Llama loader before the checkpoint is copied in):
+on a CPU, ``x @ W`` with ``W`` stored ``[in, out]`` runs about 2.5x faster than ``x @ W.T`` with
+``W`` stored ``[out, in]`` (nn.Linear's layout) at the batch sizes of decoding (2 threads, 16 rows).
+So each projection's weight is re-laid out ``[in, out]`` (the parameter is a transposed view: same
+name, shape ``[out, in]`` and values), and q/k/v and gate/up share one ``[in, 3 * out]`` tensor each,
+so a layer runs one matrix multiply for them. A module whose parameters were replaced afterwards
+(``.to()``, ``load_state_dict(assign=True)``) falls back to the plain per-projection path.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ __all__ = [
     "LlamaMLP",
     "RMSNorm",
     "check_llama_architecture",
+    "pack_linears",
 ]
 
 
@@ -71,6 +80,34 @@ def check_llama_architecture(cfg: Any) -> None:
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise ValueError(f"num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
                          f"num_key_value_heads ({cfg.num_key_value_heads})")
+
+
+def pack_linears(*linears: nn.Linear) -> torch.Tensor:
+    """One contiguous ``[in, sum(out)]`` tensor with the linears' weights side by side; each
+    linear's ``weight`` becomes a (transposed) view of its columns, values and shape unchanged, so a
+    copy into the parameter (checkpoint loading) fills the packed tensor. ``F.linear`` on such a view
+    runs the fast ``x @ W`` path; ``x @ packed`` computes every linear at once."""
+    weights = [lin.weight for lin in linears]
+    if len({w.shape[1] for w in weights}) != 1:
+        raise ValueError("packed linears must share their input size")
+    with torch.no_grad():
+        packed = torch.cat([w.detach().t() for w in weights], dim=1).contiguous()
+    off = 0
+    for lin, w in zip(linears, weights):
+        n = w.shape[0]
+        lin.weight = nn.Parameter(packed[:, off:off + n].t(), requires_grad=w.requires_grad)
+        off += n
+    return packed
+
+
+def packed_weight(packed: torch.Tensor | None, linears: tuple[nn.Linear, ...], views: tuple) -> torch.Tensor | None:
+    """``packed`` if the linears still hold the views made by ``pack_linears`` (else None)."""
+    if packed is None:
+        return None
+    for lin, view in zip(linears, views):
+        if lin.weight is not view:
+            return None
+    return packed
 
 
 class RMSNorm(nn.Module):
@@ -111,15 +148,31 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, **kw)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, **kw)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, **kw)
+        self._qkv: torch.Tensor | None = None
+        self._qkv_views: tuple = ()
+
+    def pack_weights(self) -> None:
+        """q/k/v in one ``[hidden, (Hq + 2 Hkv) * D]`` tensor, o re-laid out (see the module docstring)."""
+        self._qkv = pack_linears(self.q_proj, self.k_proj, self.v_proj)
+        self._qkv_views = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        pack_linears(self.o_proj)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 engine_inputs: Any) -> torch.Tensor:
         """``x`` ``[T, hidden]`` (already normed); ``cos``/``sin`` ``[T, head_dim]`` at the tokens'
         positions."""
         t = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = packed_weight(self._qkv, (self.q_proj, self.k_proj, self.v_proj), self._qkv_views)
+        if qkv is not None:  # one matmul; q and k heads side by side are rotated together
+            qk, v = torch.matmul(x, qkv).split([nq + nkv, nkv], dim=-1)
+            qk = apply_rotary(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+            v = self.v_proj(x)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = engine_inputs.kv_caches[self.layer_idx]
         meta = engine_inputs.attention
         if self.backend is None:
@@ -141,9 +194,21 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        self._gate_up: torch.Tensor | None = None
+        self._gate_up_views: tuple = ()
+
+    def pack_weights(self) -> None:
+        """gate/up in one ``[hidden, 2 * intermediate]`` tensor, down re-laid out."""
+        self._gate_up = pack_linears(self.gate_proj, self.up_proj)
+        self._gate_up_views = (self.gate_proj.weight, self.up_proj.weight)
+        pack_linears(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = packed_weight(self._gate_up, (self.gate_proj, self.up_proj), self._gate_up_views)
+        if gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = torch.matmul(x, gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -184,6 +249,12 @@ class LlamaBackbone(nn.Module):
                                      for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def pack_weights(self) -> None:
+        """Re-lay out every layer's projections for fast CPU matrix multiplies (module docstring)."""
+        for layer in self.layers:
+            layer.self_attn.pack_weights()
+            layer.mlp.pack_weights()
 
     def forward(self, input_ids: torch.Tensor | None, engine_inputs: Any,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:

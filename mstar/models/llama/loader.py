@@ -255,6 +255,7 @@ def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = No
                                            default_sampling=default_sampling or DEFAULT_SAMPLING)
     module.to_empty(device="cpu")
     module.tie_weights()
+    module.pack_weights()
     if load_format == "dummy":
         init_dummy_weights(module, seed)
         log.info("initialised dummy Llama weights (seed %d, %s)", seed, torch_dtype)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.layers.llama import LlamaBackbone
+from mstar.layers.llama import LlamaBackbone, pack_linears
 from mstar.layers.paged_attention import AttentionBackend
 from mstar.layers.sampling import SamplingParams, sample
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
@@ -73,6 +73,15 @@ class LlamaCausalLM(NodeSubmodule):
         """With ``tie_word_embeddings`` the LM head is the embedding matrix (one parameter)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def pack_weights(self) -> None:
+        """Re-lay out the projections and the LM head for fast CPU matrix multiplies (see
+        ``mstar.layers.llama``); a tied head stays tied. Call before loading weights (or after: the
+        values are kept)."""
+        self.model.pack_weights()
+        pack_linears(self.lm_head)
+        if self.config.tie_word_embeddings:
+            self.model.embed_tokens.weight = self.lm_head.weight
 
     @property
     def dtype(self) -> torch.dtype:
