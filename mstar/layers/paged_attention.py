@@ -32,7 +32,8 @@ import importlib.util
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,8 @@ class AttentionMetadata:
     block_tables: BlockTables
     context_lens: torch.Tensor
     modes: list[QueryMode]
+    # per-batch memo of the decode rows' gather plan (the same for every layer of a forward)
+    _decode_plan: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -250,6 +253,77 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
             raise ValueError(f"sequence {i} ({mode.name}): context_len {ctx[i]} < {n} new tokens")
 
 
+# Decode rows (one causal query token) attend in groups: every row's context is padded to a multiple
+# of DECODE_BUCKET keys and the rows of one padded length run as one batched computation. A row's
+# arithmetic depends only on its own padded length, never on the other rows, so results stay
+# bitwise batch invariant.
+DECODE_BUCKET = 64
+
+
+@dataclass
+class _DecodeGroup:
+    rows: list[int]  # sequence indices
+    q_rows: torch.Tensor  # their query rows in q (int64 [n])
+    blocks: torch.Tensor  # int64 [n * nblk] cache blocks (padding repeats the row's first block)
+    mask: torch.Tensor  # float [n, 1, 1, nblk * block_size]: 0 for keys, -inf for padding
+    length: int  # nblk * block_size
+
+
+def _table_row(tables: BlockTables, i: int, needed: int) -> list[int]:
+    row = tables[i]
+    ids = row[:needed].tolist() if isinstance(row, torch.Tensor) else list(row[:needed])
+    if len(ids) < needed:
+        raise ValueError(f"block table of sequence {i} has {len(ids)} blocks, {needed} needed")
+    return ids
+
+
+def _decode_plan(meta: AttentionMetadata, cu: list[int], ctx: list[int], block_size: int,
+                 device: torch.device) -> list[_DecodeGroup]:
+    """The decode rows grouped by padded length (memoized on ``meta``: every layer reuses it)."""
+    if meta._decode_plan is not None:
+        return meta._decode_plan
+    by_len: dict[int, list[int]] = {}
+    for i, mode in enumerate(meta.modes):
+        if mode is QueryMode.CAUSAL_APPEND and cu[i + 1] - cu[i] == 1:
+            nblk = -(-(-(-ctx[i] // DECODE_BUCKET) * DECODE_BUCKET) // block_size)
+            by_len.setdefault(nblk, []).append(i)
+    groups = []
+    for nblk, rows in sorted(by_len.items()):
+        blocks = []
+        for i in rows:
+            ids = _table_row(meta.block_tables, i, -(-ctx[i] // block_size))
+            blocks += ids + [ids[0]] * (nblk - len(ids))
+        length = nblk * block_size
+        valid = torch.arange(length, device=device)[None, :] < torch.tensor([ctx[i] for i in rows],
+                                                                             device=device)[:, None]
+        mask = torch.zeros(len(rows), 1, 1, length, device=device).masked_fill_(~valid[:, None, None, :],
+                                                                               float("-inf"))
+        groups.append(_DecodeGroup(rows, torch.tensor([cu[i] for i in rows], device=device),
+                                   torch.tensor(blocks, dtype=torch.int64, device=device), mask, length))
+    meta._decode_plan = groups
+    return groups
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``cache[blocks]`` as ``[len(blocks) * block_size, kv_heads, head_dim]``."""
+    return cache.index_select(0, blocks).flatten(0, 1)
+
+
+def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _DecodeGroup,
+                   scale: float) -> torch.Tensor:
+    """``[n, Hq, D]`` attention of a group's single query rows over their (padded) cached keys: one
+    SDPA call over the group, whose per-row work depends only on the padded length."""
+    n, length = len(g.rows), g.length
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    keys = _gather_blocks(k_cache, g.blocks).view(n, length, hkv, d).to(q.dtype)
+    vals = _gather_blocks(v_cache, g.blocks).view(n, length, hkv, d).to(q.dtype)
+    out = F.scaled_dot_product_attention(q.index_select(0, g.q_rows).view(n, hq, 1, d), keys.transpose(1, 2),
+                                         vals.transpose(1, 2), attn_mask=g.mask, scale=scale,
+                                         enable_gqa=hq != hkv)
+    return out.view(n, hq, d)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float | None = None) -> torch.Tensor:
@@ -276,11 +350,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         slots = torch.where(writes.to(slots.device), slots, torch.full_like(slots, -1))
         write_kv(k_cache, v_cache, k, v, slots)
 
-    # 2. Attend, one sequence at a time.
+    # 2. Attend: decode rows in padded groups, every other sequence on its own.
     out = torch.zeros_like(q)
+    groups = _decode_plan(meta, cu, ctx, k_cache.shape[1], q.device)
+    decode_rows = set()
+    for g in groups:
+        out.index_copy_(0, g.q_rows, _attend_decode(q, k_cache, v_cache, g, scale))
+        decode_rows.update(g.rows)
     for i, mode in enumerate(meta.modes):
         s, e = cu[i], cu[i + 1]
-        if s == e:
+        if s == e or i in decode_rows:
             continue
         k_seq, v_seq = gather_kv(k_cache, v_cache, meta.block_tables[i], ctx[i])
         k_seq, v_seq = k_seq.to(q.dtype), v_seq.to(q.dtype)
