@@ -61,15 +61,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--repeats", type=int, default=3)
     w.set_defaults(func=run_rollout)
 
-    x = bsub.add_parser("compare", help="ours vs. the peer baselines in one run (suites: llm, rollout)",
+    x = bsub.add_parser("compare", help="ours vs. the peer baselines in one run (suites: llm, rollout, t2i)",
                         description="Run mstar and peer baselines side by side, same weights, same run. "
                                     "llm: a Llama-shaped LM vs. HF transformers generate and vLLM's CPU "
                                     "backend (from the .venv-peers virtualenv made by `make bench-peers`); "
-                                    "rollout: V-JEPA 2-AC vs. Meta's reference predictor.")
+                                    "rollout: V-JEPA 2-AC vs. Meta's reference predictor; t2i: bagel-tiny "
+                                    "text-to-image vs. the dense oracle loop (--batches, default 1,4), plus "
+                                    "image-understanding TTFT and tokens/s.")
     x.add_argument("suite", choices=["rollout", "llm", "tts", "t2i"])
     x.add_argument("--horizons", type=_batches, default=[4, 15, 30], help="rollout: horizons")
-    x.add_argument("--batches", type=_batches, default=[1, 8], help="rollout: batch sizes")
+    x.add_argument("--batches", type=_batches, default=None,
+                   help="rollout / t2i: batch sizes (default 1,8 / 1,4)")
     x.add_argument("--repeats", type=int, default=None, help="repeats per system (default: rollout 1, llm 3)")
+    x.add_argument("--image-size", type=int, default=64, help="t2i: image side in pixels (default 64)")
+    x.add_argument("--steps", type=int, default=50, help="t2i: flow timesteps (default 50: 49 steps)")
+    x.add_argument("--i2t-batches", type=_batches, default=[1, 2, 4, 8, 16], help="t2i: i2t batch sizes")
+    x.add_argument("--i2t-tokens", type=int, default=32, help="t2i: i2t new tokens per request")
     x.add_argument("--concurrency", type=int, default=16, help="llm: concurrent requests (default 16)")
     x.add_argument("--b1-requests", type=int, default=4,
                    help="llm: requests run one at a time for the batch-1 figures (default 4)")
@@ -160,13 +167,26 @@ def run_compare(args: argparse.Namespace) -> int:
         raise ValueError("the tts comparison is `mstar bench orpheus` (mstar vs. HF generate + SNAC)")
     if args.suite == "llm":
         return run_compare_llm(args)
-    if args.suite != "rollout":
-        raise ValueError(f"suite {args.suite!r} is not built yet (t2i arrives with the BAGEL issue); "
-                         f"available: llm, rollout")
+    if args.suite == "t2i":
+        return run_compare_t2i(args)
     from mstar.bench.rollout_bench import format_compare, run_rollout_compare
 
-    rows, cem = run_rollout_compare(args.horizons, args.batches, repeats=args.repeats or 1)
+    rows, cem = run_rollout_compare(args.horizons, args.batches or [1, 8], repeats=args.repeats or 1)
     print(format_compare(rows, cem))
+    return 0
+
+
+def run_compare_t2i(args: argparse.Namespace) -> int:
+    from mstar.bench.bagel_bench import format_i2t, format_t2i, run_i2t, run_t2i_compare
+
+    repeats = args.repeats or 3
+    t2i_batches = args.batches or [1, 4]
+    print(f"bagel-tiny text-to-image, {args.image_size}x{args.image_size}, {args.steps} timesteps: runtime "
+          f"(guidance branches batched) vs. the dense oracle loop, {repeats} alternating repeats", flush=True)
+    rows = run_t2i_compare(t2i_batches, repeats=repeats, size=args.image_size, steps=args.steps)
+    print(format_t2i(rows))
+    print(f"\nbagel-tiny image understanding (greedy, {args.i2t_tokens} tokens each, EOS ignored)", flush=True)
+    print(format_i2t(run_i2t(args.i2t_batches, repeats=repeats, max_tokens=args.i2t_tokens)))
     return 0
 
 
