@@ -165,9 +165,9 @@ class LlamaAttention(nn.Module):
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = packed_weight(self._qkv, (self.q_proj, self.k_proj, self.v_proj), self._qkv_views)
         if qkv is not None:  # one matmul; q and k heads side by side are rotated together
-            qk, v = torch.matmul(x, qkv).split([nq + nkv, nkv], dim=-1)
-            qk = apply_rotary(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            y = torch.matmul(x, qkv)
+            qk = apply_rotary(y[:, :nq + nkv].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], y[:, nq + nkv:]
         else:
             q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
             k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
@@ -207,8 +207,9 @@ class LlamaMLP(nn.Module):
         gate_up = packed_weight(self._gate_up, (self.gate_proj, self.up_proj), self._gate_up_views)
         if gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = torch.matmul(x, gate_up).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        y = torch.matmul(x, gate_up)
+        n = y.shape[-1] // 2
+        return self.down_proj(F.silu(y[..., :n]) * y[..., n:])
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -414,9 +414,15 @@ def sample(
     if vocab == 0:
         raise ValueError("logits have an empty vocabulary dimension")
 
-    x = apply_repetition_penalty(logits, seen_tokens, [p.repetition_penalty for p in params])
+    penalties = [p.repetition_penalty for p in params]
+    if all(p == 1.0 for p in penalties):  # nothing to penalise: skip the copy of the logits
+        x = logits.to(torch.float32)
+    else:
+        x = apply_repetition_penalty(logits, seen_tokens, penalties)
 
     greedy = [p.greedy for p in params]
+    if all(greedy):
+        return torch.argmax(x, dim=-1)
     out = torch.empty(batch, dtype=torch.long, device=device)
     g_rows = [i for i, g in enumerate(greedy) if g]
     s_rows = [i for i, g in enumerate(greedy) if not g]
