@@ -364,7 +364,7 @@ class VllmSystem:
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             [str(py), str(PEER_SCRIPT), "--model", str(checkpoint), "--max-num-seqs", str(max_num_seqs),
-             "--max-model-len", str(max(PROMPT_LENGTHS) + max_tokens + 16)],
+             "--max-model-len", str(max(512, max(PROMPT_LENGTHS) + max_tokens))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=vllm_env(),
             cwd=str(Path(checkpoint).parent))
         try:
