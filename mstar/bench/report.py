@@ -72,11 +72,28 @@ def suite_rollout(opts: argparse.Namespace) -> SuiteOutput:
     return SuiteOutput("mstar bench compare rollout --horizons 4,15,30 --batches 1,8", format_compare(rows, cem))
 
 
+def suite_t2i(opts: argparse.Namespace) -> SuiteOutput:
+    from mstar.bench.bagel_bench import format_i2t, format_t2i, run_i2t, run_t2i_compare
+
+    t2i = run_t2i_compare([1, 4], repeats=3, size=64, steps=50, progress=_log)
+    i2t = run_i2t([1, 2, 4, 8, 16], repeats=3, max_tokens=32, progress=_log)
+    body = "\n".join([
+        "bagel-tiny text-to-image at 64x64 (8x8 latent tokens), 50 timesteps (49 flow steps, text guidance "
+        "4 inside (0.4, 1]), seconds per batch of B requests: mstar runs the guidance branches of every "
+        "request as one forward per step; the oracle runs the reference loop (three sequential passes per "
+        "step, one request after another). Same weights and noise; max latent diff is ours vs. the oracle.",
+        "", format_t2i(t2i), "",
+        "bagel-tiny image understanding: B requests at once, one 56x42 image + a question each, greedy, 32 "
+        "tokens each (EOS ignored).", "", format_i2t(i2t)])
+    return SuiteOutput("mstar bench compare t2i --repeats 3", body)
+
+
 SUITES: dict[str, tuple[str, Callable[[argparse.Namespace], SuiteOutput]]] = {
     "llm": ("LLM: mstar vs. vLLM CPU and HF transformers", suite_llm),
     "runtime": ("Runtime overhead", suite_runtime),
     "tts": ("Orpheus TTS vs. HF generate + SNAC", suite_tts),
     "rollout": ("V-JEPA 2-AC rollout vs. the reference predictor", suite_rollout),
+    "t2i": ("BAGEL: text-to-image vs. the dense oracle loop, image understanding", suite_t2i),
 }
 
 

@@ -74,6 +74,16 @@ class MoTRouting:
             return f_und(x)
         if self.kind == "gen":
             return f_gen(x)
+        n_und = self.und_idx.numel()
+        if 4 * n_und <= self.num_tokens or 4 * (self.num_tokens - n_und) <= self.num_tokens:
+            # one set holds few rows (an image block's start/end tokens): run the other set's function
+            # on every row, then redo those few rows -- two small ops instead of two full-size copies
+            und_few = 2 * n_und <= self.num_tokens
+            f_most, f_few = (f_gen, f_und) if und_few else (f_und, f_gen)
+            few = self.und_idx if und_few else self.gen_idx
+            out = f_most(x)
+            out.index_copy_(0, few, f_few(x.index_select(0, few)).to(out.dtype))
+            return out
         out_und = f_und(x.index_select(0, self.und_idx))
         out_gen = f_gen(x.index_select(0, self.gen_idx))
         out = out_und.new_empty((self.num_tokens, *out_und.shape[1:]))
