@@ -97,6 +97,7 @@ class AttentionMetadata:
     modes: list[QueryMode]
     # per-batch memo of the decode rows' gather plan (the same for every layer of a forward)
     _decode_plan: Any = field(default=None, repr=False, compare=False)
+    _batch_plan: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -324,6 +325,66 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out.view(n, hq, d)
 
 
+@dataclass
+class _BatchPlan:
+    """What every layer of one forward shares (built at the first layer, memoized on the metadata)."""
+
+    cu: list[int]
+    ctx: list[int]
+    write_rows: torch.Tensor | None  # rows of k/v stored (None: every row)
+    write_slots: torch.Tensor | None  # their flat cache slots (None: nothing is stored)
+    groups: list[_DecodeGroup]
+    others: list[int]  # sequences attended one at a time
+    direct: bool  # a single decode group holds every row in order: its result is the output
+
+
+def _batch_plan(meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor) -> _BatchPlan:
+    plan = meta._batch_plan
+    if plan is not None:
+        return plan
+    cu = meta.cu_seqlens_q.tolist()
+    ctx = meta.context_lens.tolist()
+    _validate(q, k, v, k_cache, meta, cu, ctx)
+    writes = [i for i, mode in enumerate(meta.modes) if mode.writes and cu[i + 1] > cu[i]]
+    rows = [r for i in writes for r in range(cu[i], cu[i + 1])]
+    slots = meta.slot_mapping.to(device=k_cache.device, dtype=torch.int64)
+    write_rows, write_slots = None, None
+    if rows:
+        if len(rows) == q.shape[0]:
+            write_slots = slots
+        else:
+            write_rows = torch.tensor(rows, dtype=torch.int64, device=q.device)
+            write_slots = slots.index_select(0, write_rows.to(slots.device))
+        keep = write_slots >= 0  # a negative slot is never written
+        if not bool(keep.all()):
+            sel = keep.nonzero().squeeze(1)
+            write_rows = (sel if write_rows is None else write_rows.index_select(0, sel.to(write_rows.device)))
+            write_slots = write_slots.index_select(0, sel)
+            if write_slots.numel() == 0:
+                write_rows = write_slots = None
+    groups = _decode_plan(meta, cu, ctx, k_cache.shape[1], q.device)
+    in_groups = {i for g in groups for i in g.rows}
+    others = [i for i in range(meta.num_seqs) if cu[i + 1] > cu[i] and i not in in_groups]
+    direct = (len(groups) == 1 and not others and len(groups[0].rows) == q.shape[0]
+              and groups[0].rows == list(range(meta.num_seqs)))
+    plan = meta._batch_plan = _BatchPlan(cu, ctx, write_rows, write_slots, groups, others, direct)
+    return plan
+
+
+def _store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           plan: _BatchPlan) -> None:
+    if plan.write_slots is None:
+        return
+    if plan.write_rows is not None:
+        k, v = k.index_select(0, plan.write_rows), v.index_select(0, plan.write_rows)
+    if k_cache.is_contiguous() and v_cache.is_contiguous():  # flat views: one index_copy each
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, plan.write_slots, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, plan.write_slots, v.to(v_cache.dtype))
+    else:
+        write_kv(k_cache, v_cache, k, v, plan.write_slots)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float | None = None) -> torch.Tensor:
@@ -333,34 +394,29 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     ``[total_q, kv_heads, head_dim]``; q_heads must be a multiple of kv_heads (GQA/MQA).
     First writes k/v of the append-mode sequences into their slots, then, per sequence, gathers its cached K/V
     through its block table and attends with the mask of its mode. ``scale`` defaults to ``head_dim ** -0.5``.
+    The batch's bookkeeping (validation, write slots, decode groups) is done at the first call and reused
+    by every later layer of the same forward (same ``meta``).
     """
-    cu = meta.cu_seqlens_q.tolist()
-    ctx = meta.context_lens.tolist()
-    _validate(q, k, v, k_cache, meta, cu, ctx)
+    if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
+        raise ValueError(f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    plan = _batch_plan(meta, q, k, v, k_cache)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
 
-    # 1. Store the new K/V of append-mode sequences (read-only sequences' slots are masked to -1).
-    writes = torch.zeros(q.shape[0], dtype=torch.bool)
-    for i, mode in enumerate(meta.modes):
-        if mode.writes:
-            writes[cu[i]:cu[i + 1]] = True
-    if bool(writes.any()):
-        slots = meta.slot_mapping.to(torch.int64)
-        slots = torch.where(writes.to(slots.device), slots, torch.full_like(slots, -1))
-        write_kv(k_cache, v_cache, k, v, slots)
+    # 1. Store the new K/V of append-mode sequences (read-only sequences' rows are never written).
+    _store(k_cache, v_cache, k, v, plan)
 
     # 2. Attend: decode rows in padded groups, every other sequence on its own.
+    if plan.direct:
+        return _attend_decode(q, k_cache, v_cache, plan.groups[0], scale)
     out = torch.zeros_like(q)
-    groups = _decode_plan(meta, cu, ctx, k_cache.shape[1], q.device)
-    decode_rows = set()
-    for g in groups:
+    for g in plan.groups:
         out.index_copy_(0, g.q_rows, _attend_decode(q, k_cache, v_cache, g, scale))
-        decode_rows.update(g.rows)
-    for i, mode in enumerate(meta.modes):
+    cu, ctx = plan.cu, plan.ctx
+    for i in plan.others:
+        mode = meta.modes[i]
         s, e = cu[i], cu[i + 1]
-        if s == e or i in decode_rows:
-            continue
         k_seq, v_seq = gather_kv(k_cache, v_cache, meta.block_tables[i], ctx[i])
         k_seq, v_seq = k_seq.to(q.dtype), v_seq.to(q.dtype)
         if mode is QueryMode.READ_ONLY:
