@@ -8,6 +8,7 @@ runtime (time to first token and tokens/s as the batch grows).
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 
@@ -127,14 +128,21 @@ def run_i2t(batches=(1, 2, 4, 8, 16), repeats: int = 3, max_tokens: int = 32,
             t0 = time.perf_counter()
             handles = [rt.submit({"text_ids": [_ids(model, "what is in this picture?")], "images": [images[i]]},
                                  params) for i in range(b)]
-            ttft, n = [], 0
-            for h in handles:
-                first = None
-                for _ in h:
-                    first = first or time.perf_counter()
-                    n += 1
-                ttft.append((first - t0) * 1e3)
-            return ttft, n / (time.perf_counter() - t0)
+            firsts: list[float] = [0.0] * b
+            counts = [0] * b
+
+            def consume(i: int) -> None:  # one reader per request: its first token's arrival time
+                for _ in handles[i]:
+                    if not counts[i]:
+                        firsts[i] = time.perf_counter()
+                    counts[i] += 1
+
+            readers = [threading.Thread(target=consume, args=(i,)) for i in range(b)]
+            for r in readers:
+                r.start()
+            for r in readers:
+                r.join()
+            return [(f - t0) * 1e3 for f in firsts], sum(counts) / (time.perf_counter() - t0)
 
         run(1)  # warm-up
         for b in batches:
