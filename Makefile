@@ -49,8 +49,8 @@ $(PEERS)/.installed:
 	touch $@
 
 # Runs every benchmark suite and rewrites the generated sections of BENCHMARKS.md (many minutes;
-# not part of `make test`). The llm suite compares against vLLM only when `make bench-peers` ran.
-bench: install
+# not part of `make test`). It builds the peer virtualenv first, so the llm suite includes vLLM.
+bench: install bench-peers
 	$(PY) -m mstar.bench.report
 
 lint: install
