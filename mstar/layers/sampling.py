@@ -35,6 +35,7 @@ import secrets
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -43,6 +44,7 @@ __all__ = [
     "apply_repetition_penalty",
     "apply_temperature",
     "apply_top_k_top_p",
+    "request_sampling",
     "row_seed",
     "sample",
 ]
@@ -161,6 +163,19 @@ class SamplingParams:
 # --------------------------------------------------------------------------------------------------------
 # Randomness
 # --------------------------------------------------------------------------------------------------------
+
+
+def request_sampling(params: Mapping[str, Any],
+                     defaults: Mapping[str, Any]) -> SamplingParams:
+    """The request's ``SamplingParams``: ``defaults``, then ``params["sampling"]``, then a top-level
+    ``params["max_tokens"]``. Bad values raise ValueError."""
+    sampling = params.get("sampling") or {}
+    if not isinstance(sampling, Mapping):
+        raise ValueError(f"params['sampling'] must be a mapping, got {type(sampling).__name__}")
+    merged = {**defaults, **{k: v for k, v in sampling.items() if v is not None}}
+    if params.get("max_tokens") is not None:
+        merged["max_tokens"] = params["max_tokens"]
+    return SamplingParams.from_dict(merged)
 
 
 def _splitmix64(x: int) -> int:

@@ -73,22 +73,3 @@ class ImageTransformSpec:
     min_size: int
     stride: int
     max_pixels: int = 14 * 14 * 9 * 1024
-
-
-@dataclass(frozen=True)
-class FlowDefaults:
-    """Image generation defaults of one task (the reference's text-to-image and editing settings)."""
-
-    cfg_text_scale: float
-    cfg_img_scale: float
-    cfg_interval: tuple[float, float]
-    cfg_renorm_type: str
-    cfg_renorm_min: float = 0.0
-    num_timesteps: int = 50
-    timestep_shift: float = 3.0
-
-
-T2I_DEFAULTS = FlowDefaults(cfg_text_scale=4.0, cfg_img_scale=1.0, cfg_interval=(0.4, 1.0), cfg_renorm_type="global")
-EDIT_DEFAULTS = FlowDefaults(cfg_text_scale=4.0, cfg_img_scale=2.0, cfg_interval=(0.0, 1.0),
-                             cfg_renorm_type="text_channel")
-RENORM_TYPES = ("global", "channel", "text_channel")

@@ -16,22 +16,25 @@ from typing import Any
 
 import torch
 
-from mstar.models.bagel.config import EDIT_DEFAULTS, RENORM_TYPES, T2I_DEFAULTS, FlowDefaults
-
-__all__ = ["FlowSettings", "cfg_combine", "flow_settings", "timestep_schedule"]
+__all__ = ["EDIT_DEFAULTS", "T2I_DEFAULTS", "FlowSettings", "cfg_combine", "flow_settings", "timestep_schedule"]
 
 MAX_TIMESTEPS = 1001
 
 
+RENORM_TYPES = ("global", "channel", "text_channel")
+
+
 @dataclass(frozen=True)
 class FlowSettings:
+    """A request's image-generation settings (``flow_settings`` fills them from its parameters)."""
+
     cfg_text_scale: float
     cfg_img_scale: float
     cfg_interval: tuple[float, float]
     cfg_renorm_type: str
-    cfg_renorm_min: float
-    num_timesteps: int
-    timestep_shift: float
+    cfg_renorm_min: float = 0.0
+    num_timesteps: int = 50
+    timestep_shift: float = 3.0
 
     @property
     def num_steps(self) -> int:
@@ -52,6 +55,12 @@ class FlowSettings:
         return branch == "cfg_text" or s_img > 1.0
 
 
+# the reference's text-to-image and editing defaults
+T2I_DEFAULTS = FlowSettings(cfg_text_scale=4.0, cfg_img_scale=1.0, cfg_interval=(0.4, 1.0), cfg_renorm_type="global")
+EDIT_DEFAULTS = FlowSettings(cfg_text_scale=4.0, cfg_img_scale=2.0, cfg_interval=(0.0, 1.0),
+                             cfg_renorm_type="text_channel")
+
+
 def _number(params: Mapping[str, Any], key: str, default: float) -> float:
     v = params.get(key)
     if v is None:
@@ -64,7 +73,7 @@ def _number(params: Mapping[str, Any], key: str, default: float) -> float:
 def flow_settings(params: Mapping[str, Any], editing: bool) -> FlowSettings:
     """The request's flow settings: the task's defaults (``editing``: an image is in the context),
     overridden by ``params``. Raises ValueError for bad values."""
-    d: FlowDefaults = EDIT_DEFAULTS if editing else T2I_DEFAULTS
+    d = EDIT_DEFAULTS if editing else T2I_DEFAULTS
     s_text = _number(params, "cfg_text_scale", d.cfg_text_scale)
     s_img = _number(params, "cfg_img_scale", d.cfg_img_scale)
     if s_text < 0 or s_img < 0:

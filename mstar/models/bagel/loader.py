@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mstar.model.checkpoint import CheckpointError, load_into, resolve_dtype
 from mstar.models.bagel.config import BagelLLMConfig
 from mstar.models.bagel.nodes import BagelLLMNode, SpecialTokens
 from mstar.models.bagel.vae import FLUX, BagelVAE, BagelVAEConfig
@@ -30,23 +31,8 @@ from mstar.models.bagel.vit import BagelViT, BagelViTConfig
 __all__ = ["CheckpointError", "build_components", "load_spec", "load_tokenizer", "resolve_dtype",
            "vae_config_from_file"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLM_PREFIXES = ("language_model.", "time_embedder.", "vae2llm.", "llm2vae.", "latent_pos_embed.")
 VIT_PREFIXES = ("vit_model.", "connector.", "vit_pos_embed.")
-_MAX_LISTED = 12
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that does not hold what BAGEL needs."""
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
-        return DTYPES[dtype.lower().removeprefix("torch.")]
-    raise ValueError(f"unsupported dtype {dtype!r}; use one of: {', '.join(DTYPES)}")
-
 
 def _json(path: Path) -> dict[str, Any]:
     if not path.is_file():
@@ -152,22 +138,6 @@ def _read_prefixed(file: Path, prefixes: tuple[str, ...], dtype: torch.dtype) ->
     return out
 
 
-def _load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
-    own = module.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    bad = [f"{k}: {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in sorted(set(own) & set(state))
-           if state[k].shape != own[k].shape]
-    if missing or unexpected or bad:
-        parts = []
-        for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", bad)):
-            if names:
-                parts.append(f"{label} ({len(names)}): {', '.join(names[:_MAX_LISTED])}"
-                             + (" ..." if len(names) > _MAX_LISTED else ""))
-        raise CheckpointError(f"{what} does not match the model; " + "; ".join(parts))
-    module.load_state_dict(state, strict=True)
-
-
 def build_components(spec, need: Iterable[str], tokens: SpecialTokens, *, model_path: str | None,
                      load_format: str, dtype: torch.dtype, seed: int) -> dict[str, Any]:
     """The weight-holding components the listed base nodes need: ``LLM`` (BagelLLMNode), ``vit``
@@ -182,14 +152,16 @@ def build_components(spec, need: Iterable[str], tokens: SpecialTokens, *, model_
             torch.manual_seed(seed)
             llm = BagelLLMNode(spec.llm, spec.latent_dim, spec.max_latent_size, tokens, dtype=dtype)
         if not dummy:
-            _load_strict(llm, _read_prefixed(path / "ema.safetensors", LLM_PREFIXES, dtype), "ema.safetensors (LLM)")
+            load_into(llm, _read_prefixed(path / "ema.safetensors", LLM_PREFIXES, dtype),
+                      what="ema.safetensors (LLM)")
         out["LLM"] = llm.eval()
     if "vit_encoder" in need:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + 1)
             vit = BagelViT(spec.vit, dtype=dtype)
         if not dummy:
-            _load_strict(vit, _read_prefixed(path / "ema.safetensors", VIT_PREFIXES, dtype), "ema.safetensors (ViT)")
+            load_into(vit, _read_prefixed(path / "ema.safetensors", VIT_PREFIXES, dtype),
+                      what="ema.safetensors (ViT)")
         out["vit"] = vit.eval()
     if need & {"vae_encoder", "vae_decoder"}:
         if dummy:

@@ -26,6 +26,7 @@ from torch import nn
 
 from mstar.layers.paged_attention import QueryMode
 from mstar.layers.sampling import SamplingParams, sample
+from mstar.layers.sampling import request_sampling as sampling_from_request
 from mstar.model import KVSequence, NodeInputs, NodeSubmodule
 from mstar.models.bagel.config import BagelLLMConfig
 from mstar.models.bagel.embeddings import PositionEmbedding, TimestepEmbedder, flattened_position_ids
@@ -54,15 +55,8 @@ class SpecialTokens:
 
 
 def request_sampling(params: Mapping[str, Any]) -> SamplingParams:
-    """Decode sampling: greedy and 256 new tokens by default, then ``params["sampling"]``, then a
-    top-level ``params["max_tokens"]``."""
-    sampling = params.get("sampling") or {}
-    if not isinstance(sampling, Mapping):
-        raise ValueError(f"params['sampling'] must be a mapping, got {type(sampling).__name__}")
-    merged = {**DEFAULT_SAMPLING, **{k: v for k, v in sampling.items() if v is not None}}
-    if params.get("max_tokens") is not None:
-        merged["max_tokens"] = params["max_tokens"]
-    return SamplingParams.from_dict(merged)
+    """Decode sampling: greedy and 256 new tokens by default (see ``mstar.layers.sampling``)."""
+    return sampling_from_request(params, DEFAULT_SAMPLING)
 
 
 class BagelLLMNode(NodeSubmodule):

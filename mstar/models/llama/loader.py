@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from mstar.layers.llama import RMSNorm
+from mstar.model.checkpoint import DTYPES, CheckpointError, CheckpointNotFoundError, listed, resolve_dtype
 from mstar.models.llama.config import LlamaConfig, read_json
 
 log = logging.getLogger(__name__)
@@ -41,44 +42,11 @@ __all__ = [
     "resolve_dtype",
 ]
 
-DTYPES: Mapping[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # checkpoint entries that are recomputed, not loaded (old transformers saved the RoPE table)
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-_MAX_LISTED = 20
-
-
-class CheckpointError(ValueError):
-    """The checkpoint does not fit the model (names, shapes) or cannot be read."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """A model directory, config or weight file is missing."""
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
-        return dtype
-    if isinstance(dtype, str):
-        key = dtype.lower().removeprefix("torch.")
-        if key in DTYPES:
-            return DTYPES[key]
-    raise ValueError(f"unsupported dtype {dtype!r}; use one of: float32, bfloat16, float16")
-
-
-def _listed(names: Sequence[str]) -> str:
-    shown = ", ".join(names[:_MAX_LISTED])
-    return shown + (f", ... ({len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else "")
-
-
 def checkpoint_files(model_path: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint directory, in load order."""
     path = Path(model_path)
@@ -93,7 +61,7 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
         shards = list(dict.fromkeys(str(v) for v in weight_map.values()))
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
-            raise CheckpointNotFoundError(f"{index} lists shard file(s) that are missing: {_listed(missing)}")
+            raise CheckpointNotFoundError(f"{index} lists shard file(s) that are missing: {listed(missing)}")
         return [path / s for s in shards]
     if (path / SINGLE_FILE).is_file():
         return [path / SINGLE_FILE]
@@ -101,7 +69,7 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
     if others:
         return others
     legacy = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
-    hint = f" (found {_listed(legacy)}: only safetensors checkpoints are supported)" if legacy else ""
+    hint = f" (found {listed(legacy)}: only safetensors checkpoints are supported)" if legacy else ""
     raise CheckpointNotFoundError(f"no weights in {str(path)!r}: expected {SINGLE_FILE} or "
                                   f"{INDEX_FILE}{hint}")
 
@@ -176,13 +144,13 @@ def load_safetensors(module: torch.nn.Module, files: Iterable[str | Path]) -> Lo
                for key, names in groups.items() if key not in source]
     problems = []
     if missing:
-        problems.append(f"missing from the checkpoint: {_listed(missing)}")
+        problems.append(f"missing from the checkpoint: {listed(missing)}")
     if unexpected:
-        problems.append(f"not in the model (unexpected): {_listed(unexpected)}")
+        problems.append(f"not in the model (unexpected): {listed(unexpected)}")
     if bad_shapes:
-        problems.append(f"shape mismatch: {_listed(bad_shapes)}")
+        problems.append(f"shape mismatch: {listed(bad_shapes)}")
     if duplicates:
-        problems.append(f"stored in several files: {_listed(duplicates)}")
+        problems.append(f"stored in several files: {listed(duplicates)}")
     if problems:
         where = files[0].parent if files else "?"
         raise CheckpointError(f"checkpoint {str(where)!r} does not match {type(module).__name__}: "
@@ -208,7 +176,7 @@ def load_safetensors(module: torch.nn.Module, files: Iterable[str | Path]) -> Lo
                  nbytes / 2**20, time.perf_counter() - t0)
     report.seconds = time.perf_counter() - t_all
     if report.skipped:
-        log.debug("skipped checkpoint entries: %s", _listed(report.skipped))
+        log.debug("skipped checkpoint entries: %s", listed(report.skipped))
     return report
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from mstar.layers.llama import LlamaBackbone, pack_linears
 from mstar.layers.paged_attention import AttentionBackend
-from mstar.layers.sampling import SamplingParams, sample
+from mstar.layers.sampling import SamplingParams, request_sampling, sample
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
 from mstar.models.llama.config import LlamaConfig
 
@@ -29,19 +29,6 @@ __all__ = ["DEFAULT_SAMPLING", "LlamaCausalLM", "request_sampling", "stop_token_
 
 # Defaults under a request's ``params["sampling"]``: greedy, 16 new tokens.
 DEFAULT_SAMPLING: Mapping[str, Any] = {"temperature": 0.0, "max_tokens": 16}
-
-
-def request_sampling(params: Mapping[str, Any],
-                     defaults: Mapping[str, Any] = DEFAULT_SAMPLING) -> SamplingParams:
-    """The request's ``SamplingParams``: ``defaults``, then ``params["sampling"]``, then a top-level
-    ``params["max_tokens"]``. Bad values raise ValueError."""
-    sampling = params.get("sampling") or {}
-    if not isinstance(sampling, Mapping):
-        raise ValueError(f"params['sampling'] must be a mapping, got {type(sampling).__name__}")
-    merged = {**defaults, **{k: v for k, v in sampling.items() if v is not None}}
-    if params.get("max_tokens") is not None:
-        merged["max_tokens"] = params["max_tokens"]
-    return SamplingParams.from_dict(merged)
 
 
 def stop_token_set(sp: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:

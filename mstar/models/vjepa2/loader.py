@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.models.llama.loader import CheckpointError, CheckpointNotFoundError
+from mstar.model.checkpoint import CheckpointError, CheckpointNotFoundError, listed, load_into
 from mstar.models.vjepa2.config import TINY_ENCODER, TINY_PREDICTOR, EncoderConfig, PredictorConfig
 from mstar.models.vjepa2.modules import ACPredictor, VJepaEncoder
 
@@ -31,14 +31,6 @@ __all__ = [
 ]
 
 PREFIXES = ("module.", "backbone.")
-_MAX_LISTED = 20
-
-
-def _listed(names: list[str]) -> str:
-    shown = ", ".join(names[:_MAX_LISTED])
-    return shown + (f", ... ({len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else "")
-
-
 def strip_prefixes(state: Mapping[str, torch.Tensor], prefixes: Iterable[str] = PREFIXES) -> dict[str, torch.Tensor]:
     """Drop any run of leading ``prefixes`` from every key (``module.backbone.x`` -> ``x``)."""
     prefixes = tuple(prefixes)
@@ -73,39 +65,12 @@ def load_vjepa2_ac(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str,
     for part in ("encoder", "predictor"):
         sd = ckpt.get(part)
         if not isinstance(sd, Mapping):
-            raise CheckpointError(f"{path}: no '{part}' state dict (top-level keys: {_listed(sorted(ckpt))})")
+            raise CheckpointError(f"{path}: no '{part}' state dict (top-level keys: {listed(sorted(ckpt))})")
         bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
         if bad:
-            raise CheckpointError(f"{path}: '{part}' entries that are not tensors: {_listed(bad)}")
+            raise CheckpointError(f"{path}: '{part}' entries that are not tensors: {listed(bad)}")
         states.append(strip_prefixes(sd))
     return states[0], states[1]
-
-
-def load_into(module: nn.Module, state: Mapping[str, torch.Tensor], *, what: str = "checkpoint",
-              ignore: Iterable[str] = ()) -> None:
-    """Copy ``state`` into ``module`` strictly: missing, unexpected and mis-shaped names are all reported
-    in one ``CheckpointError`` before anything is copied. Keys starting with an ``ignore`` prefix are
-    skipped (for checkpoint extras the module does not model); values are cast to the module's dtypes.
-    """
-    ignore = tuple(ignore)
-    state = {k: v for k, v in state.items() if not (ignore and k.startswith(ignore))}
-    expected = module.state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    shapes = [f"{k} (checkpoint {tuple(state[k].shape)}, model {tuple(v.shape)})"
-              for k, v in expected.items() if k in state and state[k].shape != v.shape]
-    problems = []
-    if missing:
-        problems.append(f"missing: {_listed(missing)}")
-    if unexpected:
-        problems.append(f"unexpected: {_listed(unexpected)}")
-    if shapes:
-        problems.append(f"shape mismatch: {_listed(shapes)}")
-    if problems:
-        raise CheckpointError(f"{what} does not fit {type(module).__name__}: " + "; ".join(problems))
-    with torch.no_grad():
-        for k, v in expected.items():
-            v.copy_(state[k].to(v.dtype))
 
 
 def build_vjepa2_ac(

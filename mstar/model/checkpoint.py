@@ -1,0 +1,71 @@
+"""What every family's checkpoint loader shares: the error types, dtype names, and a strict copy of a
+state dict into a module that reports every missing, unexpected and mis-shaped name at once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["DTYPES", "CheckpointError", "CheckpointNotFoundError", "listed", "load_into", "resolve_dtype"]
+
+DTYPES: Mapping[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+_MAX_LISTED = 20
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not fit the model (names, shapes) or cannot be read."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A model directory, config or weight file is missing."""
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    if isinstance(dtype, str):
+        key = dtype.lower().removeprefix("torch.")
+        if key in DTYPES:
+            return DTYPES[key]
+    raise ValueError(f"unsupported dtype {dtype!r}; use one of: float32, bfloat16, float16")
+
+
+def listed(names: Sequence[str]) -> str:
+    """Names for an error message: the first 20, then how many more."""
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown + (f", ... ({len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else "")
+
+
+def load_into(module: nn.Module, state: Mapping[str, torch.Tensor], *, what: str = "checkpoint",
+              ignore: Iterable[str] = ()) -> None:
+    """Copy ``state`` into ``module`` strictly: missing, unexpected and mis-shaped names are all reported
+    in one ``CheckpointError`` before anything is copied. Keys starting with an ``ignore`` prefix are
+    skipped (for checkpoint extras the module does not model); values are cast to the module's dtypes.
+    """
+    ignore = tuple(ignore)
+    state = {k: v for k, v in state.items() if not (ignore and k.startswith(ignore))}
+    expected = module.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    shapes = [f"{k} (checkpoint {tuple(state[k].shape)}, model {tuple(v.shape)})"
+              for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    problems = []
+    if missing:
+        problems.append(f"missing: {listed(missing)}")
+    if unexpected:
+        problems.append(f"unexpected: {listed(unexpected)}")
+    if shapes:
+        problems.append(f"shape mismatch: {listed(shapes)}")
+    if problems:
+        raise CheckpointError(f"{what} does not fit {type(module).__name__}: " + "; ".join(problems))
+    with torch.no_grad():
+        for k, v in expected.items():
+            v.copy_(state[k].to(v.dtype))
