@@ -9,18 +9,20 @@ import sys
 import pytest
 import torch
 
-from mstar.layers.paged_attention import (
+from mstar.layers.attention_backends import (
     AttentionBackend,
-    AttentionMetadata,
     BackendUnavailableError,
-    QueryMode,
     TorchPagedBackend,
     available_backends,
+    get_backend,
+    register_backend,
+)
+from mstar.layers.paged_attention import (
+    AttentionMetadata,
+    QueryMode,
     copy_blocks,
     gather_kv,
-    get_backend,
     paged_attention,
-    register_backend,
     write_kv,
 )
 from mstar.runtime.kv.block_pool import BlockPool, KVCacheManager

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.paged_attention import AttentionBackend, paged_attention
+from mstar.layers.attention_backends import AttentionBackend
+from mstar.layers.paged_attention import paged_attention
 from mstar.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary
 
 __all__ = [

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.layers.attention_backends import AttentionBackend
 from mstar.layers.llama import LlamaMLP, RMSNorm
-from mstar.layers.paged_attention import AttentionBackend, paged_attention
+from mstar.layers.paged_attention import paged_attention
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary
 from mstar.model.submodule import KVSpec
 from mstar.models.bagel.config import BagelLLMConfig

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.layers.attention_backends import AttentionBackend
 from mstar.layers.llama import LlamaBackbone, pack_linears
-from mstar.layers.paged_attention import AttentionBackend
 from mstar.layers.sampling import SamplingParams, request_sampling, sample
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
 from mstar.models.llama.config import LlamaConfig
