@@ -33,7 +33,7 @@ from PIL import Image
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.models.bagel.config import TINY as TINY_LLM
 from mstar.models.bagel.config import BagelLLMConfig, ImageTransformSpec
-from mstar.models.bagel.flow import flow_settings
+from mstar.models.bagel.flow import flow_settings, timestep_schedule
 from mstar.models.bagel.graph import build_bagel_graph
 from mstar.models.bagel.image_transform import BagelImageTransform
 from mstar.models.bagel.layout import plan_layout
@@ -255,62 +255,37 @@ class BagelModel(ModelDef):
 
     def create_state(self, request_id, partition, inputs, params):
         target = params.get("target", "text")
-        order = self._order(inputs, params)
-        texts, images = list(inputs.get("text_ids", [])), list(inputs.get("images", []))
-        vae_px, vit_px, items = [], [], []
-        ti = ii = 0
+        texts, images = iter(inputs.get("text_ids", [])), iter(inputs.get("images", []))
         ld, vit_patch = self.spec.latent_downsample, self.spec.vit.patch_size
-        for kind in order:
+        items, walk_inputs = [], []  # per item: (kind, tokens) for the layout; the walks' input tensors
+        vae_px = None  # the last image, VAE-sized (an edit keeps its shape)
+        for kind in self._order(inputs, params):
             if kind == "text":
-                items.append(("text", texts[ti].numel() + 2, 0))
-                ti += 1
+                ids = next(texts).long()
+                items.append(("text", ids.numel() + 2, 0))
+                walk_inputs.append({"prefill_text": {"text_ids": [ids]}})
                 continue
-            pil = self.vae_resize.resize(_to_pil(images[ii]))  # as the reference: VAE size first
-            ii += 1
-            vae = self.vae_resize.to_tensor(pil)
-            vit = self.vit_resize(pil)
-            vae_px.append(vae)
-            vit_px.append(vit)
-            n_vae = (vae.shape[1] // ld) * (vae.shape[2] // ld) + 2
-            n_vit = (vit.shape[1] // vit_patch) * (vit.shape[2] // vit_patch) + 2
-            items.append(("image", n_vae, n_vit))
-        lat_hw = None
-        final: tuple[str, dict[str, list[Any]]]
+            pil = self.vae_resize.resize(_to_pil(next(images)))  # as the reference: VAE size first
+            vae_px, vit_px = self.vae_resize.to_tensor(pil), self.vit_resize(pil)
+            items.append(("image", (vae_px.shape[1] // ld) * (vae_px.shape[2] // ld) + 2,
+                          (vit_px.shape[1] // vit_patch) * (vit_px.shape[2] // vit_patch) + 2))
+            walk_inputs.append({"prefill_vae": {"image": [vae_px]}, "prefill_vit": {"image": [vit_px]}})
+        lat_hw, cfg_img = None, False
         if target == "image":
-            h, w = (vae_px[-1].shape[1], vae_px[-1].shape[2]) if vae_px else self._image_size(params)
+            h, w = (vae_px.shape[1], vae_px.shape[2]) if vae_px is not None else self._image_size(params)
             lat_hw = (h // ld, w // ld)
-            fs = flow_settings(params, editing=bool(vae_px))
-            cfg_img = bool(vae_px) and fs.cfg_text_scale > 1.0 and fs.cfg_img_scale > 1.0
-        else:
-            cfg_img = False
+            fs = flow_settings(params, editing=vae_px is not None)
+            cfg_img = vae_px is not None and fs.cfg_text_scale > 1.0 and fs.cfg_img_scale > 1.0
         steps, ctx = plan_layout(items, target, cfg_img, lat_hw)
-        walk_steps = []
-        text_of = {}
-        ti = ii = 0
-        for idx, kind in enumerate(order):  # item index -> its tensor
-            if kind == "text":
-                text_of[idx] = ("text", ti)
-                ti += 1
-            else:
-                text_of[idx] = ("image", ii)
-                ii += 1
-        for s in steps:
-            kind, j = text_of[s.item]
-            if s.walk == "prefill_text":
-                walk_steps.append((s.walk, {"text_ids": [texts[j].long()], "ctx": [s.ctx.to_tensor()]}))
-            elif s.walk == "prefill_vae":
-                walk_steps.append((s.walk, {"image": [vae_px[j]], "ctx": [s.ctx.to_tensor()]}))
-            else:
-                walk_steps.append((s.walk, {"image": [vit_px[j]], "ctx": [s.ctx.to_tensor()]}))
+        walk_steps = [(s.walk, {**walk_inputs[s.item][s.walk], "ctx": [s.ctx.to_tensor()]}) for s in steps]
         if target == "image":
-            fs = flow_settings(params, editing=bool(vae_px))
             seed = params.get("seed")
             g = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(62))
             noise = torch.randn(lat_hw[0] * lat_hw[1], self.spec.latent_dim, generator=g)
-            guided = fs.cfg_text_scale > 1.0 and any(
-                fs.branch_active("cfg_text", t) for t in _schedule_times(fs))
-            walk = "image_gen_cfg" if guided else "image_gen"
-            final = (walk, {"latents": [noise], "time_index": [torch.tensor(0)], "ctx": [ctx.to_tensor()]})
+            times = timestep_schedule(fs.num_timesteps, fs.timestep_shift)[0]
+            guided = any(fs.branch_active("cfg_text", t) for t in times)
+            final = ("image_gen_cfg" if guided else "image_gen",
+                     {"latents": [noise], "time_index": [torch.tensor(0)], "ctx": [ctx.to_tensor()]})
         else:
             final = ("decode", {"token": [torch.tensor([self.special_tokens.im_start])], "ctx": [ctx.to_tensor()]})
         return BagelState(request_id=request_id, partition=partition, params=params, tensors={},
@@ -358,12 +333,6 @@ class BagelModel(ModelDef):
         from mstar.models.bagel.adapter import BagelAdapter
 
         return BagelAdapter(self)
-
-
-def _schedule_times(fs) -> tuple[float, ...]:
-    from mstar.models.bagel.flow import timestep_schedule
-
-    return timestep_schedule(fs.num_timesteps, fs.timestep_shift)[0]
 
 
 def _astuple(spec: ImageTransformSpec) -> tuple[int, int, int, int]:
