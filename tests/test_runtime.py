@@ -10,6 +10,7 @@ from mstar import RequestStatus, Runtime
 from mstar.graph import SlidingWindowChunkPolicy
 from mstar.placement import Placement
 from mstar.runtime import RequestError
+from tests.helpers import kv_blocks_in_use
 from tests.toy_models import (
     POISON,
     STREAM_STEPS,
@@ -23,10 +24,6 @@ from tests.toy_models import (
 )
 
 PROMPTS = [[1, 2, 3], [5, 6], [7, 8, 9, 10, 11, 12, 13], [4], [2, 2, 2, 2]]
-
-
-def kv_used(rt):
-    return sum(kv["blocks_used"] for r in rt.stats()["ranks"] for kv in r["kv"].values())
 
 
 def tokens(out):
@@ -43,7 +40,7 @@ def test_lm_matches_dense_reference_batched(defer):
             assert tokens(o) == ref.reference_generate(p, 12)
         stats = rt.stats()
         assert max(stats["ranks"][0]["batch_sizes"]["LLM"]) > 1  # requests were batched together
-        assert kv_used(rt) == 0
+        assert kv_blocks_in_use(rt) == 0
 
 
 def test_batch_invariance_and_streaming_order():
@@ -81,7 +78,7 @@ def test_failure_fails_only_that_request_and_frees_blocks():
         assert bad.result().status is RequestStatus.FAILED
         for p, h in zip(PROMPTS, good):
             assert tokens(h.result()) == ref.reference_generate(p, 8)
-        assert kv_used(rt) == 0
+        assert kv_blocks_in_use(rt) == 0
 
 
 def test_abort_frees_everything():
@@ -91,7 +88,7 @@ def test_abort_frees_everything():
         rt.abort(h.request_id)
         assert h.result(timeout=30).status is RequestStatus.ABORTED
         stats = rt.stats()
-        assert kv_used(rt) == 0 and stats["running_requests"] == 0 and stats["ranks"][0]["walks"] == 0
+        assert kv_blocks_in_use(rt) == 0 and stats["running_requests"] == 0 and stats["ranks"][0]["walks"] == 0
 
 
 def test_500_requests_with_random_aborts_and_failures_leave_no_blocks():
@@ -107,7 +104,7 @@ def test_500_requests_with_random_aborts_and_failures_leave_no_blocks():
                 rt.abort(handles[rng.randrange(len(handles))].request_id)
         statuses = {h.result(timeout=120).status for h in handles}
         assert statuses == {RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED}
-        assert kv_used(rt) == 0 and rt.stats()["running_requests"] == 0
+        assert kv_blocks_in_use(rt) == 0 and rt.stats()["running_requests"] == 0
 
 
 def _flow_inputs(n, seed=0):
@@ -120,14 +117,14 @@ def test_cfg_parallel_views_batch_together_and_match_oracle():
     ins = _flow_inputs(3)
     with Runtime(ToyFlow()) as rt:
         outs = rt.generate(ins)
-        llm = rt._workers[0].engines["LLM"].module
+        llm = rt.local_module("LLM")
         for i, o in zip(ins, outs):
             assert o.finished, o.error
             torch.testing.assert_close(o.tensors("image")[0], flow_reference(llm, i["text_ids"], i["latents"]),
                                        atol=1e-5, rtol=1e-5)
         # the two guidance branches (views of one module) ran in the same forward
         assert any({"LLM", "LLM_uncond"} <= set(call) for call in llm.calls)
-        assert kv_used(rt) == 0
+        assert kv_blocks_in_use(rt) == 0
 
 
 def test_cfg_flow_is_placement_invariant():
@@ -211,7 +208,7 @@ def test_prefill_decode_split_moves_kv_between_ranks():
             assert tokens(o) == ref.reference_generate(p, 9), o.error
         ranks = rt.stats()["ranks"]
         assert sum(ranks[0]["batch_sizes"]["LLM"].values()) > 0 and sum(ranks[1]["batch_sizes"]["LLM"].values()) > 0
-        assert kv_used(rt) == 0
+        assert kv_blocks_in_use(rt) == 0
 
 
 def test_stream_consumed_one_item_per_loop_iteration():
@@ -235,10 +232,10 @@ def test_weight_sharing_views_on_different_ranks():
         {"node_names": ["LLM_uncond"], "ranks": [1], "graph_walks": ["flow"]}]})
     with Runtime(ToyFlow(uncond_prefix=None), placement) as rt:
         outs = rt.generate(ins)
-        llm = rt._workers[0].engines["LLM"].module
+        llm = rt.local_module("LLM")
         ranks = rt.stats()["ranks"]
         assert sum(ranks[1]["batch_sizes"]["LLM"].values()) > 0  # the unconditional branch ran on rank 1
-        assert kv_used(rt) == 0
+        assert kv_blocks_in_use(rt) == 0
     for i, o in zip(ins, outs):
         assert o.finished, o.error
         torch.testing.assert_close(o.tensors("image")[0], flow_reference(llm, i["text_ids"], i["latents"], None),
@@ -257,7 +254,7 @@ def test_view_on_another_rank_forks_a_copy_of_the_cache(workers):
         outs = rt.generate(ins)
         ranks = rt.stats()["ranks"]
         assert sum(ranks[1]["batch_sizes"]["LLM"].values()) > 0
-        assert kv_used(rt) == 0
+        assert kv_blocks_in_use(rt) == 0
     llm = ToyFlow().build_submodules(["LLM"])["LLM"]
     for i, o in zip(ins, outs):
         assert o.finished, o.error

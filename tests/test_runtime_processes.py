@@ -9,7 +9,8 @@ import torch
 
 from mstar import RequestStatus, Runtime
 from mstar.placement import Placement
-from tests.test_runtime import PROMPTS, _expected_windows, _flow_inputs, kv_used, tokens
+from tests.helpers import kv_blocks_in_use
+from tests.test_runtime import PROMPTS, _expected_windows, _flow_inputs, tokens
 from tests.toy_models import POISON, TinyAttentionLM, ToyFlow, ToyLM, ToyStream
 
 pytestmark = pytest.mark.slow
@@ -23,8 +24,8 @@ def test_lm_in_a_worker_process_matches_reference_and_contains_failures():
         for p, h in zip(PROMPTS, handles):
             assert tokens(h.result(timeout=60)) == ref.reference_generate(p, 10)
         assert bad.result(timeout=60).status is RequestStatus.FAILED and "poison" in bad.result().error
-        assert kv_used(rt) == 0
-        procs = list(rt._procs)
+        assert kv_blocks_in_use(rt) == 0
+        procs = list(rt.worker_processes)
     assert not any(p.is_alive() for p in procs)
 
 
@@ -37,7 +38,7 @@ def test_cfg_flow_across_two_processes_equals_inline():
     with Runtime(ToyFlow(), placement, workers="process") as rt:
         outs = rt.generate(ins)
         assert all(o.finished for o in outs), [o.error for o in outs]
-        assert kv_used(rt) == 0
+        assert kv_blocks_in_use(rt) == 0
     for a, o in zip(inline, outs):
         torch.testing.assert_close(o.tensors("image")[0], a, atol=1e-6, rtol=1e-6)
 
@@ -55,7 +56,7 @@ def test_dead_worker_fails_in_flight_requests_clearly():
     try:
         h = rt.submit({"input_ids": torch.tensor([1, 2])}, {"max_tokens": 250})
         next(iter(h))
-        os.kill(rt._procs[0].pid, signal.SIGKILL)
+        os.kill(rt.worker_processes[0].pid, signal.SIGKILL)
         out = h.result(timeout=30)
         assert out.status is RequestStatus.FAILED and "worker rank 0 died" in out.error
         assert not rt.healthy
@@ -73,7 +74,7 @@ def test_prefill_decode_split_across_processes():
         outs = rt.generate([{"input_ids": torch.tensor(p)} for p in PROMPTS], {"max_tokens": 9})
         for p, o in zip(PROMPTS, outs):
             assert tokens(o) == ref.reference_generate(p, 9), o.error
-        assert kv_used(rt) == 0
+        assert kv_blocks_in_use(rt) == 0
 
 
 def test_large_tensors_cross_processes_through_shared_memory(monkeypatch):

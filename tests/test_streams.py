@@ -15,7 +15,7 @@ def drain(buf, node="n", name="x"):
 def test_out_of_order_pushes_and_early_end():
     buf = StreamBuffer()
     f = lambda: SlidingWindowChunkPolicy(window=3, stride=1)  # noqa: E731
-    buf.end("p", {"n/x": 5})  # the end overtook every push
+    buf.end("p", {("n", "x"): 5})  # the end overtook every push
     buf.push("n", "x", "p", f, [3, 4], offset=3)
     assert drain(buf) == [] and not buf.all_ended({"p"})
     buf.push("n", "x", "p", f, [0, 1, 2], offset=0)
@@ -28,7 +28,7 @@ def test_end_of_empty_stream_and_continue_after_done():
     f = lambda: FixedChunkPolicy(chunk_size=2, continue_after_done=True)  # noqa: E731
     buf.push("n", "x", "p", f, [7], offset=0)
     assert buf.pull("n", "x") is None
-    buf.end("p", {"n/x": 1})
+    buf.end("p", {("n", "x"): 1})
     last = buf.pull("n", "x")
     assert last.items == (7,) and last.is_final
     again = buf.pull("n", "x")  # a consumer that keeps running sees an empty final chunk

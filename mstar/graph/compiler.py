@@ -161,7 +161,13 @@ def _route_edge(lay: _Layout, src: Producer, edge: GraphEdge, where: str, refs: 
                       f"(its inputs: {list(lay.nodes[dest].input_names)})")
     kind = _relation(lay, src, dest, where)
     refs.setdefault((dest, edge.name), []).append(_Ref(src, kind, edge.name))
-    loop = lay.node_items[dest].frame if kind is RouteKind.FEEDBACK else None
+    dest_frame = lay.node_items[dest].frame
+    if kind is RouteKind.FEEDBACK:
+        loop = dest_frame
+    elif kind is RouteKind.ENTER:
+        loop = lay.child_loop_toward(lay.item(src).frame, dest_frame)
+    else:
+        loop = None
     return Route(edge.name, kind, dest=dest, loop=loop)
 
 
@@ -182,7 +188,18 @@ def compile_walk(walk_name: str, section: Section, inputs: tuple[str, ...], part
             where = f"node {name!r}, edge {edge.name!r}"
             routes[name].append(_route_edge(lay, Producer(name), edge, where, refs, known_nodes, partition))
 
-    # -- loop exits ----------------------------------------------------------------------------
+    exits, exit_names, stop_nodes = _compile_exits(lay, refs, known_nodes, partition)
+    bindings, used_walk_inputs = _compile_bindings(lay, refs, inputs, stream_inputs, stop_nodes)
+    unused = [i for i in inputs if i not in used_walk_inputs]
+    if unused:
+        raise lay.err(f"declared inputs {unused} are consumed by no node (check for a typo)")
+
+    return _build_plan(lay, walk_name, partition, inputs, bindings, routes, exits, exit_names, stop_nodes)
+
+
+def _compile_exits(lay: _Layout, refs: dict, known_nodes: set[str], partition: str):
+    """Each loop's exits (the value of a name produced last in the iteration), per node the names that
+    leave its frame, and per dynamic loop's stop node its stop signal."""
     exits: dict[str, list[LoopExit]] = {name: [] for name in lay.loops}
     exit_names: dict[str, list[str]] = {n: [] for n in lay.nodes}
     stop_nodes: dict[str, str] = {}
@@ -217,7 +234,12 @@ def compile_walk(walk_name: str, section: Section, inputs: tuple[str, ...], part
             if not producers[0].is_loop:
                 exit_names[producers[0].name].append(edge.name)
 
-    # -- input bindings --------------------------------------------------------------------------
+    return exits, exit_names, stop_nodes
+
+
+def _compile_bindings(lay: _Layout, refs: dict, inputs: tuple[str, ...], stream_inputs: dict[tuple[str, str], str],
+                      stop_nodes: dict[str, str]):
+    """Where each input of each node comes from; also which declared walk inputs are consumed."""
     used_walk_inputs: set[str] = set()
     bindings: dict[str, dict[str, InputBinding]] = {}
     for name, node in lay.nodes.items():
@@ -265,11 +287,7 @@ def compile_walk(walk_name: str, section: Section, inputs: tuple[str, ...], part
             raise lay.err(f"node {name!r}: stop signal {stop_nodes[name]!r} is consumed by its loop and cannot "
                           f"also be an edge")
 
-    unused = [i for i in inputs if i not in used_walk_inputs]
-    if unused:
-        raise lay.err(f"declared inputs {unused} are consumed by no node (check for a typo)")
-
-    return _build_plan(lay, walk_name, partition, inputs, bindings, routes, exits, exit_names, stop_nodes)
+    return bindings, used_walk_inputs
 
 
 def _build_plan(lay, walk_name, partition, inputs, bindings, routes, exits, exit_names, stop_nodes) -> WalkPlan:

@@ -82,7 +82,9 @@ class Route:
     edge_name: str
     kind: RouteKind
     dest: str | None = None  # destination node (LOCAL / ENTER / FEEDBACK / STREAM)
-    loop: str | None = None  # FEEDBACK: the loop whose next iteration receives it
+    # FEEDBACK: the loop whose next iteration receives it; ENTER: the loop it enters (the one
+    # directly inside the producer's frame that contains ``dest``)
+    loop: str | None = None
     partition: str | None = None  # STREAM: target partition
     modality: str | None = None  # EMIT
 
@@ -95,7 +97,7 @@ class Route:
             return f"{self.edge_name} -> {self.dest} (next iteration of {self.loop})"
         if self.kind is RouteKind.STREAM:
             return f"{self.edge_name} ~> {self.dest} (partition {self.partition})"
-        return f"{self.edge_name} -> {self.dest}" + (" (enters loop)" if self.kind is RouteKind.ENTER else "")
+        return f"{self.edge_name} -> {self.dest}" + (f" (enters loop {self.loop})" if self.kind is RouteKind.ENTER else "")
 
 
 @dataclass(frozen=True)

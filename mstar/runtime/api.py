@@ -14,14 +14,12 @@ Inline mode runs the conductor and every rank's worker in one background thread 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import queue
-import shutil
-import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,15 +30,19 @@ from mstar.model.base import ModelDef
 from mstar.model.registry import resolve_model
 from mstar.placement import Placement
 from mstar.runtime.conductor import Conductor, RequestStatus
-from mstar.runtime.messages import CONDUCTOR, Emit, Shutdown, StatsRequest, WorkerStatus
-from mstar.runtime.process import spawn_workers
+from mstar.runtime.drivers import InlineDriver, ProcessDriver
+from mstar.runtime.engine import StatelessEngine
+from mstar.runtime.failures import FailureKind
+from mstar.runtime.messages import Emit
 from mstar.runtime.routing import Routing
-from mstar.runtime.transport import InlineTransport, ZmqTransport
-from mstar.runtime.worker import Worker
 
 
 class RequestError(RuntimeError):
-    """Raised while iterating a request that failed."""
+    """Raised while iterating a request that failed; ``kind`` says why (input, lost worker, ...)."""
+
+    def __init__(self, message: str, kind: FailureKind = FailureKind.INTERNAL) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class RequestOutput:
     status: RequestStatus
     error: str | None = None
     outputs: dict[str, list[list[torch.Tensor]]] = field(default_factory=dict)  # edge name -> emitted values
+    failure: FailureKind | None = None  # why it did not finish (FAILED or ABORTED)
 
     @property
     def finished(self) -> bool:
@@ -85,15 +88,18 @@ class RequestHandle:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aqueue: asyncio.Queue | None = None
 
-    def _sink(self, kind: str, payload: Any) -> None:  # called on the driver thread
-        if kind == "item":
-            msg: Emit = payload
-            self._output.outputs.setdefault(msg.name, []).append(msg.value)
-            ev = StreamItem(msg.name, msg.value, msg.modality, msg.node, msg.walk)
-        else:
-            self._output.status, self._output.error = payload
-            self._done.set()
-            ev = None
+    # -- the conductor's side (``RequestSink``), called on the runtime's thread ---------------------
+    def on_item(self, msg: Emit) -> None:
+        self._output.outputs.setdefault(msg.name, []).append(msg.value)
+        self._deliver(StreamItem(msg.name, msg.value, msg.modality, msg.node, msg.walk))
+
+    def on_end(self, status: RequestStatus, error: str | None, failure: FailureKind | None) -> None:
+        out = self._output
+        out.status, out.error, out.failure = status, error, failure
+        self._done.set()
+        self._deliver(None)
+
+    def _deliver(self, ev: StreamItem | None) -> None:
         with self._lock:
             if self._aqueue is not None:
                 try:
@@ -105,7 +111,8 @@ class RequestHandle:
 
     def _end_of_stream(self) -> None:
         if self._output.status is RequestStatus.FAILED:
-            raise RequestError(f"request {self.request_id} failed: {self._output.error}")
+            raise RequestError(f"request {self.request_id} failed: {self._output.error}",
+                               self._output.failure or FailureKind.INTERNAL)
 
     def __iter__(self) -> Iterator[StreamItem]:
         if self._aqueue is not None:
@@ -160,90 +167,49 @@ class Runtime:
         self.routing = Routing(graph, self.placement)
         self.mode = workers
         self.device = device
-        self.start_timeout = start_timeout
-        self._procs: list = []
-        self._run_dir: str | None = None
-        self._workers: list[Worker] = []
-        if workers == "inline":
-            self._transport: Any = InlineTransport()
-            self._workers = [Worker(r, self.model, self.routing, self._transport, device)
-                             for r in range(self.routing.num_ranks)]
+        # chosen once: the loop below never asks which mode it is in
+        self._driver = (InlineDriver(self.model, self.routing, device) if workers == "inline"
+                        else ProcessDriver(self.model, self.routing, device, start_timeout))
         self._conductor: Conductor | None = None
         self._commands: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stop = False
         self._lost: str | None = None  # set when a worker process died
-        self._tokens = itertools.count()
-        self._pollers: list = []
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> Runtime:
         if self._thread is not None:
             return self
-        if self.mode == "process":
-            self._start_processes()
-        else:
-            self._conductor = Conductor(self.model, self.routing, self._transport)
+        self._driver.start()
+        self._conductor = Conductor(self.model, self.routing, self._driver.transport)
         self._stop = False
         self._thread = threading.Thread(target=self._drive, name="mstar-runtime", daemon=True)
         self._thread.start()
         return self
 
-    def _start_processes(self) -> None:
-        self._run_dir = tempfile.mkdtemp(prefix="mstar-")
-        self._transport = ZmqTransport(self._run_dir, CONDUCTOR)
-        self._conductor = Conductor(self.model, self.routing, self._transport)
-        self._procs = spawn_workers(self.model, self.placement, self._run_dir, self.device, self.routing.num_ranks)
-        ready: set[int] = set()
-        deadline = time.monotonic() + self.start_timeout
-        while len(ready) < len(self._procs):
-            dead = [p for p in self._procs if not p.is_alive()]
-            for msg in self._transport.recv(500 if dead else 100):  # a dead worker's last word first
-                if isinstance(msg, WorkerStatus):
-                    if not msg.ok:
-                        self._stop_processes()
-                        raise RuntimeError(f"worker rank {msg.rank} failed to start:\n{msg.error}")
-                    ready.add(msg.rank)
-            if dead or time.monotonic() > deadline:
-                self._stop_processes()
-                why = f"exited with code {dead[0].exitcode}" if dead else f"not ready in {self.start_timeout} s"
-                raise RuntimeError(f"worker process {why}")
-
-    def _stop_processes(self) -> None:
-        for r, p in enumerate(self._procs):
-            if p.is_alive():
-                try:
-                    self._transport.send(r, Shutdown("runtime shutdown"))
-                except Exception:  # noqa: BLE001 - best effort; terminate below
-                    pass
-        for p in self._procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-        self._procs = []
-        if isinstance(self._transport, ZmqTransport):
-            self._transport.sweep_shm()
-            self._transport.close()
-        if self._run_dir:
-            shutil.rmtree(self._run_dir, ignore_errors=True)
-            self._run_dir = None
-
     def shutdown(self) -> None:
         """Abort what is in flight, stop the workers (processes exit, nothing is orphaned)."""
         if self._thread is not None:
             self._stop = True
-            self._wake()
+            self._driver.wake()
             self._thread.join()
             self._thread = None
-            if self.mode == "process":
-                self._stop_processes()
+            self._driver.stop()
 
     def __enter__(self) -> Runtime:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread is not None and self._lost is None
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why the runtime cannot serve (a worker died, a runtime error), or None."""
+        return self._lost
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, inputs: Mapping[str, Any], params: Mapping[str, Any] | None = None,
@@ -257,7 +223,7 @@ class Runtime:
         norm = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in inputs.items()}
         self.model.validate_request(norm, params)
         handle = RequestHandle(request_id or uuid.uuid4().hex[:16])
-        self._command(lambda: self._conductor.submit(handle.request_id, norm, params, handle._sink))
+        self._command(lambda: self._conductor.submit(handle.request_id, norm, params, handle))
         return handle
 
     def generate(self, inputs: list[Mapping[str, Any]] | Mapping[str, Any],
@@ -273,98 +239,64 @@ class Runtime:
 
     def stats(self, timeout: float = 30.0) -> dict[str, Any]:
         """KV blocks used/free, queue depths and per-node batch-size histograms, per rank."""
-        token = next(self._tokens)
-        done = threading.Event()
+        future: Future = Future()
+        self._command(lambda: self._conductor.collect_stats(future))
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError("stats did not arrive") from None
 
-        def ask():
-            for r in range(self.routing.num_ranks):
-                self._transport.send(r, StatsRequest(token))
-
-        self._command(ask)
-        result: dict[str, Any] = {}
-
-        def collect():
-            replies = self._conductor.stats_replies.get(token, {})
-            if len(replies) == self.routing.num_ranks:
-                result["ranks"] = [replies[r] for r in sorted(replies)]
-                result["running_requests"] = self._conductor.num_running()
-                del self._conductor.stats_replies[token]
-                done.set()
-                return True
-            return False
-
-        self._command(lambda: self._pollers.append(collect))
-        if not done.wait(timeout):
-            raise TimeoutError("stats did not arrive")
-        return result
-
-    # -- driver --------------------------------------------------------------------------------
-    def _command(self, fn) -> None:
-        self._commands.put(fn)
-        self._wake()
-
-    def _wake(self) -> None:
-        if self.mode == "inline":
-            self._transport.wake.set()
-        # process mode: the driver polls its socket with a short timeout and checks commands after it
+    # -- in-process access (inline mode), for tests and tools --------------------------------------
+    def local_engine(self, module: str) -> StatelessEngine:
+        """The engine running ``module`` on the first rank that holds it (inline mode only)."""
+        for w in self._driver.workers:
+            if module in w.engines:
+                return w.engines[module]
+        where = "no rank holds it" if self.mode == "inline" else "workers run in other processes"
+        raise LookupError(f"module {module!r} is not in this process: {where}")
 
     @property
-    def healthy(self) -> bool:
-        return self._thread is not None and self._lost is None
+    def worker_processes(self) -> list:
+        """The worker processes (``multiprocessing.Process``, one per rank); empty inline."""
+        return list(self._driver.processes)
+
+    def local_module(self, module: str) -> Any:
+        """The ``NodeSubmodule`` of ``module`` (inline mode only)."""
+        return self.local_engine(module).module
+
+    # -- the runtime's thread ----------------------------------------------------------------------
+    def _command(self, fn) -> None:
+        self._commands.put(fn)
+        self._driver.wake()
 
     def _drive(self) -> None:
-        conductor = self._conductor
-        last_check = time.monotonic()
+        """Run commands from callers -> move messages and run work -> watch the workers; repeat."""
+        conductor, driver = self._conductor, self._driver
         try:
             while not self._stop:
-                did = False
-                while not self._commands.empty():
-                    self._commands.get()()
-                    did = True
-                if self.mode == "inline":
-                    did = self._pump_inline(conductor) or did
-                else:
-                    for msg in self._transport.recv(0 if did else 5):
-                        conductor.handle(msg)
-                        did = True
-                    if time.monotonic() - last_check > 0.25:
-                        last_check = time.monotonic()
-                        self._check_workers(conductor)
-                if self._pollers:
-                    self._pollers = [p for p in self._pollers if not p()]
-                if not did and self.mode == "inline":
-                    self._transport.wake.wait(0.05)
-                    self._transport.wake.clear()
+                did = not self._commands.empty() and self._run_commands()
+                did = driver.pump(conductor, did) or did
+                if driver.lost is not None:  # a worker process died: nothing it held can finish
+                    self._lost = self._lost or driver.lost
+                    self._fail_all(FailureKind.WORKER_LOST)
+                if not did:
+                    driver.idle()
             # shutting down: whatever is still in flight ends as aborted, so no caller waits forever
-            while not self._commands.empty():
-                self._commands.get()()
+            self._run_commands()
             for rid in list(conductor.requests):
                 conductor.abort(rid)
         except BaseException as e:  # noqa: BLE001 - surface runtime bugs to every waiting request
             self._lost = f"runtime error: {type(e).__name__}: {e}"
-            for rid in list(conductor.requests):
-                conductor.fail(rid, self._lost)
+            self._fail_all(FailureKind.INTERNAL)
             raise
 
-    def _pump_inline(self, conductor: Conductor) -> bool:
-        boxes = self._transport.boxes
+    def _run_commands(self) -> bool:
         did = False
-        while boxes[CONDUCTOR]:
-            conductor.handle(boxes[CONDUCTOR].popleft())
+        while not self._commands.empty():
+            self._commands.get()()
             did = True
-        for w in self._workers:
-            box = boxes[w.rank]
-            while box:
-                w.handle(box.popleft())
-                did = True
-        for w in self._workers:
-            did = w.step() or did
         return did
 
-    def _check_workers(self, conductor: Conductor) -> None:
-        for rank, p in enumerate(self._procs):
-            if not p.is_alive() and self._lost is None:
-                self._lost = f"worker rank {rank} died (exit code {p.exitcode})"
-        if self._lost:
-            for rid in list(conductor.requests):
-                conductor.fail(rid, self._lost)
+    def _fail_all(self, kind: FailureKind) -> None:
+        for rid in list(self._conductor.requests):
+            self._conductor.fail(rid, self._lost, kind)

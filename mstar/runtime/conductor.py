@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from mstar.model.base import ModelDef, WalkState
+from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.messages import (
     Emit,
     FreeKV,
@@ -24,6 +25,7 @@ from mstar.runtime.messages import (
     RequestFailed,
     StartWalk,
     StatsReply,
+    StatsRequest,
     StreamEnd,
     WalkDone,
 )
@@ -44,6 +46,20 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED
 
 
+class RequestSink(Protocol):
+    """Where a request's results go (its ``RequestHandle``); called on the conductor's thread."""
+
+    def on_item(self, msg: Emit) -> None: ...
+
+    def on_end(self, status: RequestStatus, error: str | None, failure: FailureKind | None) -> None: ...
+
+
+@dataclass
+class _StatsCall:
+    future: Future
+    replies: dict[int, dict] = field(default_factory=dict)  # rank -> its stats
+
+
 @dataclass
 class _Partition:
     state: WalkState
@@ -57,7 +73,7 @@ class _Request:
     request_id: str
     params: dict[str, Any]
     partitions: dict[str, _Partition]
-    sink: Callable[[str, Any], None]  # ("item", Emit) / ("end", (status, error))
+    sink: RequestSink
     status: RequestStatus = RequestStatus.WAITING
     error: str | None = None
     walks: list[str] = field(default_factory=list)
@@ -65,7 +81,7 @@ class _Request:
     kv_copies: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # partition -> copies to drop
     migrations: set[int] = field(default_factory=set)  # KV moves to finish before ``deferred`` starts
     deferred: list[tuple[int, StartWalk]] = field(default_factory=list)
-    streamed: dict[str, int] = field(default_factory=dict)  # "partition/node/name" -> items pushed so far
+    streamed: dict[str, int] = field(default_factory=dict)  # stream (wire form) -> items pushed so far
 
 
 class Conductor:
@@ -74,11 +90,10 @@ class Conductor:
         self.routing = routing
         self.transport = transport
         self.requests: dict[str, _Request] = {}
-        self.stats_replies: dict[int, dict[int, dict]] = {}
+        self._stats_calls: dict[int, _StatsCall] = {}
         self._ids = itertools.count()
 
-    def submit(self, request_id: str, inputs: dict[str, list], params: dict[str, Any],
-               sink: Callable[[str, Any], None]) -> None:
+    def submit(self, request_id: str, inputs: dict[str, list], params: dict[str, Any], sink: RequestSink) -> None:
         """Admit a request (inputs already validated by the caller)."""
         graph = self.model.graph
         # one dict of request tensors shared by every partition: the inputs, what create_state adds,
@@ -101,23 +116,40 @@ class Conductor:
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is not None:
-            self._end(req, RequestStatus.ABORTED, "aborted")
+            self._end(req, RequestStatus.ABORTED, "aborted", FailureKind.ABORTED)
 
-    def fail(self, request_id: str, error: str) -> None:
+    def fail(self, request_id: str, error: str, kind: FailureKind) -> None:
         req = self.requests.get(request_id)
         if req is not None:
-            self._end(req, RequestStatus.FAILED, error)
+            self._end(req, RequestStatus.FAILED, error, kind)
+
+    def collect_stats(self, future: Future) -> None:
+        """Ask every rank for its stats; ``future`` gets them all (a list in rank order)."""
+        token = next(self._ids)
+        self._stats_calls[token] = _StatsCall(future)
+        for r in range(self.routing.num_ranks):
+            self.transport.send(r, StatsRequest(token))
+
+    def _stats_reply(self, msg: StatsReply) -> None:
+        call = self._stats_calls.get(msg.token)
+        if call is None:
+            return
+        call.replies[msg.rank] = msg.stats
+        if len(call.replies) == self.routing.num_ranks:
+            del self._stats_calls[msg.token]
+            call.future.set_result({"ranks": [call.replies[r] for r in sorted(call.replies)],
+                                    "running_requests": self.num_running()})
 
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> None:
         if isinstance(msg, StatsReply):
-            self.stats_replies.setdefault(msg.token, {})[msg.rank] = msg.stats
+            self._stats_reply(msg)
             return
         req = self.requests.get(msg.request_id)
         if req is None:
             return  # a late message of a finished request
         if isinstance(msg, Emit):
-            req.sink("item", msg)
+            req.sink.on_item(msg)
         elif isinstance(msg, WalkDone):
             part = req.partitions[msg.partition]
             part.running = False
@@ -141,7 +173,7 @@ class Conductor:
                     self.transport.send(rank, start)
                 req.deferred.clear()
         elif isinstance(msg, RequestFailed):
-            self._end(req, RequestStatus.FAILED, msg.error)
+            self._end(req, RequestStatus.FAILED, msg.error, msg.kind)
         else:
             raise TypeError(f"conductor: unexpected message {type(msg).__name__}")
 
@@ -160,16 +192,15 @@ class Conductor:
                     raise ValueError(f"walk {walk!r} needs {missing}, which the request state does not hold "
                                      f"(has {sorted(part.state.tensors)})")
         except Exception as e:  # noqa: BLE001 - a model bug fails this request only
-            self._end(req, RequestStatus.FAILED, f"{type(e).__name__}: {e}")
+            self._end(req, RequestStatus.FAILED, describe(e), FailureKind.of(e))
             return
         if walk is None:
             part.done = True
             for consumer in self.routing.consumers_of(partition):
-                expected = {k.split("/", 1)[1]: n for k, n in req.streamed.items() if k.split("/", 1)[0] == consumer}
                 self.transport.send(self.routing.partition_home[consumer],
-                                    StreamEnd(req.request_id, partition, consumer, expected))
+                                    StreamEnd(req.request_id, partition, consumer, dict(req.streamed)))
             if all(p.done for p in req.partitions.values()):
-                self._end(req, RequestStatus.FINISHED, None)
+                self._end(req, RequestStatus.FINISHED, None, None)
             return
         part.running = True
         req.walks.append(walk)
@@ -211,14 +242,14 @@ class Conductor:
             self.transport.send(owner, MigrateKV(req.request_id, module, dests, tokens, keep))
             req.kv_copies.setdefault(partition, []).extend((module, r) for r in dests if r != new_owner)
 
-    def _end(self, req: _Request, status: RequestStatus, error: str | None) -> None:
+    def _end(self, req: _Request, status: RequestStatus, error: str | None, failure: FailureKind | None) -> None:
         if req.status.is_final:
             return
         req.status, req.error = status, error
         del self.requests[req.request_id]
         for rank in range(self.routing.num_ranks):
             self.transport.send(rank, FreeRequest(req.request_id))
-        req.sink("end", (status, error))
+        req.sink.on_end(status, error, failure)
 
     def num_running(self) -> int:
         return len(self.requests)

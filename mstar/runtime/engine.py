@@ -15,7 +15,9 @@ from typing import Any
 import torch
 
 from mstar.layers.paged_attention import AttentionMetadata, QueryMode, copy_blocks
-from mstar.model.submodule import EngineInputs, ForwardInfo, NodeInputs, NodeSubmodule
+from mstar.model.submodule import EngineInputs, ForwardInfo, KVSequence, NodeInputs, NodeSubmodule
+from mstar.runtime.failures import FailureKind, KVCacheExhausted, describe
+from mstar.runtime.keys import WalkKey
 from mstar.runtime.kv.block_pool import BlockPool, KVCacheManager, OutOfBlocks
 
 
@@ -35,24 +37,46 @@ class WorkItem:
     params: Mapping[str, Any]
     home: int
 
+    @property
+    def walk_key(self) -> WalkKey:
+        return WalkKey(self.request_id, self.partition, self.walk_seq)
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A work item and what its module's ``prepare_inputs`` made of it."""
+
+    item: WorkItem
+    inputs: NodeInputs
+    info: ForwardInfo
+
+    def sequences(self) -> list[KVSequence]:
+        """The cache sequences this item brings (one, unless the module listed several)."""
+        ni = self.inputs
+        if ni.sequences is not None:
+            return ni.sequences
+        return [KVSequence(ni.cache_name or self.item.node, ni.num_tokens, ni.mode, ni.fork_from)]
+
 
 @dataclass
-class KVSeq:
-    """One sequence of a KV batch (a request may bring several, e.g. rollout samples)."""
+class _KVPlan:
+    """The attention bookkeeping of one batch, sequence by sequence."""
 
-    request_id: str
-    cache_name: str
-    num_tokens: int
-    mode: QueryMode
-    fork_from: tuple[str, int | None] | None = None
-    positions: torch.Tensor | None = None
-    refork: bool = False
+    query_lens: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    modes: list[QueryMode] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)
 
 
 class ItemError(Exception):
+    """One item of a batch failed; ``kind`` classifies the original error."""
+
     def __init__(self, item: WorkItem, error: BaseException):
-        super().__init__(f"node {item.node!r} (walk {item.walk!r}) failed: {type(error).__name__}: {error}")
+        super().__init__(f"node {item.node!r} (walk {item.walk!r}) failed: {describe(error)}")
         self.item = item
+        self.kind = FailureKind.of(error)
 
 
 def _as_value(x: Any) -> list[torch.Tensor]:
@@ -69,14 +93,14 @@ class StatelessEngine:
 
     def run(self, items: list[WorkItem]) -> list[dict[str, list[torch.Tensor]] | ItemError]:
         """Outputs per item, in order; an ItemError in place of a failed item."""
-        prepared: list[tuple[WorkItem, NodeInputs, ForwardInfo] | ItemError] = []
+        prepared: list[Prepared | ItemError] = []
         prepare = self.module.prepare_inputs
         failed = False
         for item in items:
             info = ForwardInfo(item.request_id, item.walk, item.node, item.iteration, item.params,
                                self.cache_len(item), item.chunks)
             try:
-                prepared.append((item, prepare(item.walk, info, item.inputs), info))
+                prepared.append(Prepared(item, prepare(item.walk, info, item.inputs), info))
             except Exception as e:  # noqa: BLE001 - a bad request fails alone
                 prepared.append(ItemError(item, e))
                 failed = True
@@ -86,38 +110,38 @@ class StatelessEngine:
         outs = iter(self._run_isolated(ok) if ok else [])
         return [p if isinstance(p, ItemError) else next(outs) for p in prepared]
 
-    def _run_isolated(self, batch: list) -> list:
+    def _run_isolated(self, batch: list[Prepared]) -> list:
         try:
             return self._forward(batch)
         except Exception as e:  # noqa: BLE001
             if len(batch) == 1:
                 self._rollback(batch)
-                return [ItemError(batch[0][0], e)]
+                return [ItemError(batch[0].item, e)]
             self._rollback(batch)
             return [r for b in batch for r in self._run_isolated([b])]
 
-    def _rollback(self, batch: list) -> None:
+    def _rollback(self, batch: list[Prepared]) -> None:
         pass
 
-    def _engine_inputs(self, batch: list) -> tuple[EngineInputs, dict[str, torch.Tensor]]:
-        names = list(batch[0][1].tensor_inputs)
-        for item, ni, _ in batch:
-            if list(ni.tensor_inputs) != names:
-                raise ValueError(f"node {item.node!r}: requests in one batch prepared different tensor names "
-                                 f"({sorted(ni.tensor_inputs)} vs {sorted(names)})")
+    def _engine_inputs(self, batch: list[Prepared]) -> tuple[EngineInputs, dict[str, torch.Tensor]]:
+        names = list(batch[0].inputs.tensor_inputs)
+        for p in batch:
+            if list(p.inputs.tensor_inputs) != names:
+                raise ValueError(f"node {p.item.node!r}: requests in one batch prepared different tensor names "
+                                 f"({sorted(p.inputs.tensor_inputs)} vs {sorted(names)})")
         # a 0-d tensor contributes one row (it comes back from EngineInputs.split with shape [1])
-        rows = {n: [ni.tensor_inputs[n].reshape(1) if ni.tensor_inputs[n].dim() == 0 else ni.tensor_inputs[n]
-                    for _, ni, _ in batch] for n in names}
+        rows = {n: [t.reshape(1) if t.dim() == 0 else t for t in (p.inputs.tensor_inputs[n] for p in batch)]
+                for n in names}
         tensors = {n: torch.cat(rows[n], 0) for n in names}
         splits = {n: [t.shape[0] for t in rows[n]] for n in names}
-        extra_names = sorted({k for _, ni, _ in batch for k in ni.extras})
-        extras = {k: [ni.extras.get(k) for _, ni, _ in batch] for k in extra_names}
-        ei = EngineInputs(walks=[i.walk for i, _, _ in batch], nodes=[i.node for i, _, _ in batch],
-                          request_ids=[i.request_id for i, _, _ in batch], infos=[f for _, _, f in batch],
+        extra_names = sorted({k for p in batch for k in p.inputs.extras})
+        extras = {k: [p.inputs.extras.get(k) for p in batch] for k in extra_names}
+        ei = EngineInputs(walks=[p.item.walk for p in batch], nodes=[p.item.node for p in batch],
+                          request_ids=[p.item.request_id for p in batch], infos=[p.info for p in batch],
                           splits=splits, extras=extras)
         return ei, tensors
 
-    def _call(self, batch: list, ei: EngineInputs, tensors: dict[str, torch.Tensor]) -> list[dict]:
+    def _call(self, batch: list[Prepared], ei: EngineInputs, tensors: dict[str, torch.Tensor]) -> list[dict]:
         walks = set(ei.walks)
         with torch.inference_mode():
             out = self.module.forward(walks.pop() if len(walks) == 1 else None, ei, **tensors)
@@ -130,7 +154,7 @@ class StatelessEngine:
         self.batch_sizes.append(len(batch))
         return [{name: _as_value(vals[i]) for name, vals in out.items()} for i in range(len(batch))]
 
-    def _forward(self, batch: list) -> list[dict]:
+    def _forward(self, batch: list[Prepared]) -> list[dict]:
         ei, tensors = self._engine_inputs(batch)
         return self._call(batch, ei, tensors)
 
@@ -164,54 +188,51 @@ class KVCacheEngine(StatelessEngine):
     def cache_len(self, item: WorkItem) -> int:
         return self.manager.num_tokens(item.request_id, item.node)
 
-    def _seqs(self, item: WorkItem, ni: NodeInputs) -> list[KVSeq]:
-        if ni.sequences is not None:
-            return [KVSeq(item.request_id, q.cache_name, q.num_tokens, QueryMode(q.mode), q.fork_from, None, q.refork)
-                    for q in ni.sequences]
-        return [KVSeq(item.request_id, ni.cache_name or item.node, ni.num_tokens, QueryMode(ni.mode),
-                      ni.fork_from)]
-
-    def _forward(self, batch: list) -> list[dict]:
+    def _forward(self, batch: list[Prepared]) -> list[dict]:
         ei, tensors = self._engine_inputs(batch)
-        seqs = [s for item, ni, _ in batch for s in self._seqs(item, ni)]
-        m = self.manager
         self._appended = []
-        query_lens, tables, ctx, modes, slots, positions = [], [], [], [], [], []
+        plan = _KVPlan()
         try:
-            for s in seqs:
-                if s.refork and m.has(s.request_id, s.cache_name):
-                    m.free(s.request_id, s.cache_name)
-                if s.fork_from is not None and not m.has(s.request_id, s.cache_name):
-                    src, n = s.fork_from
-                    m.fork(s.request_id, src, s.cache_name, n)
-                before = m.num_tokens(s.request_id, s.cache_name)
-                if s.mode is QueryMode.READ_ONLY:
-                    if not m.has(s.request_id, s.cache_name):
-                        m.append_slots(s.request_id, s.cache_name, 0)
-                    slots += [-1] * s.num_tokens
-                    ctx.append(before)
-                else:
-                    slots += m.append_slots(s.request_id, s.cache_name, s.num_tokens)
-                    self._appended.append((s.request_id, s.cache_name, before))
-                    ctx.append(before + s.num_tokens)
-                query_lens.append(s.num_tokens)
-                tables.append(m.block_table(s.request_id, s.cache_name))
-                modes.append(s.mode)
-                positions.append(s.positions if s.positions is not None
-                                 else torch.arange(before, before + s.num_tokens, dtype=torch.long))
+            for p in batch:
+                for seq in p.sequences():
+                    self._plan_sequence(p.item.request_id, seq, plan)
         except OutOfBlocks as e:
-            raise RuntimeError(f"KV cache exhausted: {e}; raise kv_cache_blocks in the placement") from e
-        pairs = m.pop_pending_copies()
+            raise KVCacheExhausted(f"KV cache exhausted: {e}; raise kv_cache_blocks in the placement") from e
+        pairs = self.manager.pop_pending_copies()
         if pairs:
             for k_cache, v_cache in self.kv_caches:
                 copy_blocks(k_cache, v_cache, pairs)
-        ei.attention = AttentionMetadata.build(query_lens, tables, ctx, modes, slots)
+        ei.attention = AttentionMetadata.build(plan.query_lens, plan.tables, plan.context_lens, plan.modes, plan.slots)
         ei.kv_caches = self.kv_caches
-        ei.positions = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
-        ei.num_tokens = [sum(s.num_tokens for s in self._seqs(item, ni)) for item, ni, _ in batch]
+        ei.positions = torch.cat(plan.positions) if plan.positions else torch.zeros(0, dtype=torch.long)
+        ei.num_tokens = [sum(q.num_tokens for q in p.sequences()) for p in batch]
         return self._call(batch, ei, tensors)
 
-    def _rollback(self, batch: list) -> None:
+    def _plan_sequence(self, rid: str, seq: KVSequence, plan: _KVPlan) -> None:
+        """Fork / allocate the sequence's cache slots (recording appends for a rollback) and add its
+        attention bookkeeping to ``plan``."""
+        m, name, mode = self.manager, seq.cache_name, QueryMode(seq.mode)
+        if seq.refork and m.has(rid, name):
+            m.free(rid, name)
+        if seq.fork_from is not None and not m.has(rid, name):
+            src, n = seq.fork_from
+            m.fork(rid, src, name, n)
+        before = m.num_tokens(rid, name)
+        if mode is QueryMode.READ_ONLY:
+            if not m.has(rid, name):
+                m.append_slots(rid, name, 0)
+            plan.slots += [-1] * seq.num_tokens
+            plan.context_lens.append(before)
+        else:
+            plan.slots += m.append_slots(rid, name, seq.num_tokens)
+            self._appended.append((rid, name, before))
+            plan.context_lens.append(before + seq.num_tokens)
+        plan.query_lens.append(seq.num_tokens)
+        plan.tables.append(m.block_table(rid, name))
+        plan.modes.append(mode)
+        plan.positions.append(torch.arange(before, before + seq.num_tokens, dtype=torch.long))
+
+    def _rollback(self, batch: list[Prepared]) -> None:
         """Undo this batch's cache appends so the items can be retried one by one."""
         for rid, name, before in self._appended:
             if self.manager.has(rid, name):

@@ -2,6 +2,8 @@
 
 Workers and the conductor exchange only these dataclasses, encoded by
 ``mstar.runtime.serialization`` (msgpack + raw tensor frames). Edge values are lists of tensors.
+Stream counts (``stream_offsets``, ``streamed``, ``expected``) are keyed by ``StreamKey.encode()``:
+see ``mstar.runtime.keys.encode_counts`` / ``decode_counts``.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mstar.runtime.failures import FailureKind
+from mstar.runtime.keys import WalkKey
 from mstar.runtime.serialization import register_message
 
 CONDUCTOR = -1  # address of the conductor; workers are addressed by rank
@@ -25,7 +29,11 @@ class StartWalk:
     walk_seq: int  # how many walks this partition ran before: identifies the walk instance
     inputs: dict[str, Any]
     params: dict[str, Any]
-    stream_offsets: dict[str, int] = field(default_factory=dict)  # stream key -> items pushed by earlier walks
+    stream_offsets: dict[str, int] = field(default_factory=dict)  # stream -> items pushed by earlier walks
+
+    @property
+    def walk_key(self) -> WalkKey:
+        return WalkKey(self.request_id, self.partition, self.walk_seq)
 
 
 @register_message
@@ -37,7 +45,7 @@ class WalkDone:
     partition: str
     walk: str
     state: dict[str, Any] = field(default_factory=dict)
-    streamed: dict[str, int] = field(default_factory=dict)  # stream key -> items this walk pushed
+    streamed: dict[str, int] = field(default_factory=dict)  # stream -> items this walk pushed
 
 
 @register_message
@@ -69,6 +77,10 @@ class ExecNode:
     params: dict[str, Any]
     home: int
 
+    @property
+    def walk_key(self) -> WalkKey:
+        return WalkKey(self.request_id, self.partition, self.walk_seq)
+
 
 @register_message
 @dataclass
@@ -81,6 +93,10 @@ class NodeResult:
     node: str
     iteration: tuple
     outputs: dict[str, Any]
+
+    @property
+    def walk_key(self) -> WalkKey:
+        return WalkKey(self.request_id, self.partition, self.walk_seq)
 
 
 @register_message
@@ -105,7 +121,8 @@ class StreamEnd:
     request_id: str
     from_partition: str
     partition: str
-    expected: dict[str, int] = field(default_factory=dict)  # "node/name" -> total items the stream carries
+    expected: dict[str, int] = field(default_factory=dict)  # stream -> total items it carries (all streams
+    # of the request; the consumer reads those into ``partition``)
 
 
 @register_message
@@ -123,6 +140,7 @@ class PartitionReady:
 class RequestFailed:
     request_id: str
     error: str
+    kind: FailureKind = FailureKind.INTERNAL
 
 
 @register_message

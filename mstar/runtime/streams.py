@@ -31,14 +31,14 @@ class StreamBuffer:
         self.inputs: dict[tuple[str, str], _Input] = {}  # (node, input name) -> policy + pending chunks
         self.walk_running = False
         self.notified = False
-        self._ended: dict[str, dict[str, int]] = {}  # producer partition -> expected totals by "node/name"
+        self._ended: dict[str, dict[tuple[str, str], int]] = {}  # producer -> expected totals by (node, name)
 
     def ensure(self, node: str, name: str, from_partition: str, factory) -> _Input:
         key = (node, name)
         if key not in self.inputs:
             inp = self.inputs[key] = _Input(factory(), from_partition)
             if from_partition in self._ended:
-                inp.expected = self._ended[from_partition].get(f"{node}/{name}", 0)
+                inp.expected = self._ended[from_partition].get(key, 0)
         return self.inputs[key]
 
     def push(self, node: str, name: str, from_partition: str, factory, items: list[Any], offset: int) -> None:
@@ -50,11 +50,12 @@ class StreamBuffer:
             inp.next_offset += len(batch)
         self._maybe_finish(inp)
 
-    def end(self, from_partition: str, expected: dict[str, int]) -> None:
+    def end(self, from_partition: str, expected: dict[tuple[str, str], int]) -> None:
+        """The producer ended; ``expected``: (node, input name) -> items it pushed in all."""
         self._ended[from_partition] = dict(expected)
-        for (node, name), inp in self.inputs.items():
+        for key, inp in self.inputs.items():
             if inp.from_partition == from_partition:
-                inp.expected = expected.get(f"{node}/{name}", 0)
+                inp.expected = expected.get(key, 0)
                 self._maybe_finish(inp)
 
     @staticmethod

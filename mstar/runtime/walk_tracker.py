@@ -13,13 +13,17 @@ Frames and iteration vectors::
 A frame instance runs its iterations one after another. An iteration ends when every member
 (direct body node and inner loop) has finished; the frame then starts the next iteration with the
 fed-back values, or ends and routes its exit values into its parent frame.
+
+The tracker calls nothing outside itself: each public method returns an ``Effects`` record (node
+instances that became ready, values for the client, for the request state and for other
+partitions, and whether the walk ended), and the worker applies it in one place. Stream chunks
+are read from a ``StreamSource`` (the partition's stream buffer), a plain data object.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from mstar.graph.plan import InputBinding, InputKind, NodePlan, RouteKind, WalkPlan
 
@@ -34,6 +38,51 @@ class ReadyNode:
     iteration: Vec
     inputs: dict[str, Any]
     stream_chunks: dict[str, Any]  # input name -> Chunk, for STREAM inputs
+
+
+@dataclass(slots=True)
+class Emitted:
+    """A value routed to the client (EMIT_TO_CLIENT)."""
+
+    name: str
+    value: Any
+    modality: str | None
+    node: str  # producing node, or "loop L" for a loop's exit
+
+
+@dataclass(slots=True)
+class Pushed:
+    """Items streamed to input ``name`` of node ``node`` in consumer partition ``partition``."""
+
+    partition: str
+    node: str
+    name: str
+    items: list
+
+
+@dataclass(slots=True)
+class Effects:
+    """What one call into the tracker caused, for the worker to apply."""
+
+    ready: list[ReadyNode] = field(default_factory=list)
+    emits: list[Emitted] = field(default_factory=list)
+    state: dict[str, Any] = field(default_factory=dict)  # values routed TO_STATE
+    pushes: list[Pushed] = field(default_factory=list)
+    done: bool = False  # the walk ended
+
+
+class StreamSource(Protocol):
+    def pull(self, node: str, name: str) -> Any:
+        """The next chunk for a stream input, or None when none is ready yet."""
+
+
+def read_stop(value: Any) -> bool:
+    """A stop signal is a per-request value: a bool, or a tensor / list whose entries are all truthy."""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(read_stop(v) for v in value)
+    if hasattr(value, "numel"):
+        return bool(value.numel() > 0 and bool(value.all()))
+    return bool(value)
 
 
 @dataclass(slots=True)
@@ -57,25 +106,18 @@ class _Frame:
 class WalkTracker:
     """Runs the dataflow of ``plan`` for one request.
 
-    Callbacks: ``emit(name, value, modality, node)``, ``to_state(name, value)``,
-    ``stream(partition, node, name, value)``, ``pull_stream(node, name)`` -> chunk or None (the
-    tracker asks again via ``stream_ready`` when it returns None), ``read_stop(value)`` -> bool.
+    ``streams`` supplies the chunks of STREAM inputs (``pull`` returns None when none is ready: the
+    tracker asks again in ``stream_ready``).
     """
 
-    def __init__(self, plan: WalkPlan, walk_inputs: dict[str, Any], *,
-                 emit: Callable[[str, Any, str | None, str], None],
-                 to_state: Callable[[str, Any], None],
-                 stream: Callable[[str, str, str, Any], None],
-                 pull_stream: Callable[[str, str], Any] | None = None,
-                 read_stop: Callable[[Any], bool] = bool) -> None:
+    def __init__(self, plan: WalkPlan, walk_inputs: dict[str, Any], streams: StreamSource | None = None) -> None:
         missing = [n for n in plan.inputs if n not in walk_inputs]
         if missing:
             raise ValueError(f"walk {plan.walk!r} needs inputs {missing} that the request does not have")
         self.plan = plan
         self.walk_inputs = walk_inputs
-        self._emit, self._to_state, self._stream = emit, to_state, stream
-        self._pull_stream = pull_stream
-        self._read_stop = read_stop
+        self._streams = streams
+        self._fx = Effects()
         self.frames: dict[tuple[str | None, Vec], _Frame] = {}
         self.slots: dict[tuple[str, Vec], dict[str, Any]] = {}
         self.waiting_streams: dict[tuple[str, Vec], set[str]] = {}
@@ -93,20 +135,23 @@ class WalkTracker:
         self._self_loops = self._find_self_loops()
 
     # -- public --------------------------------------------------------------------------------
-    def start(self) -> list[ReadyNode]:
+    def start(self) -> Effects:
         top = _Frame(None, ())
         self.frames[(None, ())] = top
         self._start_iteration(top)
-        return self.take_ready()
+        return self._effects()
 
-    def take_ready(self) -> list[ReadyNode]:
-        out, self.ready = self.ready, []
-        for r in out:
+    def _effects(self) -> Effects:
+        """Hand over what happened since the last call (ready nodes are now running)."""
+        fx, self._fx = self._fx, Effects()
+        fx.ready, self.ready = self.ready, []
+        for r in fx.ready:
             self.running.add((r.node, r.iteration))
-        return out
+        fx.done = self.done
+        return fx
 
-    def node_done(self, node: str, vec: Vec, outputs: dict[str, Any]) -> list[ReadyNode]:
-        """Route a finished node instance's outputs; return node instances that became ready."""
+    def node_done(self, node: str, vec: Vec, outputs: dict[str, Any]) -> Effects:
+        """Route a finished node instance's outputs."""
         key = (node, vec)
         if key not in self.running:
             raise RuntimeError(f"walk {self.plan.walk!r}: result for {node}{list(vec)} which is not running")
@@ -114,12 +159,12 @@ class WalkTracker:
         np_ = self.plan.nodes[node]
         frame = self.frames[(np_.frame, vec[:-1] if np_.frame is not None else ())]
         if np_.stop_signal is not None and self.plan.loops[np_.frame].defer_stop_check:
-            if frame.deferred_stop is not None and self._read_stop(frame.deferred_stop):
+            if frame.deferred_stop is not None and read_stop(frame.deferred_stop):
                 # the previous iteration already stopped: this one ran speculatively; drop it
                 frame.stop = True
                 frame.remaining.discard(node)
                 self._maybe_end_iteration(frame, discard_current=True)
-                return self.take_ready()
+                return self._effects()
         fast = self._self_loops.get(np_.frame) if np_.frame is not None else None
         for route in np_.routes:
             if route.edge_name not in outputs:
@@ -134,14 +179,14 @@ class WalkTracker:
                 raise ValueError(f"node {node!r} must return its loop's stop signal {np_.stop_signal!r}")
             if self.plan.loops[np_.frame].defer_stop_check:
                 frame.deferred_stop = outputs[np_.stop_signal]
-            elif self._read_stop(outputs[np_.stop_signal]):
+            elif read_stop(outputs[np_.stop_signal]):
                 frame.stop = True
         if fast is not None:
             self._next_self_iteration(frame, node, fast, outputs)
-            return self.take_ready()
+            return self._effects()
         frame.remaining.discard(node)
         self._maybe_end_iteration(frame)
-        return self.take_ready()
+        return self._effects()
 
     def _next_self_iteration(self, frame: _Frame, node: str, invariant: tuple[str, ...], outputs) -> None:
         """Fast path for a loop whose body is one node feeding itself (AR decode, rollouts): the next
@@ -162,11 +207,11 @@ class WalkTracker:
                 inputs[inp] = outputs[inp]  # carried: the feedback edge has the input's name
         self.ready.append(ReadyNode(node, frame.vec, inputs, {}))
 
-    def stream_ready(self) -> list[ReadyNode]:
+    def stream_ready(self) -> Effects:
         """New stream chunks arrived: retry nodes waiting on a stream input."""
         for (node, vec), names in list(self.waiting_streams.items()):
             for name in list(names):
-                chunk = self._pull_stream(node, name)
+                chunk = self._streams.pull(node, name)
                 if chunk is None:
                     continue
                 names.discard(name)
@@ -174,7 +219,7 @@ class WalkTracker:
                 self._deliver(node, vec, name, list(chunk.items))
             if not names:
                 del self.waiting_streams[(node, vec)]
-        return self.take_ready()
+        return self._effects()
 
     @property
     def waiting_on_stream(self) -> bool:
@@ -205,21 +250,12 @@ class WalkTracker:
     def _outer_requirements(self) -> dict[str, set[tuple[str, str]]]:
         """Per loop: the (node, input) values its parent frame must hand in before it can start."""
         needs: dict[str, set[tuple[str, str]]] = {name: set() for name in self.plan.loops}
-        for n in self.plan.nodes.values():
-            for inp, b in n.inputs.items():
-                base = b.initial if b.kind is InputKind.CARRIED else b
-                if base.kind is InputKind.OUTER:
-                    needs[self._entered_loop(base, n)].add((n.name, inp))
+        routes = [r for n in self.plan.nodes.values() for r in n.routes]
+        routes += [ex.route for lp in self.plan.loops.values() for ex in lp.exits]
+        for r in routes:
+            if r.kind is RouteKind.ENTER:
+                needs[r.loop].add((r.dest, r.edge_name))
         return needs
-
-    def _entered_loop(self, b: InputBinding, consumer: NodePlan) -> str:
-        """The loop, directly inside the producer's frame, that contains ``consumer``."""
-        prod = b.producer
-        prod_frame = self.plan.loops[prod.name].parent if prod.is_loop else self.plan.nodes[prod.name].frame
-        frame = consumer.frame
-        while self.plan.loops[frame].parent != prod_frame:
-            frame = self.plan.loops[frame].parent
-        return frame
 
     def _frame_of(self, loop: str | None, vec: Vec) -> _Frame:
         return self.frames[(loop, vec)]
@@ -253,7 +289,7 @@ class WalkTracker:
         elif b.kind is InputKind.OUTER:
             self._deliver(np_.name, vec, inp, self._lookup_outer(frame, np_.name, inp))
         elif b.kind is InputKind.STREAM:
-            chunk = self._pull_stream(np_.name, inp) if self._pull_stream else None
+            chunk = self._streams.pull(np_.name, inp) if self._streams is not None else None
             if chunk is None:
                 self.waiting_streams.setdefault((np_.name, vec), set()).add(inp)
             else:
@@ -323,19 +359,16 @@ class WalkTracker:
         elif kind is RouteKind.FEEDBACK:
             frame.carried[(route.dest, route.edge_name)] = value
         elif kind is RouteKind.ENTER:
-            dest_plan = self.plan.nodes[route.dest]
-            loop = dest_plan.frame
-            while self.plan.loops[loop].parent != frame.loop:
-                loop = self.plan.loops[loop].parent
-            child = self.frames[(loop, vec)]
+            child = self.frames[(route.loop, vec)]
             child.outer_vals[(route.dest, route.edge_name)] = value
             self._maybe_start_loop(child)
         elif kind is RouteKind.EMIT:
-            self._emit(route.edge_name, value, route.modality, src)
+            if not (isinstance(value, list) and not value):  # an empty list: nothing this iteration
+                self._fx.emits.append(Emitted(route.edge_name, value, route.modality, src))
         elif kind is RouteKind.STATE:
-            self._to_state(route.edge_name, value)
+            self._fx.state[route.edge_name] = value
         elif kind is RouteKind.STREAM:
-            self._stream(route.partition, route.dest, route.edge_name, value)
+            self._fx.pushes.append(Pushed(route.partition, route.dest, route.edge_name, list(value)))
 
     def _deliver(self, node: str, vec: Vec, name: str, value: Any) -> None:
         slot = self.slots.setdefault((node, vec), {})
