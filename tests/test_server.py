@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.helpers import kv_blocks_in_use
 from tests.server_utils import get, running_server
 from tests.toy_models import TinyAttentionLM, ToyLM
 from tests.toy_server_models import SAMPLES_PER_TOKEN, ToyChat, decode_token, encode_text
@@ -36,10 +37,6 @@ def server():
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
-
-
-def kv_blocks_used(engine) -> int:
-    return sum(kv["blocks_used"] for r in engine.runtime.stats()["ranks"] for kv in r["kv"].values())
 
 
 def wait_for(cond, timeout=20.0):
@@ -233,16 +230,20 @@ def test_generate_ndjson(server):
     assert r.status_code == 400 and "bytes" in r.json()["error"]["message"]
 
 
+def aborted_count(engine) -> float:
+    return engine.metrics.registry.get_sample_value("mstar_aborted_requests_total", {"model": MODEL}) or 0.0
+
+
 def test_client_disconnect_aborts_and_frees_blocks(server):
     url, engine = server
-    aborted = engine.metrics.aborted.labels(MODEL)._value.get()
+    aborted = aborted_count(engine)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 240, "stream": True}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
         it = r.iter_lines()
         assert next(it).startswith("data: ")
     # the connection is closed after one chunk: the request must be aborted and its blocks freed
-    wait_for(lambda: engine.runtime.stats()["running_requests"] == 0 and kv_blocks_used(engine) == 0)
-    assert engine.metrics.aborted.labels(MODEL)._value.get() == aborted + 1
+    wait_for(lambda: engine.runtime.stats()["running_requests"] == 0 and kv_blocks_in_use(engine.runtime) == 0)
+    assert aborted_count(engine) == aborted + 1
 
 
 def test_metrics(server, client):
@@ -286,7 +287,17 @@ def test_burst_gets_429_and_memory_stays_bounded():
         codes, rs = asyncio.run(burst(url))
         assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
         assert next(r for r in rs if r.status_code == 429).json()["error"]["type"] == "rate_limit_error"
-        wait_for(lambda: kv_blocks_used(engine) == 0)
+        wait_for(lambda: kv_blocks_in_use(engine.runtime) == 0)
+
+
+def test_every_failure_kind_has_one_status():
+    from mstar.runtime.failures import FailureKind
+    from mstar.server.serving import STATUS_OF_FAILURE
+
+    assert STATUS_OF_FAILURE == {FailureKind.INPUT: 400, FailureKind.WORKER_LOST: 503,
+                                 FailureKind.OUT_OF_MEMORY: 503, FailureKind.ABORTED: 503,
+                                 FailureKind.INTERNAL: 500}
+    assert set(STATUS_OF_FAILURE) == set(FailureKind)  # a new kind must be given a status here
 
 
 @pytest.mark.slow
@@ -298,7 +309,7 @@ def test_lost_worker_gives_503():
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
                                               max_tokens=2).choices[0].message.content
-        os.kill(engine.runtime._procs[0].pid, signal.SIGKILL)
+        os.kill(engine.runtime.worker_processes[0].pid, signal.SIGKILL)
         wait_for(lambda: get(url, "/health").status_code == 503)
         assert "worker rank 0 died" in get(url, "/health").json()["error"]["message"]
         with pytest.raises(openai.InternalServerError) as e:

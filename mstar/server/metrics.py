@@ -33,7 +33,6 @@ class ServerMetrics:
         self.aborted = Counter("mstar_aborted_requests", "requests aborted because the client went away",
                                ["model"], registry=r)
         self.tokens = Counter("mstar_generation_tokens", "generated tokens", ["model", "route"], registry=r)
-        self.runtime_stats = None  # set by the app: a callable returning Runtime.stats()
 
     def install_runtime_collector(self, stats_fn) -> None:
         self.registry.register(_RuntimeCollector(self.model, stats_fn))

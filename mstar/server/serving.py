@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from mstar.runtime.api import RequestError, Runtime, StreamItem
+from mstar.runtime.failures import FailureKind
 from mstar.server.errors import APIError
 from mstar.server.metrics import ServerMetrics
+
+# The one place a failure becomes an HTTP status: bad input is the client's fault; a lost worker,
+# exhausted memory or a request ended by shutdown will likely succeed on retry elsewhere or later.
+STATUS_OF_FAILURE: dict[FailureKind, int] = {
+    FailureKind.INPUT: 400,
+    FailureKind.WORKER_LOST: 503,
+    FailureKind.OUT_OF_MEMORY: 503,
+    FailureKind.ABORTED: 503,
+    FailureKind.INTERNAL: 500,
+}
 
 
 class ServingEngine:
@@ -28,7 +38,8 @@ class ServingEngine:
 
     def check_ready(self) -> None:
         if not self.ready:
-            raise APIError(503, f"model {self.model_name} is not ready: {self.runtime._lost or 'starting'}")
+            reason = self.runtime.unhealthy_reason or "starting"
+            raise APIError(503, f"model {self.model_name} is not ready: {reason}")
 
     async def stream(self, route: str, inputs: dict[str, Any], params: dict[str, Any]) -> AsyncIterator[StreamItem]:
         """Submit and stream items; a consumer that stops iterating (client gone) aborts the request."""
@@ -50,22 +61,13 @@ class ServingEngine:
             finished = True
         except RequestError as e:
             finished = True
-            raise APIError(_status_of(str(e)), str(e)) from e
+            raise APIError(STATUS_OF_FAILURE[e.kind], str(e)) from e
         finally:
             self.in_flight -= 1
             self.metrics.running.labels(self.model_name).dec()
             if not finished:
                 self.metrics.aborted.labels(self.model_name).inc()
                 self.runtime.abort(handle.request_id)
-
-
-def _status_of(error: str) -> int:
-    """A request that failed on bad input is the client's fault (400); a lost worker is 503."""
-    if "worker rank" in error and "died" in error:
-        return 503
-    if "ValueError" in error:
-        return 400
-    return 500
 
 
 class Timer:
@@ -98,8 +100,3 @@ class Timer:
         if audio_seconds > 0:
             self.m.rtf.labels(self.m.model, self.route).observe(dt / audio_seconds)
 
-
-async def maybe_await(x):
-    if asyncio.iscoroutine(x):
-        return await x
-    return x

@@ -1,0 +1,7 @@
+"""The HTTP routes, one router per concept; ``create_app`` mounts them in this order."""
+
+from __future__ import annotations
+
+from mstar.server.routes import chat, generate, images, speech, system
+
+ROUTERS = (system.router, chat.router, speech.router, images.router, generate.router)

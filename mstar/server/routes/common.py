@@ -1,0 +1,139 @@
+"""What every route shares: the app's engine and limits, the model and route checks, starting a
+request and decoding its items, and the event that ends a stream which failed after it began."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from mstar.model.adapter import ROUTE_PATHS, ApiRequest, AudioChunk, ImageOut, ItemDecoder, TextDelta
+from mstar.runtime.api import StreamItem
+from mstar.server import media
+from mstar.server.errors import APIError, error_body
+from mstar.server.limits import ServerLimits
+from mstar.server.serving import ServingEngine, Timer
+
+Output = TextDelta | AudioChunk | ImageOut
+
+
+# -- what create_app put on app.state ----------------------------------------------------------------
+# async, so FastAPI calls them on the event loop rather than in its thread pool
+
+
+async def _engine(request: Request) -> ServingEngine:
+    return request.app.state.engine
+
+
+async def _limits(request: Request) -> ServerLimits:
+    return request.app.state.limits
+
+
+Engine = Annotated[ServingEngine, Depends(_engine)]
+Limits = Annotated[ServerLimits, Depends(_limits)]
+
+
+# -- checks ----------------------------------------------------------------------------------------
+
+
+def require(engine: ServingEngine, route: str, model: str | None) -> None:
+    """404 unless this server serves ``model`` (when the body names one) and its model serves ``route``."""
+    if model is not None and model != engine.model_name:
+        raise APIError(404, f"model {model!r} not found; this server serves {engine.model_name!r}",
+                       param="model", code="model_not_found")
+    routes = engine.adapter.routes
+    if route not in routes:
+        supported = ", ".join(ROUTE_PATHS[r] for r in sorted(routes))
+        raise APIError(404, f"model {engine.model_name!r} does not serve {ROUTE_PATHS[route]}; "
+                            f"its routes: {supported}", code="route_not_supported")
+
+
+def adapt(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call an adapter or media function; the ``ValueError`` it raises for bad input becomes a 400."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise APIError(400, str(e)) from e
+
+
+def png_base64(pixels: Any) -> str:
+    return base64.b64encode(media.encode_png(pixels)).decode()
+
+
+# -- starting a request and decoding its items -------------------------------------------------------
+
+
+async def started(engine: ServingEngine, route: str, inputs: dict[str, Any],
+                  params: dict[str, Any]) -> AsyncIterator[StreamItem]:
+    """Submit and wait for the first item, so that admission and input errors surface as a plain HTTP
+    error before any byte of the response is sent; the iterator returned yields every item.
+
+    A client that leaves cancels (or drops) the chain of generators over the engine's stream, whose
+    ``finally`` then aborts the request."""
+    items = engine.stream(route, inputs, params)
+    try:
+        head: tuple[StreamItem, ...] = (await anext(items),)
+    except StopAsyncIteration:
+        head = ()
+    return _replay(head, items)
+
+
+async def _replay(head: tuple[StreamItem, ...], rest: AsyncIterator[StreamItem]) -> AsyncIterator[StreamItem]:
+    for item in head:
+        yield item
+    async for item in rest:
+        yield item
+
+
+@dataclass(frozen=True)
+class Started:
+    """A started request of an OpenAI route: its decoder, its latency timer and its decoded outputs."""
+
+    decoder: ItemDecoder
+    timer: Timer
+    outputs: AsyncIterator[Output]
+
+
+async def start(engine: ServingEngine, route: str, api_req: ApiRequest) -> Started:
+    decoder = engine.adapter.new_decoder(route, api_req)
+    timer = Timer(engine.metrics, ROUTE_PATHS[route])  # before the submit: latency includes admission
+    items = await started(engine, route, api_req.inputs, api_req.params)
+    return Started(decoder, timer, _decoded(items, decoder))
+
+
+async def _decoded(items: AsyncIterator[StreamItem], decoder: ItemDecoder) -> AsyncIterator[Output]:
+    async for item in items:
+        for out in decoder.feed(item.name, item.value):
+            yield out
+    for out in decoder.finish():
+        yield out
+
+
+# -- stream framing ----------------------------------------------------------------------------------
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def ndjson(payload: Any) -> str:
+    return json.dumps(payload) + "\n"
+
+
+async def ending_in_error(events: AsyncIterator[str], frame: Callable[[Any], str] = sse,
+                          after_error: tuple[str, ...] = ()) -> AsyncIterator[str]:
+    """Pass ``events`` through. The status line went out with the first byte, so a request that fails
+    later ends its stream with one event holding an OpenAI error body (then ``after_error``)."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as e:
+        yield frame(error_body(e.status, e.message))
+        for event in after_error:
+            yield event

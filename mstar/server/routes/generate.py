@@ -1,0 +1,32 @@
+"""The native route: ``POST /generate`` takes tensors by input name and streams every emitted item as
+one NDJSON line, then ``{"done": true}``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+
+from mstar.model.adapter import GENERATE
+from mstar.runtime.api import StreamItem
+from mstar.server import media
+from mstar.server.protocol import GenerateRequest
+from mstar.server.routes.common import Engine, adapt, ending_in_error, ndjson, require, started
+
+router = APIRouter()
+
+
+@router.post("/generate")
+async def generate(req: GenerateRequest, engine: Engine):
+    require(engine, GENERATE, None)
+    inputs = {k: adapt(media.tensor_from_json, v, f"inputs.{k}") for k, v in req.inputs.items()}
+    items = await started(engine, GENERATE, inputs, dict(req.params))
+    return StreamingResponse(ending_in_error(_lines(items), frame=ndjson), media_type="application/x-ndjson")
+
+
+async def _lines(items: AsyncIterator[StreamItem]) -> AsyncIterator[str]:
+    async for item in items:
+        yield ndjson({"name": item.name, "modality": item.modality, "node": item.node, "walk": item.walk,
+                      "tensors": [media.tensor_to_json(t) for t in item.value]})
+    yield ndjson({"done": True})

@@ -1,0 +1,86 @@
+"""``POST /v1/images/generations`` (JSON) and ``POST /v1/images/edits`` (multipart: image + prompt)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Annotated, Any
+
+import torch
+from fastapi import APIRouter, File, Form, Request, UploadFile
+
+from mstar.model.adapter import IMAGE_EDITS, IMAGES, ApiRequest, ImageOut
+from mstar.server import media
+from mstar.server.errors import APIError
+from mstar.server.protocol import ImageRequest, ImagesResponse
+from mstar.server.routes.common import Engine, Limits, adapt, png_base64, require, start
+from mstar.server.serving import ServingEngine
+
+router = APIRouter()
+
+_EDIT_FIELDS = ("image", "prompt", "model", "n", "size")  # the form fields image_edits names
+
+
+@router.post("/v1/images/generations", response_model=ImagesResponse)
+async def images(req: ImageRequest, engine: Engine):
+    require(engine, IMAGES, req.model)
+    body = req.model_dump()
+    body["width"], body["height"] = _parse_size(req.size)
+    return await _run(engine, IMAGES, body, None, req.n)
+
+
+@router.post("/v1/images/edits", response_model=ImagesResponse)
+async def image_edits(request: Request, engine: Engine, limits: Limits, image: Annotated[UploadFile, File()],
+                      prompt: Annotated[str, Form()], model: Annotated[str, Form()],
+                      n: Annotated[int, Form()] = 1, size: Annotated[str, Form()] = "256x256"):
+    require(engine, IMAGE_EDITS, model)
+    if not 1 <= n <= 4:
+        raise APIError(400, "n must be between 1 and 4", param="n")
+    pixels = adapt(media.decode_image, await image.read(), "image", limits.max_image_pixels)
+    # other form fields (the SDK's extra_body: seed, steps, guidance...) as JSON values where they parse
+    extra = {k: _form_value(v) for k, v in (await request.form()).items()
+             if k not in _EDIT_FIELDS and isinstance(v, str)}
+    body = {**extra, "model": model, "prompt": prompt, "n": n, "size": size}
+    body["width"], body["height"] = _parse_size(size)
+    return await _run(engine, IMAGE_EDITS, body, pixels, n)
+
+
+async def _run(engine: ServingEngine, route: str, body: dict, image: torch.Tensor | None,
+               n: int) -> ImagesResponse:
+    """The n images run as n concurrent requests (the runtime batches them). Every input is validated
+    before any starts, so a bad request starts nothing."""
+    reqs = [adapt(engine.adapter.image_request, {**body, "index": i}, image) for i in range(n)]
+    tasks = [asyncio.ensure_future(_one(engine, route, r)) for r in reqs]
+    try:
+        results = await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:  # one failed (or the client left): stop the others, which aborts them
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    return ImagesResponse(created=int(time.time()), data=[d for r in results for d in r])
+
+
+async def _one(engine: ServingEngine, route: str, api_req: ApiRequest) -> list[dict]:
+    request = await start(engine, route, api_req)
+    outs = [out async for out in request.outputs]
+    request.timer.done()
+    return [{"b64_json": png_base64(o.pixels)} for o in outs if isinstance(o, ImageOut)]
+
+
+def _parse_size(size: str) -> tuple[int, int]:
+    try:
+        w, h = (int(x) for x in size.lower().split("x"))
+    except ValueError as e:
+        raise APIError(400, f"size must look like 256x256, got {size!r}", param="size") from e
+    if w <= 0 or h <= 0:
+        raise APIError(400, f"size must be positive, got {size!r}", param="size")
+    return w, h
+
+
+def _form_value(v: str) -> Any:
+    try:
+        return json.loads(v)
+    except ValueError:
+        return v
