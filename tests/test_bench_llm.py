@@ -23,8 +23,9 @@ def cache(tmp_path_factory):
 
 
 def test_checkpoint_is_written_once_and_loads(cache):
-    from mstar.models.llama import LlamaConfig, LlamaLM
+    from mstar.models.llama.config import LlamaConfig
     from mstar.models.llama.loader import build_llama_model
+    from mstar.models.llama.model import LlamaLM
 
     path = lb.ensure_checkpoint(cache, TINY, seed=3)
     assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()

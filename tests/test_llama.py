@@ -21,10 +21,11 @@ from mstar.layers.paged_attention import AttentionMetadata, QueryMode
 from mstar.layers.rotary import RopeScaling, RotaryEmbedding, compute_inv_freq
 from mstar.model import EngineInputs, resolve_model
 from mstar.models.llama.config import TINY, LlamaConfig
-from mstar.models.llama.graph import LlamaLM, LlamaTiny
 from mstar.models.llama.loader import CheckpointError, CheckpointNotFoundError, build_llama_model
+from mstar.models.llama.model import LlamaLM, LlamaTiny
 from mstar.models.llama.tokenizer import ByteTokenizer, load_tokenizer
 from mstar.placement import Placement
+from tests.helpers import kv_blocks_in_use
 
 ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -100,9 +101,6 @@ def tokens(out):
     assert out.status is RequestStatus.FINISHED, out.error
     return [int(t) for t in out.tensors("token")]
 
-
-def kv_used(rt):
-    return sum(kv["blocks_used"] for r in rt.stats()["ranks"] for kv in r["kv"].values())
 
 
 # -- hand-driven batches over a paged cache --------------------------------------------------------
@@ -241,7 +239,7 @@ def test_greedy_generation_matches_hf_generate_batched(tied_ckpt, hf_greedy, pla
         assert max(ranks[-1]["batch_sizes"]["LLM"]) > 1  # requests of different lengths decoded together
         if placement:
             assert all(sum(r["batch_sizes"]["LLM"].values()) > 0 for r in ranks)
-        assert kv_used(rt) == 0
+        assert kv_blocks_in_use(rt) == 0
 
 
 def test_repetition_penalty_and_stop_tokens_match_hf(tied_ckpt, hf_greedy):
@@ -262,7 +260,7 @@ def test_repetition_penalty_and_stop_tokens_match_hf(tied_ckpt, hf_greedy):
         assert tokens(pen) == ref != full[:24]
         assert tokens(stop) == full[:k + 1]  # the stop token is emitted, nothing after it
         assert tokens(one) == full[:1]
-        assert kv_used(rt) == 0
+        assert kv_blocks_in_use(rt) == 0
 
 
 # -- loading -----------------------------------------------------------------------------------------
@@ -352,7 +350,7 @@ def test_llama_tiny_resolves_by_name_and_generates_offline():
                            {"max_tokens": 12})
         assert [len(tokens(o)) for o in outs] == [12, 12]
         assert isinstance(tok.decode(tokens(outs[0])), str)
-        assert kv_used(rt) == 0
+        assert kv_blocks_in_use(rt) == 0
 
 
 def test_seeded_sampling_is_batch_invariant():

@@ -16,9 +16,11 @@ import torch
 from mstar import Runtime
 from mstar.model import resolve_model
 from mstar.models.orpheus.codec import AUDIO_TOKEN_BASE, TOKENS_PER_FRAME, to_pcm16, tokens_to_codes
-from mstar.models.orpheus.model import END_OF_PROMPT, START_OF_HUMAN, STOP_TOKEN, VOCAB_SIZE, OrpheusTTS
-from mstar.models.orpheus.snac_loader import TINY_SNAC_CONFIG, dummy_snac
+from mstar.models.orpheus.config import END_OF_PROMPT, START_OF_HUMAN, STOP_TOKEN, VOCAB_SIZE
+from mstar.models.orpheus.loader import TINY_SNAC_CONFIG, dummy_snac
+from mstar.models.orpheus.model import OrpheusTTS
 from mstar.placement import Placement
+from tests.helpers import kv_blocks_in_use
 from tests.server_utils import running_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +77,7 @@ def test_speech_lm_matches_hf_generate(orpheus_ckpt, placement):
         for o, exp in zip(outs, expected):
             assert o.finished, o.error
             assert [int(t) for t in o.tensors("token")] == exp
-        assert sum(kv["blocks_used"] for r in rt.stats()["ranks"] for kv in r["kv"].values()) == 0
+        assert kv_blocks_in_use(rt) == 0
 
 
 def offline_reference(snac_model, audio_tokens: list[int]) -> torch.Tensor:
@@ -98,7 +100,7 @@ def test_streamed_audio_equals_offline_sliding_window_decode():
     params = {"max_tokens": 120, "sampling": {"seed": 3}}
     with Runtime(model) as rt:
         outs = rt.generate([{"input_ids": torch.tensor(p)} for p in PROMPTS], params)
-        snac_model = rt._workers[0].engines["snac_decoder"].module.snac
+        snac_model = rt.local_module("snac_decoder").snac
     for o in outs:
         assert o.finished, o.error
         toks = [int(t) for t in o.tensors("token")]
@@ -147,7 +149,7 @@ def test_real_layout_needs_snac_directory(orpheus_ckpt, tmp_path):
 
 @pytest.mark.parametrize("name", ["orpheus_single.yaml", "orpheus_pd_split.yaml", "orpheus_codec_rank.yaml"])
 def test_shipped_placements_validate(name):
-    from mstar.models.orpheus.graph import build_orpheus_graph
+    from mstar.models.orpheus.graph import build_graph as build_orpheus_graph
 
     p = Placement.load(ROOT / "examples" / "placements" / name).check_model("orpheus")
     assert p.validate(build_orpheus_graph()).num_ranks in (1, 2)

@@ -17,12 +17,11 @@ from mstar.models.orpheus.codec import (
     AUDIO_TOKEN_BASE,
     CODE_SIZE,
     OrpheusAudioTokens,
-    SnacDecoderNode,
     is_audio_token,
     plan_chunk,
     tokens_to_codes,
 )
-from mstar.models.orpheus.snac_loader import (
+from mstar.models.orpheus.loader import (
     SNAC_24KHZ_CONFIG,
     TINY_SNAC_CONFIG,
     SnacCheckpointError,
@@ -31,6 +30,7 @@ from mstar.models.orpheus.snac_loader import (
     remove_noise,
     samples_per_frame,
 )
+from mstar.models.orpheus.nodes import SnacDecoderNode
 from mstar.runtime.engine import StatelessEngine, WorkItem
 
 S = 16  # samples per frame of TINY_SNAC_CONFIG: vq_strides[0] * prod(decoder_rates) = 4 * 2 * 2

@@ -10,19 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.models.llama.loader import CheckpointError
-from mstar.models.vjepa2 import (
-    TINY_ENCODER,
-    TINY_PREDICTOR,
-    ACPredictor,
-    VJepaEncoder,
-    dummy_vjepa2,
-    encode_frames,
-    load_into,
-    load_vjepa2_ac,
-)
-from mstar.models.vjepa2.config import PredictorConfig
-from mstar.models.vjepa2.loader import init_random_weights
+from mstar.model.checkpoint import CheckpointError, load_into
+from mstar.models.vjepa2.config import TINY_ENCODER, TINY_PREDICTOR, PredictorConfig
+from mstar.models.vjepa2.encoder import VJepaEncoder, encode_frames
+from mstar.models.vjepa2.loader import dummy_vjepa2, init_random_weights, load_vjepa2_ac
+from mstar.models.vjepa2.predictor import ACPredictor
 from tests.vjepa2_ref import reference
 
 T = 3  # frames in a trajectory

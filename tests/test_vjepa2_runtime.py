@@ -7,15 +7,12 @@ import torch
 
 from mstar import Runtime
 from mstar.model import resolve_model
-from mstar.models.vjepa2.model import (
-    MAX_FRAMES,
-    compute_new_pose,
-    euler_xyz_to_matrix,
-    matrix_to_euler_xyz,
-    native_rollout,
-)
-from mstar.models.vjepa2.modules import encode_frames
+from mstar.models.vjepa2.encoder import encode_frames
+from mstar.models.vjepa2.graph import MAX_FRAMES
+from mstar.models.vjepa2.oracle import native_rollout
+from mstar.models.vjepa2.pose import compute_new_pose, euler_xyz_to_matrix, matrix_to_euler_xyz
 from mstar.placement import Placement
+from tests.helpers import kv_blocks_in_use
 from tests.server_utils import running_server
 
 
@@ -26,8 +23,8 @@ def request(seed: int, t: int, horizon: int):
 
 
 def check_against_native(rt, reqs, outs):
-    enc = rt._workers[0].engines["encoder"].module.encoder
-    pred = next(w for w in rt._workers if "predictor" in w.engines).engines["predictor"].module.predictor
+    enc = rt.local_module("encoder").encoder
+    pred = rt.local_module("predictor").predictor
     for (inputs, params), out in zip(reqs, outs):
         assert out.finished, out.error
         t = inputs["frames"].shape[0]
@@ -39,17 +36,13 @@ def check_against_native(rt, reqs, outs):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def kv_used(rt):
-    return sum(kv["blocks_used"] for r in rt.stats()["ranks"] for kv in r["kv"].values())
-
-
 def test_cached_rollout_equals_native_for_batched_requests():
     reqs = [request(0, 2, 4), request(1, 1, 3), request(2, 3, 1), request(3, 2, 6)]
     with Runtime(resolve_model("vjepa2-ac-tiny")) as rt:
         outs = [h.result() for h in [rt.submit(i, p) for i, p in reqs]]
         check_against_native(rt, reqs, outs)
         assert max(rt.stats()["ranks"][0]["batch_sizes"]["predictor"]) > 1  # rollouts of requests batched
-        assert kv_used(rt) == 0
+        assert kv_blocks_in_use(rt) == 0
 
 
 def test_rollout_is_placement_invariant():
@@ -142,9 +135,9 @@ def test_cem_plan_with_forked_sample_caches_equals_oracle(t):
     with Runtime(resolve_model("vjepa2-ac-tiny")) as rt:
         (out,) = rt.generate([{"context": ctx, "goal": goal, "states": states, "actions": past}], p)
         assert out.finished, out.error
-        pred = rt._workers[0].engines["predictor"].module.predictor
+        pred = rt.local_module("predictor").predictor
         assert len(out.tensors("energy")) == p["iterations"]
-        assert kv_used(rt) == 0  # the context cache and every sample's fork are freed
+        assert kv_blocks_in_use(rt) == 0  # the context cache and every sample's fork are freed
     torch.testing.assert_close(out.tensors("plan")[0], oracle_plan(pred, ctx, states, past, goal, p),
                                atol=1e-4, rtol=1e-4)
 
@@ -178,7 +171,7 @@ def test_plan_samples_and_rollouts_of_other_requests_batch_together():
         h_roll = [rt.submit(i, q) for i, q in rollouts]
         plan = h_plan.result()
         check_against_native(rt, rollouts, [h.result() for h in h_roll])
-        pred = rt._workers[0].engines["predictor"].module.predictor
+        pred = rt.local_module("predictor").predictor
         assert max(rt.stats()["ranks"][0]["batch_sizes"]["predictor"]) > 1
     torch.testing.assert_close(plan.tensors("plan")[0], oracle_plan(pred, ctx, states, past, goal, p),
                                atol=1e-4, rtol=1e-4)

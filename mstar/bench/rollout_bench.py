@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from mstar.models.vjepa2.config import PredictorConfig
-from mstar.models.vjepa2.model import MAX_FRAMES, VJepa2AC, native_rollout
+from mstar.models.vjepa2.graph import MAX_FRAMES
+from mstar.models.vjepa2.model import VJepa2AC
+from mstar.models.vjepa2.oracle import native_rollout
 from mstar.runtime.api import Runtime
 
 
@@ -52,7 +54,7 @@ def run_rollout_bench(horizons: list[int], context: int = 1, repeats: int = 3, *
     g = torch.Generator().manual_seed(0)
     out = []
     with Runtime(model) as rt:
-        pred = rt._workers[0].engines["predictor"].module.predictor
+        pred = rt.local_module("predictor").predictor
         for h in horizons:
             if context + h > MAX_FRAMES:
                 raise ValueError(f"context + horizon must be <= {MAX_FRAMES}")
@@ -93,7 +95,7 @@ def _native_reference(ref, context, states, actions, horizon):
     """Meta's rollout: the reference predictor over the whole trajectory at every step, batched over B."""
     import torch.nn.functional as F
 
-    from mstar.models.vjepa2.model import compute_new_pose
+    from mstar.models.vjepa2.pose import compute_new_pose
 
     b, t, n, d = context.shape
     z, s, preds = context.reshape(b, t * n, d), states, []
@@ -127,7 +129,7 @@ def run_rollout_compare(horizons: list[int], batches: list[int], repeats: int = 
     placement = Placement.from_dict({"model": model.name, "runtime": {"kv_cache_blocks": 8192},
                                      "node_groups": [{"node_names": sorted(model.graph.node_names), "ranks": [0]}]})
     with Runtime(model, placement) as rt:
-        ours = rt._workers[0].engines["predictor"].module.predictor
+        ours = rt.local_module("predictor").predictor
         ref = reference_predictor(pc, COMPARE_FRAME_SLOTS)
         ref.load_state_dict(ours.state_dict())
         n, d = pc.tokens_per_frame, pc.embed_dim

@@ -15,7 +15,6 @@ the driver thread is held while the requests are submitted so that all B start i
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -83,11 +82,9 @@ def _inputs(batch: int, width: int) -> list[torch.Tensor]:
 
 def _time_runtime(rt: Runtime, xs: list[torch.Tensor]) -> float:
     """Seconds from submitting every request to the last result; all requests start in one step."""
-    gate = threading.Event()
-    rt._command(gate.wait)  # hold the driver thread so that the B submissions land together
-    t0 = time.perf_counter()
-    handles = [rt.submit({"x": x}) for x in xs]
-    gate.set()
+    with rt.held():  # the B submissions land together
+        t0 = time.perf_counter()
+        handles = [rt.submit({"x": x}) for x in xs]
     outs = [h.result(timeout=600) for h in handles]
     dt = time.perf_counter() - t0
     bad = [o for o in outs if not o.finished]

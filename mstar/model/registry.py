@@ -29,7 +29,10 @@ def registered_models() -> dict[str, str]:
 
 
 def _load_builtin() -> None:
-    importlib.import_module("mstar.models")  # registers the families shipped with mstar
+    from mstar.models import BUILTIN_MODELS  # the families shipped with mstar (a torch-free table)
+
+    for name, target in BUILTIN_MODELS.items():
+        register_model(name, target)
 
 
 def import_target(target: str) -> Any:

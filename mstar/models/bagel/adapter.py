@@ -31,6 +31,7 @@ from mstar.model.adapter import (
     ItemDecoder,
     TextStreamDecoder,
 )
+from mstar.model.validation import check_int
 
 _FLOW_FIELDS = ("cfg_text_scale", "cfg_img_scale", "cfg_interval", "cfg_renorm_type", "cfg_renorm_min",
                 "num_timesteps", "timestep_shift")
@@ -45,9 +46,7 @@ def _flow_params(body: Mapping[str, Any]) -> dict[str, Any]:
             params[ours] = body[theirs]
     steps = body.get("num_inference_steps")
     if steps is not None:
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"num_inference_steps must be an int >= 1, got {steps!r}")
-        params["num_timesteps"] = steps + 1
+        params["num_timesteps"] = check_int(steps, "num_inference_steps") + 1
     return params
 
 
@@ -117,9 +116,7 @@ class BagelAdapter(ApiAdapter):
         params: dict[str, Any] = {"target": "image", **_flow_params(body)}
         seed = body.get("seed")
         if seed is not None:
-            if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-                raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-            params["seed"] = seed + int(body.get("index", 0))
+            params["seed"] = check_int(seed, "seed", lo=0) + int(body.get("index", 0))
         inputs: dict[str, list] = {"text_ids": [self._encode(body["prompt"])]}
         if image is None:
             params["height"], params["width"] = int(body["height"]), int(body["width"])

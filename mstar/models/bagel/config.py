@@ -1,8 +1,9 @@
-"""``BagelLLMConfig``: the architecture of BAGEL's Mixture-of-Transformers language model.
+"""What shapes a BAGEL model: ``BagelSpec`` (LLM, ViT and VAE configs, latent grid, image transforms)
+and ``BagelLLMConfig``, the architecture of its Mixture-of-Transformers language model.
 
 BAGEL-7B-MoT's LLM is Qwen2.5-7B-shaped (GQA, RoPE, RMSNorm, q/k/v biases, no o_proj bias) with
 per-head q/k RMSNorm before RoPE, and every layer duplicated into an understanding weight set and a
-generation (``*_moe_gen``) set over one shared attention (see ``mstar.models.bagel.modules``).
+generation (``*_moe_gen``) set over one shared attention (see ``mstar.models.bagel.mot``).
 Field names follow the Hugging Face ``config.json`` spelling, so the config also satisfies the
 ``LlamaArchitecture`` protocol of ``mstar.layers.llama`` (``rope_scaling`` is always None).
 """
@@ -11,7 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BAGEL_7B_MOT", "TINY", "BagelLLMConfig"]
+from mstar.model.validation import check_int
+from mstar.models.bagel.vae import BagelVAEConfig
+from mstar.models.bagel.vit import TINY as TINY_VIT
+from mstar.models.bagel.vit import BagelViTConfig
+
+__all__ = ["BAGEL_7B_MOT", "TINY", "TINY_SPEC", "BagelLLMConfig", "BagelSpec", "ImageTransformSpec"]
 
 
 @dataclass(frozen=True)
@@ -30,9 +36,7 @@ class BagelLLMConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"BagelLLMConfig.{name} must be an int >= 1, got {value!r}")
+            check_int(getattr(self, name), f"BagelLLMConfig.{name}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
@@ -73,3 +77,39 @@ class ImageTransformSpec:
     min_size: int
     stride: int
     max_pixels: int = 14 * 14 * 9 * 1024
+
+
+@dataclass(frozen=True)
+class BagelSpec:
+    """Everything that shapes a BAGEL model (the reference's BagelConfig plus the image transforms)."""
+
+    llm: BagelLLMConfig
+    vit: BagelViTConfig
+    vae: BagelVAEConfig
+    latent_patch_size: int = 2
+    max_latent_size: int = 64
+    vae_transform: ImageTransformSpec = ImageTransformSpec(1024, 512, 16)
+    vit_transform: ImageTransformSpec = ImageTransformSpec(980, 224, 14)
+    default_size: tuple[int, int] = (1024, 1024)  # (height, width) of text-to-image
+
+    @property
+    def latent_downsample(self) -> int:
+        return self.vae.downsample * self.latent_patch_size
+
+    @property
+    def latent_dim(self) -> int:
+        return self.latent_patch_size ** 2 * self.vae.latent_channels
+
+    @property
+    def max_image_side(self) -> int:
+        return self.max_latent_size * self.latent_downsample
+
+
+# The tiny twin: byte tokenizer + BAGEL's four special tokens (vocab 264), 8-pixel latent cells.
+TINY_SPEC = BagelSpec(
+    llm=TINY, vit=TINY_VIT,
+    vae=BagelVAEConfig(block_out_channels=(8, 16, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4),
+    latent_patch_size=2, max_latent_size=32,
+    vae_transform=ImageTransformSpec(64, 32, 8), vit_transform=ImageTransformSpec(56, 28, 14),
+    default_size=(64, 64),
+)

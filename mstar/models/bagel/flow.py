@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from mstar.model.validation import check_int
+
 __all__ = ["EDIT_DEFAULTS", "T2I_DEFAULTS", "FlowSettings", "cfg_combine", "flow_settings", "timestep_schedule"]
 
 MAX_TIMESTEPS = 1001
@@ -93,9 +95,7 @@ def flow_settings(params: Mapping[str, Any], editing: bool) -> FlowSettings:
     renorm_min = _number(params, "cfg_renorm_min", d.cfg_renorm_min)
     if not 0.0 <= renorm_min <= 1.0:
         raise ValueError(f"cfg_renorm_min must be in [0, 1], got {renorm_min}")
-    steps = params.get("num_timesteps", d.num_timesteps)
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 2 <= steps <= MAX_TIMESTEPS:
-        raise ValueError(f"num_timesteps must be an int in [2, {MAX_TIMESTEPS}], got {steps!r}")
+    steps = check_int(params.get("num_timesteps", d.num_timesteps), "num_timesteps", 2, MAX_TIMESTEPS)
     shift = _number(params, "timestep_shift", d.timestep_shift)
     if shift <= 0:
         raise ValueError(f"timestep_shift must be > 0, got {shift}")

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from mstar.model.validation import check_int
+
 __all__ = ["VAE_TRANSFORM_ARGS", "VIT_TRANSFORM_ARGS", "BagelImageTransform", "to_pil", "to_rgb"]
 
 # (max_size, min_size, stride) of the two transforms BAGEL serves with.
@@ -45,8 +47,7 @@ class BagelImageTransform:
     def __init__(self, max_size: int, min_size: int, stride: int, max_pixels: int = 14 * 14 * 9 * 1024) -> None:
         for name, value in (("max_size", max_size), ("min_size", min_size), ("stride", stride),
                             ("max_pixels", max_pixels)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(value, name)
         self.max_size = max_size
         self.min_size = min_size
         self.stride = stride

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from mstar.model.checkpoint import CheckpointError, load_into, resolve_dtype
-from mstar.models.bagel.config import BagelLLMConfig
+from mstar.models.bagel.config import BagelLLMConfig, BagelSpec
 from mstar.models.bagel.nodes import BagelLLMNode, SpecialTokens
 from mstar.models.bagel.vae import FLUX, BagelVAE, BagelVAEConfig
 from mstar.models.bagel.vit import BagelViT, BagelViTConfig
@@ -95,12 +95,10 @@ def vae_config_from_file(file: Path) -> BagelVAEConfig:
         raise CheckpointError(f"{file.name}: unusable autoencoder geometry: {e}") from e
 
 
-def load_spec(model_path: str | Path):
+def load_spec(model_path: str | Path) -> BagelSpec:
     """The ``BagelSpec`` of a checkpoint directory (the reference's fixed settings: latent patch 2,
     64 latent cells per side, 70 ViT patches per side; the autoencoder as ``ae.safetensors`` shapes
     it, FLUX's when the file is absent, e.g. on a rank that hosts only the LLM)."""
-    from mstar.models.bagel.model import BagelSpec
-
     path = Path(model_path)
     if not path.is_dir():
         raise CheckpointError(f"model path {str(path)!r} does not exist or is not a directory")
@@ -138,7 +136,7 @@ def _read_prefixed(file: Path, prefixes: tuple[str, ...], dtype: torch.dtype) ->
     return out
 
 
-def build_components(spec, need: Iterable[str], tokens: SpecialTokens, *, model_path: str | None,
+def build_components(spec: BagelSpec, need: Iterable[str], tokens: SpecialTokens, *, model_path: str | None,
                      load_format: str, dtype: torch.dtype, seed: int) -> dict[str, Any]:
     """The weight-holding components the listed base nodes need: ``LLM`` (BagelLLMNode), ``vit``
     (BagelViT), ``vae`` (BagelVAE). Dummy weights are seeded per component, so every rank builds the

@@ -1,4 +1,5 @@
-"""BAGEL served: the Walk Graph of ``graph.py`` with real computations (``nodes.py``).
+"""BAGEL served: the Walk Graph of ``graph.py`` with real computations (``nodes.py``); ``BagelTiny``,
+its offline twin.
 
 A request is a list of items (text and images, in order) and a target:
 
@@ -30,11 +31,14 @@ import numpy as np
 import torch
 from PIL import Image
 
+from mstar.graph import WalkGraph
 from mstar.model import ModelDef, NodeSubmodule, WalkState
-from mstar.models.bagel.config import TINY as TINY_LLM
-from mstar.models.bagel.config import BagelLLMConfig, ImageTransformSpec
+from mstar.model.checkpoint import check_load_format, reject_checkpoint, resolve_dtype
+from mstar.model.tokenizer import LazyTokenizer
+from mstar.model.validation import check_int
+from mstar.models.bagel import graph as bagel_graph
+from mstar.models.bagel.config import TINY_SPEC, BagelSpec, ImageTransformSpec
 from mstar.models.bagel.flow import flow_settings, timestep_schedule
-from mstar.models.bagel.graph import build_bagel_graph
 from mstar.models.bagel.image_transform import BagelImageTransform
 from mstar.models.bagel.layout import plan_layout
 from mstar.models.bagel.nodes import (
@@ -45,50 +49,11 @@ from mstar.models.bagel.nodes import (
     ViTNode,
     request_sampling,
 )
-from mstar.models.bagel.vae import BagelVAEConfig
-from mstar.models.bagel.vit import TINY as TINY_VIT
-from mstar.models.bagel.vit import BagelViTConfig
 
-__all__ = ["BagelModel", "BagelSpec", "BagelState", "BagelTiny", "TINY_SPEC"]
+__all__ = ["BagelByteTokenizer", "BagelModel", "BagelState", "BagelTiny"]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 MAX_IMAGES = 8
-
-
-@dataclass(frozen=True)
-class BagelSpec:
-    """Everything that shapes a BAGEL model (the reference's BagelConfig plus the image transforms)."""
-
-    llm: BagelLLMConfig
-    vit: BagelViTConfig
-    vae: BagelVAEConfig
-    latent_patch_size: int = 2
-    max_latent_size: int = 64
-    vae_transform: ImageTransformSpec = ImageTransformSpec(1024, 512, 16)
-    vit_transform: ImageTransformSpec = ImageTransformSpec(980, 224, 14)
-    default_size: tuple[int, int] = (1024, 1024)  # (height, width) of text-to-image
-
-    @property
-    def latent_downsample(self) -> int:
-        return self.vae.downsample * self.latent_patch_size
-
-    @property
-    def latent_dim(self) -> int:
-        return self.latent_patch_size ** 2 * self.vae.latent_channels
-
-    @property
-    def max_image_side(self) -> int:
-        return self.max_latent_size * self.latent_downsample
-
-
-# The tiny twin: byte tokenizer + BAGEL's four special tokens (vocab 264), 8-pixel latent cells.
-TINY_SPEC = BagelSpec(
-    llm=TINY_LLM, vit=TINY_VIT,
-    vae=BagelVAEConfig(block_out_channels=(8, 16, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4),
-    latent_patch_size=2, max_latent_size=32,
-    vae_transform=ImageTransformSpec(64, 32, 8), vit_transform=ImageTransformSpec(56, 28, 14),
-    default_size=(64, 64),
-)
 
 
 class BagelByteTokenizer:
@@ -117,7 +82,7 @@ def _to_pil(img: torch.Tensor) -> Image.Image:
     return Image.fromarray(np.ascontiguousarray(img.to(torch.uint8).numpy()), "RGB")
 
 
-class BagelModel(ModelDef):
+class BagelModel(LazyTokenizer, ModelDef):
     """``ByteDance-Seed/BAGEL-7B-MoT`` (``model_path``: ema.safetensors, ae.safetensors, llm_config.json,
     vit_config.json, tokenizer.json) or, with ``load_format="dummy"``, seeded random weights."""
 
@@ -127,14 +92,10 @@ class BagelModel(ModelDef):
 
     def __init__(self, model_path: str | Path | None = None, load_format: str = "auto",
                  dtype: str | torch.dtype = "float32", spec: BagelSpec | None = None, seed: int = 0) -> None:
-        from mstar.models.bagel.loader import resolve_dtype
-
-        if load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"unknown load_format {load_format!r}; use auto, safetensors or dummy")
+        check_load_format(load_format)
         self.model_path = str(model_path) if model_path is not None else None
         self.load_format, self.dtype, self.seed = load_format, resolve_dtype(dtype), seed
         self._spec = spec  # read from the checkpoint on first use (drawing the graph needs no files)
-        self._tokenizer: Any = None
         self._resize: tuple[BagelImageTransform, BagelImageTransform] | None = None
 
     @property
@@ -166,18 +127,7 @@ class BagelModel(ModelDef):
                             BagelImageTransform(*_astuple(self.spec.vit_transform)))
         return self._resize
 
-    def __getstate__(self) -> dict:
-        state = super().__getstate__()
-        state["_tokenizer"] = None
-        return state
-
     # -- tokenizer -------------------------------------------------------------------------------
-    @property
-    def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            self._tokenizer = self._load_tokenizer()
-        return self._tokenizer
-
     def _load_tokenizer(self) -> Any:
         from mstar.models.bagel.loader import load_tokenizer
 
@@ -193,8 +143,8 @@ class BagelModel(ModelDef):
         return SpecialTokens(*ids)
 
     # -- graph and state machine -----------------------------------------------------------------
-    def build_graph(self):
-        return build_bagel_graph()
+    def build_graph(self) -> WalkGraph:
+        return bagel_graph.build_graph()
 
     def _order(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> list[str]:
         texts, images = len(inputs.get("text_ids", [])), len(inputs.get("images", []))
@@ -247,9 +197,8 @@ class BagelModel(ModelDef):
             flow_settings(params, editing=bool(images))
             if params.get("output_type", "pil") not in ("pil", "latent"):
                 raise ValueError(f"output_type must be 'pil' or 'latent', got {params.get('output_type')!r}")
-            seed = params.get("seed")
-            if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-                raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+            if params.get("seed") is not None:
+                check_int(params["seed"], "seed", lo=0)
         else:
             request_sampling(params)
 
@@ -292,15 +241,7 @@ class BagelModel(ModelDef):
                           steps=walk_steps, final=final)
 
     def next_walk(self, state: BagelState) -> str | None:
-        if state.steps:  # the request's items, in order
-            walk, tensors = state.steps.pop(0)
-        elif state.final is not None:
-            walk, tensors = state.final
-            state.final = None
-        else:
-            return None
-        state.tensors = dict(tensors)
-        return walk
+        return bagel_graph.next_walk(state)
 
     # -- modules ---------------------------------------------------------------------------------
     def build_submodules(self, node_names: Iterable[str]) -> dict[str, NodeSubmodule]:
@@ -347,9 +288,7 @@ class BagelTiny(BagelModel):
 
     def __init__(self, model_path: str | Path | None = None, load_format: str = "dummy",
                  dtype: str | torch.dtype = "float32", seed: int = 0) -> None:
-        if model_path is not None or load_format != "dummy":
-            raise ValueError("bagel-tiny has no checkpoint: it always uses dummy weights "
-                             "(use the 'bagel' model with --model-path for a checkpoint)")
+        reject_checkpoint(self.name, BagelModel.name, model_path, load_format)
         super().__init__(None, "dummy", dtype, spec=TINY_SPEC, seed=seed)
 
     def _load_tokenizer(self) -> Any:

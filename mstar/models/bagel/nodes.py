@@ -28,11 +28,12 @@ from mstar.layers.paged_attention import QueryMode
 from mstar.layers.sampling import SamplingParams, sample
 from mstar.layers.sampling import request_sampling as sampling_from_request
 from mstar.model import KVSequence, NodeInputs, NodeSubmodule
+from mstar.model.decode import generation_done, stop_token_set
 from mstar.models.bagel.config import BagelLLMConfig
 from mstar.models.bagel.embeddings import PositionEmbedding, TimestepEmbedder, flattened_position_ids
 from mstar.models.bagel.flow import cfg_combine, flow_settings, timestep_schedule
 from mstar.models.bagel.layout import Ctx
-from mstar.models.bagel.modules import MoTLLM
+from mstar.models.bagel.mot import MoTLLM
 
 __all__ = ["BagelLLMNode", "CombineCFG", "SpecialTokens", "VAEDecoderNode", "VAEEncoderNode", "ViTNode",
            "request_sampling"]
@@ -146,7 +147,7 @@ class BagelLLMNode(NodeSubmodule):
             step = fwd_info.iteration[-1] if fwd_info.iteration else 0
             pos = torch.tensor([ctx.rope + fwd_info.cache_len - ctx.length])
             sp = request_sampling(fwd_info.params)
-            stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else {self.tokens.im_end})
+            stop = stop_token_set(sp, (self.tokens.im_end,))
             return NodeInputs({"x": self._embed([tok]), "gen": torch.zeros(1, dtype=torch.bool), "pos": pos},
                               sequences=[KVSequence("LLM", 1, QueryMode.CAUSAL_APPEND)],
                               extras={"kind": "decode", "sampling": sp, "step": step, "stop_ids": stop})
@@ -217,7 +218,7 @@ class BagelLLMNode(NodeSubmodule):
                 tok = toks[j:j + 1].clone()
                 out["token"][r] = tok
                 out["text"][r] = tok
-                out["stop"][r] = torch.tensor(int(tok) in ei.extras["stop_ids"][r] or steps[j] + 1 >= sps[j].max_tokens)
+                out["stop"][r] = torch.tensor(generation_done(int(tok), steps[j], sps[j], ei.extras["stop_ids"][r]))
         return out
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mstar.model.checkpoint import mismatch_report
+from mstar.model.validation import check_int
 from mstar.models.bagel.embeddings import patchify, unpatchify
 
 __all__ = [
@@ -54,8 +56,7 @@ class BagelVAEConfig:
                 raise ValueError(f"every block_out_channels entry must be a positive multiple of "
                                  f"norm_num_groups ({self.norm_num_groups}), got {self.block_out_channels}")
         for name in ("layers_per_block", "latent_channels", "in_channels", "out_channels"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"BagelVAEConfig.{name} must be >= 1, got {getattr(self, name)}")
+            check_int(getattr(self, name), f"BagelVAEConfig.{name}")
         if self.scaling_factor == 0:
             raise ValueError("scaling_factor must be non-zero")
 
@@ -153,11 +154,6 @@ def bfl_key_map(config: BagelVAEConfig = FLUX) -> dict[str, str]:
     return out
 
 
-def _describe(names: list[str], limit: int = 20) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
-
-
 def convert_bfl_state_dict(state_dict: Mapping[str, torch.Tensor],
                            config: BagelVAEConfig = FLUX) -> dict[str, torch.Tensor]:
     """A BFL/FLUX ``ae.safetensors`` state dict -> ``AutoencoderKL`` state dict for ``config``.
@@ -168,15 +164,12 @@ def convert_bfl_state_dict(state_dict: Mapping[str, torch.Tensor],
     names = bfl_key_map(config)
     missing = sorted(k for k in names if k not in state_dict)
     unexpected = sorted(k for k in state_dict if k not in names)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing key(s): {_describe(missing)}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected key(s): {_describe(unexpected)}")
+    report = mismatch_report([(f"{len(missing)} missing key(s)", missing),
+                              (f"{len(unexpected)} unexpected key(s)", unexpected)])
+    if report:
         raise ValueError("the state dict does not match the BFL autoencoder of this config "
                          f"(block_out_channels={list(config.block_out_channels)}, "
-                         f"layers_per_block={config.layers_per_block}): " + "; ".join(parts))
+                         f"layers_per_block={config.layers_per_block}): {report}")
     out: dict[str, torch.Tensor] = {}
     for bfl, dif in names.items():
         tensor = state_dict[bfl]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.model.validation import check_int
 from mstar.models.bagel.embeddings import PositionEmbedding, flattened_position_ids, patchify
 
 # activations SigLIP configs use (transformers, the heavy import, loads only when a ViT is built)
@@ -52,9 +53,7 @@ class BagelViTConfig:
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "patch_size", "image_size", "num_channels", "vit_max_num_patch_per_side", "llm_hidden"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"BagelViTConfig.{name} must be an int >= 1, got {value!r}")
+            check_int(getattr(self, name), f"BagelViTConfig.{name}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
                              f"({self.num_attention_heads})")

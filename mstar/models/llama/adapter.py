@@ -22,21 +22,38 @@ def _text_of(content: Any) -> str:
     return "".join(p.get("text") or "" for p in content if p.get("type") == "text")
 
 
+def _compile_template(source: str) -> Any:
+    """A chat template compiled as ``apply_chat_template`` does (sandboxed, trimmed blocks, loop controls)."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
 class ChatTemplate:
-    """The checkpoint's Jinja chat template (tokenizer_config.json), or a plain "role: text" layout."""
+    """The checkpoint's Jinja chat template (tokenizer_config.json, or a .gguf file's metadata), or a
+    plain "role: text" layout."""
 
     def __init__(self, model_path: str | None) -> None:
         self.template = None
         self.specials: dict[str, str] = {}
+        if model_path and str(model_path).lower().endswith(".gguf"):
+            from mstar.models.llama.gguf_tokenizer import gguf_chat_template
+
+            source, self.specials = gguf_chat_template(model_path)
+            self.template = _compile_template(source) if source is not None else None
+            return
         cfg = Path(model_path) / "tokenizer_config.json" if model_path else None
         if cfg is not None and cfg.is_file():
             data = json.loads(cfg.read_text())
             source = data.get("chat_template")
             if isinstance(source, str):
-                from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-                self.template = env.from_string(source)
+                self.template = _compile_template(source)
                 for key in ("bos_token", "eos_token"):
                     tok = data.get(key)
                     self.specials[key] = tok.get("content", "") if isinstance(tok, dict) else (tok or "")

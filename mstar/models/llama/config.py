@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mstar.layers.rotary import RopeScaling, parse_rope_scaling
+from mstar.model.validation import check_int
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +73,7 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "max_position_embeddings"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"LlamaConfig.{name} must be an int >= 1, got {v!r}")
+            check_int(getattr(self, name), f"LlamaConfig.{name}")
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
@@ -83,9 +82,7 @@ class LlamaConfig:
                                  f"({self.num_attention_heads}); set head_dim explicitly")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         for name in ("num_key_value_heads", "head_dim"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"LlamaConfig.{name} must be an int >= 1, got {v!r}")
+            check_int(getattr(self, name), f"LlamaConfig.{name}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
@@ -157,9 +154,13 @@ class LlamaConfig:
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path) -> LlamaConfig:
-        """Read ``model_path/config.json``."""
+        """Read ``model_path/config.json``, or the metadata of ``model_path`` when it is a ``.gguf`` file."""
         from mstar.models.llama.loader import CheckpointNotFoundError
 
+        if str(model_path).lower().endswith(".gguf"):
+            from mstar.models.llama.gguf_loader import llama_config_from_gguf
+
+            return llama_config_from_gguf(model_path)
         path = Path(model_path)
         if not path.is_dir():
             raise CheckpointNotFoundError(f"model path {str(path)!r} does not exist or is not a directory")

@@ -1,6 +1,7 @@
 """Build a ``LlamaCausalLM`` and fill its weights: a Hugging Face safetensors checkpoint or dummy values.
 
-Checkpoints: ``model.safetensors``, or shards listed by ``model.safetensors.index.json``. Loading
+Checkpoints: ``model.safetensors``, or shards listed by ``model.safetensors.index.json`` (a ``.gguf``
+file is read by ``gguf_loader.py`` instead, with the same strictness). Loading
 is strict and name-for-name (the module mirrors the checkpoint layout): every tensor header is
 checked first (missing, unexpected and mis-shaped names are all reported in one error, before
 any data is read), then the shards are copied in one by one, converted to the requested dtype.
@@ -24,7 +25,16 @@ from typing import Any
 import torch
 
 from mstar.layers.llama import RMSNorm
-from mstar.model.checkpoint import DTYPES, CheckpointError, CheckpointNotFoundError, listed, resolve_dtype
+from mstar.model.checkpoint import (
+    DTYPES,
+    CheckpointError,
+    CheckpointNotFoundError,
+    check_load_format,
+    listed,
+    mismatch_report,
+    resolve_dtype,
+)
+from mstar.model.gguf_file import is_gguf_path
 from mstar.models.llama.config import LlamaConfig, read_json
 
 log = logging.getLogger(__name__)
@@ -36,6 +46,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "LoadReport",
     "build_llama_model",
+    "check_load_format",
     "checkpoint_files",
     "init_dummy_weights",
     "load_safetensors",
@@ -95,18 +106,29 @@ def _targets(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[int
 def load_safetensors(module: torch.nn.Module, files: Iterable[str | Path]) -> LoadReport:
     """Copy a safetensors checkpoint into ``module`` by name (strict; see the module docstring)."""
     try:
-        from safetensors import safe_open
+        from safetensors import safe_open  # noqa: F401 - checked here, used by the two passes
     except ImportError as e:  # pragma: no cover - safetensors ships with the serving extras
         raise ImportError("loading checkpoints needs the 'safetensors' package "
                           "(pip install safetensors)") from e
 
     files = [Path(f) for f in files]
     state, groups = _targets(module)
-    canonical = {key: names[0] for key, names in groups.items()}
     report = LoadReport(files=[str(f) for f in files])
+    source = _plan_sources(module, files, state, groups, report)
+    _copy_shards(files, source, state, groups, report)
+    if report.skipped:
+        log.debug("skipped checkpoint entries: %s", listed(report.skipped))
+    return report
 
-    # 1. headers only: decide where every tensor comes from, report every mismatch at once
-    source: dict[int, tuple[Path, str]] = {}  # tensor -> (file, name) to load it from
+
+def _plan_sources(module: torch.nn.Module, files: list[Path], state: dict[str, torch.Tensor],
+                  groups: dict[int, list[str]], report: LoadReport) -> dict[int, tuple[Path, str]]:
+    """Pass 1, headers only: the (file, name) each distinct tensor is loaded from. Every mismatch is
+    reported at once, in one ``CheckpointError``, before any data is read."""
+    from safetensors import safe_open
+
+    canonical = {key: names[0] for key, names in groups.items()}
+    source: dict[int, tuple[Path, str]] = {}
     seen: dict[str, Path] = {}
     unexpected: list[str] = []
     bad_shapes: list[str] = []
@@ -142,21 +164,20 @@ def load_safetensors(module: torch.nn.Module, files: Iterable[str | Path]) -> Lo
                     report.skipped.append(name)
     missing = [names[0] if len(names) == 1 else f"{names[0]} (or {', '.join(names[1:])})"
                for key, names in groups.items() if key not in source]
-    problems = []
-    if missing:
-        problems.append(f"missing from the checkpoint: {listed(missing)}")
-    if unexpected:
-        problems.append(f"not in the model (unexpected): {listed(unexpected)}")
-    if bad_shapes:
-        problems.append(f"shape mismatch: {listed(bad_shapes)}")
-    if duplicates:
-        problems.append(f"stored in several files: {listed(duplicates)}")
+    problems = mismatch_report([("missing from the checkpoint", missing),
+                                ("not in the model (unexpected)", unexpected),
+                                ("shape mismatch", bad_shapes), ("stored in several files", duplicates)])
     if problems:
         where = files[0].parent if files else "?"
-        raise CheckpointError(f"checkpoint {str(where)!r} does not match {type(module).__name__}: "
-                              + "; ".join(problems))
+        raise CheckpointError(f"checkpoint {str(where)!r} does not match {type(module).__name__}: {problems}")
+    return source
 
-    # 2. data, shard by shard
+
+def _copy_shards(files: list[Path], source: dict[int, tuple[Path, str]], state: dict[str, torch.Tensor],
+                 groups: dict[int, list[str]], report: LoadReport) -> None:
+    """Pass 2: the data, shard by shard, each tensor copied (and cast) into its parameter."""
+    from safetensors import safe_open
+
     by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
     for key, (f, name) in source.items():
         by_file.setdefault(f, []).append((name, state[groups[key][0]]))
@@ -175,9 +196,6 @@ def load_safetensors(module: torch.nn.Module, files: Iterable[str | Path]) -> Lo
         log.info("loaded shard %d/%d %s: %d tensors, %.1f MiB in %.2f s", i, len(files), f.name, len(items),
                  nbytes / 2**20, time.perf_counter() - t0)
     report.seconds = time.perf_counter() - t_all
-    if report.skipped:
-        log.debug("skipped checkpoint entries: %s", listed(report.skipped))
-    return report
 
 
 def init_dummy_weights(module: torch.nn.Module, seed: int = 0, std: float | None = None) -> None:
@@ -208,17 +226,16 @@ def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = No
     The module is created without initialising its parameters (on the meta device) and then
     materialised, so building a large model costs one copy of its weights.
     """
-    from mstar.models.llama.modules import DEFAULT_SAMPLING, LlamaCausalLM
+    from mstar.models.llama.nodes import DEFAULT_SAMPLING, LlamaCausalLM
 
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
+    check_load_format(load_format, LOAD_FORMATS)
     torch_dtype = resolve_dtype(dtype)
     files: list[Path] = []
     if load_format != "dummy":
         if model_path is None:
             raise CheckpointError("a model_path (checkpoint directory) is required unless "
                                   "load_format='dummy'")
-        files = checkpoint_files(model_path)
+        files = [] if is_gguf_path(model_path) else checkpoint_files(model_path)
     module = (module_cls or LlamaCausalLM)(config, dtype=torch_dtype, device="meta", eos_token_ids=eos_token_ids,
                                            default_sampling=default_sampling or DEFAULT_SAMPLING)
     module.to_empty(device="cpu")
@@ -227,6 +244,10 @@ def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = No
     if load_format == "dummy":
         init_dummy_weights(module, seed)
         log.info("initialised dummy Llama weights (seed %d, %s)", seed, torch_dtype)
+    elif is_gguf_path(model_path):
+        from mstar.models.llama.gguf_loader import load_gguf_weights
+
+        load_gguf_weights(module, model_path, config)
     else:
         report = load_safetensors(module, files)
         log.info("loaded %s: %d tensors, %.1f MiB from %d file(s) in %.2f s (%s)", model_path, report.tensors,

@@ -93,7 +93,12 @@ def _ids(value: Any) -> tuple[int, ...]:
 
 def checkpoint_eos_ids(model_path: str | Path) -> tuple[int, ...]:
     """The EOS ids generation stops on: ``generation_config.json``'s if it names some (as transformers'
-    ``generate`` uses them), else ``config.json``'s."""
+    ``generate`` uses them), else ``config.json``'s; for a ``.gguf`` file, the ids its metadata names."""
+    if str(model_path).lower().endswith(".gguf"):
+        from mstar.model.gguf_file import open_gguf
+        from mstar.models.llama.gguf_loader import gguf_eos_ids
+
+        return gguf_eos_ids(open_gguf(model_path))
     path = Path(model_path)
     for name in ("generation_config.json", "config.json"):
         f = path / name
@@ -105,9 +110,13 @@ def checkpoint_eos_ids(model_path: str | Path) -> tuple[int, ...]:
 
 
 def load_tokenizer(model_path: str | Path, eos_token_ids: Sequence[int] | None = None) -> HFTokenizer:
-    """The tokenizer of a checkpoint directory (its ``tokenizer.json``)."""
+    """The tokenizer of a checkpoint directory (its ``tokenizer.json``) or of a ``.gguf`` file (its metadata)."""
     from mstar.models.llama.loader import CheckpointNotFoundError
 
+    if str(model_path).lower().endswith(".gguf"):
+        from mstar.models.llama.gguf_tokenizer import GGUFTokenizer
+
+        return GGUFTokenizer(model_path, eos_token_ids)
     path = Path(model_path)
     if not path.is_dir():
         raise CheckpointNotFoundError(f"model path {str(path)!r} does not exist or is not a directory")

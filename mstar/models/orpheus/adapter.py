@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mstar.model.adapter import GENERATE, SPEECH, ApiAdapter, ApiRequest, AudioChunk, ItemDecoder
-from mstar.models.orpheus.model import VOICES
+from mstar.models.orpheus.config import VOICES
 
 # request fields (OpenAI's plus extra_body knobs) -> our sampling fields
 _SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty", "seed")

@@ -1,4 +1,5 @@
-"""Orpheus TTS's codec node: audio tokens of the LLM -> SNAC codes -> 24 kHz PCM16 audio.
+"""Orpheus TTS's audio tokens -> SNAC codes -> 24 kHz PCM16 audio: the rules the ``snac_decoder``
+node (``nodes.SnacDecoderNode``) applies to every chunk.
 
 Audio tokens
     The LLM emits audio tokens ``t >= AUDIO_TOKEN_BASE`` (128266). The ``i``-th audio token of a
@@ -10,14 +11,14 @@ Audio tokens
 
 Samples per frame
     SNAC decodes one frame to ``S = vq_strides[0] * prod(decoder_rates)`` samples
-    (see :func:`mstar.models.orpheus.snac_loader.samples_per_frame`): S = 4 * 512 = 2048 for the
+    (see :func:`mstar.models.orpheus.loader.samples_per_frame`): S = 4 * 512 = 2048 for the
     real 24 kHz codec, hence the reference's ``audio[2048:4096]``. Here S is always taken from the
     model, so any SNAC config works.
 
 Streaming rule
-    The LLM partition streams every audio token (a 1-element int64 tensor) to this node through
-    ``SlidingWindowChunkPolicy(window=28, stride=7)``; each chunk is one firing of this node, and
-    for each chunk the node emits one int16 tensor (possibly empty):
+    The LLM partition streams every audio token (a 1-element int64 tensor) to the ``snac_decoder``
+    node through ``SlidingWindowChunkPolicy(window=28, stride=7)``; each chunk is one firing of the
+    node, and for each chunk the node emits one int16 tensor (possibly empty):
 
     1. Window (every chunk fired by ``push``): 28 tokens = 4 frames starting at a frame boundary
        (stream indices ``k-28 .. k-1`` for ``k = 28, 35, 42, ...``). The 4 frames are decoded
@@ -43,18 +44,10 @@ Invalid codes
     reference skips that window entirely, which shifts the rest of the audio earlier in time. We
     instead emit *silence* (zeros) of the length the chunk would have produced (S samples for a
     window, ``frames * S`` for rule 3), so the stream's timing stays intact, and count it in
-    :attr:`SnacDecoderNode.num_invalid_windows`. Like the reference, the check covers all 28
+    :attr:`nodes.SnacDecoderNode.num_invalid_windows`. Like the reference, the check covers all 28
     tokens of a window, so one bad token silences every window containing it (up to 4). Unlike some
     reference versions, code 0 is valid (the reference drops tokens whose code is 0, which
     misaligns every following frame).
-
-Batching
-    ``prepare_inputs`` gives each request's codes *frame-major*: ``codes_0`` [F, 1], ``codes_1``
-    [F, 2], ``codes_2`` [F, 4] (row f = frame f's codes of that level, in reference order), so that
-    the engine can concatenate requests with different frame counts on dim 0, and a chunk that
-    decodes nothing contributes 0 rows. ``forward`` regroups the requests by frame count and runs ONE
-    ``snac.decode`` over each group (all full windows have 4 frames: the common case is a single
-    call for the whole batch).
 
 PCM conversion: ``round(clamp(audio, -1, 1) * 32767)`` as int16 (the reference truncates
 ``audio * 32767`` toward zero instead; the two differ by at most one LSB).
@@ -62,17 +55,10 @@ PCM conversion: ``round(clamp(audio, -1, 1) * 32767)`` as int16 (the reference t
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import snac
 import torch
-
-from mstar.model.submodule import EngineInputs, ForwardInfo, NodeInputs, NodeSubmodule
-from mstar.models.orpheus.snac_loader import samples_per_frame
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "AUDIO_TOKEN_BASE",
@@ -83,8 +69,9 @@ __all__ = [
     "WINDOW_TOKENS",
     "ChunkPlan",
     "OrpheusAudioTokens",
-    "SnacDecoderNode",
+    "frame_codes",
     "is_audio_token",
+    "levels_frame_major",
     "plan_chunk",
     "to_pcm16",
     "tokens_to_codes",
@@ -126,7 +113,7 @@ FRAME_LEVEL_POSITIONS: tuple[tuple[int, ...], ...] = ((0,), (1, 4), (2, 3, 5, 6)
 _FRAME_OFFSETS = torch.arange(TOKENS_PER_FRAME, dtype=torch.long) * CODE_SIZE
 
 
-def _frame_codes(tokens: Sequence[int] | torch.Tensor, start_index: int) -> tuple[torch.Tensor, bool]:
+def frame_codes(tokens: Sequence[int] | torch.Tensor, start_index: int) -> tuple[torch.Tensor, bool]:
     """[F, 7] codes of the whole frames of ``tokens`` and whether all are valid."""
     if start_index % TOKENS_PER_FRAME:
         raise ValueError(f"audio tokens must start at a frame boundary (a multiple of {TOKENS_PER_FRAME}), "
@@ -138,7 +125,7 @@ def _frame_codes(tokens: Sequence[int] | torch.Tensor, start_index: int) -> tupl
     return codes, valid
 
 
-def _levels_frame_major(codes: torch.Tensor) -> list[torch.Tensor]:
+def levels_frame_major(codes: torch.Tensor) -> list[torch.Tensor]:
     """[F, 7] frame codes -> per level [F, 1], [F, 2], [F, 4]."""
     return [codes[:, list(pos)] for pos in FRAME_LEVEL_POSITIONS]
 
@@ -151,8 +138,8 @@ def tokens_to_codes(tokens: Sequence[int] | torch.Tensor, start_index: int) -> t
     ``[1, 4F]`` that ``snac.SNAC.decode`` takes, and whether every code is in ``[0, 4096)``
     (out-of-range codes are returned unchanged).
     """
-    codes, valid = _frame_codes(tokens, start_index)
-    return [lvl.reshape(1, -1) for lvl in _levels_frame_major(codes)], valid
+    codes, valid = frame_codes(tokens, start_index)
+    return [lvl.reshape(1, -1) for lvl in levels_frame_major(codes)], valid
 
 
 @dataclass(frozen=True)
@@ -182,86 +169,3 @@ def plan_chunk(num_items: int, start: int, new_start: int, is_final: bool) -> Ch
 def to_pcm16(audio: torch.Tensor) -> torch.Tensor:
     """Float audio in [-1, 1] -> int16 PCM: ``round(clamp(audio, -1, 1) * 32767)``."""
     return (audio.float().clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16)
-
-
-_NO_CHUNK = {"start": 0, "new_start": 0, "is_final": True}
-
-
-class SnacDecoderNode(NodeSubmodule):
-    """The ``snac_decoder`` node: one chunk of audio tokens per request -> int16 PCM (``audio``).
-
-    Input ``audio_token``: the chunk's items (1-element int64 tensors, one per audio token).
-    Output ``audio``: per request, a 1-D int16 tensor (possibly empty) of the samples this chunk
-    emits under the module docstring's streaming rule.
-    """
-
-    INPUT = "audio_token"
-    OUTPUT = "audio"
-    CODE_NAMES = ("codes_0", "codes_1", "codes_2")
-
-    def __init__(self, snac_model: snac.SNAC):
-        super().__init__()
-        if len(snac_model.vq_strides) != len(FRAME_LEVEL_POSITIONS):
-            raise ValueError(f"Orpheus needs a 3-level SNAC, got vq_strides={snac_model.vq_strides}")
-        self.snac = snac_model
-        self.samples_per_frame = samples_per_frame(snac_model)
-        self.sampling_rate = int(snac_model.sampling_rate)
-        self.num_invalid_windows = 0  # chunks emitted as silence because of out-of-range codes
-
-    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
-                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
-        items = inputs[self.INPUT]
-        chunk = fwd_info.stream_chunks.get(self.INPUT) or _NO_CHUNK
-        start = int(chunk["start"])
-        plan = plan_chunk(len(items), start, int(chunk["new_start"]), bool(chunk["is_final"]))
-        frames = plan.num_frames
-        valid = True
-        if frames:
-            tokens = torch.cat([torch.as_tensor(x).reshape(-1) for x in items[: frames * TOKENS_PER_FRAME]]).cpu()
-            if tokens.numel() != frames * TOKENS_PER_FRAME:
-                raise ValueError(f"{self.INPUT} items must hold one token each")
-            codes, valid = _frame_codes(tokens, start)
-            if not valid:
-                self.num_invalid_windows += 1
-                log.debug("request %s: audio tokens %d..%d hold invalid SNAC codes; emitting silence",
-                          fwd_info.request_id, start, start + len(items) - 1)
-                codes = codes[:0]
-        else:
-            codes = torch.empty(0, TOKENS_PER_FRAME, dtype=torch.long)
-        levels = _levels_frame_major(codes)
-        s = self.samples_per_frame
-        return NodeInputs(tensor_inputs=dict(zip(self.CODE_NAMES, levels, strict=True)),
-                          extras={"snac_keep": (plan.emit_from * s, plan.emit_to * s)})
-
-    def decode_kept(self, engine_inputs: EngineInputs, codes_0: torch.Tensor, codes_1: torch.Tensor,
-                    codes_2: torch.Tensor) -> list[torch.Tensor]:
-        """Per request, the float audio samples to emit (zeros for silenced chunks)."""
-        levels = [engine_inputs.split(name, t) for name, t in zip(self.CODE_NAMES, (codes_0, codes_1, codes_2),
-                                                                    strict=True)]
-        keep = engine_inputs.extras["snac_keep"]
-        param = next(self.snac.parameters())
-        out: list[torch.Tensor | None] = [None] * engine_inputs.batch_size
-        groups: dict[int, list[int]] = {}
-        for i, piece in enumerate(levels[0]):
-            if piece.shape[0]:
-                groups.setdefault(piece.shape[0], []).append(i)
-        with torch.inference_mode():
-            for frames, idxs in groups.items():
-                codes = [torch.stack([lvl[i].reshape(-1) for i in idxs]).to(param.device) for lvl in levels]
-                audio = self.snac.decode(codes)
-                if audio.shape[-1] != frames * self.samples_per_frame:
-                    raise RuntimeError(f"SNAC decoded {frames} frames to {audio.shape[-1]} samples, expected "
-                                       f"{frames * self.samples_per_frame}")
-                for row, i in enumerate(idxs):
-                    lo, hi = keep[i]
-                    out[i] = audio[row, 0, lo:hi]
-        for i, a in enumerate(out):
-            if a is None:
-                lo, hi = keep[i]
-                out[i] = torch.zeros(hi - lo, dtype=param.dtype, device=param.device)
-        return out  # type: ignore[return-value]
-
-    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs,
-                **tensors: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-        kept = self.decode_kept(engine_inputs, *(tensors[n] for n in self.CODE_NAMES))
-        return {self.OUTPUT: [to_pcm16(a) for a in kept]}

@@ -13,6 +13,8 @@ codec's stream index of a token is its index among the request's audio tokens.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mstar.graph import (
     EMIT_TO_CLIENT,
     TO_STATE,
@@ -26,13 +28,18 @@ from mstar.graph import (
     Walk,
     WalkGraph,
 )
-from mstar.model import ModelDef, WalkState
+from mstar.models.llama import graph as llama_graph
+
+if TYPE_CHECKING:
+    from mstar.model.base import WalkState
+
+__all__ = ["SNAC_STRIDE", "SNAC_WINDOW", "build_graph", "next_walk"]
 
 SNAC_WINDOW = 28  # 4 frames of 7 tokens
 SNAC_STRIDE = 7  # one new frame
 
 
-def build_orpheus_graph(max_new_tokens: int = 1200) -> WalkGraph:
+def build_graph(max_new_tokens: int = 1200) -> WalkGraph:
     to_codec = StreamingGraphEdge(next_node="snac_decoder", name="audio_token", target_partition="codec")
     tokens_out = GraphEdge(EMIT_TO_CLIENT, "token")  # every generated token, for /generate clients and tests
     prefill = GraphNode(name="LLM", input_names=["input_ids"],
@@ -56,23 +63,9 @@ def build_orpheus_graph(max_new_tokens: int = 1200) -> WalkGraph:
     ], topology=topology)
 
 
-def orpheus_next_walk(state: WalkState, first_token_ends: bool) -> str | None:
+def next_walk(state: WalkState, first_token_ends: bool = False) -> str | None:
+    """llm: Llama's ``prefill``, then ``decode`` unless ``first_token_ends`` (the model decides it from
+    the request's sampling parameters); codec: one ``snac_chunk`` per chunk until the stream is drained."""
     if state.partition == "codec":
         return None if state.stream_done else "snac_chunk"
-    if state.last_walk is None:
-        return "prefill"
-    if state.last_walk == "prefill" and not first_token_ends:
-        return "decode"
-    return None
-
-
-class OrpheusGraph(ModelDef):
-    """Orpheus's graph and state machine alone (no weights): `mstar graph orpheus-graph`."""
-
-    name = "orpheus-graph"
-
-    def build_graph(self) -> WalkGraph:
-        return build_orpheus_graph()
-
-    def next_walk(self, state: WalkState) -> str | None:
-        return orpheus_next_walk(state, False)
+    return llama_graph.next_walk(state, first_token_ends)

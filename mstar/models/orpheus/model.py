@@ -1,9 +1,8 @@
 """Orpheus TTS: a Llama speech LM whose audio tokens stream, through a sliding window, into SNAC.
 
-Prompt (as the reference): ``[128259] + tokenize(f"{voice}: {text}") + [128009, 128260, 128261,
-128257]``; generation stops at token 128258 or after ``max_tokens``. Sampling defaults:
-temperature 0.6, top_p 0.8, repetition_penalty 1.3, 1200 new tokens. Emotion tags such as
-``<laugh>`` are plain text in the prompt.
+``OrpheusTTS`` serves the walks of ``graph.py`` with the nodes of ``nodes.py``; ``OrpheusTiny`` is its
+offline twin; ``OrpheusGraph`` the graph and state machine alone. Prompt format, stop token and
+sampling defaults: ``config.py``.
 
 Checkpoint layout for ``orpheus``: ``--model-path DIR`` with the HF Llama checkpoint
 (config.json, safetensors, tokenizer.json) and SNAC in ``DIR/snac`` (config.json +
@@ -18,83 +17,50 @@ from typing import Any
 
 import torch
 
+from mstar.graph import WalkGraph
 from mstar.layers.llama import check_llama_architecture
-from mstar.layers.rotary import RopeScaling
-from mstar.layers.sampling import sample
+from mstar.layers.sampling import request_sampling
 from mstar.model import ModelDef, NodeSubmodule, WalkState
+from mstar.model.checkpoint import check_load_format, reject_checkpoint
+from mstar.model.decode import generation_done, stop_token_set
+from mstar.model.tokenizer import LazyTokenizer
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.loader import LOAD_FORMATS, build_llama_model, resolve_dtype
-from mstar.models.llama.modules import LlamaCausalLM, request_sampling, stop_token_set
 from mstar.models.llama.tokenizer import ByteTokenizer, load_tokenizer
-from mstar.models.orpheus.codec import AUDIO_TOKEN_BASE, CODE_SIZE, TOKENS_PER_FRAME, SnacDecoderNode
-from mstar.models.orpheus.graph import build_orpheus_graph, orpheus_next_walk
-from mstar.models.orpheus.snac_loader import dummy_snac, load_snac
+from mstar.models.orpheus import graph as orpheus_graph
+from mstar.models.orpheus.config import (
+    DEFAULT_SAMPLING,
+    END_OF_PROMPT,
+    MAX_NEW_TOKENS,
+    START_OF_HUMAN,
+    STOP_TOKEN,
+    TINY_LLM,
+)
+from mstar.models.orpheus.loader import dummy_snac, load_snac
+from mstar.models.orpheus.nodes import OrpheusLM, SnacDecoderNode
 
-START_OF_HUMAN = 128259
-END_OF_PROMPT = (128009, 128260, 128261, 128257)
-STOP_TOKEN = 128258
-VOCAB_SIZE = 156940
-VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
-DEFAULT_SAMPLING: Mapping[str, Any] = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3,
-                                       "max_tokens": 1200}
-MAX_NEW_TOKENS = 4096
-
-TINY_LLM = LlamaConfig(
-    vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0,
-    rope_scaling=RopeScaling("llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                             original_max_position_embeddings=1024),
-    tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=128000, eos_token_id=STOP_TOKEN)
+__all__ = ["OrpheusGraph", "OrpheusTTS", "OrpheusTiny"]
 
 
-class OrpheusLM(LlamaCausalLM):
-    """The Llama node, plus ``audio_token``: the sampled token when it is an audio token, else nothing.
+class OrpheusGraph(ModelDef):
+    """Orpheus's graph and state machine alone (no weights): `mstar graph mstar.models.orpheus.model:OrpheusGraph`."""
 
-    ``constrain_audio``: sample only the stop token or the audio tokens valid at the next position
-    (the i-th generated token can only carry a code of SNAC position i % 7). Off for real
-    checkpoints (the reference does not constrain); on for orpheus-tiny, whose random weights would
-    otherwise produce invalid codes and hence silence.
-    """
+    name = "orpheus-graph"
 
-    constrain_audio = False
+    def build_graph(self) -> WalkGraph:
+        return orpheus_graph.build_graph()
 
-    def sample_next(self, last, engine_inputs):
-        if not self.constrain_audio:
-            return super().sample_next(last, engine_inputs)
-        # Only the stop token and the 4096 audio tokens of the next position can be sampled: compute
-        # just those logits (in vocabulary order, so the seeded draw equals a full-vocabulary
-        # sample with every other logit masked), sample among them, map back to token ids.
-        ei = engine_inputs
-        weight = self.lm_head.weight
-        cols, rows = [], []
-        for r, step in enumerate(ei.extras["step"]):
-            lo = AUDIO_TOKEN_BASE + (step % TOKENS_PER_FRAME) * CODE_SIZE
-            cols.append(torch.cat([torch.tensor([STOP_TOKEN]), torch.arange(lo, lo + CODE_SIZE)]))
-            # the window is a contiguous slice of the head: no gather, one small matmul
-            rows.append(torch.cat([last[r:r + 1] @ weight[STOP_TOKEN:STOP_TOKEN + 1].T,
-                                   last[r:r + 1] @ weight[lo:lo + CODE_SIZE].T], dim=1))
-        logits = torch.cat(rows)
-        seen = self.seen_lists(ei)
-        if seen is not None:  # the penalty counts only tokens that are candidates here: map them
-            seen = [[0 if t == STOP_TOKEN else 1 + t - int(c[1]) for t in s
-                     if t == STOP_TOKEN or int(c[1]) <= t < int(c[1]) + CODE_SIZE] for c, s in zip(cols, seen)]
-        picked = sample(logits, ei.extras["sampling"], seen, ei.extras["step"]).cpu()
-        return torch.stack([c[i] for c, i in zip(cols, picked)])
-
-    def forward(self, graph_walk, engine_inputs, ids):
-        out = super().forward(graph_walk, engine_inputs, ids)
-        out["audio_token"] = [[t] if int(t) >= AUDIO_TOKEN_BASE else [] for t in out["token"]]
-        return out
+    def next_walk(self, state: WalkState) -> str | None:
+        return orpheus_graph.next_walk(state)
 
 
-class OrpheusTTS(ModelDef):
+class OrpheusTTS(LazyTokenizer, ModelDef):
     name = "orpheus"
     constrain_audio = False
 
     def __init__(self, model_path: str | Path | None = None, load_format: str = "auto", dtype: str = "float32",
                  snac_path: str | Path | None = None, llm_config: LlamaConfig | None = None, seed: int = 0) -> None:
-        if load_format not in LOAD_FORMATS:
-            raise ValueError(f"unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
+        check_load_format(load_format, LOAD_FORMATS)
         self.model_path = str(model_path) if model_path else None
         self.load_format, self.dtype, self.seed = load_format, resolve_dtype(dtype), seed
         if llm_config is None:
@@ -112,37 +78,29 @@ class OrpheusTTS(ModelDef):
         if load_format != "dummy" and not (self.snac_path and Path(self.snac_path).is_dir()):
             raise ValueError(f"orpheus: SNAC codec directory {self.snac_path!r} not found: put the SNAC 24 kHz "
                              f"checkpoint (config.json + pytorch_model.bin) in MODEL_PATH/snac or pass snac_path")
-        self._tokenizer = None
 
-    def __getstate__(self) -> dict:
-        state = super().__getstate__()
-        state["_tokenizer"] = None
-        return state
-
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.model_path, (STOP_TOKEN,)) if self.model_path else ByteTokenizer()
-        return self._tokenizer
+    def _load_tokenizer(self) -> Any:
+        return load_tokenizer(self.model_path, (STOP_TOKEN,)) if self.model_path else ByteTokenizer()
 
     def prompt_ids(self, text: str, voice: str | None) -> list[int]:
         body = f"{voice}: {text}" if voice else text
         return [START_OF_HUMAN, *self.tokenizer.encode(body), *END_OF_PROMPT]
 
     # -- graph -----------------------------------------------------------------------------------
-    def build_graph(self):
-        return build_orpheus_graph(min(MAX_NEW_TOKENS, self.llm_config.max_position_embeddings))
+    def build_graph(self) -> WalkGraph:
+        return orpheus_graph.build_graph(min(MAX_NEW_TOKENS, self.llm_config.max_position_embeddings))
 
     def sampling_params(self, params: Mapping[str, Any]):
         return request_sampling(params, DEFAULT_SAMPLING)
 
     def next_walk(self, state: WalkState) -> str | None:
-        first_ends = False
-        if state.partition == "llm" and state.last_walk == "prefill":
-            sp = self.sampling_params(state.params)
-            token = int(state.tensors["token"][0].reshape(-1)[0])
-            first_ends = sp.max_tokens <= 1 or token in stop_token_set(sp, (STOP_TOKEN,))
-        return orpheus_next_walk(state, first_ends)
+        ends = state.partition == "llm" and state.last_walk == "prefill" and self._prefill_token_ends(state)
+        return orpheus_graph.next_walk(state, ends)
+
+    def _prefill_token_ends(self, state: WalkState) -> bool:
+        sp = self.sampling_params(state.params)
+        token = int(state.tensors["token"][0].reshape(-1)[0])
+        return generation_done(token, 0, sp, stop_token_set(sp, (STOP_TOKEN,)))
 
     def validate_request(self, inputs, params) -> None:
         if "input_ids" not in inputs or len(inputs["input_ids"]) != 1:
@@ -156,6 +114,10 @@ class OrpheusTTS(ModelDef):
         if ids.numel() + sp.max_tokens > self.llm_config.max_position_embeddings:
             raise ValueError(f"orpheus: prompt ({ids.numel()} tokens) + max_tokens ({sp.max_tokens}) exceeds the "
                              f"context of {self.llm_config.max_position_embeddings} tokens")
+
+    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> Mapping[str, int]:
+        """The speech LM's prompt and every generated token (SNAC holds no KV cache)."""
+        return {"LLM": inputs["input_ids"][0].numel() + self.sampling_params(params).max_tokens}
 
     # -- modules ---------------------------------------------------------------------------------
     def build_submodules(self, node_names: Iterable[str]) -> dict[str, NodeSubmodule]:
@@ -189,8 +151,7 @@ class OrpheusTiny(OrpheusTTS):
 
     def __init__(self, model_path: str | None = None, load_format: str = "dummy", hidden_size: int = 64,
                  num_layers: int = 2, head_dim: int = 16, seed: int = 0) -> None:
-        if model_path is not None or load_format != "dummy":
-            raise ValueError("orpheus-tiny always uses dummy weights; use 'orpheus' with --model-path")
+        reject_checkpoint(self.name, OrpheusTTS.name, model_path, load_format)
         heads = max(1, hidden_size // head_dim)
         cfg = LlamaConfig.from_hf_dict({**TINY_LLM.to_hf_dict(), "hidden_size": hidden_size,
                                         "intermediate_size": 2 * hidden_size, "num_hidden_layers": num_layers,

@@ -1,10 +1,13 @@
 """Qwen3-Omni's Walk Graph: Thinker -> Talker -> Code2Wav, three partitions streaming in a chain.
 
 The Talker's decode is a DynamicLoop that contains the code predictor's fixed Loop (15 code
-groups per audio frame), the nesting the paper describes.
+groups per audio frame), the nesting the paper describes. Structure only: no weights or nodes yet
+(``model.py`` makes it drawable with ``mstar graph qwen3-omni``).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from mstar.graph import (
     EMIT_TO_CLIENT,
@@ -22,12 +25,16 @@ from mstar.graph import (
     Walk,
     WalkGraph,
 )
-from mstar.model import ModelDef, WalkState
+
+if TYPE_CHECKING:
+    from mstar.model.base import WalkState
+
+__all__ = ["NUM_CODE_GROUPS", "build_graph", "next_walk"]
 
 NUM_CODE_GROUPS = 16
 
 
-def build_qwen3_omni_graph() -> WalkGraph:
+def build_graph() -> WalkGraph:
     states_out = StreamingGraphEdge(next_node="Talker", name="thinker_states", target_partition="Talker")
     text_out = GraphEdge(EMIT_TO_CLIENT, "text", output_modality="text")
     thinker_prefill = GraphNode("Thinker", ["input_ids"], [GraphEdge(TO_STATE, "token"), text_out, states_out])
@@ -70,17 +77,11 @@ def build_qwen3_omni_graph() -> WalkGraph:
     ], topology=topology)
 
 
-class Qwen3OmniGraph(ModelDef):
-    """Qwen3-Omni's graph and state machine (structure only)."""
-
-    name = "qwen3-omni"
-
-    def build_graph(self) -> WalkGraph:
-        return build_qwen3_omni_graph()
-
-    def next_walk(self, state: WalkState) -> str | None:
-        if state.partition == "Thinker":
-            return {None: "thinker_prefill", "thinker_prefill": "thinker_decode"}.get(state.last_walk)
-        if state.partition == "Talker":
-            return "talker_decode" if state.last_walk is None else None
-        return None if state.stream_done else "code2wav_chunk"
+def next_walk(state: WalkState) -> str | None:
+    """Thinker: prefill, then decode; Talker: one decode walk (fed by the Thinker's stream); Code2Wav:
+    one walk per chunk until the stream is drained."""
+    if state.partition == "Thinker":
+        return {None: "thinker_prefill", "thinker_prefill": "thinker_decode"}.get(state.last_walk)
+    if state.partition == "Talker":
+        return "talker_decode" if state.last_walk is None else None
+    return None if state.stream_done else "code2wav_chunk"

@@ -18,7 +18,8 @@ from torch import nn
 
 from mstar.model.checkpoint import CheckpointError, CheckpointNotFoundError, listed, load_into
 from mstar.models.vjepa2.config import TINY_ENCODER, TINY_PREDICTOR, EncoderConfig, PredictorConfig
-from mstar.models.vjepa2.modules import ACPredictor, VJepaEncoder
+from mstar.models.vjepa2.encoder import VJepaEncoder
+from mstar.models.vjepa2.predictor import ACPredictor
 
 __all__ = [
     "PREFIXES",

@@ -22,21 +22,14 @@ from torch import nn
 from mstar.layers.attention_backends import AttentionBackend
 from mstar.layers.llama import LlamaBackbone, pack_linears
 from mstar.layers.sampling import SamplingParams, request_sampling, sample
+from mstar.model.decode import generation_done, stop_token_set
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
 from mstar.models.llama.config import LlamaConfig
 
-__all__ = ["DEFAULT_SAMPLING", "LlamaCausalLM", "request_sampling", "stop_token_set"]
+__all__ = ["DEFAULT_SAMPLING", "LlamaCausalLM"]
 
 # Defaults under a request's ``params["sampling"]``: greedy, 16 new tokens.
 DEFAULT_SAMPLING: Mapping[str, Any] = {"temperature": 0.0, "max_tokens": 16}
-
-
-def stop_token_set(sp: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:
-    """Tokens that end generation: ``stop_token_ids``, plus the EOS ids unless ``ignore_eos``."""
-    stop = set(sp.stop_token_ids)
-    if not sp.ignore_eos:
-        stop.update(eos_token_ids)
-    return frozenset(stop)
 
 
 class LlamaCausalLM(NodeSubmodule):
@@ -129,6 +122,5 @@ class LlamaCausalLM(NodeSubmodule):
             s = seen[i]
             out_seen.append(torch.zeros(0, dtype=torch.long) if s is None else torch.cat([s.cpu(), t]))
             sp: SamplingParams = ei.extras["sampling"][i]
-            done = tok in ei.extras["stop_ids"][i] or ei.extras["step"][i] + 1 >= sp.max_tokens
-            out_stop.append(torch.tensor(done))
+            out_stop.append(torch.tensor(generation_done(tok, ei.extras["step"][i], sp, ei.extras["stop_ids"][i])))
         return {"token": out_tokens, "seen": out_seen, "stop": out_stop}

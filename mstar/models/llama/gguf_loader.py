@@ -1,0 +1,217 @@
+"""Llama checkpoints in llama.cpp's GGUF format: the config from the metadata, the weights dequantized at load.
+
+The tensors are renamed to the Hugging Face names ``LlamaCausalLM`` mirrors (``blk.3.attn_q.weight``
+-> ``model.layers.3.self_attn.q_proj.weight``, ``token_embd.weight`` -> ``model.embed_tokens.weight``,
+``output.weight`` -> ``lm_head.weight``...) and then loaded as a safetensors checkpoint is: strictly,
+every missing, unexpected, mis-shaped or unsupported tensor reported in one ``CheckpointError``
+before any data is dequantized, then one tensor at a time (dequantized to float32, cast to the
+module's dtype by the copy), so loading costs one extra tensor of memory, not one extra model.
+
+llama.cpp's converter reorders the rows of ``attn_q`` / ``attn_k`` inside each head (its RoPE pairs
+dimensions ``(2i, 2i + 1)``, transformers' pairs ``(i, i + D/2)``); ``unpermute_rows`` undoes that.
+A file without ``output.weight`` has tied embeddings (llama.cpp writes the LM head only when it is
+not the embedding matrix).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar.layers.rotary import RopeScaling
+from mstar.model.checkpoint import CheckpointError, listed
+from mstar.model.gguf_file import GGUFFile, is_gguf_path, open_gguf
+from mstar.models.llama.config import LlamaConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["gguf_eos_ids", "gguf_hf_name", "hf_tensors", "is_gguf_path", "llama_config_from_gguf", "load_gguf_weights",
+           "unpermute_rows"]
+
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def gguf_hf_name(name: str) -> str | None:
+    """The Hugging Face Llama name of a GGUF tensor, or None when Llama has no such tensor."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_RE.fullmatch(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+    return None
+
+
+def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: within each head, rows ``(2i, 2i + 1)`` go back to ``(i, i + D/2)``."""
+    rows = weight.shape[0]
+    if rows % (2 * num_heads):
+        raise CheckpointError(f"cannot undo the q/k row permutation: {rows} rows is not a multiple of "
+                              f"2 x {num_heads} heads")
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+# -- config ----------------------------------------------------------------------------------------
+def _int_field(meta: Mapping[str, Any], key: str, source: str, default: int | None = None) -> int | None:
+    value = meta.get(key, default)
+    if isinstance(value, list):
+        raise CheckpointError(f"{source}: {key} is per layer ({value[:4]}...); only one value for every "
+                              f"layer is supported for Llama")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise CheckpointError(f"{source}: {key} must be an int, got {value!r}")
+    return value
+
+
+def _rope_scaling(meta: Mapping[str, Any], arch: str, source: str, max_pos: int) -> RopeScaling | None:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "linear":
+        raise CheckpointError(f"{source}: {arch}.rope.scaling.type {kind!r} is not supported "
+                              f"(only 'none' and 'linear')")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if factor is None:
+        raise CheckpointError(f"{source}: linear rope scaling without {arch}.rope.scaling.factor")
+    original = meta.get(f"{arch}.rope.scaling.original_context_length", max_pos)
+    return RopeScaling("linear", float(factor), original_max_position_embeddings=original)
+
+
+def gguf_eos_ids(gf: GGUFFile) -> tuple[int, ...]:
+    """The ids generation stops on: the EOS token, and the end-of-turn / end-of-message ones if named."""
+    ids = [gf.metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return tuple(dict.fromkeys(i for i in ids if isinstance(i, int) and not isinstance(i, bool)))
+
+
+def llama_config_from_gguf(path: str | Path | GGUFFile) -> LlamaConfig:
+    """The ``LlamaConfig`` a GGUF file's metadata describes (``general.architecture`` must be llama)."""
+    gf = path if isinstance(path, GGUFFile) else open_gguf(path)
+    meta, source, arch = gf.metadata, gf.path.name, gf.architecture
+    if arch != "llama":
+        raise CheckpointError(f"{source}: general.architecture is {arch!r}; the llama family loads only "
+                              f"'llama' GGUF files")
+    if _ROPE_FREQS in gf.tensor_names:
+        raise CheckpointError(f"{source}: tensor {_ROPE_FREQS} (per-frequency RoPE factors, Llama 3.1 "
+                              f"style) is not supported")
+    required = {k: _int_field(meta, f"{arch}.{k}", source) for k in
+                ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")}
+    missing = [f"{arch}.{k}" for k, v in required.items() if v is None]
+    if missing:
+        raise CheckpointError(f"{source}: missing Llama metadata {listed(missing)}")
+    heads = required["attention.head_count"]
+    head_dim = _int_field(meta, f"{arch}.attention.key_length", source)
+    rot = _int_field(meta, f"{arch}.rope.dimension_count", source)
+    head_dim = head_dim or rot or required["embedding_length"] // heads
+    if rot is not None and rot != head_dim:
+        raise CheckpointError(f"{source}: rope.dimension_count {rot} != head dim {head_dim} "
+                              f"(partial rotary embeddings are not supported)")
+    vocab = _int_field(meta, f"{arch}.vocab_size", source)
+    if vocab is None:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens else gf.shape("token_embd.weight")[0]
+    max_pos = _int_field(meta, f"{arch}.context_length", source, 2048)
+    eos = gguf_eos_ids(gf)
+    try:
+        return LlamaConfig(
+            vocab_size=vocab, hidden_size=required["embedding_length"],
+            intermediate_size=required["feed_forward_length"], num_hidden_layers=required["block_count"],
+            num_attention_heads=heads,
+            num_key_value_heads=_int_field(meta, f"{arch}.attention.head_count_kv", source, heads),
+            head_dim=head_dim, rms_norm_eps=meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
+            rope_scaling=_rope_scaling(meta, arch, source, max_pos),
+            tie_word_embeddings="output.weight" not in gf.tensor_names, max_position_embeddings=max_pos,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=eos or None)
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from e
+
+
+# -- weights ---------------------------------------------------------------------------------------
+def _plan(module: torch.nn.Module, gf: GGUFFile) -> tuple[dict[str, str], list[str]]:
+    """GGUF name -> module name of every tensor to load; raises with every mismatch at once."""
+    state = module.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}
+    for name, t in state.items():
+        groups.setdefault(id(t), []).append(name)
+    source: dict[int, tuple[str, str]] = {}  # tensor -> (gguf name, module name)
+    skipped, unexpected, shapes, types = [], [], [], []
+    reported: set[int] = set()  # targets whose tensor is mis-shaped or of an unsupported type
+    for name in gf.tensor_names:
+        hf = gguf_hf_name(name)
+        target = state.get(hf) if hf is not None else None
+        if target is None:
+            unexpected.append(name if hf is None else f"{name} (as {hf})")
+            continue
+        if gf.shape(name) != tuple(target.shape):
+            shapes.append(f"{name} (as {hf}): checkpoint {list(gf.shape(name))} vs model {list(target.shape)}")
+            reported.add(id(target))
+            continue
+        if (why := gf.unsupported_type(name)) is not None:
+            types.append(why)
+            reported.add(id(target))
+            continue
+        key = id(target)
+        if key in source and hf != groups[key][0]:
+            skipped.append(name)  # a tied duplicate: the first-registered name wins
+            continue
+        if key in source:
+            skipped.append(source[key][0])
+        source[key] = (name, hf)
+    missing = [names[0] if len(names) == 1 else f"{names[0]} (or {', '.join(names[1:])})"
+               for key, names in groups.items() if key not in source and key not in reported]
+    problems = [f"{what}: {listed(items)}" for what, items in (
+        ("missing from the checkpoint", missing), ("not in the model (unexpected)", unexpected),
+        ("shape mismatch", shapes), ("unsupported tensor type", types)) if items]
+    if problems:
+        raise CheckpointError(f"GGUF file {str(gf.path)!r} does not match {type(module).__name__}: "
+                              + "; ".join(problems))
+    return dict(source.values()), skipped
+
+
+def hf_tensors(gf: GGUFFile, config: LlamaConfig, names: Iterable[str] | None = None
+               ) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """``(gguf name, HF name, float32 tensor in HF layout)`` of each tensor (``names``, or every tensor of
+    the file; one Llama has no name for is an error), one at a time: dequantized, q/k rows back in
+    transformers' order."""
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    for name in gf.tensor_names if names is None else names:
+        hf = gguf_hf_name(name)
+        if hf is None:
+            raise CheckpointError(f"{gf.path.name}: tensor {name} is not part of a Llama model")
+        tensor = gf.tensor(name)
+        kind = name.split(".")[-2]
+        if kind in heads:
+            tensor = unpermute_rows(tensor, heads[kind])
+        yield name, hf, tensor
+
+
+def load_gguf_weights(module: torch.nn.Module, path: str | Path | GGUFFile, config: LlamaConfig) -> Any:
+    """Copy a GGUF file's tensors into a ``LlamaCausalLM`` (strict; see the module docstring)."""
+    from mstar.models.llama.loader import LoadReport
+
+    gf = path if isinstance(path, GGUFFile) else open_gguf(path)
+    plan, skipped = _plan(module, gf)
+    state = module.state_dict(keep_vars=True)
+    report = LoadReport(files=[str(gf.path)], skipped=skipped)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for name, hf, tensor in hf_tensors(gf, config, plan):
+            state[hf].copy_(tensor)
+            report.tensors += 1
+            report.bytes += gf.nbytes(name)
+    report.seconds = time.perf_counter() - t0
+    log.info("loaded %s: %d tensors (%.1f MiB in the file) dequantized in %.2f s", gf.path.name, report.tensors,
+             report.bytes / 2**20, report.seconds)
+    return report

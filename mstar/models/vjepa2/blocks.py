@@ -1,0 +1,89 @@
+"""The transformer block V-JEPA 2's encoder and predictor share (names: norm1, attn.qkv, attn.proj,
+norm2, mlp.fc1/fc2[/fc3], as Meta's state dicts).
+
+Attention is plain scaled dot product (scale ``head_dim ** -0.5``); the predictor masks it frame-causally:
+a token of frame ``t`` sees every token of frames ``0..t`` (its own frame bidirectionally).
+``forward_block`` runs a new frame's tokens against a layer of the frame cache (``frame_cache.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.models.vjepa2.config import swiglu_hidden
+from mstar.models.vjepa2.frame_cache import BlockAttention, KVLayer
+from mstar.models.vjepa2.rope import rotate
+
+__all__ = ["Attention", "Block", "GeluMLP", "SwiGLUMLP"]
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # fused qkv: output channels are [3, heads, head_dim]
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        return self.proj(o.transpose(1, 2).flatten(2))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self._qkv(x, cos, sin)
+        return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+    def forward_block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer: KVLayer,
+                      attend: BlockAttention) -> torch.Tensor:
+        q, k, v = self._qkv(x, cos, sin)
+        return self._out(attend(q, k, v, cache_layer))
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class SwiGLUMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, wide_silu: bool) -> None:
+        super().__init__()
+        inner = swiglu_hidden(hidden, wide_silu)
+        self.fc1 = nn.Linear(dim, inner)
+        self.fc2 = nn.Linear(dim, inner)
+        self.fc3 = nn.Linear(inner, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.silu(self.fc1(x)) * self.fc2(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, qkv_bias: bool, use_silu: bool,
+                 wide_silu: bool, eps: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.attn = Attention(dim, num_heads, qkv_bias)
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        self.mlp: nn.Module = SwiGLUMLP(dim, mlp_hidden, wide_silu) if use_silu else GeluMLP(dim, mlp_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
+        return x + self.mlp(self.norm2(x))
+
+    def forward_block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer: KVLayer,
+                      attend: BlockAttention) -> torch.Tensor:
+        x = x + self.attn.forward_block(self.norm1(x), cos, sin, cache_layer, attend)
+        return x + self.mlp(self.norm2(x))

@@ -1,0 +1,181 @@
+"""V-JEPA 2-AC's nodes: ``encoder`` (context frames -> tokens), ``predictor`` (frame blocks appended to
+paged KV caches: rollout, context prefill, CEM samples in forked caches), ``cem_sampler`` and
+``cem_update`` (the planning loop's sampling distribution)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mstar.layers.paged_attention import QueryMode, paged_attention
+from mstar.model import KVSequence, KVSpec, NodeInputs, NodeSubmodule
+from mstar.models.vjepa2.encoder import VJepaEncoder, encode_frames
+from mstar.models.vjepa2.pose import compute_new_pose
+from mstar.models.vjepa2.predictor import ACPredictor
+
+__all__ = ["CemSampler", "CemUpdate", "EncoderNode", "PredictorNode"]
+
+
+class EncoderNode(NodeSubmodule):
+    """Context frames -> layer-normed tokens [T, N, D] (each frame encoded on its own, as the reference)."""
+
+    def __init__(self, encoder: VJepaEncoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def prepare_inputs(self, graph_walk, fwd_info, inputs):
+        goal = inputs["goal_frame"][0] if "goal_frame" in inputs else None
+        return NodeInputs(extras={"frames": inputs["frames"][0], "goal": goal})
+
+    def _encode(self, frames: torch.Tensor) -> torch.Tensor:
+        tokens = encode_frames(self.encoder, frames.unsqueeze(0).to(torch.float32))[0]
+        return tokens.view(frames.shape[0], -1, tokens.shape[-1])
+
+    def forward(self, graph_walk, engine_inputs, **_):
+        outs, goals = [], []
+        with torch.inference_mode():
+            for frames, goal in zip(engine_inputs.extras["frames"], engine_inputs.extras["goal"]):
+                outs.append(self._encode(frames))  # requests may differ in frame count: one call each
+                goals.append(self._encode(goal.unsqueeze(0))[0] if goal is not None else torch.empty(0))
+        return {"context": outs, "feed": [t[-1] for t in outs], "goal": goals}
+
+
+@dataclass(frozen=True)
+class _Step:
+    walk: str
+    frames: tuple[int, ...]  # frame index of each sequence's appended block
+    context_len: int
+    emit: bool  # rollout: this block's output predicts a frame past the context
+    last: bool  # the loop ends after this step
+
+
+class PredictorNode(NodeSubmodule):
+    """Frame blocks appended to paged KV caches, one block per sequence per step.
+
+    Walks: ``rollout`` (one sequence, the request's cache: context frames, then its own predictions),
+    ``prefill_context`` (context frames 0..T-2 only, for planning) and ``plan`` (one sequence per CEM
+    sample, each in a cache forked from the context cache and re-forked at every CEM iteration).
+    """
+
+    def __init__(self, predictor: ACPredictor) -> None:
+        super().__init__()
+        self.predictor = predictor
+        c = predictor.cfg
+        self.kv_spec = KVSpec(c.depth, c.num_heads, c.head_dim)
+        self._rope_cache: dict = {}
+
+    def _rope(self, frame: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables of a frame position, computed once per position."""
+        key = (frame, str(device))
+        if key not in self._rope_cache:
+            self._rope_cache[key] = self.predictor._frame_rope(frame, device)
+        return self._rope_cache[key]
+
+    def prepare_inputs(self, graph_walk, fwd_info, inputs):
+        c = self.predictor.cfg
+        bt = c.block_tokens
+        ctx, states = inputs["context"][0], inputs["states"][0]
+        t = ctx.shape[0]
+        horizon = int(fwd_info.params.get("horizon", 1))
+        given = None
+        if graph_walk == "plan":
+            cand = inputs["candidates"][0]  # [N, H, A]
+            n, j = cand.shape[0], fwd_info.iteration[-1]
+            if j == 0:
+                tokens = ctx[t - 1].unsqueeze(0).expand(n, -1, -1)
+                state = states[t - 1].unsqueeze(0).expand(n, -1)
+            else:
+                tokens, state = inputs["feed"][0], inputs["state"][0]
+            # every sample continues the context (frames 0..T-2, when there are any) in its own fork
+            base = ("predictor", None) if t >= 2 else None
+            seqs = [KVSequence(f"sample{k}", bt, QueryMode.BLOCK_APPEND, base, refork=j == 0) for k in range(n)]
+            step = _Step("plan", (t - 1 + j,) * n, t, False, j >= horizon - 1)
+            action = cand[:, j]
+        else:
+            frame = fwd_info.cache_len // bt
+            seqs = None
+            action = inputs["actions"][0][frame].view(1, -1)
+            if frame < t:
+                tokens, state = ctx[frame].unsqueeze(0), states[frame].view(1, -1)
+            else:
+                tokens, state = inputs["feed"][0].unsqueeze(0), inputs["state"][0].view(1, -1)
+            if graph_walk == "prefill_context":
+                step = _Step(graph_walk, (frame,), t, False, frame >= t - 2)
+            else:
+                step = _Step(graph_walk, (frame,), t, frame >= t - 1, frame >= t + horizon - 2)
+            given = states[frame + 1] if frame + 1 < t else None
+        return NodeInputs(
+            tensor_inputs={"tokens": tokens.reshape(-1, tokens.shape[-1]).float(), "action": action.float(),
+                           "state": state.float()},
+            num_tokens=len(step.frames) * bt, mode=QueryMode.BLOCK_APPEND, sequences=seqs,
+            extras={"step": step, "given_next_state": given})
+
+    def forward(self, graph_walk, engine_inputs, tokens, action, state):
+        ei, p, c = engine_inputs, self.predictor, self.predictor.cfg
+        steps: list[_Step] = ei.extras["step"]
+        frames = [f for s in steps for f in s.frames]  # every sequence of the batch, in order
+        n_seq, n = len(frames), c.tokens_per_frame
+        x = p._embed_frames(tokens.view(n_seq, 1, n, -1), action.view(n_seq, 1, -1), state.view(n_seq, 1, -1), None)
+        x = x.flatten(0, 2)  # [sequences * block_tokens, D]
+        tables = [self._rope(f, x.device) for f in frames]
+        cos, sin = torch.cat([tc for tc, _ in tables]), torch.cat([ts for _, ts in tables])
+        for layer, blk in enumerate(p.predictor_blocks):
+            q, k, v = blk.attn._qkv(blk.norm1(x).unsqueeze(0), cos, sin)  # [1, H, L, hd]
+            o = paged_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                *ei.kv_caches[layer], ei.attention)
+            x = x + blk.attn._out(o.transpose(0, 1).unsqueeze(0))[0]
+            x = x + blk.mlp(blk.norm2(x))
+        pred = p._readout(x.view(n_seq, 1, c.block_tokens, -1)).view(n_seq, n, -1)
+        pred = F.layer_norm(pred, (pred.shape[-1],))  # fed back normalised, as the reference wrapper
+        next_state = compute_new_pose(state.view(n_seq, -1), action.view(n_seq, -1))
+        out: dict[str, list] = {"feed": [], "frame": [], "state": [], "stop": []}
+        start = 0
+        for s, given in zip(steps, ei.extras["given_next_state"]):
+            end = start + len(s.frames)
+            if s.walk == "plan":
+                out["feed"].append(pred[start:end])
+                out["state"].append(next_state[start:end])
+            else:
+                out["feed"].append(pred[start])
+                out["state"].append(given.float() if given is not None else next_state[start])
+            out["frame"].append([pred[start]] if s.emit else [])
+            out["stop"].append(torch.tensor(s.last))
+            start = end
+        return out
+
+
+class CemSampler(NodeSubmodule):
+    """Draws the CEM candidates: ``samples`` action sequences ~ N(plan, spread), seeded per request and
+    CEM iteration (so a request's plan does not depend on what it is batched with)."""
+
+    def prepare_inputs(self, graph_walk, fwd_info, inputs):
+        mean, std = inputs["plan"][0], inputs["spread"][0]
+        p = fwd_info.params
+        gen = torch.Generator().manual_seed(int(p.get("seed", 0)) * 1_000_003 + fwd_info.iteration[0])
+        cand = mean + std * torch.randn((int(p.get("samples", 64)), *mean.shape), generator=gen)
+        return NodeInputs(extras={"candidates": cand})
+
+    def forward(self, graph_walk, engine_inputs, **_):
+        return {"candidates": list(engine_inputs.extras["candidates"])}
+
+
+class CemUpdate(NodeSubmodule):
+    """Scores each candidate by the L1 distance of its final predicted frame to the goal frame and refits
+    the sampling distribution to the ``topk`` best; streams the best energy of every iteration."""
+
+    def prepare_inputs(self, graph_walk, fwd_info, inputs):
+        final, cand, goal = inputs["feed"][0], inputs["candidates"][0], inputs["goal"][0]
+        energy = (final - goal.unsqueeze(0)).abs().mean(dim=(1, 2))  # [N]
+        k = int(fwd_info.params.get("topk", 8))
+        best = torch.topk(energy, k, largest=False).indices
+        elite = cand[best]
+        last = fwd_info.iteration[0] + 1 >= int(fwd_info.params.get("iterations", 4))
+        return NodeInputs(extras={"plan": elite.mean(0), "spread": elite.std(0, unbiased=False),
+                                  "energy": energy[best[0]].view(1), "last": last})
+
+    def forward(self, graph_walk, engine_inputs, **_):
+        e = engine_inputs.extras
+        return {"plan": e["plan"], "spread": e["spread"], "energy": e["energy"],
+                "stop": [torch.tensor(x) for x in e["last"]]}
