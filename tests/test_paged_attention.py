@@ -311,6 +311,96 @@ def test_batch_invariance():
         assert torch.equal(a, b)
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def intra_op_threads(request):
+    """Run under a given intra-op thread count (kernels may split work differently with more threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _row_meta(rows, mode=CAUSAL):
+    """Metadata for a sub-batch of rows (query_len, block table, context_len, slots) already reserved."""
+    return AttentionMetadata.build([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                                   [r[4] if len(r) > 4 else mode for r in rows], [s for r in rows for s in r[3]])
+
+
+def _decode_batch(layout, lens, fragment):
+    """16 sequences prefilled to ``lens`` tokens, then one decode step each (written). Returns the harness,
+    the decode items, their dense references and each row's (1, table, context_len, [slot])."""
+    q_heads, kv_heads, head_dim, block_size = layout
+    h = Harness(num_blocks=600 * 16 // block_size, block_size=block_size, q_heads=q_heads, kv_heads=kv_heads,
+                head_dim=head_dim, fragment=fragment, seed=31)
+    h.step([(f"s{i}", CAUSAL, *h.tokens(n)) for i, n in enumerate(lens)])
+    items = [(f"s{i}", CAUSAL, *h.tokens(1)) for i in range(len(lens))]
+    refs = h.step(items)[1]  # writes every row's new K/V; rewriting the same values later is a no-op
+    rows = []
+    for seq, *_ in items:
+        table, ctx = h.mgr.block_table(seq, "kv"), h.mgr.num_tokens(seq, "kv")
+        last = table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size  # where the step wrote
+        rows.append((1, table, ctx, [last]))
+    return h, items, refs, rows
+
+
+@pytest.mark.parametrize("layout", [(8, 4, 64, 16), (3, 1, 5, 2)], ids=["gqa-8-4-64", "mqa-3-1-5"])
+def test_decode_rows_batch_invariant_any_batch(intra_op_threads, layout):
+    """A decode row's output is bitwise the same alone and in batches of 1..16 rows at any position,
+    with contexts of 30..400 tokens, next to other modes, and whether its blocks are scattered or
+    consecutive (a view of the cache, unaligned for 3 x 5 heads); and it is right (close to dense)."""
+    rng = random.Random(intra_op_threads)
+    block_size = layout[3]
+    lens = [n + (n % block_size == 0) for n in (rng.randint(29, 399) for _ in range(16))]  # the step
+    # token fits in the last block, so the unfragmented pool below keeps every row's blocks consecutive
+    h, items, refs, rows = _decode_batch(layout, lens, fragment=True)
+    extra = h.tokens(5)  # a read-only sequence over s0's context: the batch is not only decode rows
+
+    def run(h, items, rows, idx, with_extra=False):
+        sel = [rows[i] for i in idx] + ([(5, rows[0][1], rows[0][2] - 1, [-1] * 5, READ)] if with_extra else [])
+        q, k, v = (torch.cat([items[i][j] for i in idx] + ([extra[j - 2]] if with_extra else []))
+                   for j in (2, 3, 4))
+        out = paged_attention(q, k, v, h.k_cache, h.v_cache, _row_meta(sel))
+        return out[:len(idx)]
+
+    alone = [run(h, items, rows, [i])[0] for i in range(16)]
+    for i in range(16):
+        torch.testing.assert_close(alone[i], refs[i][0], **TOL)
+    for n in range(1, 17):
+        for rep in range(3):
+            idx = rng.sample(range(16), n)
+            out = run(h, items, rows, idx, with_extra=rep == 2)
+            for pos, i in enumerate(idx):
+                assert torch.equal(out[pos], alone[i]), (n, rep, pos, i)
+    h.check_cache()
+    # the same tokens in an unfragmented pool: every row's blocks are consecutive
+    h2, items2, _, rows2 = _decode_batch(layout, lens, fragment=False)
+    assert all(r[1] == list(range(r[1][0], r[1][0] + len(r[1]))) for r in rows2)
+    out = run(h2, items2, rows2, list(range(16)))
+    for i in range(16):
+        assert torch.equal(out[i], alone[i]), i
+
+
+@pytest.mark.parametrize("mode", [CAUSAL, BLOCK, READ])
+def test_sequence_batch_invariant_at_any_offset(intra_op_threads, mode):
+    """A prefill chunk / frame / read-only query gives the same bits whatever precedes it in the batch.
+    With 3 heads x 5 dims (60 bytes per token) its rows then start at other, unaligned offsets of q."""
+    for n in (2, 3, 7):
+        h = Harness(num_blocks=96, block_size=4, q_heads=3, kv_heads=1, head_dim=5, fragment=True, seed=41)
+        h.step([("ctx", CAUSAL, *h.tokens(57)), ("other", CAUSAL, *h.tokens(9))])
+        probe = h.tokens(n)
+        meta = h.meta_for([("ctx", mode, *probe)])  # reserves the probe's slots; rewriting them is a no-op
+        target = (n, meta.block_tables[0], int(meta.context_lens[0]), meta.slot_mapping.tolist(), mode)
+        other = (h.mgr.block_table("other", "kv"), h.mgr.num_tokens("other", "kv"))
+        results = []
+        for before in (0, 1, 2, 3, 5):
+            lead = h.tokens(before)
+            sel = ([(before, *other, [-1] * before, READ)] if before else []) + [target]
+            q, k, v = (torch.cat(([lead[j]] if before else []) + [probe[j]]) for j in range(3))
+            results.append(paged_attention(q, k, v, h.k_cache, h.v_cache, _row_meta(sel))[before:])
+        for r in results[1:]:
+            assert torch.equal(r, results[0]), n
+
+
 def test_fork_mid_block_copy_on_write():
     """Context forked mid-block (e.g. CFG branch); both sides append; COW copies keep them independent."""
     h = Harness(block_size=4)

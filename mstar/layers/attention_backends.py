@@ -46,7 +46,8 @@ class AttentionBackend(ABC):
 
 
 class TorchPagedBackend(AttentionBackend):
-    """Pure-PyTorch reference backend (any device; clarity over speed)."""
+    """Pure-PyTorch reference backend (any device; clarity over speed). Bitwise batch invariant: a
+    sequence's output does not depend on the rest of the batch (see ``mstar.layers.paged_attention``)."""
 
     name = "torch"
 

@@ -17,8 +17,10 @@ A batch is a ragged concatenation of sequences; every sequence has its own query
 
 Invariants of the reference implementation:
 
-* Each sequence is computed independently from its own slice of ``q`` and its own cache blocks, so its output
-  does not depend on the rest of the batch (batch invariance, bitwise for the torch backend).
+* Each sequence is computed independently from its own slice of ``q`` and its own cache blocks, by kernel
+  calls whose operands' shapes, strides and alignment depend only on that sequence, so its output does not
+  depend on the rest of the batch nor on its position in it (batch invariance: bitwise for the torch
+  backend, for a given number of intra-op threads).
 * Read-only sequences never modify the cache; append sequences modify exactly the slots in their
   ``slot_mapping`` entries.
 * The layer imports nothing from the runtime; it is driven only by tensors and the explicit
@@ -246,20 +248,45 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
             raise ValueError(f"sequence {i} ({mode.name}): context_len {ctx[i]} < {n} new tokens")
 
 
-# Decode rows (one causal query token) attend in groups: every row's context is padded to a multiple
-# of DECODE_BUCKET keys and the rows of one padded length run as one batched computation. A row's
-# arithmetic depends only on its own padded length, never on the other rows, so results stay
-# bitwise batch invariant.
-DECODE_BUCKET = 64
+# Decode rows (one causal query token) attend one row at a time. A kernel whose batch spans several
+# rows does not keep a row's arithmetic fixed: with more than one thread the CPU SDPA kernel computes
+# a batch of one row differently from a batch of several, and a batched matmul over rows changes its
+# blocking with the batch even on one thread, so a row's result depended on its neighbours. Here each
+# row runs its own matmul -> softmax -> matmul on operands whose shapes, strides and alignment depend
+# only on that row (its context length and the model's head layout): the same row gives the same bits
+# in any batch, at any position, for a given thread count. Alignment matters as well (kernels take
+# other paths for operands that do not start on a vector boundary), so every operand starts at a
+# multiple of _ALIGN_BYTES. Gathering and scaling the queries is batched: it only copies and scales
+# element by element.
+_ALIGN_BYTES = 64
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Decode arithmetic runs in float32 for half types (softmax and sums need the range)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 @dataclass
-class _DecodeGroup:
-    rows: list[int]  # sequence indices
+class _DecodeRow:
+    ctx: int  # keys attended to
+    first: int  # the first block, when the row's blocks are consecutive (then ``blocks`` is None)
+    num_blocks: int
+    blocks: torch.Tensor | None  # int64 block ids, when they are not consecutive
+
+
+@dataclass
+class _DecodeRows:
+    rows: list[int]  # sequence indices, in batch order
     q_rows: torch.Tensor  # their query rows in q (int64 [n])
-    blocks: torch.Tensor  # int64 [n * nblk] cache blocks (padding repeats the row's first block)
-    mask: torch.Tensor  # float [n, 1, 1, nblk * block_size]: 0 for keys, -inf for padding
-    length: int  # nblk * block_size
+    q_stride: int  # elements between two rows' queries in the aligned query buffer
+    per_row: list[_DecodeRow]
+
+
+def _own(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous and starting at a multiple of ``_ALIGN_BYTES`` (copied only when it is not)."""
+    if x.is_contiguous() and x.data_ptr() % _ALIGN_BYTES == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)  # a fresh allocation: aligned
 
 
 def _table_row(tables: BlockTables, i: int, needed: int) -> list[int]:
@@ -270,51 +297,54 @@ def _table_row(tables: BlockTables, i: int, needed: int) -> list[int]:
     return ids
 
 
-def _decode_plan(meta: AttentionMetadata, cu: list[int], ctx: list[int], block_size: int,
-                 device: torch.device) -> list[_DecodeGroup]:
-    """The decode rows grouped by padded length (memoized on ``meta``: every layer reuses it)."""
+def _decode_plan(meta: AttentionMetadata, cu: list[int], ctx: list[int], q: torch.Tensor,
+                 k_cache: torch.Tensor) -> _DecodeRows | None:
+    """Where every decode row's query and keys lie (memoized on ``meta``: every layer reuses it)."""
     if meta._decode_plan is not None:
         return meta._decode_plan
-    by_len: dict[int, list[int]] = {}
-    for i, mode in enumerate(meta.modes):
-        if mode is QueryMode.CAUSAL_APPEND and cu[i + 1] - cu[i] == 1:
-            nblk = -(-(-(-ctx[i] // DECODE_BUCKET) * DECODE_BUCKET) // block_size)
-            by_len.setdefault(nblk, []).append(i)
-    groups = []
-    for nblk, rows in sorted(by_len.items()):
-        blocks = []
-        for i in rows:
-            ids = _table_row(meta.block_tables, i, -(-ctx[i] // block_size))
-            blocks += ids + [ids[0]] * (nblk - len(ids))
-        length = nblk * block_size
-        valid = torch.arange(length, device=device)[None, :] < torch.tensor([ctx[i] for i in rows],
-                                                                             device=device)[:, None]
-        mask = torch.zeros(len(rows), 1, 1, length, device=device).masked_fill_(~valid[:, None, None, :],
-                                                                               float("-inf"))
-        groups.append(_DecodeGroup(rows, torch.tensor([cu[i] for i in rows], device=device),
-                                   torch.tensor(blocks, dtype=torch.int64, device=device), mask, length))
-    meta._decode_plan = groups
-    return groups
+    rows = [i for i, mode in enumerate(meta.modes)
+            if mode is QueryMode.CAUSAL_APPEND and cu[i + 1] - cu[i] == 1]
+    if not rows:
+        return None
+    block_size = k_cache.shape[1]
+    per_row = []
+    for i in rows:
+        ids = _table_row(meta.block_tables, i, -(-ctx[i] // block_size))
+        consecutive = ids == list(range(ids[0], ids[0] + len(ids)))
+        per_row.append(_DecodeRow(ctx[i], ids[0], len(ids), None if consecutive else torch.tensor(
+            ids, dtype=torch.int64, device=k_cache.device)))
+    per_vector = _ALIGN_BYTES // math.gcd(_ALIGN_BYTES, _compute_dtype(q.dtype).itemsize)
+    q_stride = -(-q.shape[1] * q.shape[2] // per_vector) * per_vector
+    plan = _DecodeRows(rows, torch.tensor([cu[i] for i in rows], dtype=torch.int64, device=q.device),
+                       q_stride, per_row)
+    meta._decode_plan = plan
+    return plan
 
 
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """``cache[blocks]`` as ``[len(blocks) * block_size, kv_heads, head_dim]``."""
-    return cache.index_select(0, blocks).flatten(0, 1)
+def _row_keys(cache: torch.Tensor, row: _DecodeRow, dtype: torch.dtype) -> torch.Tensor:
+    """A decode row's cached keys (or values) ``[ctx, kv_heads, head_dim]``: contiguous, aligned."""
+    if row.blocks is None:  # a view of the cache, unless it is misaligned
+        keys = cache[row.first:row.first + row.num_blocks].flatten(0, 1)[:row.ctx]
+    else:  # a fresh allocation
+        keys = cache.index_select(0, row.blocks).flatten(0, 1)[:row.ctx]
+    return _own(keys.to(dtype))
 
 
-def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _DecodeGroup,
+def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodeRows,
                    scale: float) -> torch.Tensor:
-    """``[n, Hq, D]`` attention of a group's single query rows over their (padded) cached keys: one
-    SDPA call over the group, whose per-row work depends only on the padded length."""
-    n, length = len(g.rows), g.length
-    hq, d = q.shape[1], q.shape[2]
+    """``[n, Hq, D]``: every decode row's single query over its cached keys, one row at a time."""
+    n, hq, d = len(plan.rows), q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
-    keys = _gather_blocks(k_cache, g.blocks).view(n, length, hkv, d).to(q.dtype)
-    vals = _gather_blocks(v_cache, g.blocks).view(n, length, hkv, d).to(q.dtype)
-    out = F.scaled_dot_product_attention(q.index_select(0, g.q_rows).view(n, hq, 1, d), keys.transpose(1, 2),
-                                         vals.transpose(1, 2), attn_mask=g.mask, scale=scale,
-                                         enable_gqa=hq != hkv)
-    return out.view(n, hq, d)
+    dtype = _compute_dtype(q.dtype)
+    queries = torch.empty(n, plan.q_stride, dtype=dtype, device=q.device)  # row j at j * q_stride: aligned
+    torch.mul(q.index_select(0, plan.q_rows).to(dtype).view(n, hq * d), scale, out=queries[:, :hq * d])
+    outs = []
+    for j, row in enumerate(plan.per_row):
+        keys, vals = _row_keys(k_cache, row, dtype), _row_keys(v_cache, row, dtype)
+        # query head h reads kv head h // (Hq // Hkv): [Hkv, Hq // Hkv, D] x [Hkv, D, ctx]
+        scores = torch.bmm(queries[j, :hq * d].view(hkv, hq // hkv, d), keys.permute(1, 2, 0))
+        outs.append(torch.bmm(scores.softmax(-1), vals.transpose(0, 1)))
+    return torch.stack(outs).view(n, hq, d).to(q.dtype)
 
 
 @dataclass
@@ -325,9 +355,9 @@ class _BatchPlan:
     ctx: list[int]
     write_rows: torch.Tensor | None  # rows of k/v stored (None: every row)
     write_slots: torch.Tensor | None  # their flat cache slots (None: nothing is stored)
-    groups: list[_DecodeGroup]
-    others: list[int]  # sequences attended one at a time
-    direct: bool  # a single decode group holds every row in order: its result is the output
+    decode: _DecodeRows | None  # the single-token causal rows (None: there are none)
+    others: list[int]  # every other sequence with query tokens, attended on its own
+    direct: bool  # the decode rows are the whole batch, in order: their result is the output
 
 
 def _batch_plan(meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -355,12 +385,11 @@ def _batch_plan(meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: to
             write_slots = write_slots.index_select(0, sel)
             if write_slots.numel() == 0:
                 write_rows = write_slots = None
-    groups = _decode_plan(meta, cu, ctx, k_cache.shape[1], q.device)
-    in_groups = {i for g in groups for i in g.rows}
-    others = [i for i in range(meta.num_seqs) if cu[i + 1] > cu[i] and i not in in_groups]
-    direct = (len(groups) == 1 and not others and len(groups[0].rows) == q.shape[0]
-              and groups[0].rows == list(range(meta.num_seqs)))
-    plan = meta._batch_plan = _BatchPlan(cu, ctx, write_rows, write_slots, groups, others, direct)
+    decode = _decode_plan(meta, cu, ctx, q, k_cache)
+    decoded = set(decode.rows) if decode is not None else set()
+    others = [i for i in range(meta.num_seqs) if cu[i + 1] > cu[i] and i not in decoded]
+    direct = decode is not None and len(decode.rows) == meta.num_seqs == q.shape[0]
+    plan = meta._batch_plan = _BatchPlan(cu, ctx, write_rows, write_slots, decode, others, direct)
     return plan
 
 
@@ -386,7 +415,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     ``[total_q, kv_heads, head_dim]``; q_heads must be a multiple of kv_heads (GQA/MQA).
     First writes k/v of the append-mode sequences into their slots, then, per sequence, gathers its cached K/V
     through its block table and attends with the mask of its mode. ``scale`` defaults to ``head_dim ** -0.5``.
-    The batch's bookkeeping (validation, write slots, decode groups) is done at the first call and reused
+    The batch's bookkeeping (validation, write slots, decode rows) is done at the first call and reused
     by every later layer of the same forward (same ``meta``).
     """
     if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
@@ -399,12 +428,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     # 1. Store the new K/V of append-mode sequences (read-only sequences' rows are never written).
     _store(k_cache, v_cache, k, v, plan)
 
-    # 2. Attend: decode rows in padded groups, every other sequence on its own.
+    # 2. Attend: decode rows one by one, every other sequence on its own (a sequence's computation
+    #    never depends on the rest of the batch).
     if plan.direct:
-        return _attend_decode(q, k_cache, v_cache, plan.groups[0], scale)
+        return _attend_decode(q, k_cache, v_cache, plan.decode, scale)
     out = torch.zeros_like(q)
-    for g in plan.groups:
-        out.index_copy_(0, g.q_rows, _attend_decode(q, k_cache, v_cache, g, scale))
+    if plan.decode is not None:
+        out.index_copy_(0, plan.decode.q_rows, _attend_decode(q, k_cache, v_cache, plan.decode, scale))
     cu, ctx = plan.cu, plan.ctx
     for i in plan.others:
         mode = meta.modes[i]
@@ -414,8 +444,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if mode is QueryMode.READ_ONLY:
             k_seq = torch.cat([k_seq, k[s:e].to(q.dtype)])
             v_seq = torch.cat([v_seq, v[s:e].to(q.dtype)])
-        # a single causal query (decode) and the bidirectional modes see every key: no mask needed
-        full = mode is not QueryMode.CAUSAL_APPEND or e - s == 1
-        mask = None if full else _build_mask(mode, e - s, k_seq.shape[0], q.device)
-        out[s:e] = _attend(q[s:e], k_seq, v_seq, mask, scale)
+        # the bidirectional modes see every key: no mask needed
+        mask = _build_mask(mode, e - s, k_seq.shape[0], q.device) if mode is QueryMode.CAUSAL_APPEND else None
+        # where a sequence's q sits in the batch, and whether its blocks happen to be consecutive (a view
+        # of the cache), must not change its result: SDPA's output can depend on operand alignment
+        out[s:e] = _attend(_own(q[s:e]), _own(k_seq), _own(v_seq), mask, scale)
     return out
