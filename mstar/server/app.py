@@ -1,17 +1,20 @@
 """The FastAPI application: the routers of ``mstar.server.routes`` around one ``ServingEngine``.
 
 Handlers are module-level functions; they find the engine and the limits on ``app.state``, which
-``create_app`` fills in. The middleware checks the API key and the body size and counts requests.
+``create_app`` fills in. The middleware gives every request an id (``x-request-id``), checks the API
+key and the body size, turns an unhandled exception into a logged 500 and counts requests.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 
 from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException
 
 from mstar.model.adapter import ROUTE_PATHS
-from mstar.server.errors import error_response, install_handlers
+from mstar.server.errors import error_response, install_handlers, internal_error, request_id
 from mstar.server.limits import ServerLimits
 from mstar.server.routes import ROUTERS
 from mstar.server.serving import ServingEngine
@@ -31,6 +34,7 @@ def create_app(engine: ServingEngine, api_key: str | None = None, limits: Server
     app.state.api_key = api_key
     app.state.created = int(time.time())
     install_handlers(app)
+    app.add_middleware(_BodyLimit, max_bytes=limits.max_body_bytes)
     app.middleware("http")(_guard)
     for router in ROUTERS:
         app.include_router(router)
@@ -38,6 +42,14 @@ def create_app(engine: ServingEngine, api_key: str | None = None, limits: Server
 
 
 async def _guard(request: Request, call_next):
+    rid = _request_id(request.headers.get("x-request-id"))
+    request_id.set(rid)  # seen by the handler's task, which call_next starts from this context
+    response = await _checked(request, call_next)
+    response.headers["x-request-id"] = rid
+    return response
+
+
+async def _checked(request: Request, call_next):
     state = request.app.state
     if state.api_key and request.url.path not in _OPEN_PATHS:
         if request.headers.get("authorization") != f"Bearer {state.api_key}":
@@ -48,8 +60,44 @@ async def _guard(request: Request, call_next):
     if length is not None and length.isdigit() and int(length) > max_bytes:
         return error_response(413, f"request body of {length} bytes exceeds the limit of {max_bytes} bytes")
     route = request.url.path
-    response = await call_next(request)
+    try:
+        response = await call_next(request)
+    except Exception as exc:  # noqa: BLE001 - a handler's bug: logged with its traceback, a plain 500 out
+        e = internal_error(exc)
+        response = error_response(e.status, e.message, code=e.code)
     if route in _COUNTED_PATHS:
         engine = state.engine
         engine.metrics.requests.labels(engine.model_name, route, str(response.status_code)).inc()
     return response
+
+
+class _BodyLimit:
+    """A body sent without a length (chunked) is counted as it arrives: past the limit, reading it
+    raises a 413, which the handler reading it answers (nothing past the limit is buffered). A
+    declared length over the limit is refused before any byte is read (``_checked``)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                # the one exception FastAPI lets out of its body parsing unchanged (it is answered as ours)
+                raise HTTPException(413, f"request body exceeds the limit of {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def _request_id(given: str | None) -> str:
+    """The client's ``x-request-id`` when it is a short plain token, else a fresh one."""
+    if given and len(given) <= 64 and given.isascii() and all(c.isalnum() or c in "-_." for c in given):
+        return given
+    return uuid.uuid4().hex[:16]

@@ -1,11 +1,23 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+An internal error is logged here with its request id and traceback; the client gets the id (in the
+message and the ``x-request-id`` header) and never the traceback."""
 
 from __future__ import annotations
+
+import logging
+from contextvars import ContextVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("mstar.server")
+
+# The id of the request being served, set by the app's middleware for the task that serves it (and
+# so for the body of a streamed response too); logs and 500 bodies name it.
+request_id: ContextVar[str] = ContextVar("request_id", default="-")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
@@ -27,6 +39,13 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
+def internal_error(exc: BaseException) -> APIError:
+    """Log ``exc`` with the request id and its traceback; the 500 the client gets names the id only."""
+    rid = request_id.get()
+    log.error("request %s failed with an internal error", rid, exc_info=exc)
+    return APIError(500, f"internal error ({type(exc).__name__}); request id {rid}", code="internal_error")
+
+
 def install_handlers(app) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -37,7 +56,8 @@ def install_handlers(app) -> None:
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
+        detail = str(first.get("msg", "invalid request")).removeprefix("Value error, ")  # a validator's ValueError
+        msg = f"{loc}: {detail}" if loc else detail
         return error_response(400, msg, param=loc or None)
 
     @app.exception_handler(StarletteHTTPException)
@@ -46,4 +66,5 @@ def install_handlers(app) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        e = internal_error(exc)
+        return error_response(e.status, e.message, code=e.code)

@@ -2,13 +2,55 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Every number a request carries is bounded: the runtime's wire format holds 64-bit ints, and no
+# model has a use for a non-finite float or a context of more than MAX_TOKENS.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_TOKENS = 1 << 24
+_MAX_DEPTH = 16
+
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
+Tokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+
+
+def _finite(**bounds: float) -> Any:
+    return Field(default=None, allow_inf_nan=False, **bounds)
+
+
+def check_json_value(value: Any, where: str, depth: int = 0) -> None:
+    """``ValueError`` unless ``value`` is JSON whose ints fit 64 bits, floats are finite and nesting is
+    at most ``_MAX_DEPTH`` deep: the checks for values a route passes on unparsed (extras, params)."""
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"{where}: nested more than {_MAX_DEPTH} levels deep")
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return
+    if isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError(f"{where}: integer {value} does not fit in 64 bits")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {value} is not a finite number")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_json_value(v, f"{where}.{k}", depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_json_value(v, f"{where}[{i}]", depth + 1)
 
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")  # OpenAI SDK extras (extra_body) arrive as top-level keys
+
+    @model_validator(mode="after")
+    def _bounded_extras(self):
+        for k, v in (self.model_extra or {}).items():
+            check_json_value(v, k)
+        return self
 
 
 class ImageURL(BaseModel):
@@ -44,14 +86,15 @@ class StreamOptions(BaseModel):
 class ChatCompletionRequest(_Open):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    seed: int | None = None
+    max_tokens: Tokens | None = None
+    max_completion_tokens: Tokens | None = None
+    temperature: float | None = _finite(ge=0, le=2)
+    top_p: float | None = _finite(gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_TOKENS)
+    repetition_penalty: float | None = _finite(gt=0)
+    seed: Seed | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -99,16 +142,23 @@ class SpeechRequest(_Open):
     input: str = Field(min_length=1)
     voice: str | None = None
     response_format: Literal["wav", "pcm", "flac", "mp3", "opus", "aac"] = "wav"
-    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    speed: float = Field(default=1.0, ge=0.25, le=4.0, allow_inf_nan=False)
     stream_format: Literal["audio", "sse"] | None = None
+    max_tokens: Tokens | None = None  # extras every speech model reads the same way
+    temperature: float | None = _finite(ge=0, le=2)
+    top_p: float | None = _finite(gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_TOKENS)
+    repetition_penalty: float | None = _finite(gt=0)
+    seed: Seed | None = None
 
 
 class ImageRequest(_Open):
     model: str
     prompt: str = Field(min_length=1)
     n: int = Field(default=1, ge=1, le=4)
-    size: str = "256x256"
+    size: str = Field(default="256x256", max_length=32)
     response_format: Literal["b64_json"] = "b64_json"
+    seed: Seed | None = None
 
 
 class ImageData(BaseModel):
@@ -120,9 +170,28 @@ class ImagesResponse(BaseModel):
     data: list[ImageData]
 
 
+class SamplingFields(_Open):
+    """The sampling parameters of ``/generate``'s ``params.sampling``, range-checked (unknown keys are
+    passed on: the model names the valid ones)."""
+
+    temperature: float | None = _finite(ge=0)
+    top_p: float | None = _finite(gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_TOKENS)
+    repetition_penalty: float | None = _finite(gt=0)
+    seed: Seed | None = None
+    max_tokens: Tokens | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+
+
+class GenerateParams(_Open):
+    max_tokens: Tokens | None = None
+    sampling: SamplingFields | None = None
+
+
 class GenerateRequest(BaseModel):
     inputs: dict[str, Any] = Field(description="input name -> tensor: {dtype, shape, data (base64)} or JSON numbers")
-    params: dict[str, Any] = Field(default_factory=dict)
+    params: GenerateParams = Field(default_factory=GenerateParams)
 
 
 class ModelCard(BaseModel):

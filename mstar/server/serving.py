@@ -8,7 +8,7 @@ from typing import Any
 
 from mstar.runtime.api import RequestError, Runtime, StreamItem
 from mstar.runtime.failures import FailureKind
-from mstar.server.errors import APIError
+from mstar.server.errors import APIError, log, request_id
 from mstar.server.metrics import ServerMetrics
 
 # The one place a failure becomes an HTTP status: bad input is the client's fault; a lost worker,
@@ -50,6 +50,9 @@ class ServingEngine:
             handle = self.runtime.submit(inputs, params)
         except ValueError as e:
             raise APIError(400, str(e)) from e
+        except (TypeError, KeyError, IndexError, OverflowError) as e:  # a check meeting a value of the wrong type
+            log.warning("request %s: the model rejected its input", request_id.get(), exc_info=e)
+            raise APIError(400, f"invalid request: {type(e).__name__}: {e}") from e
         except RuntimeError as e:
             raise APIError(503, str(e)) from e
         self.in_flight += 1
@@ -61,7 +64,10 @@ class ServingEngine:
             finished = True
         except RequestError as e:
             finished = True
-            raise APIError(STATUS_OF_FAILURE[e.kind], str(e)) from e
+            status = STATUS_OF_FAILURE[e.kind]
+            if status == 500:
+                log.error("request %s (runtime id %s) failed: %s", request_id.get(), handle.request_id, e)
+            raise APIError(status, str(e)) from e
         finally:
             self.in_flight -= 1
             self.metrics.running.labels(self.model_name).dec()

@@ -52,29 +52,29 @@ async def chat(req: ChatCompletionRequest, engine: Engine, limits: Limits):
 
 def _media_inputs(req: ChatCompletionRequest,
                   limits: ServerLimits) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, int]]]:
-    """The image and audio parts of every message, decoded; 400 for a part that does not decode."""
-    images, audio = [], []
-    for m in req.messages:
-        for part in m.content if isinstance(m.content, list) else []:
-            if part.type == "image_url":
-                images.append(_image_input(part, limits.max_image_pixels))
-            elif part.type == "input_audio":
-                audio.append(_audio_input(part))
+    """The image and audio parts of every message, decoded; 400 for a part that does not decode, and
+    for more parts than the limits allow (counted before any is decoded)."""
+    parts = [p for m in req.messages if isinstance(m.content, list) for p in m.content]
+    for kind, most in (("image_url", limits.max_images), ("input_audio", limits.max_audio_clips)):
+        if sum(p.type == kind for p in parts) > most:
+            raise APIError(400, f"at most {most} {kind} parts per request", param="messages")
+    images = [_image_input(p, limits) for p in parts if p.type == "image_url"]
+    audio = [_audio_input(p, limits) for p in parts if p.type == "input_audio"]
     return images, audio
 
 
-def _image_input(part: ContentPart, max_pixels: int) -> torch.Tensor:
+def _image_input(part: ContentPart, limits: ServerLimits) -> torch.Tensor:
     if part.image_url is None:
         raise APIError(400, "image_url part without image_url", param="messages")
     _, raw = adapt(media.decode_data_url, part.image_url.url, "image_url")
-    return adapt(media.decode_image, raw, "image_url", max_pixels)
+    return adapt(media.decode_image, raw, "image_url", limits.max_image_pixels, limits.max_image_side)
 
 
-def _audio_input(part: ContentPart) -> tuple[torch.Tensor, int]:
+def _audio_input(part: ContentPart, limits: ServerLimits) -> tuple[torch.Tensor, int]:
     if part.input_audio is None:
         raise APIError(400, "input_audio part without input_audio", param="messages")
     raw = adapt(media.b64decode, part.input_audio.data, "input_audio")
-    return adapt(media.decode_wav, raw, "input_audio")
+    return adapt(media.decode_wav, raw, "input_audio", limits.max_audio_samples)
 
 
 def _image_part(out: ImageOut) -> dict:

@@ -14,7 +14,7 @@ from fastapi import Depends, Request
 from mstar.model.adapter import ROUTE_PATHS, ApiRequest, AudioChunk, ImageOut, ItemDecoder, TextDelta
 from mstar.runtime.api import StreamItem
 from mstar.server import media
-from mstar.server.errors import APIError, error_body
+from mstar.server.errors import APIError, error_body, internal_error, log, request_id
 from mstar.server.limits import ServerLimits
 from mstar.server.serving import ServingEngine, Timer
 
@@ -52,12 +52,21 @@ def require(engine: ServingEngine, route: str, model: str | None) -> None:
                             f"its routes: {supported}", code="route_not_supported")
 
 
+# what adapter code raises on a body of the wrong shape (``int([1])``, ``list(5)``, a missing key)
+_SHAPE_ERRORS = (TypeError, KeyError, IndexError, OverflowError)
+
+
 def adapt(fn: Callable[..., Any], *args: Any) -> Any:
-    """Call an adapter or media function; the ``ValueError`` it raises for bad input becomes a 400."""
+    """Call an adapter or media function; the ``ValueError`` it raises for bad input becomes a 400.
+    So does a ``TypeError`` (and kin) from a body of the wrong shape, logged in case it is a bug."""
     try:
         return fn(*args)
     except ValueError as e:
         raise APIError(400, str(e)) from e
+    except _SHAPE_ERRORS as e:
+        log.warning("request %s: %s rejected its input", request_id.get(), getattr(fn, "__qualname__", fn),
+                    exc_info=e)
+        raise APIError(400, f"invalid request: {type(e).__name__}: {e}") from e
 
 
 def png_base64(pixels: Any) -> str:
@@ -133,7 +142,8 @@ async def ending_in_error(events: AsyncIterator[str], frame: Callable[[Any], str
     try:
         async for event in events:
             yield event
-    except APIError as e:
-        yield frame(error_body(e.status, e.message))
+    except Exception as exc:  # noqa: BLE001 - an internal error is logged; the client gets its id
+        e = exc if isinstance(exc, APIError) else internal_error(exc)
+        yield frame(error_body(e.status, e.message, e.param, e.code))
         for event in after_error:
             yield event

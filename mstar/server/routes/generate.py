@@ -12,16 +12,18 @@ from mstar.model.adapter import GENERATE
 from mstar.runtime.api import StreamItem
 from mstar.server import media
 from mstar.server.protocol import GenerateRequest
-from mstar.server.routes.common import Engine, adapt, ending_in_error, ndjson, require, started
+from mstar.server.routes.common import Engine, Limits, adapt, ending_in_error, ndjson, require, started
 
 router = APIRouter()
 
 
 @router.post("/generate")
-async def generate(req: GenerateRequest, engine: Engine):
+async def generate(req: GenerateRequest, engine: Engine, limits: Limits):
     require(engine, GENERATE, None)
-    inputs = {k: adapt(media.tensor_from_json, v, f"inputs.{k}") for k, v in req.inputs.items()}
-    items = await started(engine, GENERATE, inputs, dict(req.params))
+    inputs = {k: adapt(media.tensor_from_json, v, f"inputs.{k}", limits.max_tensor_elements,
+                       limits.max_tensor_dims) for k, v in req.inputs.items()}
+    params = req.params.model_dump(exclude_unset=True, exclude_none=True)  # range-checked, unset left out
+    items = await started(engine, GENERATE, inputs, params)
     return StreamingResponse(ending_in_error(_lines(items), frame=ndjson), media_type="application/x-ndjson")
 
 

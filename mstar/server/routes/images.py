@@ -13,7 +13,7 @@ from fastapi import APIRouter, File, Form, Request, UploadFile
 from mstar.model.adapter import IMAGE_EDITS, IMAGES, ApiRequest, ImageOut
 from mstar.server import media
 from mstar.server.errors import APIError
-from mstar.server.protocol import ImageRequest, ImagesResponse
+from mstar.server.protocol import ImageRequest, ImagesResponse, check_json_value
 from mstar.server.routes.common import Engine, Limits, adapt, png_base64, require, start
 from mstar.server.serving import ServingEngine
 
@@ -23,10 +23,10 @@ _EDIT_FIELDS = ("image", "prompt", "model", "n", "size")  # the form fields imag
 
 
 @router.post("/v1/images/generations", response_model=ImagesResponse)
-async def images(req: ImageRequest, engine: Engine):
+async def images(req: ImageRequest, engine: Engine, limits: Limits):
     require(engine, IMAGES, req.model)
     body = req.model_dump()
-    body["width"], body["height"] = _parse_size(req.size)
+    body["width"], body["height"] = _parse_size(req.size, limits.max_image_side)
     return await _run(engine, IMAGES, body, None, req.n)
 
 
@@ -37,12 +37,15 @@ async def image_edits(request: Request, engine: Engine, limits: Limits, image: A
     require(engine, IMAGE_EDITS, model)
     if not 1 <= n <= 4:
         raise APIError(400, "n must be between 1 and 4", param="n")
-    pixels = adapt(media.decode_image, await image.read(), "image", limits.max_image_pixels)
+    pixels = adapt(media.decode_image, await image.read(), "image", limits.max_image_pixels,
+                   limits.max_image_side)
     # other form fields (the SDK's extra_body: seed, steps, guidance...) as JSON values where they parse
     extra = {k: _form_value(v) for k, v in (await request.form()).items()
              if k not in _EDIT_FIELDS and isinstance(v, str)}
+    for k, v in extra.items():
+        adapt(check_json_value, v, k)
     body = {**extra, "model": model, "prompt": prompt, "n": n, "size": size}
-    body["width"], body["height"] = _parse_size(size)
+    body["width"], body["height"] = _parse_size(size, limits.max_image_side)
     return await _run(engine, IMAGE_EDITS, body, pixels, n)
 
 
@@ -69,13 +72,13 @@ async def _one(engine: ServingEngine, route: str, api_req: ApiRequest) -> list[d
     return [{"b64_json": png_base64(o.pixels)} for o in outs if isinstance(o, ImageOut)]
 
 
-def _parse_size(size: str) -> tuple[int, int]:
-    try:
-        w, h = (int(x) for x in size.lower().split("x"))
-    except ValueError as e:
-        raise APIError(400, f"size must look like 256x256, got {size!r}", param="size") from e
-    if w <= 0 or h <= 0:
-        raise APIError(400, f"size must be positive, got {size!r}", param="size")
+def _parse_size(size: str, max_side: int) -> tuple[int, int]:
+    parts = size.lower().split("x")
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and len(p) <= 6 for p in parts):  # no sign, no space
+        raise APIError(400, f"size must look like 256x256, got {size[:40]!r}", param="size")
+    w, h = int(parts[0]), int(parts[1])
+    if not (0 < w <= max_side and 0 < h <= max_side):
+        raise APIError(400, f"size must be positive and at most {max_side} per side, got {size!r}", param="size")
     return w, h
 
 

@@ -1,9 +1,10 @@
-"""``POST /v1/audio/speech``: a whole file (wav, pcm, flac), a live audio stream (one WAV header of
-unknown length, then PCM as it is made) or SSE (``speech.audio.delta`` events, then
-``speech.audio.done``); ``GET /v1/audio/voices``."""
+"""``POST /v1/audio/speech``: a whole file (wav, pcm, flac, mp3, opus, aac), a live audio stream
+(the encoded bytes as they are made; a WAV header of unknown length first) or SSE
+(``speech.audio.delta`` events, then ``speech.audio.done``); ``GET /v1/audio/voices``."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from collections.abc import AsyncIterator
 
@@ -12,7 +13,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
 from mstar.model.adapter import SPEECH, ApiAdapter, AudioChunk
-from mstar.server import media
+from mstar.server import audio
 from mstar.server.errors import APIError
 from mstar.server.protocol import SpeechRequest, Voices
 from mstar.server.routes.common import Engine, Output, adapt, ending_in_error, require, sse, start
@@ -33,29 +34,33 @@ async def speech(req: SpeechRequest, engine: Engine):
     _check(req, engine.adapter)
     api_req = adapt(engine.adapter.speech_request, req.model_dump())
     request = await start(engine, SPEECH, api_req)
-    rate = engine.adapter.sample_rate
+    rate, fmt = engine.adapter.sample_rate, req.response_format
     pcm = _pcm(request.outputs)
     if req.stream_format is None:
         chunks = [p async for p in pcm]
-        audio = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int16)
-        request.timer.done(audio.numel() / rate)
-        data, mime = adapt(media.encode_audio, audio, rate, req.response_format)
-        return Response(data, media_type=mime)
+        samples = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int16)
+        request.timer.done(samples.numel() / rate)
+        data = await asyncio.to_thread(adapt, audio.encode, samples.to(torch.int16).numpy(), rate, fmt)
+        return Response(data, media_type=audio.MIME[fmt])
     pcm = _timed(pcm, request.timer, rate)
     if req.stream_format == "audio":
-        wav = req.response_format == "wav"
-        return StreamingResponse(_audio_bytes(pcm, rate, wav), media_type="audio/wav" if wav else "audio/pcm")
-    return StreamingResponse(ending_in_error(_audio_events(pcm)), media_type="text/event-stream")
+        encoder = adapt(audio.new_encoder, fmt, rate)
+        return StreamingResponse(_encoded(pcm, encoder), media_type=encoder.mime)
+    # SSE: wav and pcm stream raw PCM16 deltas; the other formats their encoded bytes
+    encoder = adapt(audio.new_encoder, "pcm" if fmt == "wav" else fmt, rate)
+    return StreamingResponse(ending_in_error(_audio_events(_encoded(pcm, encoder))), media_type="text/event-stream")
 
 
 def _check(req: SpeechRequest, adapter: ApiAdapter) -> None:
     if req.voice is not None and adapter.voices and req.voice not in adapter.voices:
         raise APIError(400, f"unknown voice {req.voice!r}; voices: {', '.join(adapter.voices)}", param="voice")
-    if req.response_format not in ("wav", "pcm", "flac"):
-        raise APIError(400, f"response_format {req.response_format!r} is not supported; use wav, pcm or flac",
+    if req.stream_format is not None and req.response_format not in audio.STREAMABLE:
+        raise APIError(400, f"streaming supports response_format {', '.join(sorted(audio.STREAMABLE))}",
                        param="response_format")
-    if req.stream_format is not None and req.response_format not in ("wav", "pcm"):
-        raise APIError(400, "streaming supports response_format wav or pcm", param="response_format")
+    try:
+        audio.check_available(req.response_format)  # a missing codec package: 400 before the model runs
+    except ValueError as e:
+        raise APIError(400, str(e), param="response_format") from e
 
 
 async def _pcm(outputs: AsyncIterator[Output]) -> AsyncIterator[torch.Tensor]:
@@ -74,14 +79,18 @@ async def _timed(pcm: AsyncIterator[torch.Tensor], timer: Timer, rate: int) -> A
     timer.done(n / rate)
 
 
-async def _audio_bytes(pcm: AsyncIterator[torch.Tensor], rate: int, wav: bool) -> AsyncIterator[bytes]:
-    if wav:
-        yield media.wav_header(rate)
+async def _encoded(pcm: AsyncIterator[torch.Tensor], encoder: audio.AudioEncoder) -> AsyncIterator[bytes]:
+    """Each chunk's encoded bytes as soon as the encoder has them (a codec may hold a frame back)."""
     async for p in pcm:
-        yield media.pcm_bytes(p)
+        data = encoder.feed(p.to(torch.int16).cpu().numpy())
+        if data:
+            yield data
+    tail = encoder.finish()
+    if tail:
+        yield tail
 
 
-async def _audio_events(pcm: AsyncIterator[torch.Tensor]) -> AsyncIterator[str]:
-    async for p in pcm:
-        yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(media.pcm_bytes(p)).decode()})
+async def _audio_events(data: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    async for chunk in data:
+        yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode()})
     yield sse({"type": "speech.audio.done"})
