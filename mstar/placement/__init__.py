@@ -15,6 +15,8 @@ only for some walks::
       kv_cache_blocks: 1024
       kv_block_size: 16
       max_queue: 1024
+      # kv_cache_memory_gib: 4        # size every KV pool from memory instead (kv_cache_blocks, if
+                                      # also given, wins)
 
 Group keys: ``node_names`` and ``ranks`` (required), ``graph_walks`` (restrict the group to these
 walks), ``tp_size`` (default 1) and ``max_batch_size`` (override of ``runtime.max_batch_size``).
@@ -151,7 +153,10 @@ class Placement:
         if self.name is not None:
             d["name"] = self.name
         d["node_groups"] = [g.to_dict() for g in self.node_groups]
-        d["runtime"] = dataclasses.asdict(self.limits)
+        runtime = dataclasses.asdict(self.limits)
+        # the memory size, when set, governs: an explicit kv_cache_blocks beside it would win on reading
+        runtime.pop("kv_cache_blocks" if self.limits.kv_cache_memory_gib is not None else "kv_cache_memory_gib")
+        d["runtime"] = runtime
         return d
 
     # -- queries -----------------------------------------------------------------------------------
@@ -292,7 +297,7 @@ class Placement:
         """Text table: one row per walk, one column per node, cells = ranks ('-' = not used)."""
         title = self.name or self.model or "placement"
         lines = [f"{title} ({self.source}): {self.num_ranks} rank(s)",
-                 "runtime: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self.limits).items())]
+                 "runtime: " + ", ".join(f"{k}={v}" for k, v in self.to_dict()["runtime"].items())]
         for i, g in enumerate(self.node_groups):
             extra = ""
             if g.graph_walks is not None:

@@ -9,7 +9,7 @@ from typing import Any
 
 TOP_LEVEL_KEYS = ("model", "name", "node_groups", "runtime")
 GROUP_KEYS = ("node_names", "ranks", "graph_walks", "tp_size", "max_batch_size")
-RUNTIME_KEYS = ("max_batch_size", "kv_cache_blocks", "kv_block_size", "max_queue")
+RUNTIME_KEYS = ("max_batch_size", "kv_cache_blocks", "kv_block_size", "max_queue", "kv_cache_memory_gib")
 
 DEFAULT_RANK = 0
 """Rank that runs every node no group mentions."""
@@ -32,17 +32,26 @@ def _fmt_list(items: Iterable[object]) -> str:
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RuntimeLimits:
-    """Runtime sizes shared by every rank (all positive ints)."""
+    """Runtime sizes shared by every rank (positive ints; ``kv_cache_memory_gib`` a positive number).
+
+    ``kv_cache_memory_gib``, when set, sizes each KV module's block pool from memory instead of
+    ``kv_cache_blocks``: as many blocks as that many GiB hold (K and V, every layer, the module's
+    dtype). A placement file that also gives ``kv_cache_blocks`` keeps that explicit count.
+    """
 
     max_batch_size: int = 32
     kv_cache_blocks: int = 1024
     kv_block_size: int = 16
     max_queue: int = 1024
+    kv_cache_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not _is_int(v) or v < 1:
+            if f.name == "kv_cache_memory_gib":
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not v > 0):
+                    raise PlacementError(f"runtime.{f.name} must be a positive number of GiB, got {v!r}")
+            elif not _is_int(v) or v < 1:
                 raise PlacementError(f"runtime.{f.name} must be a positive int, got {v!r}")
 
 

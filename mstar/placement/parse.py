@@ -81,7 +81,12 @@ def _parse_runtime(raw: object, source: str) -> RuntimeLimits:
     if unknown:
         raise PlacementError(f"{where}: unknown key(s) {_fmt_list(map(repr, unknown))}; "
                              f"valid keys: {', '.join(RUNTIME_KEYS)}")
-    values = {k: _pos_int(v, k, where) for k, v in raw.items()}
+    memory = raw.get("kv_cache_memory_gib")
+    values = {k: _pos_int(v, k, where) for k, v in raw.items() if k != "kv_cache_memory_gib"}
+    if memory is not None and "kv_cache_blocks" not in values:  # an explicit block count wins
+        if isinstance(memory, bool) or not isinstance(memory, int | float) or not memory > 0:
+            raise PlacementError(f"{where}: kv_cache_memory_gib must be a positive number, got {memory!r}")
+        values["kv_cache_memory_gib"] = float(memory)
     return RuntimeLimits(**values)
 
 

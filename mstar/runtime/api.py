@@ -14,6 +14,7 @@ Inline mode runs the conductor and every rank's worker in one background thread 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 import uuid
@@ -31,7 +32,7 @@ from mstar.model.base import ModelDef
 from mstar.model.registry import resolve_model
 from mstar.placement import Placement
 from mstar.runtime.conductor import Conductor, RequestStatus
-from mstar.runtime.drivers import InlineDriver, ProcessDriver
+from mstar.runtime.drivers import InlineDriver, ProcessDriver, RestartPolicy
 from mstar.runtime.engine import StatelessEngine
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.messages import Emit
@@ -154,7 +155,14 @@ class RequestHandle:
 class Runtime:
     def __init__(self, model: str | ModelDef | type, placement: str | Path | Placement | None = None, *,
                  workers: str = "inline", device: str = "cpu", model_kwargs: Mapping[str, Any] | None = None,
-                 start_timeout: float = 300.0) -> None:
+                 start_timeout: float = 300.0, kv_cache_memory_gib: float | None = None,
+                 on_worker_death: str = "restart", max_restarts: int = 3, restart_window_s: float = 300.0) -> None:
+        """``on_worker_death`` (process mode): ``restart`` respawns a dead worker's rank, unless
+        ``max_restarts`` restarts already happened within ``restart_window_s``; then, or at once
+        with ``exit``, the runtime stays unhealthy for good (``fatal``).
+
+        ``kv_cache_memory_gib``: size every KV pool from memory (replaces the placement's
+        ``kv_cache_blocks`` / ``kv_cache_memory_gib``; ``mstar serve --kv-cache-memory``)."""
         if workers not in ("inline", "process"):
             raise ValueError(f"workers must be 'inline' or 'process', got {workers!r}")
         self.model = resolve_model(model, **(model_kwargs or {}))
@@ -164,18 +172,23 @@ class Runtime:
         elif isinstance(placement, (str, Path)):
             placement = Placement.load(placement)
         self.placement = placement.check_model(self.model.name, self.model.family).validate(graph)
+        if kv_cache_memory_gib is not None:
+            limits = dataclasses.replace(self.placement.limits, kv_cache_memory_gib=kv_cache_memory_gib)
+            self.placement = dataclasses.replace(self.placement, limits=limits)
         self.model.preflight()
         self.routing = Routing(graph, self.placement)
         self.mode = workers
         self.device = device
+        policy = RestartPolicy(on_worker_death, max_restarts, restart_window_s)  # checked in either mode
         # chosen once: the loop below never asks which mode it is in
         self._driver = (InlineDriver(self.model, self.routing, device) if workers == "inline"
-                        else ProcessDriver(self.model, self.routing, device, start_timeout))
+                        else ProcessDriver(self.model, self.routing, device, start_timeout, policy))
         self._conductor: Conductor | None = None
         self._commands: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stop = False
-        self._lost: str | None = None  # set when a worker process died
+        self._lost: str | None = None  # set when the runtime's thread failed
+        self._pool_blocks: dict[str, int] = {}  # KV module -> blocks of its smallest pool, when sized from memory
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> Runtime:
@@ -186,6 +199,11 @@ class Runtime:
         self._stop = False
         self._thread = threading.Thread(target=self._drive, name="mstar-runtime", daemon=True)
         self._thread.start()
+        if self.placement.limits.kv_cache_memory_gib is not None:  # each module's pool size is known now
+            for r in self.stats()["ranks"]:
+                for module, kv in r["kv"].items():
+                    self._pool_blocks[module] = min(self._pool_blocks.get(module, kv["blocks_total"]),
+                                                    kv["blocks_total"])
         return self
 
     def shutdown(self) -> None:
@@ -205,12 +223,18 @@ class Runtime:
 
     @property
     def healthy(self) -> bool:
-        return self._thread is not None and self._lost is None
+        return self._thread is not None and self.unhealthy_reason is None
 
     @property
     def unhealthy_reason(self) -> str | None:
         """Why the runtime cannot serve (a worker died, a runtime error), or None."""
-        return self._lost
+        return self._lost or self._driver.lost
+
+    @property
+    def fatal(self) -> str | None:
+        """Why the runtime will never serve again (a runtime error, a worker death not restarted), or
+        None while it serves or may again (``mstar serve`` exits non-zero on it)."""
+        return self._lost or self._driver.gave_up
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, inputs: Mapping[str, Any], params: Mapping[str, Any] | None = None,
@@ -218,14 +242,30 @@ class Runtime:
         """Validate and submit one request; returns at once. Bad input raises ValueError here."""
         if self._thread is None:
             raise RuntimeError("runtime is not started: use `with Runtime(...) as rt:` or rt.start()")
-        if self._lost:
-            raise RuntimeError(f"runtime is unhealthy: {self._lost}")
+        reason = self.unhealthy_reason
+        if reason:
+            raise RuntimeError(f"runtime is unhealthy: {reason}")
         params = dict(params or {})
         norm = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in inputs.items()}
         self.model.validate_request(norm, params)
+        self._check_fits(norm, params)
         handle = RequestHandle(request_id or uuid.uuid4().hex[:16])
         self._command(lambda: self._conductor.submit(handle.request_id, norm, params, handle))
         return handle
+
+    def _check_fits(self, inputs: dict[str, list], params: dict[str, Any]) -> None:
+        """Reject a request whose worst-case KV need (``ModelDef.max_kv_tokens``) exceeds a whole
+        cache: it could never run, however long it waited."""
+        limits = self.placement.limits
+        size = limits.kv_block_size
+        for module, tokens in self.model.max_kv_tokens(inputs, params).items():
+            blocks = self._pool_blocks.get(module, limits.kv_cache_blocks)
+            need = -(-tokens // size)
+            if need > blocks:
+                raise ValueError(f"{self.model.name}: this request may hold up to {tokens} tokens in the KV cache "
+                                 f"of {module!r} ({need} blocks of {size}), more than the whole cache: {blocks} "
+                                 f"blocks ({blocks * size} tokens); shorten the prompt or max_tokens, or give "
+                                 f"the cache more room (kv_cache_blocks or kv_cache_memory_gib)")
 
     def generate(self, inputs: list[Mapping[str, Any]] | Mapping[str, Any],
                  params: Mapping[str, Any] | list[Mapping[str, Any]] | None = None) -> list[RequestOutput]:
@@ -250,7 +290,8 @@ class Runtime:
         self._command(lambda: self._conductor.abort(request_id))
 
     def stats(self, timeout: float = 30.0) -> dict[str, Any]:
-        """KV blocks used/free, queue depths and per-node batch-size histograms, per rank."""
+        """Per rank: KV blocks used/free, queue depths, per-node batch-size histograms, and KV
+        pressure (requests waiting for blocks, preemptions, swapped-out requests) per KV module."""
         future: Future = Future()
         self._command(lambda: self._conductor.collect_stats(future))
         try:
@@ -288,9 +329,8 @@ class Runtime:
             while not self._stop:
                 did = not self._commands.empty() and self._run_commands()
                 did = driver.pump(conductor, did) or did
-                if driver.lost is not None:  # a worker process died: nothing it held can finish
-                    self._lost = self._lost or driver.lost
-                    self._fail_all(FailureKind.WORKER_LOST)
+                if driver.lost is not None:  # a rank is down: other ranks may hold state of any request
+                    self._fail_all(FailureKind.WORKER_LOST, driver.lost)
                 if not did:
                     driver.idle()
             # shutting down: whatever is still in flight ends as aborted, so no caller waits forever
@@ -299,7 +339,7 @@ class Runtime:
                 conductor.abort(rid)
         except BaseException as e:  # noqa: BLE001 - surface runtime bugs to every waiting request
             self._lost = f"runtime error: {type(e).__name__}: {e}"
-            self._fail_all(FailureKind.INTERNAL)
+            self._fail_all(FailureKind.INTERNAL, self._lost)
             raise
 
     def _run_commands(self) -> bool:
@@ -309,6 +349,6 @@ class Runtime:
             did = True
         return did
 
-    def _fail_all(self, kind: FailureKind) -> None:
+    def _fail_all(self, kind: FailureKind, error: str) -> None:
         for rid in list(self._conductor.requests):
-            self._conductor.fail(rid, self._lost, kind)
+            self._conductor.fail(rid, error, kind)

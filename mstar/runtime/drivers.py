@@ -7,22 +7,54 @@ messages over ZeroMQ IPC; it also watches the processes and reports a dead one.
 Both offer the same small surface to the runtime loop: ``start`` / ``stop``, ``pump`` (move
 messages and run work; returns whether anything happened), ``idle`` (wait a little when nothing
 did), ``wake`` (cut that wait short), and ``lost`` (why a worker is gone, set by ``pump``; None
-while every worker lives).
+while every worker lives). A ``ProcessDriver`` respawns a dead rank as its ``RestartPolicy``
+allows: ``lost`` then holds ``restarting: ...`` until the new process reports ready, and
+``gave_up`` is set once the policy refuses (``lost`` stays set for good).
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 import time
+from collections import deque
 from typing import Any
 
 from mstar.runtime.conductor import Conductor
-from mstar.runtime.messages import CONDUCTOR, Shutdown, WorkerStatus
-from mstar.runtime.process import spawn_workers
+from mstar.runtime.messages import CONDUCTOR, FreeRequest, Shutdown, WorkerStatus
+from mstar.runtime.process import spawn_worker, spawn_workers
 from mstar.runtime.routing import Routing
 from mstar.runtime.transport import InlineTransport, ZmqTransport
 from mstar.runtime.worker import Worker
+
+log = logging.getLogger("mstar.runtime")
+
+ON_WORKER_DEATH = ("restart", "exit")
+
+
+class RestartPolicy:
+    """Whether a dead worker process is respawned: never with ``exit``; with ``restart`` unless
+    ``max_restarts`` restarts already happened in the last ``window_s`` seconds."""
+
+    def __init__(self, on_death: str = "restart", max_restarts: int = 3, window_s: float = 300.0) -> None:
+        if on_death not in ON_WORKER_DEATH:
+            raise ValueError(f"on_worker_death must be one of {ON_WORKER_DEATH}, got {on_death!r}")
+        if max_restarts < 0 or window_s <= 0:
+            raise ValueError("max_restarts must be >= 0 and restart_window_s > 0")
+        self.on_death, self.max_restarts, self.window_s = on_death, max_restarts, window_s
+        self._deaths: deque[float] = deque()
+
+    def allow(self, now: float) -> str | None:
+        """A death at ``now``: None if it may be restarted (the restart is counted), else why not."""
+        if self.on_death == "exit":
+            return "on_worker_death is 'exit'"
+        while self._deaths and now - self._deaths[0] > self.window_s:
+            self._deaths.popleft()
+        if len(self._deaths) >= self.max_restarts:
+            return f"{self.max_restarts} restart(s) already in the last {self.window_s:g} s"
+        self._deaths.append(now)
+        return None
 
 
 class InlineDriver:
@@ -30,6 +62,7 @@ class InlineDriver:
 
     processes: list = []  # no worker processes
     lost: str | None = None  # workers of this process cannot be lost
+    gave_up: str | None = None
 
     def __init__(self, model: Any, routing: Routing, device: str) -> None:
         self.transport = InlineTransport()
@@ -65,19 +98,32 @@ class InlineDriver:
 
 
 class ProcessDriver:
-    """One worker process per rank; the runtime's thread only runs the conductor."""
+    """One worker process per rank; the runtime's thread only runs the conductor.
+
+    A rank whose process dies is respawned (same rank and placement, its modules rebuilt) when the
+    policy allows; until the new process reports ``WorkerStatus`` ``lost`` says ``restarting``.
+    Every request in flight at the death is freed again on the new process once it is ready:
+    messages queued for the dead one (ZeroMQ delivers them to the new bind) allocate nothing that
+    outlives them.
+    """
 
     CHECK_EVERY_S = 0.25  # how often the worker processes are checked for life
 
-    def __init__(self, model: Any, routing: Routing, device: str, start_timeout: float) -> None:
+    def __init__(self, model: Any, routing: Routing, device: str, start_timeout: float,
+                 policy: RestartPolicy | None = None) -> None:
         self.model, self.routing, self.device = model, routing, device
         self.start_timeout = start_timeout
+        self.policy = policy or RestartPolicy()
         self.workers: list[Worker] = []  # none in this process
         self.transport: ZmqTransport | None = None
         self.processes: list = []  # one multiprocessing.Process per rank
         self._run_dir: str | None = None
         self._last_check = 0.0
         self.lost: str | None = None
+        self.gave_up: str | None = None  # why no rank will be restarted any more (``lost`` stays set)
+        self._starting: dict[int, float] = {}  # rank -> when its replacement process was spawned
+        self._orphans: set[str] = set()  # requests in flight while a rank was down
+        self._start_errors: dict[int, str] = {}  # rank -> why its replacement could not build its modules
 
     def start(self) -> None:
         """Spawn the worker processes and wait until each reports ready (or why it could not start)."""
@@ -114,6 +160,7 @@ class ProcessDriver:
                 p.terminate()
                 p.join(timeout=5)
         self.processes = []
+        self._starting.clear()
         if self.transport is not None:
             self.transport.sweep_shm()
             self.transport.close()
@@ -124,14 +171,64 @@ class ProcessDriver:
     def pump(self, conductor: Conductor, busy: bool) -> bool:
         did = False
         for msg in self.transport.recv(0 if busy else 5):  # the receive's timeout is the idle wait
-            conductor.handle(msg)
+            if isinstance(msg, WorkerStatus):
+                self._replacement_ready(msg)
+            else:
+                conductor.handle(msg)
             did = True
+        if self._starting:
+            self._orphans.update(conductor.requests)  # the runtime fails them while a rank is down
         now = time.monotonic()
-        if now - self._last_check >= self.CHECK_EVERY_S:
+        if self.gave_up is None and now - self._last_check >= self.CHECK_EVERY_S:
             self._last_check = now
-            self.lost = next((f"worker rank {rank} died (exit code {p.exitcode})"
-                              for rank, p in enumerate(self.processes) if not p.is_alive()), None)
+            self._watch(conductor, now)
         return did
+
+    def _watch(self, conductor: Conductor, now: float) -> None:
+        """Respawn a dead rank, or give up (as the policy says); a replacement that never gets
+        ready is given up on too."""
+        for rank, p in enumerate(self.processes):
+            if rank in self._starting and p.is_alive() and now - self._starting[rank] > self.start_timeout:
+                p.kill()
+                p.join(5)
+                self._give_up(f"worker rank {rank} was restarted but not ready in {self.start_timeout:g} s")
+                return
+            if p.is_alive():
+                continue
+            error = self._start_errors.pop(rank, None)
+            why = (f"worker rank {rank} could not restart ({error})" if error
+                   else f"worker rank {rank} died (exit code {p.exitcode})")
+            refusal = self.policy.allow(now)
+            if refusal is not None:
+                self._give_up(f"{why}; not restarted: {refusal}")
+                return
+            log.warning("%s; restarting it", why)
+            self._orphans.update(conductor.requests)
+            self.processes[rank] = spawn_worker(rank, self.model, self.routing.placement, self._run_dir, self.device)
+            self._starting[rank] = now
+            self.lost = f"restarting: {why}"
+
+    def _give_up(self, why: str) -> None:
+        log.error("%s: the runtime cannot serve any more", why)
+        self.gave_up = self.lost = why
+        self._starting.clear()
+        self._orphans.clear()
+
+    def _replacement_ready(self, msg: WorkerStatus) -> None:
+        if msg.rank not in self._starting:
+            return
+        if not msg.ok:  # its process exits: the next check counts another death
+            log.error("worker rank %d failed to restart:\n%s", msg.rank, msg.error)
+            self._start_errors[msg.rank] = (msg.error.strip().splitlines() or ["unknown error"])[-1]
+            return
+        del self._starting[msg.rank]
+        self._start_errors.pop(msg.rank, None)
+        for rid in self._orphans:  # whatever reached the new process for them is dropped
+            self.transport.send(msg.rank, FreeRequest(rid))
+        if not self._starting:
+            self._orphans.clear()
+            self.lost = None
+            log.warning("worker rank %d restarted: serving again", msg.rank)
 
     def idle(self) -> None:
         pass

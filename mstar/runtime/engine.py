@@ -4,6 +4,11 @@
 module (one block pool; per-request, per-cache-name block tables) and builds the attention
 metadata of each batch. A failure inside a batched forward is isolated by re-running the items one
 by one, so one bad request fails alone.
+
+An item whose KV blocks cannot be had right now is not failed: it comes back as ``DEFERRED`` and
+the worker queues it again. ``swap_out`` / ``swap_in`` move a request's blocks to host memory and
+back (sharing between its own caches kept), which is how the worker preempts a request under KV
+pressure; the request's items swap it back in when they are next admitted.
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ from typing import Any
 import torch
 
 from mstar.layers.paged_attention import AttentionMetadata, QueryMode, copy_blocks
-from mstar.model.submodule import EngineInputs, ForwardInfo, KVSequence, NodeInputs, NodeSubmodule
-from mstar.runtime.failures import FailureKind, KVCacheExhausted, describe
+from mstar.model.submodule import EngineInputs, ForwardInfo, KVSequence, KVSpec, NodeInputs, NodeSubmodule
+from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.keys import WalkKey
 from mstar.runtime.kv.block_pool import BlockPool, KVCacheManager, OutOfBlocks
 
@@ -58,6 +63,16 @@ class Prepared:
         return [KVSequence(ni.cache_name or self.item.node, ni.num_tokens, ni.mode, ni.fork_from)]
 
 
+class _Deferred:
+    """The result of an item that could not get its KV blocks now: run it again later."""
+
+    def __repr__(self) -> str:
+        return "DEFERRED"
+
+
+DEFERRED = _Deferred()
+
+
 @dataclass
 class _KVPlan:
     """The attention bookkeeping of one batch, sequence by sequence."""
@@ -68,6 +83,29 @@ class _KVPlan:
     modes: list[QueryMode] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     positions: list[torch.Tensor] = field(default_factory=list)
+
+    def mark(self) -> tuple[int, int]:
+        return len(self.query_lens), len(self.slots)
+
+    def reset(self, mark: tuple[int, int]) -> None:
+        """Forget the sequences added since ``mark``."""
+        seqs, slots = mark
+        for name in ("query_lens", "tables", "context_lens", "modes", "positions"):
+            del getattr(self, name)[seqs:]
+        del self.slots[slots:]
+
+
+@dataclass
+class _Swapped:
+    """A preempted request's KV blocks in host memory: ``tables`` index into the saved blocks."""
+
+    tables: dict[str, tuple[list[int], int]]  # cache name -> (block indices, num_tokens)
+    k: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_heads, head_dim]
+    v: list[torch.Tensor]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
 
 
 class ItemError(Exception):
@@ -184,29 +222,59 @@ class KVCacheEngine(StatelessEngine):
         self.kv_caches = [(torch.zeros(shape, dtype=spec.dtype, device=device),
                            torch.zeros(shape, dtype=spec.dtype, device=device)) for _ in range(spec.num_layers)]
         self._appended: list[tuple[str, str, int]] = []
+        self._swapped: dict[str, _Swapped] = {}
+        self.preemptions = 0
 
     def cache_len(self, item: WorkItem) -> int:
+        swapped = self._swapped.get(item.request_id)
+        if swapped is not None and item.node in swapped.tables:
+            return swapped.tables[item.node][1]
         return self.manager.num_tokens(item.request_id, item.node)
 
     def _forward(self, batch: list[Prepared]) -> list[dict]:
-        ei, tensors = self._engine_inputs(batch)
+        """Plan every item's cache slots (an item that cannot get its blocks is left out, ``DEFERRED``),
+        then run one forward over the others."""
         self._appended = []
         plan = _KVPlan()
+        admitted = [p for p in batch if self._plan_item(p, plan)]
+        if not admitted:
+            self._copy_pending()  # copies queued by items rolled back: no pending copy outlives a batch
+            return [DEFERRED] * len(batch)
+        ei, tensors = self._engine_inputs(admitted)
+        self._copy_pending()
+        ei.attention = AttentionMetadata.build(plan.query_lens, plan.tables, plan.context_lens, plan.modes, plan.slots)
+        ei.kv_caches = self.kv_caches
+        ei.positions = torch.cat(plan.positions) if plan.positions else torch.zeros(0, dtype=torch.long)
+        ei.num_tokens = [sum(q.num_tokens for q in p.sequences()) for p in admitted]
+        outs = iter(self._call(admitted, ei, tensors))
+        kept = {id(p) for p in admitted}
+        return [next(outs) if id(p) in kept else DEFERRED for p in batch]
+
+    def _plan_item(self, p: Prepared, plan: _KVPlan) -> bool:
+        """Swap the item's request in if needed and plan all its sequences, or nothing (False)."""
+        rid = p.item.request_id
+        swapped_in = rid in self._swapped
+        if swapped_in and not self.swap_in(rid):
+            return False
+        mark, appended = plan.mark(), len(self._appended)
         try:
-            for p in batch:
-                for seq in p.sequences():
-                    self._plan_sequence(p.item.request_id, seq, plan)
-        except OutOfBlocks as e:
-            raise KVCacheExhausted(f"KV cache exhausted: {e}; raise kv_cache_blocks in the placement") from e
+            for seq in p.sequences():
+                self._plan_sequence(rid, seq, plan)
+        except OutOfBlocks:
+            plan.reset(mark)
+            self._undo_appends(self._appended[appended:])
+            del self._appended[appended:]
+            if swapped_in:
+                self.swap_out(rid, preempted=False)
+            return False
+        return True
+
+    def _copy_pending(self) -> None:
+        """Carry out queued copy-on-write copies (before a forward writes, or blocks are saved)."""
         pairs = self.manager.pop_pending_copies()
         if pairs:
             for k_cache, v_cache in self.kv_caches:
                 copy_blocks(k_cache, v_cache, pairs)
-        ei.attention = AttentionMetadata.build(plan.query_lens, plan.tables, plan.context_lens, plan.modes, plan.slots)
-        ei.kv_caches = self.kv_caches
-        ei.positions = torch.cat(plan.positions) if plan.positions else torch.zeros(0, dtype=torch.long)
-        ei.num_tokens = [sum(q.num_tokens for q in p.sequences()) for p in batch]
-        return self._call(batch, ei, tensors)
 
     def _plan_sequence(self, rid: str, seq: KVSequence, plan: _KVPlan) -> None:
         """Fork / allocate the sequence's cache slots (recording appends for a rollback) and add its
@@ -234,20 +302,70 @@ class KVCacheEngine(StatelessEngine):
 
     def _rollback(self, batch: list[Prepared]) -> None:
         """Undo this batch's cache appends so the items can be retried one by one."""
-        for rid, name, before in self._appended:
+        self._undo_appends(self._appended)
+        self._appended = []
+
+    def _undo_appends(self, appended: list[tuple[str, str, int]]) -> None:
+        for rid, name, before in reversed(appended):
             if self.manager.has(rid, name):
                 self.manager.truncate(rid, name, before)
-        self._appended = []
 
     def free_request(self, request_id: str) -> None:
         self.manager.free_request(request_id)
+        self._swapped.pop(request_id, None)
 
+    # -- preemption: a request's blocks to host memory and back ------------------------------------
+    def holders(self) -> list[str]:
+        """Requests holding KV blocks here (swapped-out requests hold none)."""
+        return [r for r in self.manager.request_ids() if self.blocks_of(r)]
+
+    def blocks_of(self, request_id: str) -> int:
+        return len(self.manager.snapshot(request_id)[0])
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._swapped
+
+    def swap_out(self, request_id: str, preempted: bool = True) -> None:
+        """Save the request's blocks to host memory and free them; its next item swaps them back."""
+        self._copy_pending()
+        blocks, tables = self.manager.snapshot(request_id)
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.kv_caches[0][0].device)
+        # indexing copies; .to("cpu") then moves device caches to host and leaves host ones as they are
+        self._swapped[request_id] = _Swapped(tables, [k[idx].to("cpu") for k, _ in self.kv_caches],
+                                             [v[idx].to("cpu") for _, v in self.kv_caches])
+        self.manager.free_request(request_id)
+        self.preemptions += int(preempted)
+
+    def swap_in(self, request_id: str) -> bool:
+        """Bring a swapped-out request's blocks back; False (nothing changed) when they do not fit."""
+        saved = self._swapped[request_id]
+        self._copy_pending()  # a queued copy may target a block this restore is about to reuse
+        try:
+            fresh = self.manager.restore(request_id, saved.num_blocks, saved.tables)
+        except OutOfBlocks:
+            return False
+        del self._swapped[request_id]
+        if fresh:
+            idx = torch.tensor(fresh, dtype=torch.long, device=self.kv_caches[0][0].device)
+            for (k, v), sk, sv in zip(self.kv_caches, saved.k, saved.v):
+                k[idx] = sk.to(k.device, k.dtype)
+                v[idx] = sv.to(v.device, v.dtype)
+        return True
+
+    # -- migration between ranks -------------------------------------------------------------------
     def _flat(self, cache: torch.Tensor) -> torch.Tensor:
         return cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, kv_heads, head_dim]
 
     def export_request(self, request_id: str, free: bool = True) -> dict[str, Any]:
         """Gather every cache of the request into dense tensors (forked prefixes are copied); then free
         them here unless ``free`` is False (a copy for another rank)."""
+        swapped = self._swapped.get(request_id)
+        if swapped is not None:
+            out = self._export_swapped(swapped)
+            if free:
+                del self._swapped[request_id]
+            return out
+        self._copy_pending()
         m = self.manager
         out = {}
         for name in m.cache_names(request_id):
@@ -259,15 +377,77 @@ class KVCacheEngine(StatelessEngine):
             m.free_request(request_id)
         return out
 
+    def _export_swapped(self, saved: _Swapped) -> dict[str, Any]:
+        bs = self.manager.block_size
+        out = {}
+        for name, (blocks, num_tokens) in saved.tables.items():
+            idx = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(num_tokens)], dtype=torch.long)
+            out[name] = {"num_tokens": num_tokens, "k": [self._flat(k)[idx].clone() for k in saved.k],
+                         "v": [self._flat(v)[idx].clone() for v in saved.v]}
+        return out
+
     def import_request(self, request_id: str, caches: dict[str, Any]) -> None:
+        """Take caches exported by another rank. When they do not fit now they are kept swapped out,
+        and the request's first item here swaps them in."""
         m = self.manager
-        for name, c in caches.items():
+        self._copy_pending()  # a queued copy may target a block this import is about to reuse
+        for name in caches:
             if m.has(request_id, name):
                 m.free(request_id, name)
+        bs = m.block_size
+        if sum(_cdiv(c["num_tokens"], bs) for c in caches.values()) > m.pool.num_free or request_id in self._swapped:
+            self._import_swapped(request_id, caches)
+            return
+        for name, c in caches.items():
             idx = torch.tensor(m.append_slots(request_id, name, c["num_tokens"]), dtype=torch.long)
             for layer, (k, v) in enumerate(self.kv_caches):
-                self._flat(k)[idx] = c["k"][layer].to(k.dtype)
-                self._flat(v)[idx] = c["v"][layer].to(v.dtype)
+                self._flat(k)[idx] = c["k"][layer].to(k.device, k.dtype)
+                self._flat(v)[idx] = c["v"][layer].to(v.device, v.dtype)
+
+    def _import_swapped(self, request_id: str, caches: dict[str, Any]) -> None:
+        """Keep imported dense caches in swapped form (each cache in its own blocks, the last one
+        zero-padded), with whatever else of the request is here, so it swaps in as one."""
+        if self.manager.cache_names(request_id):
+            self.swap_out(request_id, preempted=False)
+        saved = self._swapped.pop(request_id, None)
+        bs, cache = self.manager.block_size, self.kv_caches[0][0]
+        tables = dict(saved.tables) if saved else {}
+        ks = [[t] for t in saved.k] if saved else [[] for _ in self.kv_caches]
+        vs = [[t] for t in saved.v] if saved else [[] for _ in self.kv_caches]
+        start = saved.num_blocks if saved else 0
+        for name, c in caches.items():
+            n = c["num_tokens"]
+            nb = _cdiv(n, bs)
+            tables[name] = (list(range(start, start + nb)), n)
+            start += nb
+            for layer in range(len(self.kv_caches)):
+                ks[layer].append(_as_blocks(c["k"][layer], nb, bs, cache.dtype))
+                vs[layer].append(_as_blocks(c["v"][layer], nb, bs, cache.dtype))
+        empty = torch.zeros((0, *cache.shape[1:]), dtype=cache.dtype)
+        self._swapped[request_id] = _Swapped(tables, [torch.cat([empty, *k]) for k in ks],
+                                             [torch.cat([empty, *v]) for v in vs])
 
     def stats(self) -> dict[str, Any]:
-        return self.manager.stats()
+        return {**self.manager.stats(), "swapped_requests": len(self._swapped), "preemptions": self.preemptions}
+
+
+def blocks_in_memory(spec: KVSpec, block_size: int, gib: float) -> int:
+    """How many KV blocks of ``spec`` fit in ``gib`` GiB: K and V of every layer, in its dtype."""
+    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    per_block = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
+    blocks = int(gib * (1 << 30)) // per_block
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory_gib={gib} holds no KV block of {per_block} bytes "
+                         f"({spec.num_layers} layers, block size {block_size})")
+    return blocks
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _as_blocks(dense: torch.Tensor, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Dense per-token K or V ``[n, heads, dim]`` as ``[num_blocks, block_size, heads, dim]`` (host)."""
+    out = torch.zeros((num_blocks * block_size, *dense.shape[1:]), dtype=dtype)
+    out[:dense.shape[0]] = dense.to("cpu", dtype)
+    return out.view(num_blocks, block_size, *dense.shape[1:])

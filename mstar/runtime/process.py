@@ -43,12 +43,13 @@ def worker_main(rank: int, model: Any, placement: Any, run_dir: str, device: str
         transport.close()
 
 
+def spawn_worker(rank: int, model: Any, placement: Any, run_dir: str, device: str) -> Any:
+    """Start the process of one rank (also a replacement for a dead one: it binds the same address)."""
+    args = (rank, model, placement, run_dir, device, os.getpid())
+    p = mp.get_context("spawn").Process(target=worker_main, args=args, name=f"mstar-worker-{rank}", daemon=True)
+    p.start()
+    return p
+
+
 def spawn_workers(model: Any, placement: Any, run_dir: str, device: str, num_ranks: int) -> list:
-    ctx = mp.get_context("spawn")
-    procs = []
-    for rank in range(num_ranks):
-        p = ctx.Process(target=worker_main, args=(rank, model, placement, run_dir, device, os.getpid()),
-                        name=f"mstar-worker-{rank}", daemon=True)
-        p.start()
-        procs.append(p)
-    return procs
+    return [spawn_worker(rank, model, placement, run_dir, device) for rank in range(num_ranks)]

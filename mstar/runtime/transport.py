@@ -96,7 +96,8 @@ class ZmqTransport:
         out = list(frames)
         for i in big:
             self._shm_count += 1
-            name = f"{self.shm_prefix}-{self.own + 1}-{self._shm_count}"
+            # the pid keeps the names of a restarted rank apart from those its dead process left
+            name = f"{self.shm_prefix}-{self.own + 1}-{os.getpid()}-{self._shm_count}"
             fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
             try:
                 view = memoryview(frames[i]).cast("B")

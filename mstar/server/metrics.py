@@ -1,13 +1,14 @@
 """Prometheus metrics at /metrics. Names follow what users of vLLM-style servers look for.
 
-Request-level series are recorded as requests run; runtime state (queue depth, KV blocks,
-per-node batch sizes) is read from ``Runtime.stats()`` when Prometheus scrapes.
+Request-level series are recorded as requests run; runtime state (queue depth, KV blocks and
+usage, requests waiting for KV blocks, preemptions, per-node batch sizes) is read from
+``Runtime.stats()`` when Prometheus scrapes.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -63,4 +64,25 @@ class _RuntimeCollector:
             for node, hist in r["batch_sizes"].items():
                 for size, count in hist.items():
                     batches.add_metric([self.model, rank, node, str(size)], count)
-        yield from (queue, used, free, batches)
+        yield from (queue, used, free, batches, *self._kv_pressure(stats))
+
+    def _kv_pressure(self, stats):
+        """Per KV module: cache usage, requests waiting for blocks, preemptions (swap-outs) so far."""
+        labels = ["model", "rank", "node"]
+        usage = GaugeMetricFamily("mstar_kv_cache_usage", "fraction of KV-cache blocks in use", labels=labels)
+        waiting = GaugeMetricFamily("mstar_kv_waiting_requests", "requests whose next step waits for KV blocks",
+                                    labels=labels)
+        swapped = GaugeMetricFamily("mstar_kv_swapped_requests", "preempted requests whose KV blocks are in host "
+                                    "memory", labels=labels)
+        preempted = CounterMetricFamily("mstar_kv_preemptions", "requests swapped out to free KV blocks",
+                                        labels=labels)
+        for r in stats["ranks"]:
+            rank = str(r["rank"])
+            for node, kv in r["kv"].items():
+                key = [self.model, rank, node]
+                usage.add_metric(key, kv["blocks_used"] / max(kv["blocks_total"], 1))
+                swapped.add_metric(key, kv.get("swapped_requests", 0))
+                preempted.add_metric(key, kv.get("preemptions", 0))
+            for node, n in r.get("waiting", {}).items():
+                waiting.add_metric([self.model, rank, node], n)
+        return usage, waiting, swapped, preempted

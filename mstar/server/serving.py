@@ -29,12 +29,17 @@ class ServingEngine:
         self.max_queue = max_queue
         self.adapter = runtime.model.api_adapter()
         self.metrics = ServerMetrics(model_name)
-        self.metrics.install_runtime_collector(lambda: runtime.stats(timeout=5.0))
+        self.metrics.install_runtime_collector(self._runtime_stats)
         self.in_flight = 0
 
     @property
     def ready(self) -> bool:
         return self.runtime.healthy
+
+    def _runtime_stats(self) -> dict[str, Any]:
+        if not self.ready:  # e.g. a worker restarting: its stats would only come once it is up
+            raise RuntimeError(f"runtime is unhealthy: {self.runtime.unhealthy_reason}")
+        return self.runtime.stats(timeout=5.0)
 
     def check_ready(self) -> None:
         if not self.ready:

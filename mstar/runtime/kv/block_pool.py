@@ -74,6 +74,10 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
+    def free_blocks(self) -> list[int]:
+        """A copy of the free list, in the order blocks will be handed out last-to-first."""
+        return list(self._free)
+
     def _check(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:
             raise IndexError(f"block id {block} out of range [0, {self.num_blocks})")
@@ -206,6 +210,43 @@ class KVCacheManager:
     def cache_names(self, request_id: str) -> list[str]:
         return list(self._by_request.get(request_id, ()))
 
+    def request_ids(self) -> list[str]:
+        """Requests holding at least one table, in the order they first got one."""
+        return list(self._by_request)
+
+    def snapshot(self, request_id: str) -> tuple[list[int], dict[str, tuple[list[int], int]]]:
+        """The request's distinct blocks (first-use order) and each table as indices into them.
+
+        With :meth:`restore` this moves a request out of the pool and back without losing the
+        sharing between its own tables (forks): a block shared by two tables is listed once.
+        """
+        blocks: dict[int, int] = {}  # block id -> index in the distinct list
+        tables = {}
+        for name in self._by_request.get(request_id, ()):
+            table = self._tables[(request_id, name)]
+            tables[name] = ([blocks.setdefault(b, len(blocks)) for b in table.blocks], table.num_tokens)
+        return list(blocks), tables
+
+    def restore(self, request_id: str, num_blocks: int, tables: dict[str, tuple[list[int], int]]) -> list[int]:
+        """Give the request ``num_blocks`` fresh blocks and rebuild ``tables`` (as :meth:`snapshot`
+        describes them) over them; returns the new block ids, index for index. All or nothing."""
+        if request_id in self._by_request:
+            raise ValueError(f"request {request_id!r} already holds KV tables")
+        fresh = self.pool.allocate_many(num_blocks)
+        for name, (idx, num_tokens) in tables.items():
+            blocks = [fresh[i] for i in idx]
+            self._register((request_id, name), BlockTable(blocks, num_tokens))
+        counts = [0] * num_blocks
+        for idx, _ in tables.values():
+            for i in idx:
+                counts[i] += 1
+        for block, n in zip(fresh, counts):
+            for _ in range(n - 1):
+                self.pool.incref(block)
+            if n == 0:
+                self.pool.decref(block)  # no table refers to it: nothing to hold
+        return fresh
+
     def iter_tables(self) -> Iterator[tuple[Key, BlockTable]]:
         """All live tables as ``((request_id, cache_name), copy_of_table)``."""
         for key, table in self._tables.items():
@@ -253,6 +294,10 @@ class KVCacheManager:
         table.num_tokens = start + n
         bs = self.block_size
         return [table.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+
+    def pending_copies(self) -> list[tuple[int, int]]:
+        """A copy of the queued copy-on-write copies, without draining them."""
+        return list(self._pending)
 
     def pop_pending_copies(self) -> list[tuple[int, int]]:
         """Drain the queued ``(src_block, dst_block)`` copy-on-write copies, oldest first."""
