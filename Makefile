@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml
 	@! $(PY) -m pip list 2>/dev/null | grep -qiE '^(torchvision|torchaudio|torchcodec) ' || \
 		{ echo "error: torchvision/torchaudio/torchcodec must not be installed"; exit 1; }
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true
+	# the compiled paged-attention kernel into ~/.cache/mstar/kernels (~25 s, once per machine); a
+	# failed build never fails the install: models then use the PyTorch attention path
+	$(PY) -c "import mstar.layers.paged_decode as k; k.build()" || true
 	touch $(STAMP)
 
 test: install

@@ -26,7 +26,7 @@ _batches = _int_list("--batch")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark", description="Run a benchmark.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve):
+    for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve, _add_pressure):
         add(bsub)
 
 
@@ -226,4 +226,37 @@ def run_compare_llm(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(to_json(res), f, indent=1)
+    return 0
+
+
+def _add_pressure(bsub) -> None:
+    pr = bsub.add_parser("pressure", help="llama-tiny with KV oversubscribed vs. a cache large enough for all",
+                         description="N mixed greedy requests whose KV demand is a multiple of the cache, vs. "
+                                     "the same load with a cache for everything, alternating in one run: "
+                                     "completion, tokens/s, p50/p99 latency, preemptions, same tokens.")
+    pr.add_argument("--requests", type=int, default=32, help="requests, all submitted at once (default 32)")
+    pr.add_argument("--oversubscription", type=float, default=4.0,
+                    help="KV demand / the pressure cache's blocks (default 4)")
+    pr.add_argument("--repeats", type=int, default=3, help="alternating repeats (default 3)")
+    pr.add_argument("--model", choices=["tiny", "scaled"], default="tiny",
+                    help="llama-tiny, or its config scaled to hidden 256 / 4 layers (default tiny)")
+    pr.add_argument("--prompt-len", type=_int_list("--prompt-len"), default=[16, 192], help="LO,HI (default 16,192)")
+    pr.add_argument("--max-tokens", type=_int_list("--max-tokens"), default=[16, 128], help="LO,HI (default 16,128)")
+    pr.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
+    pr.add_argument("--seed", type=int, default=0, help="prompts and lengths seed (default 0)")
+    pr.set_defaults(func=run_pressure)
+
+
+def run_pressure(args: argparse.Namespace) -> int:
+    import sys
+
+    from mstar.bench.pressure_bench import format_table, run_pressure_bench
+
+    for flag, pair in (("--prompt-len", args.prompt_len), ("--max-tokens", args.max_tokens)):
+        if len(pair) != 2:
+            raise ValueError(f"{flag} takes two ints, LO,HI; got {pair}")
+    res = run_pressure_bench(args.requests, args.oversubscription, args.repeats, args.seed, args.model,
+                             args.block_size, tuple(args.prompt_len), tuple(args.max_tokens),
+                             log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_table(res))
     return 0

@@ -2,13 +2,16 @@
 
 ``torch`` (the reference kernel of ``mstar.layers.paged_attention``) is always there; others (e.g.
 FlashInfer on GPUs) are registered by name and imported only when asked for, so a CPU install never
-imports a GPU package.
+imports a GPU package. ``compiled`` (``mstar.layers.paged_decode``) runs decode rows through a C++
+kernel built at first use and is the default (``default_backend``); ``MSTAR_ATTENTION_KERNEL=torch``
+selects the reference instead.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -21,6 +24,8 @@ __all__ = [
     "BackendUnavailableError",
     "TorchPagedBackend",
     "available_backends",
+    "compiled_kernels_enabled",
+    "default_backend",
     "get_backend",
     "register_backend",
 ]
@@ -58,6 +63,7 @@ class TorchPagedBackend(AttentionBackend):
 # name -> ("module:attr" of the backend class, packages it needs). Imported only when requested.
 _REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
     "torch": ("mstar.layers.attention_backends:TorchPagedBackend", ()),
+    "compiled": ("mstar.layers.paged_decode:CompiledPagedBackend", ()),
     "flashinfer": ("mstar.layers.flashinfer_attention:FlashInferPagedBackend", ("flashinfer",)),
 }
 _INSTANCES: dict[str, AttentionBackend] = {}
@@ -105,3 +111,14 @@ def get_backend(name: str = "torch") -> AttentionBackend:
         raise TypeError(f"{target} is not an AttentionBackend")
     _INSTANCES[name] = backend
     return backend
+
+
+def compiled_kernels_enabled() -> bool:
+    """False when ``MSTAR_ATTENTION_KERNEL=torch`` asks for the PyTorch path everywhere."""
+    return os.environ.get("MSTAR_ATTENTION_KERNEL", "").strip().lower() != "torch"
+
+
+def default_backend() -> AttentionBackend:
+    """What models use unless told otherwise: ``compiled`` (it falls back to the reference path by
+    itself where its kernel cannot run), or ``torch`` when ``MSTAR_ATTENTION_KERNEL=torch``."""
+    return get_backend("compiled" if compiled_kernels_enabled() else "torch")

@@ -22,6 +22,13 @@ So each projection's weight is re-laid out ``[in, out]`` (the parameter is a tra
 name, shape ``[out, in]`` and values), and q/k/v and gate/up share one ``[in, 3 * out]`` tensor each,
 so a layer runs one matrix multiply for them. A module whose parameters were replaced afterwards
 (``.to()``, ``load_state_dict(assign=True)``) falls back to the plain per-projection path.
+
+Prepacked weights (``prepack()``, called through ``mstar.layers.prepack.prepack_linears`` once the
+weights are loaded): the packed q/k/v, o, gate/up and down weights are also kept in oneDNN's
+blocked layout, used while the weights they came from are unchanged.
+
+Attention goes through ``backend``; ``LlamaBackbone`` defaults to ``default_backend()`` (decode rows
+through the compiled kernel where it can be built, see ``mstar.layers.paged_decode``).
 """
 
 from __future__ import annotations
@@ -32,8 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.attention_backends import AttentionBackend
+from mstar.layers.attention_backends import AttentionBackend, default_backend
 from mstar.layers.paged_attention import paged_attention
+from mstar.layers.prepack import PrepackedLinear, can_prepack
 from mstar.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary
 
 __all__ = [
@@ -153,12 +161,28 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, **kw)
         self._qkv: torch.Tensor | None = None
         self._qkv_views: tuple = ()
+        self.prepacked: tuple[PrepackedLinear, PrepackedLinear] | None = None  # (qkv, o)
 
     def pack_weights(self) -> None:
         """q/k/v in one ``[hidden, (Hq + 2 Hkv) * D]`` tensor, o re-laid out (see the module docstring)."""
         self._qkv = pack_linears(self.q_proj, self.k_proj, self.v_proj)
         self._qkv_views = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
         pack_linears(self.o_proj)
+
+    def prepack(self) -> bool:
+        """oneDNN-prepacked q/k/v and o projections (``mstar.layers.prepack``); needs ``pack_weights``."""
+        qkv = packed_weight(self._qkv, (self.q_proj, self.k_proj, self.v_proj), self._qkv_views)
+        if not can_prepack(qkv, self.o_proj.weight):
+            return False
+        self.prepacked = (PrepackedLinear(qkv, in_out=True), PrepackedLinear(self.o_proj.weight))
+        return True
+
+    def _prepacked(self, qkv: torch.Tensor | None) -> tuple[PrepackedLinear, PrepackedLinear] | None:
+        """The prepacked projections, if the weights they were packed from are unchanged."""
+        pre = self.prepacked
+        if pre is None or qkv is None or not (pre[0].fresh(qkv) and pre[1].fresh(self.o_proj.weight)):
+            return None
+        return pre
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 engine_inputs: Any) -> torch.Tensor:
@@ -167,8 +191,9 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = packed_weight(self._qkv, (self.q_proj, self.k_proj, self.v_proj), self._qkv_views)
+        pre = self._prepacked(qkv)
         if qkv is not None:  # one matmul; q and k heads side by side are rotated together
-            y = torch.matmul(x, qkv)
+            y = pre[0](x) if pre is not None else torch.matmul(x, qkv)
             qk = apply_rotary(y[:, :nq + nkv].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
             q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], y[:, nq + nkv:]
         else:
@@ -182,7 +207,8 @@ class LlamaAttention(nn.Module):
             out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.scaling)
         else:
             out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scaling)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        return pre[1](out) if pre is not None else self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -199,6 +225,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
         self._gate_up: torch.Tensor | None = None
         self._gate_up_views: tuple = ()
+        self.prepacked: tuple[PrepackedLinear, PrepackedLinear] | None = None  # (gate_up, down)
 
     def pack_weights(self) -> None:
         """gate/up in one ``[hidden, 2 * intermediate]`` tensor, down re-laid out."""
@@ -206,10 +233,23 @@ class LlamaMLP(nn.Module):
         self._gate_up_views = (self.gate_proj.weight, self.up_proj.weight)
         pack_linears(self.down_proj)
 
+    def prepack(self) -> bool:
+        """oneDNN-prepacked gate/up and down projections (``mstar.layers.prepack``)."""
+        gate_up = packed_weight(self._gate_up, (self.gate_proj, self.up_proj), self._gate_up_views)
+        if not can_prepack(gate_up, self.down_proj.weight):
+            return False
+        self.prepacked = (PrepackedLinear(gate_up, in_out=True), PrepackedLinear(self.down_proj.weight))
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = packed_weight(self._gate_up, (self.gate_proj, self.up_proj), self._gate_up_views)
         if gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        pre = self.prepacked
+        if pre is not None and pre[0].fresh(gate_up) and pre[1].fresh(self.down_proj.weight):
+            y = pre[0](x)
+            n = y.shape[-1] // 2
+            return pre[1](F.silu(y[..., :n]) * y[..., n:])
         y = torch.matmul(x, gate_up)
         n = y.shape[-1] // 2
         return self.down_proj(F.silu(y[..., :n]) * y[..., n:])
@@ -248,6 +288,7 @@ class LlamaBackbone(nn.Module):
         super().__init__()
         check_llama_architecture(cfg)
         kw = {"dtype": dtype, "device": device}
+        backend = default_backend() if backend is None else backend
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i, backend=backend, **kw)
                                      for i in range(cfg.num_hidden_layers)])

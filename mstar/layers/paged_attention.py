@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,10 @@ import torch.nn.functional as F
 
 __all__ = [
     "AttentionMetadata",
+    "DecodeFn",
+    "DecodeRows",
     "QueryMode",
+    "attend_decode_rows",
     "copy_blocks",
     "gather_kv",
     "paged_attention",
@@ -275,11 +278,14 @@ class _DecodeRow:
 
 
 @dataclass
-class _DecodeRows:
+class DecodeRows:
+    """The decode rows of a batch (one causal query token each): planned once, read by every layer."""
+
     rows: list[int]  # sequence indices, in batch order
     q_rows: torch.Tensor  # their query rows in q (int64 [n])
     q_stride: int  # elements between two rows' queries in the aligned query buffer
     per_row: list[_DecodeRow]
+    kernel_tables: Any = None  # a compiled kernel's own form of the rows' block tables (memoized)
 
 
 def _own(x: torch.Tensor) -> torch.Tensor:
@@ -298,7 +304,7 @@ def _table_row(tables: BlockTables, i: int, needed: int) -> list[int]:
 
 
 def _decode_plan(meta: AttentionMetadata, cu: list[int], ctx: list[int], q: torch.Tensor,
-                 k_cache: torch.Tensor) -> _DecodeRows | None:
+                 k_cache: torch.Tensor) -> DecodeRows | None:
     """Where every decode row's query and keys lie (memoized on ``meta``: every layer reuses it)."""
     if meta._decode_plan is not None:
         return meta._decode_plan
@@ -315,8 +321,8 @@ def _decode_plan(meta: AttentionMetadata, cu: list[int], ctx: list[int], q: torc
             ids, dtype=torch.int64, device=k_cache.device)))
     per_vector = _ALIGN_BYTES // math.gcd(_ALIGN_BYTES, _compute_dtype(q.dtype).itemsize)
     q_stride = -(-q.shape[1] * q.shape[2] // per_vector) * per_vector
-    plan = _DecodeRows(rows, torch.tensor([cu[i] for i in rows], dtype=torch.int64, device=q.device),
-                       q_stride, per_row)
+    plan = DecodeRows(rows, torch.tensor([cu[i] for i in rows], dtype=torch.int64, device=q.device),
+                      q_stride, per_row)
     meta._decode_plan = plan
     return plan
 
@@ -330,8 +336,8 @@ def _row_keys(cache: torch.Tensor, row: _DecodeRow, dtype: torch.dtype) -> torch
     return _own(keys.to(dtype))
 
 
-def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodeRows,
-                   scale: float) -> torch.Tensor:
+def attend_decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodeRows,
+                       scale: float) -> torch.Tensor:
     """``[n, Hq, D]``: every decode row's single query over its cached keys, one row at a time."""
     n, hq, d = len(plan.rows), q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
@@ -347,6 +353,10 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return torch.stack(outs).view(n, hq, d).to(q.dtype)
 
 
+# how a backend computes the decode rows: (q, k_cache, v_cache, rows, scale) -> [rows, Hq, D]
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DecodeRows, float], torch.Tensor]
+
+
 @dataclass
 class _BatchPlan:
     """What every layer of one forward shares (built at the first layer, memoized on the metadata)."""
@@ -355,7 +365,7 @@ class _BatchPlan:
     ctx: list[int]
     write_rows: torch.Tensor | None  # rows of k/v stored (None: every row)
     write_slots: torch.Tensor | None  # their flat cache slots (None: nothing is stored)
-    decode: _DecodeRows | None  # the single-token causal rows (None: there are none)
+    decode: DecodeRows | None  # the single-token causal rows (None: there are none)
     others: list[int]  # every other sequence with query tokens, attended on its own
     direct: bool  # the decode rows are the whole batch, in order: their result is the output
 
@@ -407,8 +417,8 @@ def _store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float | None = None) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None = None, *,
+                    decode: DecodeFn | None = None) -> torch.Tensor:
     """Attention of a ragged batch over the paged cache; returns ``[total_q, q_heads, head_dim]`` (q's dtype).
 
     ``q`` is ``[total_q, q_heads, head_dim]``; ``k``/``v`` are the new tokens'
@@ -416,7 +426,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     First writes k/v of the append-mode sequences into their slots, then, per sequence, gathers its cached K/V
     through its block table and attends with the mask of its mode. ``scale`` defaults to ``head_dim ** -0.5``.
     The batch's bookkeeping (validation, write slots, decode rows) is done at the first call and reused
-    by every later layer of the same forward (same ``meta``).
+    by every later layer of the same forward (same ``meta``). ``decode`` computes the decode rows
+    (default ``attend_decode_rows``; a compiled kernel: ``mstar.layers.paged_decode``).
     """
     if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
         raise ValueError(f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -430,11 +441,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     # 2. Attend: decode rows one by one, every other sequence on its own (a sequence's computation
     #    never depends on the rest of the batch).
+    decode = decode or attend_decode_rows
     if plan.direct:
-        return _attend_decode(q, k_cache, v_cache, plan.decode, scale)
+        return decode(q, k_cache, v_cache, plan.decode, scale)
     out = torch.zeros_like(q)
     if plan.decode is not None:
-        out.index_copy_(0, plan.decode.q_rows, _attend_decode(q, k_cache, v_cache, plan.decode, scale))
+        out.index_copy_(0, plan.decode.q_rows, decode(q, k_cache, v_cache, plan.decode, scale))
     cu, ctx = plan.cu, plan.ctx
     for i in plan.others:
         mode = meta.modes[i]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from mstar.layers.llama import RMSNorm
+from mstar.layers.prepack import prepack_linears, prepack_requested
 from mstar.model.checkpoint import (
     DTYPES,
     CheckpointError,
@@ -219,12 +220,14 @@ def init_dummy_weights(module: torch.nn.Module, seed: int = 0, std: float | None
 def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = None, load_format: str = "auto",
                       dtype: str | torch.dtype = "float32", eos_token_ids: Iterable[int] | None = None,
                       seed: int = 0, default_sampling: Mapping[str, Any] | None = None,
-                      module_cls: type | None = None) -> Any:
+                      module_cls: type | None = None, prepack: bool | None = None) -> Any:
     """A ``LlamaCausalLM`` (or ``module_cls``, a subclass) on CPU with its weights (from ``model_path``
     unless ``load_format="dummy"``).
 
     The module is created without initialising its parameters (on the meta device) and then
-    materialised, so building a large model costs one copy of its weights.
+    materialised, so building a large model costs one copy of its weights. With ``prepack=True``
+    (``None``: when ``MSTAR_PREPACK=1``) the projections are then prepacked for oneDNN
+    (``mstar.layers.prepack``), which keeps a second copy of those weights.
     """
     from mstar.models.llama.nodes import DEFAULT_SAMPLING, LlamaCausalLM
 
@@ -252,4 +255,6 @@ def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = No
         report = load_safetensors(module, files)
         log.info("loaded %s: %d tensors, %.1f MiB from %d file(s) in %.2f s (%s)", model_path, report.tensors,
                  report.bytes / 2**20, len(files), report.seconds, torch_dtype)
+    if prepack_requested(prepack):
+        prepack_linears(module)
     return module.eval()

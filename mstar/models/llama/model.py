@@ -43,7 +43,9 @@ class LlamaLM(LazyTokenizer, ModelDef):
     ``model_path``: checkpoint directory (config.json, safetensors, tokenizer.json);
     ``load_format``: "auto"/"safetensors" (read the checkpoint) or "dummy" (seeded random weights;
     the config still comes from ``model_path`` or ``config``); ``dtype``: float32 / bfloat16 /
-    float16; ``config``: a ``LlamaConfig`` or an HF config dict, instead of model_path/config.json.
+    float16; ``config``: a ``LlamaConfig`` or an HF config dict, instead of model_path/config.json;
+    ``prepack``: prepack the projections for oneDNN at build time (``mstar.layers.prepack``;
+    default ``None``: only with ``MSTAR_PREPACK=1``).
     """
 
     name = "llama"
@@ -51,7 +53,8 @@ class LlamaLM(LazyTokenizer, ModelDef):
 
     def __init__(self, model_path: str | Path | None = None, load_format: str = "auto",
                  dtype: str | torch.dtype = "float32", config: LlamaConfig | Mapping[str, Any] | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, prepack: bool | None = None) -> None:
+        self.prepack = prepack
         self.model_path = str(model_path) if model_path is not None else None
         self.load_format = check_load_format(load_format, LOAD_FORMATS)
         self.dtype = resolve_dtype(dtype)
@@ -144,7 +147,7 @@ class LlamaLM(LazyTokenizer, ModelDef):
             return {}
         module = build_llama_model(self.config, model_path=self.model_path, load_format=self.load_format,
                                    dtype=self.dtype, eos_token_ids=self.eos_token_ids, seed=self.seed,
-                                   default_sampling=self.default_sampling)
+                                   default_sampling=self.default_sampling, prepack=self.prepack)
         return {llama_graph.NODE: module}
 
 
@@ -154,9 +157,9 @@ class LlamaTiny(LlamaLM):
     name = "llama-tiny"
 
     def __init__(self, model_path: str | Path | None = None, load_format: str = "dummy",
-                 dtype: str | torch.dtype = "float32", seed: int = 0) -> None:
+                 dtype: str | torch.dtype = "float32", seed: int = 0, prepack: bool | None = None) -> None:
         reject_checkpoint(self.name, LlamaLM.name, model_path, load_format)
-        super().__init__(None, "dummy", dtype, config=TINY, seed=seed)
+        super().__init__(None, "dummy", dtype, config=TINY, seed=seed, prepack=prepack)
 
     def _load_tokenizer(self) -> Any:
         return ByteTokenizer()

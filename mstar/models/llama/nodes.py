@@ -21,6 +21,7 @@ from torch import nn
 
 from mstar.layers.attention_backends import AttentionBackend
 from mstar.layers.llama import LlamaBackbone, pack_linears
+from mstar.layers.prepack import PrepackedLinear, can_prepack
 from mstar.layers.sampling import SamplingParams, request_sampling, sample
 from mstar.model.decode import generation_done, stop_token_set
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
@@ -47,6 +48,7 @@ class LlamaCausalLM(NodeSubmodule):
         self.kv_spec = KVSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
         self.eos_token_ids = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.default_sampling = dict(default_sampling)
+        self.prepacked: PrepackedLinear | None = None  # the LM head, oneDNN-prepacked
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -63,12 +65,25 @@ class LlamaCausalLM(NodeSubmodule):
         if self.config.tie_word_embeddings:
             self.model.embed_tokens.weight = self.lm_head.weight
 
+    def prepack(self) -> bool:
+        """Prepack the LM head (``mstar.layers.prepack.prepack_linears`` prepacks the backbone's
+        layers), unless a subclass computes its logits in its own way (it would not use it)."""
+        own = type(self).compute_logits is LlamaCausalLM.compute_logits and \
+            type(self).sample_next is LlamaCausalLM.sample_next
+        if not own or not can_prepack(self.lm_head.weight):
+            return False
+        self.prepacked = PrepackedLinear(self.lm_head.weight)
+        return True
+
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` (model dtype) of final-normed hidden states ``[N, hidden]``."""
+        pre = self.prepacked
+        if pre is not None and pre.fresh(self.lm_head.weight):
+            return pre(hidden)
         return self.lm_head(hidden)
 
     def process_logits(self, logits: torch.Tensor, engine_inputs: EngineInputs) -> torch.Tensor:

@@ -1,0 +1,188 @@
+"""The compiled decode-attention kernel (mstar.layers.paged_decode) against the PyTorch reference path."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+import mstar.layers.paged_decode as paged_decode_mod
+from mstar.layers.attention_backends import TorchPagedBackend, default_backend, get_backend
+from mstar.layers.paged_attention import AttentionMetadata, paged_attention
+from mstar.layers.paged_decode import CompiledPagedBackend, paged_decode
+from tests.test_paged_attention import CAUSAL, READ, TOL, Harness, _decode_batch, _row_meta, dense_attention
+
+
+@pytest.fixture(scope="module")
+def ext():
+    """The built extension (built once per machine into its cache directory, then loaded)."""
+    module = paged_decode_mod.kernel()
+    if module is None:
+        pytest.skip("the paged decode kernel is unavailable here (MSTAR_ATTENTION_KERNEL=torch, or no compiler)")
+    return module
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """Pin the intra-op thread count: the claims below hold at each count, and across them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _random_rows(ctx_lens, layout, scattered, seed=0, dtype=torch.float32):
+    """A cache holding ``len(ctx_lens)`` decode rows' keys, their block tables and queries."""
+    q_heads, kv_heads, head_dim, block_size = layout
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-n // block_size) for n in ctx_lens]
+    ids = list(range(sum(needed) + 3))
+    if scattered:
+        random.Random(seed).shuffle(ids)
+    tables, start = [], 0
+    for n in needed:
+        tables.append(ids[start:start + n])
+        start += n
+    shape = (len(ids), block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(len(ctx_lens), q_heads, head_dim, generator=gen).to(dtype)
+    kv = torch.zeros(len(ctx_lens), kv_heads, head_dim, dtype=dtype)  # nothing is written: slots -1
+    return q, kv, k_cache, v_cache, tables
+
+
+def _meta(tables, ctx_lens):
+    return AttentionMetadata.build([1] * len(ctx_lens), tables, ctx_lens, [CAUSAL] * len(ctx_lens))
+
+
+@pytest.mark.parametrize("layout", [(8, 4, 64, 16), (3, 1, 5, 2), (4, 4, 32, 8)],
+                         ids=["gqa-8-4-64", "mqa-3-1-5", "mha-4-32"])
+@pytest.mark.parametrize("scattered", [True, False], ids=["scattered", "consecutive"])
+def test_kernel_matches_torch_path_and_dense(ext, layout, scattered):
+    """Contexts 1..400 (block boundaries included): within 1e-5 of the reference and of dense attention."""
+    ctx_lens = [1, 2, 3, 15, 16, 17, 31, 64, 100, 129, 255, 256, 257, 399, 400]
+    q, kv, k_cache, v_cache, tables = _random_rows(ctx_lens, layout, scattered)
+    out = paged_attention(q, kv, kv, k_cache, v_cache, _meta(tables, ctx_lens), decode=paged_decode)
+    ref = paged_attention(q, kv, kv, k_cache, v_cache, _meta(tables, ctx_lens))
+    assert (out - ref).abs().max().item() < 1e-6
+    for i, n in enumerate(ctx_lens):
+        keys = k_cache[tables[i]].flatten(0, 1)[:n]
+        vals = v_cache[tables[i]].flatten(0, 1)[:n]
+        dense = dense_attention(q[i:i + 1], keys, vals, torch.ones(1, n, dtype=torch.bool))
+        torch.testing.assert_close(out[i:i + 1], dense, **TOL)
+
+
+def test_kernel_bfloat16_cache(ext):
+    """A bf16 cache and bf16 queries: arithmetic in float32, like the reference path."""
+    ctx_lens = [5, 40, 333]
+    q, kv, k_cache, v_cache, tables = _random_rows(ctx_lens, (8, 2, 64, 16), True, dtype=torch.bfloat16)
+    out = paged_attention(q, kv, kv, k_cache, v_cache, _meta(tables, ctx_lens), decode=paged_decode)
+    ref = paged_attention(q, kv, kv, k_cache, v_cache, _meta(tables, ctx_lens))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)  # bf16 output rounding
+
+
+@pytest.mark.parametrize("layout", [(8, 4, 64, 16), (3, 1, 5, 2)], ids=["gqa-8-4-64", "mqa-3-1-5"])
+def test_kernel_decode_rows_batch_invariant(ext, threads, layout):
+    """A decode row's kernel output is bitwise the same alone and in batches of 1..16 at any position,
+    next to a read-only sequence, with scattered or consecutive blocks, and the same at 1 and 2
+    threads (each row's arithmetic runs whole on one thread)."""
+    rng = random.Random(threads)
+    block_size = layout[3]
+    lens = [n + (n % block_size == 0) for n in (rng.randint(29, 399) for _ in range(16))]
+    h, items, refs, rows = _decode_batch(layout, lens, fragment=True)
+    extra = h.tokens(5)
+
+    def run(h, items, rows, idx, with_extra=False):
+        sel = [rows[i] for i in idx] + ([(5, rows[0][1], rows[0][2] - 1, [-1] * 5, READ)] if with_extra else [])
+        q, k, v = (torch.cat([items[i][j] for i in idx] + ([extra[j - 2]] if with_extra else []))
+                   for j in (2, 3, 4))
+        return CompiledPagedBackend().forward(q, k, v, h.k_cache, h.v_cache, _row_meta(sel))[:len(idx)]
+
+    alone = [run(h, items, rows, [i])[0] for i in range(16)]
+    for i in range(16):
+        torch.testing.assert_close(alone[i], refs[i][0], **TOL)
+    for n in (1, 2, 3, 5, 8, 13, 16):
+        for rep in range(2):
+            idx = rng.sample(range(16), n)
+            out = run(h, items, rows, idx, with_extra=rep == 1)
+            for pos, i in enumerate(idx):
+                assert torch.equal(out[pos], alone[i]), (n, rep, pos, i)
+    other = 3 - threads  # the other thread count
+    torch.set_num_threads(other)
+    out = run(h, items, rows, list(range(16)))
+    torch.set_num_threads(threads)
+    for i in range(16):
+        assert torch.equal(out[i], alone[i]), ("threads", i)
+    h2, items2, _, rows2 = _decode_batch(layout, lens, fragment=False)
+    out = run(h2, items2, rows2, list(range(16)))
+    for i in range(16):
+        assert torch.equal(out[i], alone[i]), ("consecutive", i)
+
+
+def test_backend_on_mixed_batches_and_cache_writes(ext):
+    """Through the backend: prefill, decode, block and read-only sequences in one batch, as the
+    Harness drives them (cache contents and outputs checked against dense attention)."""
+    h = Harness(block_size=4, q_heads=4, kv_heads=2, fragment=True, seed=9)
+    backend = get_backend("compiled")
+    for step in range(4):
+        items = [("a", CAUSAL, *h.tokens(6 if step == 0 else 1)), ("b", CAUSAL, *h.tokens(3 if step else 9)),
+                 ("c", READ, *h.tokens(2))]
+        refs = []
+        for seq, mode, q, k, v in items:
+            hk, hv = h.hist.get(seq, h.empty())
+            keys, vals = torch.cat([hk, k]), torch.cat([hv, v])
+            n, s = q.shape[0], keys.shape[0]
+            mask = (torch.arange(s)[None, :] <= (s - n + torch.arange(n))[:, None]) if mode is CAUSAL \
+                else torch.ones(n, s, dtype=torch.bool)
+            refs.append(dense_attention(q, keys, vals, mask))
+            if mode.writes:
+                h.hist[seq] = (keys, vals)
+        meta = h.meta_for(items)
+        q, k, v = (torch.cat([it[j] for it in items]) for j in (2, 3, 4))
+        outs = backend.forward(q, k, v, h.k_cache, h.v_cache, meta).split(meta.query_lens())
+        for out, ref in zip(outs, refs):
+            torch.testing.assert_close(out, ref, **TOL)
+        h.check_cache()
+
+
+def test_non_contiguous_cache_uses_the_torch_path(ext):
+    ctx_lens = [7, 20]
+    q, kv, k_cache, v_cache, tables = _random_rows(ctx_lens, (4, 2, 8, 4), True)
+    wide_k = torch.cat([k_cache, k_cache], dim=-1)[..., :8]  # same values, not contiguous
+    wide_v = torch.cat([v_cache, v_cache], dim=-1)[..., :8]
+    out = paged_attention(q, kv, kv, wide_k, wide_v, _meta(tables, ctx_lens), decode=paged_decode)
+    ref = paged_attention(q, kv, kv, k_cache, v_cache, _meta(tables, ctx_lens))
+    assert torch.equal(out, ref)
+
+
+def test_env_forces_the_torch_path(monkeypatch):
+    monkeypatch.setenv("MSTAR_ATTENTION_KERNEL", "torch")
+    assert isinstance(default_backend(), TorchPagedBackend)
+    assert paged_decode_mod.kernel() is None
+    ctx_lens = [9, 33]
+    q, kv, k_cache, v_cache, tables = _random_rows(ctx_lens, (4, 2, 16, 4), True)
+    out = CompiledPagedBackend().forward(q, kv, kv, k_cache, v_cache, _meta(tables, ctx_lens))
+    assert torch.equal(out, paged_attention(q, kv, kv, k_cache, v_cache, _meta(tables, ctx_lens)))
+    monkeypatch.delenv("MSTAR_ATTENTION_KERNEL")
+    assert isinstance(default_backend(), CompiledPagedBackend)
+
+
+def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
+    def broken(verbose=False):
+        raise RuntimeError("no compiler\nmore lines")
+
+    monkeypatch.delenv("MSTAR_ATTENTION_KERNEL", raising=False)
+    monkeypatch.setattr(paged_decode_mod, "_state", {})
+    monkeypatch.setattr(paged_decode_mod, "build", broken)
+    ctx_lens = [3, 18]
+    q, kv, k_cache, v_cache, tables = _random_rows(ctx_lens, (4, 2, 16, 4), False)
+    with caplog.at_level(logging.WARNING, logger="mstar.layers.paged_decode"):
+        for _ in range(3):
+            out = CompiledPagedBackend().forward(q, kv, kv, k_cache, v_cache, _meta(tables, ctx_lens))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no compiler" in warnings[0].getMessage()
+    assert "more lines" not in warnings[0].getMessage()
+    assert torch.equal(out, paged_attention(q, kv, kv, k_cache, v_cache, _meta(tables, ctx_lens)))

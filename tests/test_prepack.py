@@ -1,0 +1,75 @@
+"""Prepacked (oneDNN) linears (mstar.layers.prepack) against the plain matrix-multiply path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar.layers.prepack import PrepackedLinear, prepack_available, prepack_linears
+from mstar.models.llama.config import LlamaConfig
+from mstar.models.llama.loader import build_llama_model
+from mstar.models.llama.model import LlamaTiny
+from mstar.runtime import Runtime
+from tests.test_llama import PagedBatcher, tokens
+
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="PyTorch without oneDNN linear ops")
+
+CONFIG = LlamaConfig.from_hf_dict({
+    "vocab_size": 4000, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 3,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 512,
+    "tie_word_embeddings": False}, source="test")
+PROMPTS = {0: list(range(3, 40)), 1: [7, 9, 11], 2: list(range(100, 164))}
+
+
+def _logits(module):
+    kv = PagedBatcher(module, num_blocks=128)
+    prefill = kv.step(module, PROMPTS)
+    decode = kv.step(module, {i: [5 + i] for i in PROMPTS})  # one decode row each
+    return prefill, decode
+
+
+def test_prepacked_logits_match_the_plain_path():
+    plain = build_llama_model(CONFIG, load_format="dummy", prepack=False)
+    packed = build_llama_model(CONFIG, load_format="dummy", prepack=True)
+    assert plain.prepacked is None and packed.prepacked is not None
+    assert all(layer.self_attn.prepacked and layer.mlp.prepacked for layer in packed.model.layers)
+    for a, b in zip(_logits(plain), _logits(packed)):
+        assert (a - b).abs().max().item() < 1e-4
+
+
+def test_changed_weights_fall_back_to_the_plain_path():
+    module = build_llama_model(CONFIG, load_format="dummy", prepack=True)
+    reference = build_llama_model(CONFIG, load_format="dummy", prepack=False)
+    with torch.no_grad():  # in-place edits of every kind of packed weight (shared version counters)
+        for m in (module, reference):
+            for i, layer in enumerate(m.model.layers):
+                (layer.self_attn.q_proj if i % 2 else layer.self_attn.o_proj).weight.mul_(1.5)
+                (layer.mlp.up_proj if i % 2 else layer.mlp.down_proj).weight.mul_(0.5)
+            m.lm_head.weight.add_(0.01)
+    assert module.model.layers[0].self_attn._prepacked(module.model.layers[0].self_attn._qkv) is None
+    for a, b in zip(_logits(reference), _logits(module)):
+        assert torch.equal(a, b)  # every changed projection runs the plain path again
+
+
+def test_off_by_default_on_by_env_and_linear_values(monkeypatch):
+    monkeypatch.delenv("MSTAR_PREPACK", raising=False)
+    module = build_llama_model(CONFIG, load_format="dummy")
+    assert module.prepacked is None
+    monkeypatch.setenv("MSTAR_PREPACK", "1")
+    assert build_llama_model(CONFIG, load_format="dummy").prepacked is not None
+    assert build_llama_model(CONFIG, load_format="dummy", prepack=False).prepacked is None
+    assert prepack_linears(module) == 1 + 2 * CONFIG.num_hidden_layers
+    w = torch.randn(48, 32)
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(PrepackedLinear(w)(x), x @ w.T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(PrepackedLinear(w.T.contiguous(), in_out=True)(x), x @ w.T, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_tokens_same_with_and_without_prepacking():
+    prompts = [torch.tensor([1, *range(10 + i, 14 + 3 * i)]) for i in range(4)]
+    outs = []
+    for prepack in (False, True):
+        with Runtime(LlamaTiny(prepack=prepack)) as rt:
+            outs.append([tokens(o) for o in rt.generate([{"input_ids": p} for p in prompts],
+                                                         {"max_tokens": 12})])
+    assert outs[0] == outs[1] and all(len(t) == 12 for t in outs[0])
