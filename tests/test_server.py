@@ -186,6 +186,13 @@ def test_speech_formats_and_streaming(server):
     assert sum(len(base64.b64decode(e["audio"])) for e in events[:-1]) == 6 * SAMPLES_PER_TOKEN * 2
 
 
+def test_speech_beyond_the_context_is_a_400(server):
+    """Found by the schemathesis fuzz: prompt + max_tokens past the model's positions was a 500."""
+    r = httpx.post(server[0] + "/v1/audio/speech", json={"model": MODEL, "input": "0000000111", "max_tokens": 248},
+                   timeout=30)
+    assert r.status_code == 400 and "exceeds the context" in r.json()["error"]["message"]
+
+
 def test_speech_errors_and_voices(server, client):
     url = server[0]
     assert get(url, "/v1/audio/voices").json() == {"voices": ["alice", "bob"]}

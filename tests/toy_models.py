@@ -115,6 +115,9 @@ class ToyLM(ModelDef):
         ids = inputs["input_ids"][0]
         if ids.numel() == 0 or int(ids.max()) >= VOCAB or int(ids.min()) < 0:
             raise ValueError(f"input_ids must be non-empty token ids in [0, {VOCAB})")
+        if ids.numel() + params.get("max_tokens", 8) > MAX_POS:  # positions past the table do not exist
+            raise ValueError(f"prompt ({ids.numel()} tokens) + max_tokens ({params.get('max_tokens', 8)}) exceeds "
+                             f"the context of {MAX_POS} tokens")
 
     def max_kv_tokens(self, inputs, params):
         return {"LLM": inputs["input_ids"][0].numel() + params.get("max_tokens", 8)}
