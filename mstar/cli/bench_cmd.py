@@ -26,7 +26,7 @@ _batches = _int_list("--batch")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark", description="Run a benchmark.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve, _add_pressure):
+    for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve, _add_pressure, _add_soak):
         add(bsub)
 
 
@@ -260,3 +260,48 @@ def run_pressure(args: argparse.Namespace) -> int:
                              log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_table(res))
     return 0
+
+
+def _add_soak(bsub) -> None:
+    sk = bsub.add_parser("soak", help="mixed load with hostile bodies, disconnects and aborts, then a leak audit",
+                         description="Send a bounded number of mixed requests concurrently (chat whole and "
+                                     "streamed, speech, /generate, hostile bodies that must get a 4xx, clients "
+                                     "that leave mid-stream or cancel), count outcomes, and compare resources "
+                                     "before and after: KV blocks, walks, stream buffers, /dev/shm files, file "
+                                     "descriptors, threads, RSS. Exits 1 on an unexpected outcome or a leak.")
+    sk.add_argument("--url", default=None, help="a running server (only what its /metrics shows is audited)")
+    sk.add_argument("--model", default="llama-tiny",
+                    help="model id; without --url, the registered model served in this process (default llama-tiny)")
+    sk.add_argument("--requests", type=int, default=2000, help="requests in all (default 2000)")
+    sk.add_argument("--concurrency", type=int, default=32, help="requests kept in flight (default 32)")
+    sk.add_argument("--kinds", default=None, help="comma-separated request kinds (default: every kind the "
+                    "model's routes serve; with --url, all of chat,chat-stream,speech,generate,hostile,disconnect,abort)")
+    sk.add_argument("--max-tokens", type=int, default=16, help="most new tokens per request (default 16)")
+    sk.add_argument("--max-queue", type=int, default=256, help="in-process server: requests in flight before 429")
+    sk.add_argument("--workers", choices=["inline", "process"], default="inline",
+                    help="in-process server: runtime mode (default inline)")
+    sk.add_argument("--seed", type=int, default=0)
+    sk.add_argument("--api-key", default=None, help="with --url: the server's API key")
+    sk.add_argument("--out", default=None, help="also write the report as JSON to this file")
+    sk.set_defaults(func=run_soak)
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
+    from mstar.bench.soak_bench import format_report, run_soak, soak_in_process
+
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
+    if args.url:
+        report = run_soak(args.url, args.model, args.requests, args.concurrency, kinds=kinds, seed=args.seed,
+                          max_tokens=args.max_tokens, api_key=args.api_key)
+    else:
+        report = soak_in_process(args.model, args.model, args.requests, args.concurrency, workers=args.workers,
+                                 max_queue=args.max_queue, kinds=kinds, seed=args.seed, max_tokens=args.max_tokens,
+                                 log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_report(report))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 1 if report["errors"] or report["leaks"] else 0

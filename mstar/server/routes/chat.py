@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
 
 from mstar.model.adapter import CHAT, AudioChunk, ImageOut, TextDelta
 from mstar.server import media
@@ -21,6 +20,7 @@ from mstar.server.limits import ServerLimits
 from mstar.server.protocol import ChatCompletion, ChatCompletionRequest, ContentPart
 from mstar.server.routes.common import (
     SSE_DONE,
+    ClosingStreamingResponse,
     Engine,
     Limits,
     Started,
@@ -47,7 +47,7 @@ async def chat(req: ChatCompletionRequest, engine: Engine, limits: Limits):
         return await completion.collect()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     events = ending_in_error(completion.chunks(include_usage), after_error=(SSE_DONE,))
-    return StreamingResponse(events, media_type="text/event-stream")
+    return ClosingStreamingResponse(events, media_type="text/event-stream")
 
 
 def _media_inputs(req: ChatCompletionRequest,

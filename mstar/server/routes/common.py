@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from fastapi.responses import StreamingResponse
 
 from mstar.model.adapter import ROUTE_PATHS, ApiRequest, AudioChunk, ImageOut, ItemDecoder, TextDelta
 from mstar.runtime.api import StreamItem
@@ -123,6 +124,22 @@ async def _decoded(items: AsyncIterator[StreamItem], decoder: ItemDecoder) -> As
 
 
 # -- stream framing ----------------------------------------------------------------------------------
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` that closes its body however the response ends. A client that leaves
+    while a chunk is being sent cancels that send, not the body generator, which stays suspended at
+    its yield: left to the garbage collector, its request would go on running (and count against
+    ``--max-queue``) until a collection finds it; closed here, ``ServingEngine.stream`` aborts it now."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+
 
 SSE_DONE = "data: [DONE]\n\n"
 

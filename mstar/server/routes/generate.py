@@ -6,13 +6,21 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
 
 from mstar.model.adapter import GENERATE
 from mstar.runtime.api import StreamItem
 from mstar.server import media
 from mstar.server.protocol import GenerateRequest
-from mstar.server.routes.common import Engine, Limits, adapt, ending_in_error, ndjson, require, started
+from mstar.server.routes.common import (
+    ClosingStreamingResponse,
+    Engine,
+    Limits,
+    adapt,
+    ending_in_error,
+    ndjson,
+    require,
+    started,
+)
 
 router = APIRouter()
 
@@ -24,7 +32,7 @@ async def generate(req: GenerateRequest, engine: Engine, limits: Limits):
                        limits.max_tensor_dims) for k, v in req.inputs.items()}
     params = req.params.model_dump(exclude_unset=True, exclude_none=True)  # range-checked, unset left out
     items = await started(engine, GENERATE, inputs, params)
-    return StreamingResponse(ending_in_error(_lines(items), frame=ndjson), media_type="application/x-ndjson")
+    return ClosingStreamingResponse(ending_in_error(_lines(items), frame=ndjson), media_type="application/x-ndjson")
 
 
 async def _lines(items: AsyncIterator[StreamItem]) -> AsyncIterator[str]:

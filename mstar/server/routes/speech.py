@@ -10,13 +10,22 @@ from collections.abc import AsyncIterator
 
 import torch
 from fastapi import APIRouter
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from mstar.model.adapter import SPEECH, ApiAdapter, AudioChunk
 from mstar.server import audio
 from mstar.server.errors import APIError
 from mstar.server.protocol import SpeechRequest, Voices
-from mstar.server.routes.common import Engine, Output, adapt, ending_in_error, require, sse, start
+from mstar.server.routes.common import (
+    ClosingStreamingResponse,
+    Engine,
+    Output,
+    adapt,
+    ending_in_error,
+    require,
+    sse,
+    start,
+)
 from mstar.server.serving import Timer
 
 router = APIRouter()
@@ -45,10 +54,10 @@ async def speech(req: SpeechRequest, engine: Engine):
     pcm = _timed(pcm, request.timer, rate)
     if req.stream_format == "audio":
         encoder = adapt(audio.new_encoder, fmt, rate)
-        return StreamingResponse(_encoded(pcm, encoder), media_type=encoder.mime)
+        return ClosingStreamingResponse(_encoded(pcm, encoder), media_type=encoder.mime)
     # SSE: wav and pcm stream raw PCM16 deltas; the other formats their encoded bytes
     encoder = adapt(audio.new_encoder, "pcm" if fmt == "wav" else fmt, rate)
-    return StreamingResponse(ending_in_error(_audio_events(_encoded(pcm, encoder))), media_type="text/event-stream")
+    return ClosingStreamingResponse(ending_in_error(_audio_events(_encoded(pcm, encoder))), media_type="text/event-stream")
 
 
 def _check(req: SpeechRequest, adapter: ApiAdapter) -> None:
