@@ -277,3 +277,37 @@ def test_a_deferred_item_leaves_no_copy_on_write_pending():
     shared, private = m.block_table("a", "main")[1], m.block_table("a", "cfg")[1]
     k = eng.kv_caches[0][0]
     assert private != shared and torch.equal(k[private], k[shared])  # the copy was made before anything reuses it
+
+
+def test_bagel_states_its_kv_need_and_context_so_too_long_requests_are_400s():
+    """BAGEL's worst-case KV need is exact enough to admit a request that just fits (it completes)
+    and to refuse one that cannot fit at submission, naming both numbers; its context is checked too."""
+    import dataclasses
+
+    from mstar.models.bagel.config import TINY_SPEC
+    from mstar.models.bagel.model import BagelModel, BagelTiny
+
+    g = torch.Generator().manual_seed(3)
+    image = torch.randint(0, 256, (40, 52, 3), generator=g, dtype=torch.uint8)
+    model = BagelTiny()
+    probe = {"text_ids": [torch.randint(1, 200, (20,), generator=g)], "images": [image]}
+    params = {"target": "text", "max_tokens": 6}
+    need = model.max_kv_tokens(probe, params)["LLM"]
+    blocks = -(-need // 16)
+    groups = [{"node_names": list(model.graph.node_names), "ranks": [0]}]
+    place = Placement.from_dict({"model": "bagel-tiny", "node_groups": groups,
+                                 "runtime": {"kv_cache_blocks": blocks, "kv_block_size": 16}})
+    with Runtime(model, place) as rt:
+        out = rt.generate({"text_ids": probe["text_ids"][0], "images": [image]}, params)[0]
+        assert out.finished, out.error
+        assert kv_blocks_in_use(rt) == 0
+        longer = {"text_ids": torch.randint(1, 200, (20 + blocks * 16 - need + 1,), generator=g),
+                  "images": [image]}
+        with pytest.raises(ValueError, match=rf"up to {blocks * 16 + 1} tokens .*'LLM'.*{blocks} blocks"):
+            rt.submit(longer, params)
+
+    short = BagelModel(load_format="dummy", spec=dataclasses.replace(
+        TINY_SPEC, llm=dataclasses.replace(TINY_SPEC.llm, max_position_embeddings=64)))
+    short.validate_request({"text_ids": [torch.ones(30, dtype=torch.long)]}, {"max_tokens": 31})
+    with pytest.raises(ValueError, match=r"context \(32 positions\) \+ 33 to generate = 65 exceeds .*64 positions"):
+        short.validate_request({"text_ids": [torch.ones(30, dtype=torch.long)]}, {"max_tokens": 32})

@@ -32,10 +32,11 @@ class BagelLLMConfig:
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     qk_norm: bool = True
+    max_position_embeddings: int = 32768  # Qwen2.5-7B's context (RoPE has no table; a request beyond it is refused)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads"):
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             check_int(getattr(self, name), f"BagelLLMConfig.{name}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -65,7 +66,7 @@ BAGEL_7B_MOT = BagelLLMConfig(vocab_size=152064, hidden_size=3584, intermediate_
 
 # A tiny random-weight twin for tests.
 TINY = BagelLLMConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,8 @@ def llm_config_from_json(data: dict[str, Any]) -> BagelLLMConfig:
             num_attention_heads=int(data["num_attention_heads"]),
             num_key_value_heads=int(data.get("num_key_value_heads", data["num_attention_heads"])),
             head_dim=data.get("head_dim"), rope_theta=float(data.get("rope_theta", 1_000_000.0)),
-            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)), qk_norm=True)
+            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)), qk_norm=True,
+            max_position_embeddings=int(data.get("max_position_embeddings", 32768)))
     except KeyError as e:
         raise CheckpointError(f"llm_config.json lacks {e.args[0]!r}") from e
 

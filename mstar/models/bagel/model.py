@@ -201,31 +201,66 @@ class BagelModel(LazyTokenizer, ModelDef):
                 check_int(params["seed"], "seed", lo=0)
         else:
             request_sampling(params)
+        self._check_context(inputs, params)
+
+    def _image_tokens(self, height: int, width: int) -> tuple[int, int, tuple[int, int]]:
+        """(VAE tokens, ViT tokens, VAE-sized (h, w)) of an input image, each count including the
+        start/end-of-image tokens; from the resize rule alone (the ViT sees the VAE-resized image)."""
+        ld, patch = self.spec.latent_downsample, self.spec.vit.patch_size
+        vw, vh = self.vae_resize.target_size(width, height)
+        tw, th = self.vit_resize.target_size(vw, vh)
+        return (vh // ld) * (vw // ld) + 2, (th // patch) * (tw // patch) + 2, (vh, vw)
+
+    def _plan(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]):
+        """The request's layout: (prefill steps, final context, latent grid or None, flow settings or
+        None). The one place the context is laid out: ``create_state`` and the fit / context checks."""
+        target = params.get("target", "text")
+        texts, images = iter(inputs.get("text_ids", [])), iter(inputs.get("images", []))
+        items, vae_hw = [], None  # per item: (kind, tokens) for the layout
+        for kind in self._order(inputs, params):
+            if kind == "text":
+                items.append(("text", next(texts).numel() + 2, 0))
+                continue
+            img = next(images)
+            vae_tokens, vit_tokens, vae_hw = self._image_tokens(int(img.shape[0]), int(img.shape[1]))
+            items.append(("image", vae_tokens, vit_tokens))
+        lat_hw, cfg_img, fs = None, False, None
+        if target == "image":
+            ld = self.spec.latent_downsample
+            h, w = vae_hw if vae_hw is not None else self._image_size(params)
+            lat_hw = (h // ld, w // ld)
+            fs = flow_settings(params, editing=vae_hw is not None)
+            cfg_img = vae_hw is not None and fs.cfg_text_scale > 1.0 and fs.cfg_img_scale > 1.0
+        steps, ctx = plan_layout(items, target, cfg_img, lat_hw)
+        return steps, ctx, lat_hw, fs
+
+    def _check_context(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> None:
+        ctx = self._plan(inputs, params)[1]
+        gen = request_sampling(params).max_tokens + 1 if params.get("target", "text") == "text" else 1
+        limit = self.spec.llm.max_position_embeddings
+        if ctx.rope + gen > limit:
+            raise ValueError(f"{self.name}: the context ({ctx.rope} positions) + {gen} to generate = "
+                             f"{ctx.rope + gen} exceeds the model's context ({limit} positions)")
+
+    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> Mapping[str, int]:
+        """The main cache and the text-only cache of image guidance, plus the decoded tokens (flow steps
+        attend read-only and the guidance forks share their prefix, so neither adds any)."""
+        ctx = self._plan(inputs, params)[1]
+        gen = request_sampling(params).max_tokens + 1 if params.get("target", "text") == "text" else 0
+        return {"LLM": ctx.length + ctx.img_len + gen}
 
     def create_state(self, request_id, partition, inputs, params):
         target = params.get("target", "text")
+        steps, ctx, lat_hw, fs = self._plan(inputs, params)
+        walk_inputs = []  # per item: the walks' input tensors
         texts, images = iter(inputs.get("text_ids", [])), iter(inputs.get("images", []))
-        ld, vit_patch = self.spec.latent_downsample, self.spec.vit.patch_size
-        items, walk_inputs = [], []  # per item: (kind, tokens) for the layout; the walks' input tensors
-        vae_px = None  # the last image, VAE-sized (an edit keeps its shape)
         for kind in self._order(inputs, params):
             if kind == "text":
-                ids = next(texts).long()
-                items.append(("text", ids.numel() + 2, 0))
-                walk_inputs.append({"prefill_text": {"text_ids": [ids]}})
+                walk_inputs.append({"prefill_text": {"text_ids": [next(texts).long()]}})
                 continue
             pil = self.vae_resize.resize(_to_pil(next(images)))  # as the reference: VAE size first
             vae_px, vit_px = self.vae_resize.to_tensor(pil), self.vit_resize(pil)
-            items.append(("image", (vae_px.shape[1] // ld) * (vae_px.shape[2] // ld) + 2,
-                          (vit_px.shape[1] // vit_patch) * (vit_px.shape[2] // vit_patch) + 2))
             walk_inputs.append({"prefill_vae": {"image": [vae_px]}, "prefill_vit": {"image": [vit_px]}})
-        lat_hw, cfg_img = None, False
-        if target == "image":
-            h, w = (vae_px.shape[1], vae_px.shape[2]) if vae_px is not None else self._image_size(params)
-            lat_hw = (h // ld, w // ld)
-            fs = flow_settings(params, editing=vae_px is not None)
-            cfg_img = vae_px is not None and fs.cfg_text_scale > 1.0 and fs.cfg_img_scale > 1.0
-        steps, ctx = plan_layout(items, target, cfg_img, lat_hw)
         walk_steps = [(s.walk, {**walk_inputs[s.item][s.walk], "ctx": [s.ctx.to_tensor()]}) for s in steps]
         if target == "image":
             seed = params.get("seed")
