@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mstar.runtime.kv.block_pool import BlockPool, BlockTable, KVCacheManager, OutOfBlocks
+from mstar.runtime.kv.block_pool import BlockPool, BlockTable, KVCacheManager, OutOfBlocks, prefix_hashes
 
 
 def check_invariants(mgr: KVCacheManager) -> None:
@@ -26,8 +26,8 @@ def check_invariants(mgr: KVCacheManager) -> None:
         assert pool.refcount(b) == counts.get(b, 0), f"block {b}"
     assert pool.num_used == len(counts)
     assert pool.num_free + pool.num_used == pool.num_blocks
-    free = pool.free_blocks()
-    assert len(set(free)) == len(free)
+    free = pool.free_blocks() + pool.cached_blocks()
+    assert len(set(free)) == len(free) == pool.num_free
     assert all(pool.refcount(b) == 0 for b in free)
 
 
@@ -102,8 +102,8 @@ def test_append_slots_and_slot_mapping():
     assert mgr.slot_mapping("r", "main") == list(range(9))
     assert mgr.slot_mapping("r", "main", 4, 6) == [4, 5]
     assert mgr.append_slots("r", "main", 0) == []
-    assert mgr.stats() == {"blocks_total": 8, "blocks_used": 3, "blocks_free": 5, "block_size": 4,
-                           "sequences": 1}
+    assert mgr.stats() == {"blocks_total": 8, "blocks_used": 3, "blocks_free": 5, "blocks_cached": 0,
+                           "block_size": 4, "sequences": 1}
     check_invariants(mgr)
     mgr.free_request("r")
     assert mgr.pool.num_used == 0 and not mgr.has("r", "main")
@@ -293,7 +293,7 @@ class Simulator:
     def keys(self, request_id=None):
         return [k for k in self.logical if request_id is None or k[0] == request_id]
 
-    def append(self, key, n):
+    def append(self, key, n, toks=None):
         mgr = self.mgr
         predicted = mgr.can_append(*key, n)
         before = snapshot(mgr)
@@ -308,12 +308,28 @@ class Simulator:
         for src, dst in mgr.pop_pending_copies():
             assert src != dst
             self.store[dst] = list(self.store[src])
-        toks = list(range(self.next_token, self.next_token + n))
-        self.next_token += n
+        if toks is None:
+            toks = list(range(self.next_token, self.next_token + n))
+            self.next_token += n
         for s, t in zip(slots, toks):
             assert mgr.pool.refcount(s // bs) == 1, "writing into a shared block"
             self.store[s // bs][s % bs] = t
         self.logical.setdefault(key, []).extend(toks)
+
+    def prompt(self, key, tokens):
+        """A prompt entering an empty cache as the engine does it: adopt the cached prefix, append
+        the rest, register the full blocks (or, without room, empty the cache again)."""
+        mgr, bs = self.mgr, self.mgr.block_size
+        hashes = prefix_hashes(tokens, bs)
+        got = mgr.adopt_prefix(*key, hashes[:(len(tokens) - 1) // bs])
+        self.logical[key] = list(tokens[:got])
+        self.check()  # the adopted blocks hold this prompt's tokens
+        if not mgr.can_append(*key, len(tokens) - got):
+            self.truncate(key, 0)
+            return got
+        self.append(key, len(tokens) - got, toks=list(tokens[got:]))
+        mgr.register_prefix(*key, hashes)
+        return got
 
     def fork(self, src, dst, n):
         self.mgr.fork_from(*src, *dst, num_tokens=n)
@@ -432,3 +448,98 @@ def test_hypothesis_ops_keep_invariants(ops, block_size):
 def test_block_table_dataclass_defaults():
     t = BlockTable()
     assert t.blocks == [] and t.num_tokens == 0
+
+
+# ---------------------------------------------------------------------------------------- prefix caching
+def test_prefix_hashes_chain_whole_blocks_only():
+    a = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    assert len(a) == 2 and prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4) == a
+    assert prefix_hashes([1, 2, 3, 4, 0, 6, 7, 8], 4)[0] == a[0]
+    assert prefix_hashes([1, 2, 3, 4, 0, 6, 7, 8], 4)[1] != a[1]  # a block's hash covers its whole prefix
+    assert prefix_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4)[1] != a[1]
+    assert prefix_hashes(list(range(20)), 4, limit=3) == prefix_hashes(list(range(20)), 4)[:3]
+
+
+def test_released_prefix_blocks_are_reused_then_evicted_least_recent_first():
+    mgr = KVCacheManager(BlockPool(4, 2))
+    a, b = [1, 2, 3, 4, 5], [7, 8, 9, 10, 11]
+    assert mgr.adopt_prefix("r1", "m", prefix_hashes(a, 2)) == 0
+    mgr.append_slots("r1", "m", 5)
+    mgr.register_prefix("r1", "m", prefix_hashes(a, 2))
+    first = mgr.block_table("r1", "m")
+    mgr.free_request("r1")
+    assert mgr.pool.num_free == 4 and mgr.pool.num_cached == 2  # two full blocks kept, the tail freed
+    check_invariants(mgr)
+    assert mgr.adopt_prefix("r2", "m", prefix_hashes(a, 2)) == 4
+    assert mgr.block_table("r2", "m") == first[:2] and mgr.pool.num_cached == 0
+    mgr.append_slots("r2", "m", 1)
+    check_invariants(mgr)
+    mgr.free_request("r2")
+    mgr.adopt_prefix("r3", "m", prefix_hashes(b, 2))  # no hit: three fresh blocks needed, one is cached
+    mgr.append_slots("r3", "m", 5)
+    mgr.register_prefix("r3", "m", prefix_hashes(b, 2))
+    assert mgr.pool.num_cached == 1  # the least recently released cached block was taken
+    assert mgr.adopt_prefix("r4", "m", prefix_hashes(a, 2)) == 2  # its first block survived
+    check_invariants(mgr)
+
+
+def test_a_cached_block_written_again_after_a_truncate_forgets_its_prefix():
+    mgr = KVCacheManager(BlockPool(4, 2))
+    toks = [1, 2, 3, 4]
+    mgr.append_slots("r", "m", 4)
+    mgr.register_prefix("r", "m", prefix_hashes(toks, 2))
+    mgr.truncate("r", "m", 3)
+    mgr.append_slots("r", "m", 1)  # overwrites slot 3: block 1 no longer holds [3, 4]
+    mgr.free_request("r")
+    assert mgr.adopt_prefix("q", "m", prefix_hashes(toks, 2)) == 2
+    check_invariants(mgr)
+
+
+def test_register_keeps_the_first_block_for_a_prefix_computed_twice():
+    mgr = KVCacheManager(BlockPool(4, 2))
+    h = prefix_hashes([1, 2], 2)
+    for rid in ("a", "b"):
+        mgr.append_slots(rid, "m", 2)
+        mgr.register_prefix(rid, "m", h)
+    mgr.free_request("a")
+    mgr.free_request("b")
+    assert mgr.pool.num_cached == 1 and mgr.pool.num_free == 4
+    assert mgr.adopt_prefix("c", "m", h) == 2 and mgr.block_table("c", "m") == [0]
+    check_invariants(mgr)
+
+
+def test_random_stress_with_shared_prompts_keeps_contents_right():
+    """Requests with prompts drawn from a few shared prefixes, mixed with appends, forks, truncates
+    and frees: every adopted block holds exactly its prompt's tokens, and the pool stays consistent."""
+    rng = random.Random(99)
+    sim = Simulator(num_blocks=40, block_size=4, rng=rng)
+    stems = [[rng.randrange(1000, 1100) for _ in range(rng.randint(4, 17))] for _ in range(4)]
+    live, reused = [], 0
+    for i in range(600):
+        r = rng.random()
+        if r < 0.3 or not live:
+            prompt = rng.choice(stems) + [rng.randrange(1000, 1100) for _ in range(rng.randint(0, 6))]
+            rid = f"p{i}"
+            reused += sim.prompt((rid, "main"), prompt)
+            live.append(rid)
+        elif r < 0.6:
+            rid = rng.choice(live)
+            keys = sim.keys(rid)
+            if keys:
+                sim.append(rng.choice(keys), rng.choice([1, 1, 2, 5]))
+        elif r < 0.7:
+            keys = sim.keys(rng.choice(live))
+            if keys:
+                src = rng.choice(keys)
+                sim.fork(src, (src[0], f"f{i}"), rng.randint(0, len(sim.logical[src])))
+        elif r < 0.78:
+            keys = sim.keys(rng.choice(live))
+            if keys:
+                key = rng.choice(keys)
+                sim.truncate(key, rng.randint(0, len(sim.logical[key])))
+        else:
+            sim.free_request(live.pop(rng.randrange(len(live))))
+        sim.check()
+    for rid in live:
+        sim.free_request(rid)
+    assert sim.mgr.pool.num_used == 0 and reused > 100

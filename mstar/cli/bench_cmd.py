@@ -26,7 +26,7 @@ _batches = _int_list("--batch")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark", description="Run a benchmark.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve, _add_pressure, _add_soak):
+    for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve, _add_pressure, _add_prefix, _add_soak):
         add(bsub)
 
 
@@ -260,6 +260,37 @@ def run_pressure(args: argparse.Namespace) -> int:
                              log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_table(res))
     return 0
+
+
+def _add_prefix(bsub) -> None:
+    pf = bsub.add_parser("prefix", help="chats sharing a long system prompt with prefix caching on vs. off",
+                         description="N greedy chats sharing one system prompt, with automatic prefix caching "
+                                     "and without it, alternating in one run: time to first token one request "
+                                     "at a time, wall time of all at once, hit rate, same tokens.")
+    pf.add_argument("--requests", type=int, default=16, help="chats per load (default 16)")
+    pf.add_argument("--system-tokens", type=int, default=512, help="shared system prompt length (default 512)")
+    pf.add_argument("--user-tokens", type=_int_list("--user-tokens"), default=[8, 32],
+                    help="LO,HI of each chat's own tokens (default 8,32)")
+    pf.add_argument("--max-tokens", type=int, default=8, help="tokens generated per chat (default 8)")
+    pf.add_argument("--repeats", type=int, default=3, help="alternating repeats (default 3)")
+    pf.add_argument("--model", choices=["tiny", "scaled"], default="tiny",
+                    help="llama-tiny, or its config scaled to hidden 256 / 4 layers (default tiny)")
+    pf.add_argument("--seed", type=int, default=0)
+    pf.set_defaults(func=run_prefix)
+
+
+def run_prefix(args: argparse.Namespace) -> int:
+    import sys
+
+    from mstar.bench.prefix_bench import format_table, run_prefix_bench
+
+    if len(args.user_tokens) != 2:
+        raise ValueError(f"--user-tokens takes two ints, LO,HI; got {args.user_tokens}")
+    res = run_prefix_bench(args.requests, args.system_tokens, tuple(args.user_tokens), args.max_tokens,
+                           args.repeats, args.model, seed=args.seed,
+                           log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_table(res))
+    return 0 if res.same_tokens else 1
 
 
 def _add_soak(bsub) -> None:

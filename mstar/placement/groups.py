@@ -9,7 +9,8 @@ from typing import Any
 
 TOP_LEVEL_KEYS = ("model", "name", "node_groups", "runtime")
 GROUP_KEYS = ("node_names", "ranks", "graph_walks", "tp_size", "max_batch_size")
-RUNTIME_KEYS = ("max_batch_size", "kv_cache_blocks", "kv_block_size", "max_queue", "kv_cache_memory_gib")
+RUNTIME_KEYS = ("max_batch_size", "kv_cache_blocks", "kv_block_size", "max_queue", "kv_cache_memory_gib",
+                "prefix_caching")
 
 DEFAULT_RANK = 0
 """Rank that runs every node no group mentions."""
@@ -37,6 +38,8 @@ class RuntimeLimits:
     ``kv_cache_memory_gib``, when set, sizes each KV module's block pool from memory instead of
     ``kv_cache_blocks``: as many blocks as that many GiB hold (K and V, every layer, the module's
     dtype). A placement file that also gives ``kv_cache_blocks`` keeps that explicit count.
+    ``prefix_caching`` (a bool, default on): KV nodes that declare reusable prompts (the Llama-family
+    LMs) reuse the cached blocks of an earlier request's identical leading tokens.
     """
 
     max_batch_size: int = 32
@@ -44,11 +47,15 @@ class RuntimeLimits:
     kv_block_size: int = 16
     max_queue: int = 1024
     kv_cache_memory_gib: float | None = None
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "kv_cache_memory_gib":
+            if f.name == "prefix_caching":
+                if not isinstance(v, bool):
+                    raise PlacementError(f"runtime.prefix_caching must be true or false, got {v!r}")
+            elif f.name == "kv_cache_memory_gib":
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not v > 0):
                     raise PlacementError(f"runtime.{f.name} must be a positive number of GiB, got {v!r}")
             elif not _is_int(v) or v < 1:

@@ -82,7 +82,12 @@ def _parse_runtime(raw: object, source: str) -> RuntimeLimits:
         raise PlacementError(f"{where}: unknown key(s) {_fmt_list(map(repr, unknown))}; "
                              f"valid keys: {', '.join(RUNTIME_KEYS)}")
     memory = raw.get("kv_cache_memory_gib")
-    values = {k: _pos_int(v, k, where) for k, v in raw.items() if k != "kv_cache_memory_gib"}
+    values: dict[str, object] = {k: _pos_int(v, k, where) for k, v in raw.items()
+                                 if k not in ("kv_cache_memory_gib", "prefix_caching")}
+    if "prefix_caching" in raw:
+        if not isinstance(raw["prefix_caching"], bool):
+            raise PlacementError(f"{where}: prefix_caching must be true or false, got {raw['prefix_caching']!r}")
+        values["prefix_caching"] = raw["prefix_caching"]
     if memory is not None and "kv_cache_blocks" not in values:  # an explicit block count wins
         if isinstance(memory, bool) or not isinstance(memory, int | float) or not memory > 0:
             raise PlacementError(f"{where}: kv_cache_memory_gib must be a positive number, got {memory!r}")

@@ -156,13 +156,16 @@ class Runtime:
     def __init__(self, model: str | ModelDef | type, placement: str | Path | Placement | None = None, *,
                  workers: str = "inline", device: str = "cpu", model_kwargs: Mapping[str, Any] | None = None,
                  start_timeout: float = 300.0, kv_cache_memory_gib: float | None = None,
-                 on_worker_death: str = "restart", max_restarts: int = 3, restart_window_s: float = 300.0) -> None:
+                 on_worker_death: str = "restart", max_restarts: int = 3, restart_window_s: float = 300.0,
+                 prefix_caching: bool | None = None) -> None:
         """``on_worker_death`` (process mode): ``restart`` respawns a dead worker's rank, unless
         ``max_restarts`` restarts already happened within ``restart_window_s``; then, or at once
         with ``exit``, the runtime stays unhealthy for good (``fatal``).
 
         ``kv_cache_memory_gib``: size every KV pool from memory (replaces the placement's
-        ``kv_cache_blocks`` / ``kv_cache_memory_gib``; ``mstar serve --kv-cache-memory``)."""
+        ``kv_cache_blocks`` / ``kv_cache_memory_gib``; ``mstar serve --kv-cache-memory``).
+        ``prefix_caching``: True / False replaces the placement's ``runtime.prefix_caching`` (default
+        on; ``mstar serve --no-prefix-caching``)."""
         if workers not in ("inline", "process"):
             raise ValueError(f"workers must be 'inline' or 'process', got {workers!r}")
         self.model = resolve_model(model, **(model_kwargs or {}))
@@ -172,8 +175,10 @@ class Runtime:
         elif isinstance(placement, (str, Path)):
             placement = Placement.load(placement)
         self.placement = placement.check_model(self.model.name, self.model.family).validate(graph)
-        if kv_cache_memory_gib is not None:
-            limits = dataclasses.replace(self.placement.limits, kv_cache_memory_gib=kv_cache_memory_gib)
+        overrides = {k: v for k, v in (("kv_cache_memory_gib", kv_cache_memory_gib),
+                                       ("prefix_caching", prefix_caching)) if v is not None}
+        if overrides:
+            limits = dataclasses.replace(self.placement.limits, **overrides)
             self.placement = dataclasses.replace(self.placement, limits=limits)
         self.model.preflight()
         self.routing = Routing(graph, self.placement)

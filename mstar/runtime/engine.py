@@ -9,10 +9,17 @@ An item whose KV blocks cannot be had right now is not failed: it comes back as 
 the worker queues it again. ``swap_out`` / ``swap_in`` move a request's blocks to host memory and
 back (sharing between its own caches kept), which is how the worker preempts a request under KV
 pressure; the request's items swap it back in when they are next admitted.
+
+Prefix caching (``prefix_caching=True``): an item that declares ``NodeInputs.prefix_ids`` for an
+empty cache starts it with the cached blocks of its longest cached full-block prefix and computes
+only the rest; after its forward succeeds its full blocks are registered under their content
+hashes, so later requests with the same leading tokens reuse them (``BlockPool`` keeps released
+registered blocks until the space is needed, least recently released first).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +30,7 @@ from mstar.layers.paged_attention import AttentionMetadata, QueryMode, copy_bloc
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSequence, KVSpec, NodeInputs, NodeSubmodule
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.keys import WalkKey
-from mstar.runtime.kv.block_pool import BlockPool, KVCacheManager, OutOfBlocks
+from mstar.runtime.kv.block_pool import BlockPool, KVCacheManager, OutOfBlocks, prefix_hashes
 
 
 @dataclass(slots=True)
@@ -93,6 +100,17 @@ class _KVPlan:
         for name in ("query_lens", "tables", "context_lens", "modes", "positions"):
             del getattr(self, name)[seqs:]
         del self.slots[slots:]
+
+
+@dataclass(slots=True)
+class _PrefixUse:
+    """An item's prompt, for the prefix cache: which cache, its full-block hashes, tokens reused."""
+
+    request_id: str
+    cache_name: str
+    hashes: list[int]
+    num_tokens: int
+    reused: int
 
 
 @dataclass
@@ -214,8 +232,13 @@ class StatelessEngine:
 class KVCacheEngine(StatelessEngine):
     """Stateless batching plus the module's paged KV cache."""
 
-    def __init__(self, module: NodeSubmodule, num_blocks: int, block_size: int, device: str = "cpu"):
+    def __init__(self, module: NodeSubmodule, num_blocks: int, block_size: int, device: str = "cpu",
+                 prefix_caching: bool = False):
         super().__init__(module)
+        self.prefix_caching = prefix_caching
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache (items that ran)
+        self.prefix_hit_tokens = 0  # of which were reused
+        self._prefix_uses: dict[int, _PrefixUse] = {}  # id(Prepared run) -> its prompt, this batch
         spec = module.kv_spec
         self.manager = KVCacheManager(BlockPool(num_blocks, block_size))
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
@@ -235,8 +258,10 @@ class KVCacheEngine(StatelessEngine):
         """Plan every item's cache slots (an item that cannot get its blocks is left out, ``DEFERRED``),
         then run one forward over the others."""
         self._appended = []
+        self._prefix_uses = {}
         plan = _KVPlan()
-        admitted = [p for p in batch if self._plan_item(p, plan)]
+        runs = [self._plan_item(p, plan) for p in batch]  # what each item runs (None: deferred)
+        admitted = [r for r in runs if r is not None]
         if not admitted:
             self._copy_pending()  # copies queued by items rolled back: no pending copy outlives a batch
             return [DEFERRED] * len(batch)
@@ -247,27 +272,63 @@ class KVCacheEngine(StatelessEngine):
         ei.positions = torch.cat(plan.positions) if plan.positions else torch.zeros(0, dtype=torch.long)
         ei.num_tokens = [sum(q.num_tokens for q in p.sequences()) for p in admitted]
         outs = iter(self._call(admitted, ei, tensors))
-        kept = {id(p) for p in admitted}
-        return [next(outs) if id(p) in kept else DEFERRED for p in batch]
+        self._register_prefixes()
+        return [DEFERRED if r is None else next(outs) for r in runs]
 
-    def _plan_item(self, p: Prepared, plan: _KVPlan) -> bool:
-        """Swap the item's request in if needed and plan all its sequences, or nothing (False)."""
+    def _plan_item(self, p: Prepared, plan: _KVPlan) -> Prepared | None:
+        """Swap the item's request in if needed and plan all its sequences; returns what the forward
+        runs (the item, or a copy without the tokens a cached prefix supplies), or None (nothing
+        planned: no room now)."""
         rid = p.item.request_id
         swapped_in = rid in self._swapped
         if swapped_in and not self.swap_in(rid):
-            return False
+            return None
         mark, appended = plan.mark(), len(self._appended)
+        run = self._adopt_prefix(p)
         try:
-            for seq in p.sequences():
+            for seq in run.sequences():
                 self._plan_sequence(rid, seq, plan)
         except OutOfBlocks:
             plan.reset(mark)
             self._undo_appends(self._appended[appended:])
             del self._appended[appended:]
+            self._prefix_uses.pop(id(run), None)
             if swapped_in:
                 self.swap_out(rid, preempted=False)
-            return False
-        return True
+            return None
+        return run
+
+    # -- prefix caching ----------------------------------------------------------------------------
+    def _adopt_prefix(self, p: Prepared) -> Prepared:
+        """For a prompt entering an empty cache: start the cache with its cached prefix blocks and
+        return the item without those tokens (recorded so a rollback empties the cache again)."""
+        ni, rid = p.inputs, p.item.request_id
+        if (not self.prefix_caching or ni.prefix_ids is None or ni.sequences is not None
+                or ni.fork_from is not None or QueryMode(ni.mode) is not QueryMode.CAUSAL_APPEND):
+            return p
+        name, n = ni.cache_name or p.item.node, ni.num_tokens
+        if self.manager.num_tokens(rid, name) or ni.prefix_ids.numel() != n:
+            return p
+        bs = self.manager.block_size
+        hashes = prefix_hashes(ni.prefix_ids.tolist(), bs)
+        reused = self.manager.adopt_prefix(rid, name, hashes[:(n - 1) // bs])  # keep >= 1 token to run
+        self._appended.append((rid, name, 0))
+        run = p
+        if reused:
+            tensors = {k: (v[reused:] if k in ni.token_inputs else v) for k, v in ni.tensor_inputs.items()}
+            run = Prepared(p.item, dataclasses.replace(ni, tensor_inputs=tensors, num_tokens=n - reused,
+                                                       prefix_ids=None),
+                           dataclasses.replace(p.info, cache_len=reused))
+        self._prefix_uses[id(run)] = _PrefixUse(rid, name, hashes, n, reused)
+        return run
+
+    def _register_prefixes(self) -> None:
+        """After a successful forward: name the prompts' full blocks, count lookups and hits."""
+        for use in self._prefix_uses.values():
+            self.manager.register_prefix(use.request_id, use.cache_name, use.hashes)
+            self.prefix_query_tokens += use.num_tokens
+            self.prefix_hit_tokens += use.reused
+        self._prefix_uses = {}
 
     def _copy_pending(self) -> None:
         """Carry out queued copy-on-write copies (before a forward writes, or blocks are saved)."""
@@ -304,6 +365,7 @@ class KVCacheEngine(StatelessEngine):
         """Undo this batch's cache appends so the items can be retried one by one."""
         self._undo_appends(self._appended)
         self._appended = []
+        self._prefix_uses = {}
 
     def _undo_appends(self, appended: list[tuple[str, str, int]]) -> None:
         for rid, name, before in reversed(appended):
@@ -428,7 +490,8 @@ class KVCacheEngine(StatelessEngine):
                                              [torch.cat([empty, *v]) for v in vs])
 
     def stats(self) -> dict[str, Any]:
-        return {**self.manager.stats(), "swapped_requests": len(self._swapped), "preemptions": self.preemptions}
+        return {**self.manager.stats(), "swapped_requests": len(self._swapped), "preemptions": self.preemptions,
+                "prefix_query_tokens": self.prefix_query_tokens, "prefix_hit_tokens": self.prefix_hit_tokens}
 
 
 def blocks_in_memory(spec: KVSpec, block_size: int, gib: float) -> int:

@@ -115,7 +115,8 @@ class Worker:
             module = modules[node]
             module.to(device).eval()
             if base not in self.engines:
-                self.engines[base] = (KVCacheEngine(module, self._pool_blocks(module), limits.kv_block_size, device)
+                self.engines[base] = (KVCacheEngine(module, self._pool_blocks(module), limits.kv_block_size, device,
+                                                    prefix_caching=limits.prefix_caching)
                                       if module.kv_spec is not None else StatelessEngine(module))
             self.max_batch[base] = min(self.max_batch.get(base, 1 << 30), placement.max_batch_size(node))
 

@@ -67,7 +67,8 @@ class _RuntimeCollector:
         yield from (queue, used, free, batches, *self._kv_pressure(stats))
 
     def _kv_pressure(self, stats):
-        """Per KV module: cache usage, requests waiting for blocks, preemptions (swap-outs) so far."""
+        """Per KV module: cache usage, requests waiting for blocks, preemptions (swap-outs) so far,
+        prefix-cache lookups and hits (tokens) and the blocks it keeps."""
         labels = ["model", "rank", "node"]
         usage = GaugeMetricFamily("mstar_kv_cache_usage", "fraction of KV-cache blocks in use", labels=labels)
         waiting = GaugeMetricFamily("mstar_kv_waiting_requests", "requests whose next step waits for KV blocks",
@@ -76,6 +77,12 @@ class _RuntimeCollector:
                                     "memory", labels=labels)
         preempted = CounterMetricFamily("mstar_kv_preemptions", "requests swapped out to free KV blocks",
                                         labels=labels)
+        queried = CounterMetricFamily("mstar_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                      labels=labels)
+        hits = CounterMetricFamily("mstar_prefix_cache_hits", "prompt tokens whose KV blocks came from the prefix "
+                                   "cache", labels=labels)
+        cached = GaugeMetricFamily("mstar_kv_cached_blocks", "unreferenced KV blocks kept for prefix reuse (counted "
+                                   "as free)", labels=labels)
         for r in stats["ranks"]:
             rank = str(r["rank"])
             for node, kv in r["kv"].items():
@@ -83,6 +90,9 @@ class _RuntimeCollector:
                 usage.add_metric(key, kv["blocks_used"] / max(kv["blocks_total"], 1))
                 swapped.add_metric(key, kv.get("swapped_requests", 0))
                 preempted.add_metric(key, kv.get("preemptions", 0))
+                queried.add_metric(key, kv.get("prefix_query_tokens", 0))
+                hits.add_metric(key, kv.get("prefix_hit_tokens", 0))
+                cached.add_metric(key, kv.get("blocks_cached", 0))
             for node, n in r.get("waiting", {}).items():
                 waiting.add_metric([self.model, rank, node], n)
-        return usage, waiting, swapped, preempted
+        return usage, waiting, swapped, preempted, queried, hits, cached

@@ -106,7 +106,8 @@ class LlamaCausalLM(NodeSubmodule):
             raise ValueError("LLM node got no tokens")
         return NodeInputs(tensor_inputs={"ids": ids}, num_tokens=ids.numel(),
                           extras={"sampling": sp, "step": step, "seen": seen,
-                                  "stop_ids": stop_token_set(sp, self.eos_token_ids)})
+                                  "stop_ids": stop_token_set(sp, self.eos_token_ids)},
+                          prefix_ids=ids if step == 0 and "input_ids" in inputs else None, token_inputs=("ids",))
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs,
                 ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:

@@ -6,8 +6,10 @@ This module only decides *which* slots a token's K/V lives in; the tensors thems
 
 Invariants (checked by the tests after every operation):
 
-* ``BlockPool``: a block is either free (refcount 0, on the free list exactly once) or used (refcount >= 1,
-  not on the free list). ``num_free + num_used == num_blocks``.
+* ``BlockPool``: a block is either free (refcount 0, on the free list exactly once, or, when it holds a
+  registered prefix, in the cached LRU exactly once) or used (refcount >= 1, on neither).
+  ``num_free + num_used == num_blocks``; cached blocks count as free: they are handed out (and forget
+  their prefix) only when the free list is empty, least recently released first.
 * ``KVCacheManager``: the refcount of every block equals the number of block tables that contain it (a table
   never contains the same block twice), and every table satisfies
   ``len(blocks) == ceil(num_tokens / block_size)``.
@@ -20,10 +22,11 @@ Invariants (checked by the tests after every operation):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["BlockPool", "BlockTable", "KVCacheManager", "OutOfBlocks"]
+__all__ = ["BlockPool", "BlockTable", "KVCacheManager", "OutOfBlocks", "prefix_hashes"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -56,6 +59,10 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
+        """Prefix caching: ``register`` names a full block by the hash of its contents (see
+        ``prefix_hashes``); a registered block whose last reference goes is kept in the cached LRU
+        instead of the free list, so ``take_cached`` can hand it to a later request with the same
+        prefix, until an allocation finds the free list empty and reuses it."""
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size <= 0:
@@ -65,28 +72,45 @@ class BlockPool:
         self._refcounts = [0] * num_blocks
         # Used as a stack: pop() from the end, so the lowest id comes out first on a fresh pool.
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # refcount-0 registered blocks, LRU first
+        self._hash_of: dict[int, int] = {}  # block -> content hash
+        self._block_of: dict[int, int] = {}  # content hash -> block
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks that still hold a registered prefix (counted in ``num_free``)."""
+        return len(self._cached)
 
     def free_blocks(self) -> list[int]:
         """A copy of the free list, in the order blocks will be handed out last-to-first."""
         return list(self._free)
+
+    def cached_blocks(self) -> list[int]:
+        """Unreferenced blocks kept for their prefix, least recently released first."""
+        return list(self._cached)
 
     def _check(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:
             raise IndexError(f"block id {block} out of range [0, {self.num_blocks})")
 
     def allocate(self) -> int:
-        """Take one free block; its refcount becomes 1. Raises :class:`OutOfBlocks` if none is free."""
-        if not self._free:
+        """Take one free block (an uncached one if any, else the least recently released cached one,
+        which forgets its prefix); its refcount becomes 1. :class:`OutOfBlocks` if none is free."""
+        if self._free:
+            block = self._free.pop()
+        elif self._cached:
+            block, _ = self._cached.popitem(last=False)
+            self.unregister(block)
+        else:
             raise OutOfBlocks(1, 0)
-        block = self._free.pop()
         self._refcounts[block] = 1
         return block
 
@@ -94,9 +118,41 @@ class BlockPool:
         """Take ``n`` free blocks, all or nothing."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
-            raise OutOfBlocks(n, len(self._free))
+        if n > self.num_free:
+            raise OutOfBlocks(n, self.num_free)
         return [self.allocate() for _ in range(n)]
+
+    # -- prefix caching -------------------------------------------------------------------------
+    def register(self, block: int, content_hash: int) -> None:
+        """Name a used, full block by its contents. A hash already naming another block keeps it (two
+        requests that computed the same prefix at once); a block keeps its first name."""
+        self._check(block)
+        if self._refcounts[block] == 0:
+            raise ValueError(f"register of free block {block}")
+        if content_hash in self._block_of or block in self._hash_of:
+            return
+        self._block_of[content_hash] = block
+        self._hash_of[block] = content_hash
+
+    def unregister(self, block: int) -> None:
+        """Forget a block's prefix (before it is written again); a cached block becomes plainly free."""
+        h = self._hash_of.pop(block, None)
+        if h is not None:
+            del self._block_of[h]
+            if block in self._cached:
+                del self._cached[block]
+                self._free.append(block)
+
+    def take_cached(self, content_hash: int) -> int | None:
+        """The block holding this prefix hash, with one more reference (revived from the cached LRU
+        when unreferenced), or None."""
+        block = self._block_of.get(content_hash)
+        if block is None:
+            return None
+        if self._refcounts[block] == 0:
+            del self._cached[block]
+        self._refcounts[block] += 1
+        return block
 
     def incref(self, block: int) -> None:
         """Add a reference to a used block. Sharing a free block is an error (ValueError)."""
@@ -112,7 +168,10 @@ class BlockPool:
             raise ValueError(f"decref of free block {block}")
         self._refcounts[block] -= 1
         if self._refcounts[block] == 0:
-            self._free.append(block)
+            if block in self._hash_of:
+                self._cached[block] = None
+            else:
+                self._free.append(block)
 
     def refcount(self, block: int) -> int:
         self._check(block)
@@ -120,7 +179,22 @@ class BlockPool:
 
     def __repr__(self) -> str:
         return (f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-                f"used={self.num_used}, free={self.num_free})")
+                f"used={self.num_used}, free={self.num_free}, cached={self.num_cached})")
+
+
+def prefix_hashes(tokens: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+    """Content hashes of the first full blocks of a token sequence (at most ``limit``): block i's
+    hash covers tokens ``[0, (i + 1) * block_size)``, chained through the previous block's hash, so
+    equal hashes mean equal prefixes (up to a 64-bit collision). Same ids -> same hashes in every
+    process (Python's ``hash`` of a tuple of ints is not salted)."""
+    n = len(tokens) // block_size
+    if limit is not None:
+        n = min(n, limit)
+    out, prev = [], 0
+    for i in range(n):
+        prev = hash((prev, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        out.append(prev)
+    return out
 
 
 @dataclass
@@ -257,6 +331,7 @@ class KVCacheManager:
             "blocks_total": self.pool.num_blocks,
             "blocks_used": self.pool.num_used,
             "blocks_free": self.pool.num_free,
+            "blocks_cached": self.pool.num_cached,
             "block_size": self.block_size,
             "sequences": len(self._tables),
         }
@@ -289,11 +364,40 @@ class KVCacheManager:
             self._pending.append((old, fresh))
             table.blocks[-1] = fresh
             self.pool.decref(old)  # refcount was > 1, so old stays alive for its other holders
+        elif n and table.num_tokens % self.block_size:
+            self.pool.unregister(table.blocks[-1])  # written again (after a truncate): no longer that prefix
         table.blocks.extend(self.pool.allocate() for _ in range(new))
         start = table.num_tokens
         table.num_tokens = start + n
         bs = self.block_size
         return [table.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+
+    def adopt_prefix(self, request_id: str, cache_name: str, hashes: Sequence[int]) -> int:
+        """Start an empty sequence with the cached blocks of its longest cached prefix (``hashes`` from
+        ``prefix_hashes``); returns the tokens it now holds (a multiple of the block size, maybe 0).
+        Allocates nothing, so it cannot raise OutOfBlocks."""
+        key = (request_id, cache_name)
+        table = self._tables.get(key)
+        if table is not None and table.num_tokens:
+            raise ValueError(f"KV sequence {key} is not empty: cannot adopt a cached prefix")
+        blocks = []
+        for h in hashes:
+            block = self.pool.take_cached(h)
+            if block is None:
+                break
+            blocks.append(block)
+        if table is None:
+            table = BlockTable()
+            self._register(key, table)
+        table.blocks.extend(blocks)
+        table.num_tokens = len(blocks) * self.block_size
+        return table.num_tokens
+
+    def register_prefix(self, request_id: str, cache_name: str, hashes: Sequence[int]) -> None:
+        """Name the sequence's first full blocks by ``hashes`` (their contents are written)."""
+        table = self._get(request_id, cache_name)
+        for block, h in zip(table.blocks[:table.num_tokens // self.block_size], hashes):
+            self.pool.register(block, h)
 
     def pending_copies(self) -> list[tuple[int, int]]:
         """A copy of the queued copy-on-write copies, without draining them."""
