@@ -311,3 +311,40 @@ def test_bagel_states_its_kv_need_and_context_so_too_long_requests_are_400s():
     short.validate_request({"text_ids": [torch.ones(30, dtype=torch.long)]}, {"max_tokens": 31})
     with pytest.raises(ValueError, match=r"context \(32 positions\) \+ 33 to generate = 65 exceeds .*64 positions"):
         short.validate_request({"text_ids": [torch.ones(30, dtype=torch.long)]}, {"max_tokens": 32})
+
+
+def test_vjepa_plan_and_rollouts_under_pressure_match_the_oracle_and_never_fits_is_refused():
+    """A CEM plan (one forked cache per sample) and rollouts sharing a predictor cache that holds
+    about one of them at a time: all complete with the oracle's results; a plan larger than the
+    whole cache is refused at submission."""
+    import torch.nn.functional as F
+
+    from mstar.model import resolve_model
+    from tests.test_vjepa2_runtime import check_against_native, oracle_plan, request
+
+    model = resolve_model("vjepa2-ac-tiny")
+    g = torch.Generator().manual_seed(6)
+    ctx = F.layer_norm(torch.randn(3, 4, 64, generator=g), (64,))
+    goal = F.layer_norm(torch.randn(4, 64, generator=g), (64,))
+    states, past = torch.rand(3, 7, generator=g), torch.randn(2, 7, generator=g) * 0.1
+    p = {"task": "plan", "horizon": 2, "samples": 6, "topk": 2, "iterations": 2, "seed": 4, "init_std": 0.1}
+    plan_in = {"context": ctx, "goal": goal, "states": states, "actions": past}
+    rollouts = [request(20 + i, 2, 3) for i in range(3)]
+    size = 4
+    need = -(-model.max_kv_tokens({k: [v] for k, v in plan_in.items()}, p)["predictor"] // size)
+    groups = [{"node_names": list(model.graph.node_names), "ranks": [0]}]
+    place = Placement.from_dict({"model": model.name, "node_groups": groups,
+                                 "runtime": {"kv_cache_blocks": need + 3, "kv_block_size": size}})
+    with Runtime(model, place) as rt:
+        h_plan = rt.submit(plan_in, p)
+        h_roll = [rt.submit(i, q) for i, q in rollouts]
+        plan = h_plan.result()
+        assert plan.finished, plan.error
+        check_against_native(rt, rollouts, [h.result() for h in h_roll])
+        pred = rt.local_module("predictor").predictor
+        assert kv_totals(rt)["preemptions"] > 0  # the cache did not hold everything at once
+        assert kv_blocks_in_use(rt) == 0
+        with pytest.raises(ValueError, match=r"KV cache of 'predictor'"):
+            rt.submit(plan_in, {**p, "samples": 64})
+    torch.testing.assert_close(plan.tensors("plan")[0], oracle_plan(pred, ctx, states, past, goal, p),
+                               atol=1e-4, rtol=1e-4)

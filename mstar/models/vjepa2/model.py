@@ -105,6 +105,17 @@ class VJepa2AC(ModelDef):
         if not all(torch.isfinite(x).all() for x in (states, actions)):
             raise ValueError("vjepa2-ac: states and actions must be finite")
 
+    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> Mapping[str, int]:
+        """The predictor's caches at their largest: a rollout's one cache holds every frame but the
+        last predicted; a plan keeps the context (all frames but the last) plus one fork per sample
+        growing by ``horizon`` frames, which share the context's blocks (a copy-on-write copy of a
+        shared partial block is not counted: this bound never refuses a request that fits)."""
+        t = (inputs["frames"] if "frames" in inputs else inputs["context"])[0].shape[0]
+        horizon, bt = int(params.get("horizon", 1)), self.predictor_config.block_tokens
+        if params.get("task", "rollout") == "rollout":
+            return {"predictor": (t + horizon - 1) * bt}
+        return {"predictor": (t - 1) * bt + int(params.get("samples", 64)) * horizon * bt}
+
     def _validate_plan(self, inputs, params) -> None:
         ec, pc = self.encoder_config, self.predictor_config
         if "frames" in inputs:
