@@ -134,3 +134,18 @@ def test_missing_codec_package_is_a_400(server, monkeypatch):
                    timeout=30)
     assert r.status_code == 400 and "av (PyAV)" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "response_format"
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm", "flac", "mp3", "opus", "aac"])
+def test_a_reply_without_samples_is_still_a_valid_file(fmt):
+    data = audio.encode(np.zeros(0, np.int16), 24000, fmt)
+    if fmt == "pcm":
+        assert data == b""
+        return
+    if fmt in ("wav", "flac"):
+        got = decode(data, fmt)
+    else:  # opens and decodes (to a few samples of silence: one codec frame, less the encoder delay)
+        with av.open(io.BytesIO(data)) as container:
+            frames = [f.to_ndarray().reshape(-1) for f in container.decode(audio=0)]
+        got = np.concatenate(frames) if frames else np.zeros(0)
+    assert got.size < 4096 and not np.any(got)

@@ -8,7 +8,8 @@ model still speaks.
   ever seeks back to rewrite a header and every byte can be streamed.
 
 The codec packages are imported when a request first asks for their format; a missing one is a 400
-naming the package.
+naming the package. A reply without samples is a bare WAV header, an empty PCM body, or, in the
+compressed formats (which have no valid empty file), one codec frame of silence.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class _Flac(AudioEncoder):
     def finish(self):
         buf = io.BytesIO()
         pcm = np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.int16)
+        if pcm.size == 0:
+            pcm = np.zeros(1, np.int16)  # FLAC has no empty file: one sample of silence keeps it valid
         self.soundfile.write(buf, pcm, self.rate, format="FLAC", subtype="PCM_16")
         return buf.getvalue()
 
@@ -125,9 +128,11 @@ class _Av(AudioEncoder):
         return self._mux(frame)
 
     def finish(self):
+        # no decodable empty mp3 / Ogg / ADTS file exists: a reply without samples gets one frame of silence
+        head = self.feed(np.zeros(1, np.int16)) if self.pts == 0 else b""
         tail = self._mux(None)  # flush the encoder
         self.out.close()
-        return tail + self.sink.take()
+        return head + tail + self.sink.take()
 
     def _mux(self, frame) -> bytes:
         for packet in self.stream.encode(frame):
