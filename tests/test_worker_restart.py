@@ -5,6 +5,7 @@ runtime stays unhealthy for good."""
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -76,11 +77,15 @@ def test_a_killed_worker_is_restarted_then_the_bound_gives_up():
         decoder = rt.worker_processes[1].pid
         os.kill(decoder, signal.SIGSTOP)  # so that they cannot finish before the death is noticed
         try:
-            _kill(rt, 0)  # the rank that holds nothing of theirs now: they fail all the same
-            for h in handles:
-                out = h.result(timeout=30)
-                assert out.status is RequestStatus.FAILED and out.failure is FailureKind.WORKER_LOST
-                assert "worker rank 0 died" in out.error
+            with ThreadPoolExecutor(1) as pool:
+                stats = pool.submit(rt.stats, 120.0)  # rank 1 cannot reply while stopped
+                _kill(rt, 0)  # the rank that holds nothing of theirs now: they fail all the same
+                for h in handles:
+                    out = h.result(timeout=30)
+                    assert out.status is RequestStatus.FAILED and out.failure is FailureKind.WORKER_LOST
+                    assert "worker rank 0 died" in out.error
+                with pytest.raises(RuntimeError, match="stats unavailable: .*worker rank 0 died"):
+                    stats.result(timeout=60)  # ended by the death, not by its own 120 s timeout
         finally:
             os.kill(decoder, signal.SIGCONT)
         assert rt.unhealthy_reason.startswith("restarting: worker rank 0 died") and not rt.healthy

@@ -296,7 +296,9 @@ class Runtime:
 
     def stats(self, timeout: float = 30.0) -> dict[str, Any]:
         """Per rank: KV blocks used/free, queue depths, per-node batch-size histograms, and KV
-        pressure (requests waiting for blocks, preemptions, swapped-out requests) per KV module."""
+        pressure (requests waiting for blocks, preemptions, swapped-out requests) per KV module.
+        ``RuntimeError`` at once when a rank is lost (or restarting) before every rank replied;
+        ``TimeoutError`` after ``timeout`` seconds otherwise."""
         future: Future = Future()
         self._command(lambda: self._conductor.collect_stats(future))
         try:
@@ -357,3 +359,4 @@ class Runtime:
     def _fail_all(self, kind: FailureKind, error: str) -> None:
         for rid in list(self._conductor.requests):
             self._conductor.fail(rid, error, kind)
+        self._conductor.fail_stats(error)

@@ -130,6 +130,12 @@ class Conductor:
         for r in range(self.routing.num_ranks):
             self.transport.send(r, StatsRequest(token))
 
+    def fail_stats(self, error: str) -> None:
+        """End every stats call still waiting (a rank is lost: its reply may never come)."""
+        calls, self._stats_calls = self._stats_calls, {}
+        for call in calls.values():
+            call.future.set_exception(RuntimeError(f"stats unavailable: {error}"))
+
     def _stats_reply(self, msg: StatsReply) -> None:
         call = self._stats_calls.get(msg.token)
         if call is None:
