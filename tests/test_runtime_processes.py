@@ -116,6 +116,35 @@ def test_shared_memory_round_trip_is_zero_copy_on_receive(tmp_path):
         b.close()
 
 
+def test_frames_for_a_dead_rank_are_swept_and_a_message_missing_one_is_dropped(tmp_path):
+    """A rank's process dies with shared-memory frames addressed to it: the driver sweeps the files
+    addressed to that rank (and only those); a message whose frame was swept, delivered later to
+    the rank's replacement, is dropped instead of failing its receive loop."""
+    from mstar.runtime.transport import ZmqTransport
+
+    conductor, rank0, rank1 = (ZmqTransport(str(tmp_path), a) for a in (-1, 0, 1))
+    try:
+        big = torch.randn(512, 1024)  # 2 MiB: over the shared-memory threshold
+        conductor.send(0, {"t": big})
+        conductor.send(1, {"t": big})
+        names = lambda: sorted(n for n in os.listdir("/dev/shm") if n.startswith(conductor.shm_prefix))  # noqa: E731
+        assert len(names()) == 2
+        conductor.sweep_shm(0)  # rank 0 died
+        assert len(names()) == 1 and names()[0].startswith(conductor.shm_prefix + "-to2-")
+        conductor.send(0, {"t": big, "after": torch.ones(1)})
+        msgs = []
+        while not msgs:
+            msgs = rank0.recv(1000)  # the first message's frame is gone: only the second arrives
+        assert len(msgs) == 1 and torch.equal(msgs[0]["after"], torch.ones(1))
+        got = []
+        while not got:
+            got = rank1.recv(1000)
+        assert torch.equal(got[0]["t"], big) and names() == []
+    finally:
+        for t in (conductor, rank0, rank1):
+            t.close()
+
+
 class _BrokenBuild(ToyLM):
     def build_submodules(self, node_names):
         raise ValueError("checkpoint shard 3 is truncated")

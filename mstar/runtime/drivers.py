@@ -203,6 +203,7 @@ class ProcessDriver:
                 self._give_up(f"{why}; not restarted: {refusal}")
                 return
             log.warning("%s; restarting it", why)
+            self.transport.sweep_shm(rank)  # frames queued for it: lost with it, or dropped by the new one
             self._orphans.update(conductor.requests)
             self.processes[rank] = spawn_worker(rank, self.model, self.routing.placement, self._run_dir, self.device)
             self._starting[rank] = now

@@ -12,6 +12,7 @@ implements the same three methods.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
@@ -25,6 +26,13 @@ from mstar.runtime.serialization import decode, encode
 # tensor frames this large travel through shared memory (one copy instead of two through the socket)
 SHM_THRESHOLD = int(os.environ.get("MSTAR_SHM_THRESHOLD", 1 << 20))
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+log = logging.getLogger(__name__)
+
+
+class LostFrame(Exception):
+    """A message's shared-memory frame is gone: it was addressed to a rank that died, and the files
+    queued for it were swept (the message is dropped; every request it served has failed)."""
 
 
 class InlineTransport:
@@ -60,7 +68,7 @@ class ZmqTransport:
         self._lock = threading.Lock()  # send() may be called from a user thread and the driver
 
     def send(self, dest: int, msg: Any) -> None:
-        frames = self._to_shm(encode(msg))
+        frames = self._to_shm(encode(msg), dest)
         with self._lock:
             sock = self.pushes.get(dest)
             if sock is None:
@@ -80,15 +88,19 @@ class ZmqTransport:
                     frames = self.pull.recv_multipart(flags=self._zmq.NOBLOCK, copy=False)
                 except self._zmq.Again:
                     break
-                out.append(decode(self._from_shm(frames)))
+                try:
+                    out.append(decode(self._from_shm(frames)))
+                except LostFrame as e:
+                    log.warning("dropped a message for a dead rank's process: %s", e)
         return out
 
     # Large frames: the sender writes the bytes into a fresh file in /dev/shm (POSIX shared memory)
     # and sends its name; the receiver maps it, unlinks the name at once (the mapping stays valid
     # while a decoded tensor uses it) and decodes the tensor straight from the mapping. Frame 0 of
-    # the wire message lists the indexes of such frames; names start with the run's prefix so
-    # shutdown can sweep any a dead receiver left behind.
-    def _to_shm(self, frames: list) -> list:
+    # the wire message lists the indexes of such frames; names start with the run's prefix and name
+    # the destination, so the files a dead receiver left behind can be swept (when it dies, and at
+    # shutdown).
+    def _to_shm(self, frames: list, dest: int) -> list:
         big = [] if not SHM_DIR else [i for i, f in enumerate(frames)
                                       if i > 0 and memoryview(f).nbytes >= SHM_THRESHOLD]
         if not big:
@@ -97,7 +109,7 @@ class ZmqTransport:
         for i in big:
             self._shm_count += 1
             # the pid keeps the names of a restarted rank apart from those its dead process left
-            name = f"{self.shm_prefix}-{self.own + 1}-{os.getpid()}-{self._shm_count}"
+            name = f"{self._dest_prefix(dest)}{self.own + 1}-{os.getpid()}-{self._shm_count}"
             fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
             try:
                 view = memoryview(frames[i]).cast("B")
@@ -118,7 +130,10 @@ class ZmqTransport:
             raw = frames[i].buffer if hasattr(frames[i], "buffer") else frames[i]
             name, _, size = bytes(raw).decode().rpartition(":")
             path = os.path.join(SHM_DIR, name)
-            fd = os.open(path, os.O_RDWR)
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                raise LostFrame(f"shared-memory frame {name} was swept") from None
             try:
                 frames[i] = memoryview(mmap.mmap(fd, int(size)))
             finally:
@@ -126,11 +141,16 @@ class ZmqTransport:
                 os.unlink(path)
         return frames
 
-    def sweep_shm(self) -> None:
-        """Remove shared-memory files of this run that no receiver consumed (a receiver died)."""
+    def _dest_prefix(self, dest: int) -> str:
+        return f"{self.shm_prefix}-to{dest + 1}-"
+
+    def sweep_shm(self, dest: int | None = None) -> None:
+        """Remove shared-memory files of this run that no receiver consumed: those addressed to
+        ``dest`` (a rank that died: what was in its process's buffers is lost), or all of them."""
+        prefix = self.shm_prefix + "-" if dest is None else self._dest_prefix(dest)
         if SHM_DIR:
             for name in os.listdir(SHM_DIR):
-                if name.startswith(self.shm_prefix + "-"):
+                if name.startswith(prefix):
                     try:
                         os.unlink(os.path.join(SHM_DIR, name))
                     except FileNotFoundError:
