@@ -350,3 +350,34 @@ def test_vjepa_plan_and_rollouts_under_pressure_match_the_oracle_and_never_fits_
             rt.submit(plan_in, {**p, "samples": 64})
     torch.testing.assert_close(plan.tensors("plan")[0], oracle_plan(pred, ctx, states, past, goal, p),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_bagel_cfg_requests_under_pressure_give_their_latents_alone():
+    """Editing requests with text and image guidance (three forked caches each) and a text request
+    on a cache that holds about one of them: all complete with the latents / tokens they get alone."""
+    from mstar.models.bagel.model import BagelTiny
+    from tests.test_bagel_model import image, latents, text
+
+    model = BagelTiny()
+    edit = {"target": "image", "num_timesteps": 4, "output_type": "latent", "cfg_text_scale": 4.0,
+            "cfg_img_scale": 2.0}
+    reqs = [({"text_ids": [text("make it red")], "images": [image(1)]}, {**edit, "seed": 1}),
+            ({"text_ids": [text("blue")], "images": [image(2, 48, 40)]}, {**edit, "seed": 2}),
+            ({"text_ids": [text("what is it?")], "images": [image(3)]}, {"target": "text", "max_tokens": 5})]
+    size = 16
+    needs = [-(-model.max_kv_tokens(i, p)["LLM"] // size) for i, p in reqs]
+    groups = [{"node_names": list(model.graph.node_names), "ranks": [0]}]
+    place = Placement.from_dict({"model": "bagel-tiny", "node_groups": groups,
+                                 "runtime": {"kv_cache_blocks": max(needs) + 1, "kv_block_size": size}})
+    assert sum(needs) > max(needs) + 1  # they cannot all hold their caches at once
+    with Runtime(model) as rt:
+        alone = [rt.generate(i, p)[0] for i, p in reqs]
+    with Runtime(model, place) as rt:
+        outs = [h.result() for h in [rt.submit(i, p) for i, p in reqs]]
+        assert kv_blocks_in_use(rt) == 0
+    for a, o, (_, p) in zip(alone, outs, reqs):
+        assert o.finished, o.error
+        if p["target"] == "image":
+            torch.testing.assert_close(latents(o), latents(a), rtol=0, atol=1e-5)
+        else:
+            assert len(tokens(a)) == 5 and tokens(o) == tokens(a)
