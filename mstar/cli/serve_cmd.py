@@ -43,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restart-window", type=float, default=300.0, metavar="SECONDS",
                    help="the window --max-restarts counts in (default 300)")
     p.add_argument("--served-model-name", help="model id clients use (default: the model argument)")
+    p.add_argument("--policy-server", action="store_true",
+                   help="require the model to serve openpi's websocket policy protocol (at ws://HOST:PORT/, "
+                        "with GET /healthz) and say so at start; an error for a model that does not")
     p.set_defaults(func=run)
 
 
@@ -64,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("mstar.serve")
     import uvicorn
 
+    from mstar.model.adapter import POLICY
     from mstar.model.registry import import_target, registered_models
     from mstar.runtime.api import Runtime
     from mstar.server.app import create_app
@@ -84,7 +88,11 @@ def run(args: argparse.Namespace) -> int:
     runtime.start()
     log.info("model ready in %.1f s on %d rank(s)", time.perf_counter() - t0, runtime.routing.num_ranks)
     name = args.served_model_name or args.model
-    app = create_app(ServingEngine(runtime, name, args.max_queue), api_key=args.api_key)
+    engine = ServingEngine(runtime, name, args.max_queue)
+    if args.policy_server and POLICY not in engine.adapter.routes:
+        runtime.shutdown()
+        raise ValueError(f"model {args.model!r} does not serve the websocket policy protocol")
+    app = create_app(engine, api_key=args.api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     # uvicorn re-raises a captured SIGTERM after its shutdown, which would kill this process before the
@@ -94,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, server.handle_exit)
     print(f"mstar: serving {name} on http://{args.host}:{args.port} (OpenAI base_url http://{args.host}:"
           f"{args.port}/v1)", file=sys.stderr, flush=True)
+    if POLICY in engine.adapter.routes:
+        print(f"mstar: openpi websocket policy server on ws://{args.host}:{args.port}/ (health: GET /healthz)",
+              file=sys.stderr, flush=True)
     _exit_when_fatal(runtime, server, log)
     try:
         server.run()  # returns on SIGINT / SIGTERM (or a fatal runtime) after draining connections

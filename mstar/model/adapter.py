@@ -18,6 +18,7 @@ SPEECH = "speech"  # POST /v1/audio/speech (+ GET /v1/audio/voices)
 IMAGES = "images"  # POST /v1/images/generations
 IMAGE_EDITS = "image_edits"  # POST /v1/images/edits
 GENERATE = "generate"  # POST /generate (every model)
+POLICY = "policy"  # websocket at "/": openpi's policy protocol (msgpack-numpy observations in, actions out)
 
 ROUTE_PATHS = {
     CHAT: "/v1/chat/completions",
@@ -25,6 +26,7 @@ ROUTE_PATHS = {
     IMAGES: "/v1/images/generations",
     IMAGE_EDITS: "/v1/images/edits",
     GENERATE: "/generate",
+    POLICY: "/",
 }
 
 
@@ -75,6 +77,26 @@ class ApiAdapter:
 
     def new_decoder(self, route: str, request: ApiRequest) -> ItemDecoder:
         """A per-request object turning streamed items into API outputs."""
+        raise NotImplementedError
+
+    def generate_request(self, inputs: dict[str, torch.Tensor], params: dict[str, Any]) -> ApiRequest:
+        """``/generate``'s tensors and parameters -> the runtime's; default: passed on unchanged."""
+        return ApiRequest(inputs, params)
+
+    def generate_outputs(self, request: ApiRequest, name: str, value: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors ``/generate`` sends for one emitted item; default: the item's own."""
+        return value
+
+    def policy_metadata(self) -> dict[str, Any]:
+        """The policy route's first frame (plain msgpack-able values)."""
+        raise NotImplementedError
+
+    def policy_request(self, observation: Mapping[str, Any]) -> ApiRequest:
+        """One decoded observation (numpy arrays, strings, numbers) -> the runtime's inputs."""
+        raise NotImplementedError
+
+    def policy_reply(self, request: ApiRequest, outputs: Mapping[str, list[torch.Tensor]]) -> dict[str, Any]:
+        """The request's emitted items by name -> the reply (numpy arrays, plain values)."""
         raise NotImplementedError
 
 

@@ -22,4 +22,7 @@ BUILTIN_MODELS: dict[str, str] = {
     # World model: V-JEPA 2-AC (encoder + action-conditioned predictor), and its tiny offline variant.
     "vjepa2-ac": "mstar.models.vjepa2.model:VJepa2AC",
     "vjepa2-ac-tiny": "mstar.models.vjepa2.model:VJepa2ACTiny",
+    # Vision-language-action policy: pi0.5 (a lerobot checkpoint), and its tiny offline variant.
+    "pi05": "mstar.models.pi05.model:Pi05Model",
+    "pi05-tiny": "mstar.models.pi05.model:Pi05Tiny",
 }

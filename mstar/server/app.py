@@ -21,7 +21,7 @@ from mstar.server.serving import ServingEngine
 
 __all__ = ["ServerLimits", "create_app"]
 
-_OPEN_PATHS = ("/health", "/metrics")  # no API key: load balancers and scrapers hold none
+_OPEN_PATHS = ("/health", "/healthz", "/metrics")  # no API key: load balancers and scrapers hold none
 _COUNTED_PATHS = frozenset(ROUTE_PATHS.values())
 DEFAULT_LIMITS = ServerLimits()
 

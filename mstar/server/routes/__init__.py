@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from mstar.server.routes import chat, generate, images, speech, system
+from mstar.server.routes import chat, generate, images, policy, speech, system
 
-ROUTERS = (system.router, chat.router, speech.router, images.router, generate.router)
+ROUTERS = (system.router, chat.router, speech.router, images.router, generate.router, policy.router)

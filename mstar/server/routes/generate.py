@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
 
-from mstar.model.adapter import GENERATE
+from mstar.model.adapter import GENERATE, ApiAdapter, ApiRequest
 from mstar.runtime.api import StreamItem
 from mstar.server import media
 from mstar.server.protocol import GenerateRequest
@@ -31,12 +31,15 @@ async def generate(req: GenerateRequest, engine: Engine, limits: Limits):
     inputs = {k: adapt(media.tensor_from_json, v, f"inputs.{k}", limits.max_tensor_elements,
                        limits.max_tensor_dims) for k, v in req.inputs.items()}
     params = req.params.model_dump(exclude_unset=True, exclude_none=True)  # range-checked, unset left out
-    items = await started(engine, GENERATE, inputs, params)
-    return ClosingStreamingResponse(ending_in_error(_lines(items), frame=ndjson), media_type="application/x-ndjson")
+    api_req = adapt(engine.adapter.generate_request, inputs, params)
+    items = await started(engine, GENERATE, api_req.inputs, api_req.params)
+    lines = _lines(items, engine.adapter, api_req)
+    return ClosingStreamingResponse(ending_in_error(lines, frame=ndjson), media_type="application/x-ndjson")
 
 
-async def _lines(items: AsyncIterator[StreamItem]) -> AsyncIterator[str]:
+async def _lines(items: AsyncIterator[StreamItem], adapter: ApiAdapter, api_req: ApiRequest) -> AsyncIterator[str]:
     async for item in items:
+        tensors = adapter.generate_outputs(api_req, item.name, item.value)
         yield ndjson({"name": item.name, "modality": item.modality, "node": item.node, "walk": item.walk,
-                      "tensors": [media.tensor_to_json(t) for t in item.value]})
+                      "tensors": [media.tensor_to_json(t) for t in tensors]})
     yield ndjson({"done": True})

@@ -1,0 +1,1 @@
+"""pi0.5, the vision-language-action policy of Physical Intelligence, in lerobot's checkpoint layout."""
