@@ -1,5 +1,5 @@
 """The hostile-body fuzz of ``test_server_fuzz`` against real families' adapters (llama-tiny,
-orpheus-tiny, vjepa2-ac-tiny), on the routes each serves and on one it does not: no 5xx, OpenAI's
+orpheus-tiny, vjepa2-ac-tiny, pi05-tiny), on the routes each serves and on one it does not: no 5xx, OpenAI's
 error shape, a healthy server and no KV block held after. Derandomized, 20 examples a route."""
 
 import httpx
@@ -12,7 +12,7 @@ from tests.server_utils import running_server
 
 FUZZ = settings(max_examples=20, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-FAMILIES = ("llama-tiny", "orpheus-tiny", "vjepa2-ac-tiny")
+FAMILIES = ("llama-tiny", "orpheus-tiny", "vjepa2-ac-tiny", "pi05-tiny")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -35,7 +35,12 @@ def for_model(bodies: st.SearchStrategy) -> st.SearchStrategy:
 vjepa_inputs = st.fixed_dictionaries({}, optional={
     "frames": fz.tensor_obj | fz.junk, "context": fz.tensor_obj | fz.junk, "states": fz.tensor_obj | fz.junk,
     "actions": fz.tensor_obj | fz.junk, "goal": fz.tensor_obj | fz.junk})
-generate_bodies = fz.generate_bodies | st.fixed_dictionaries(
+pi05_inputs = st.fixed_dictionaries({}, optional={
+    "images": fz.tensor_obj | fz.junk, "base_0_rgb": fz.tensor_obj | fz.junk, "state": fz.tensor_obj | fz.junk,
+    "token_ids": fz.tensor_obj | fz.junk, "noise": fz.tensor_obj | fz.junk})
+pi05_bodies = st.fixed_dictionaries({"inputs": pi05_inputs, "params": st.fixed_dictionaries({}, optional={
+    "prompt": st.text(max_size=12) | fz.junk, "seed": fz.small_int, "action_dim": fz.small_int})})
+generate_bodies = fz.generate_bodies | pi05_bodies | st.fixed_dictionaries(
     {"inputs": vjepa_inputs, "params": st.fixed_dictionaries({}, optional={
         "task": st.sampled_from(["rollout", "plan"]) | fz.junk, "horizon": fz.small_int,
         "samples": fz.small_int, "topk": fz.small_int, "iterations": fz.small_int})})
