@@ -1,0 +1,113 @@
+"""``apply_tp``: a node sharded over 2 gloo processes computes the logits of the dense node.
+
+Both processes build the same seeded node, compute dense logits (prefill then one decode step over
+the paged KV cache), shard it and compute again; rank 0 writes both for the checks here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from mstar.layers.paged_attention import AttentionMetadata, QueryMode
+from mstar.layers.tensor_parallel import TPGroup, apply_tp, head_shard
+from mstar.model.submodule import EngineInputs
+
+PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119]
+
+
+def _nodes():
+    """(name, node) pairs: llama-tiny, orpheus-tiny (a whole head), a one-kv-head Llama (replicated kv)."""
+    from mstar.models.llama.config import TINY
+    from mstar.models.llama.model import LlamaLM, LlamaTiny
+    from mstar.models.orpheus.model import OrpheusTiny
+
+    one_kv = LlamaLM(config={**TINY.to_hf_dict(), "num_key_value_heads": 1}, load_format="dummy", seed=3)
+    return [("llama-tiny", LlamaTiny().build_submodules(["LLM"])["LLM"]),
+            ("orpheus-tiny", OrpheusTiny().build_submodules(["LLM"])["LLM"]),
+            ("one-kv-head", one_kv.build_submodules(["LLM"])["LLM"])]
+
+
+def _logits(module, steps: list[list[int]]) -> torch.Tensor:
+    """Logits of every token of ``steps`` appended in turn to one cache sequence."""
+    spec = module.kv_spec
+    caches = [(torch.zeros(2, 16, spec.num_kv_heads, spec.head_dim), torch.zeros(2, 16, spec.num_kv_heads,
+                                                                               spec.head_dim))
+              for _ in range(spec.num_layers)]
+    out, before = [], 0
+    for new in steps:
+        n = len(new)
+        meta = AttentionMetadata.build([n], [[0, 1]], [before + n], [QueryMode.CAUSAL_APPEND],
+                                       list(range(before, before + n)))
+        ei = EngineInputs(walks=["prefill"], nodes=["LLM"], request_ids=["r"], infos=[], splits={}, extras={},
+                          attention=meta, kv_caches=caches, positions=torch.arange(before, before + n),
+                          num_tokens=[n])
+        with torch.inference_mode():
+            out.append(module.compute_logits(module.model(torch.tensor(new), ei)))
+        before += n
+    return torch.cat(out)
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        tp = TPGroup(rank, 2)
+        results = {}
+        for name, node in _nodes():
+            steps = [PROMPT, [PROMPT[-1]], [7]]
+            dense = _logits(node, steps)
+            apply_tp(node, tp)
+            results[name] = {"dense": dense, "tp": _logits(node, steps), "kv_heads": node.kv_spec.num_kv_heads}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tp2_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp")
+    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=2, start_method="spawn")
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "orpheus-tiny", "one-kv-head"])
+def test_tp2_logits_match_the_dense_node(tp2_results, name):
+    for rank, res in enumerate(tp2_results):
+        r = res[name]
+        assert r["tp"].shape == r["dense"].shape
+        assert (r["tp"] - r["dense"]).abs().max().item() < 1e-5, (name, rank)
+        assert torch.equal(r["tp"].argmax(-1), r["dense"].argmax(-1))
+    # both ranks hold the same logits (the leader's do not depend on which rank computed what)
+    assert torch.equal(tp2_results[0][name]["tp"], tp2_results[1][name]["tp"])
+
+
+def test_tp2_shards_the_kv_cache_by_head(tp2_results):
+    assert tp2_results[0]["llama-tiny"]["kv_heads"] == 1  # 2 kv heads over 2 ranks
+    assert tp2_results[1]["one-kv-head"]["kv_heads"] == 1  # 1 kv head: replicated
+
+
+def test_head_shards_keep_gqa_groups_whole():
+    # 8 q heads, 2 kv heads over 4 ranks: each kv head serves the 4 q heads of 2 ranks
+    shards = [head_shard(8, 2, TPGroup(r, 4)) for r in range(4)]
+    assert [(s.q0, s.nq, s.kv0, s.nkv) for s in shards] == [(0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1),
+                                                          (6, 2, 1, 1)]
+    for s in shards:  # q head h reads kv head h // (8 / 2)
+        assert {h // 4 for h in range(s.q0, s.q0 + s.nq)} == {s.kv0}
+    with pytest.raises(ValueError, match="multiple of tp_size"):
+        head_shard(6, 2, TPGroup(0, 4))
+    with pytest.raises(ValueError, match="kv heads"):
+        head_shard(12, 3, TPGroup(0, 4))
