@@ -57,6 +57,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    os.environ["MSTAR_ATTENTION_KERNEL"] = "torch"  # the shards are under test, not the compiled kernel
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         tp = TPGroup(rank, 2)

@@ -36,7 +36,12 @@ from torch import nn
 
 from mstar.layers.llama import LlamaAttention, LlamaBackbone, LlamaMLP
 
-__all__ = ["TPGroup", "VocabParallelEmbedding", "VocabParallelHead", "apply_tp", "head_shard"]
+__all__ = ["TPGroup", "TPPeerLost", "VocabParallelEmbedding", "VocabParallelHead", "apply_tp", "head_shard"]
+
+
+class TPPeerLost(ConnectionError):
+    """A collective of a tensor-parallel group failed: a rank of the group is gone (or stuck past
+    the group's timeout). The group cannot be used again."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,10 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
-        dist.all_reduce(x, group=self.group)
+        try:
+            dist.all_reduce(x, group=self.group)
+        except RuntimeError as e:
+            raise TPPeerLost(f"all-reduce over tensor-parallel rank {self.rank} of {self.size} failed: {e}") from e
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +70,10 @@ class TPGroup:
 
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
+        try:
+            dist.all_gather(parts, x, group=self.group)
+        except RuntimeError as e:
+            raise TPPeerLost(f"all-gather over tensor-parallel rank {self.rank} of {self.size} failed: {e}") from e
         return torch.cat(parts, dim=-1)
 
     def reduce_output(self, _module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:

@@ -56,6 +56,32 @@ class TPCall:
     args: list
 
 
+@register_message
+@dataclass
+class TPStatsBarrier:
+    """Leader -> followers, after the conductor asked for stats: a follower answers that request
+    only once this arrives too, so its figures include every call its leader mirrored before."""
+
+    token: int
+
+
+class StatsBarrier:
+    """A follower's stats requests: answered when both the conductor's request and the leader's
+    barrier for its token arrived (in either order)."""
+
+    def __init__(self) -> None:
+        self._half: set[tuple[int, bool]] = set()
+
+    def arrived(self, token: int, from_leader: bool) -> bool:
+        """Record one half; True when the other half is already here (answer now)."""
+        other = (token, not from_leader)
+        if other in self._half:
+            self._half.discard(other)
+            return True
+        self._half.add((token, from_leader))
+        return False
+
+
 @dataclass(frozen=True)
 class TPLayout:
     """A module's tensor-parallel group as one rank sees it."""
@@ -160,6 +186,15 @@ class TPContext:
     layouts: dict[str, TPLayout]
     groups: dict[tuple[int, ...], Any]
 
+    @property
+    def followers(self) -> tuple[int, ...]:
+        """The ranks following this one (it leads their group), sorted."""
+        return tuple(sorted({r for lay in self.layouts.values() if lay.is_leader for r in lay.followers}))
+
+    @property
+    def follows(self) -> bool:
+        return any(not lay.is_leader for lay in self.layouts.values())
+
     def tp_group(self, module: str):
         from mstar.layers.tensor_parallel import TPGroup
 
@@ -171,6 +206,10 @@ def connect(model: ModelDef, placement: Placement, rank: int, address: str | Non
     """A worker process's TP context (None without TP): joins the process groups."""
     if address is None:
         return None
+    import torch
+
+    # one rank's spinning OpenMP threads would delay its peers at every collective: share the cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // placement.num_ranks))
     groups = join_process_groups(placement, rank, address, device)
     return TPContext(layouts_on(model, placement, rank), groups)
 

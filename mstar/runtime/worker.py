@@ -53,7 +53,7 @@ from mstar.runtime.messages import (
 )
 from mstar.runtime.routing import Routing
 from mstar.runtime.streams import StreamBuffer
-from mstar.runtime.tensor_parallel import TPCall, TPContext, build_tp_engine, follow
+from mstar.runtime.tensor_parallel import StatsBarrier, TPCall, TPContext, TPStatsBarrier, build_tp_engine, follow
 from mstar.runtime.walk_tracker import Effects, ReadyNode, WalkTracker
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,9 @@ class Worker:
         self._handlers = {StartWalk: self._start_walk, ExecNode: self._exec_node, NodeResult: self._node_result,
                           StreamPush: self._stream_push, StreamEnd: self._stream_end, FreeRequest: self._free_request,
                           MigrateKV: self._migrate_kv, FreeKV: self._free_kv, KVImport: self._import_kv,
-                          StatsRequest: self._stats_request, Shutdown: self._shutdown, TPCall: self._tp_call}
+                          StatsRequest: self._stats_request, Shutdown: self._shutdown, TPCall: self._tp_call,
+                          TPStatsBarrier: self._tp_stats_barrier}
+        self._stats_barrier = StatsBarrier()
 
     def _build_engines(self, nodes: list[str], device: str) -> None:
         placement = self.routing.placement
@@ -224,7 +226,16 @@ class Worker:
         self.transport.send(CONDUCTOR, KVMoved(msg.request_id, msg.token))
 
     def _stats_request(self, msg: StatsRequest) -> None:
+        if self.tp is not None:
+            for rank in self.tp.followers:
+                self.transport.send(rank, TPStatsBarrier(msg.token))
+            if self.tp.follows and not self._stats_barrier.arrived(msg.token, from_leader=False):
+                return  # answered when the leader's barrier arrives
         self.transport.send(CONDUCTOR, StatsReply(msg.token, self.rank, self.stats()))
+
+    def _tp_stats_barrier(self, msg: TPStatsBarrier) -> None:
+        if self._stats_barrier.arrived(msg.token, from_leader=True):
+            self.transport.send(CONDUCTOR, StatsReply(msg.token, self.rank, self.stats()))
 
     def _tp_call(self, msg: TPCall) -> None:
         follow(self.engines[msg.module], msg)
