@@ -7,10 +7,12 @@
   groups never straddle ranks; with ``tp > Hkv`` each kv head is replicated on ``tp / Hkv`` ranks);
   o row-parallel, its output summed over the group (an all-reduce per layer);
 * MLP (``LlamaMLP``): gate/up column-parallel, down row-parallel, output all-reduced;
-* token embeddings (``embed_tokens`` of a ``LlamaBackbone``): vocab-parallel, the vocabulary padded
+* any other block with a ``shard_tp(tp)`` method shards itself (BAGEL's MoT attention, with its
+  two weight sets, q/k/v biases and per-head q/k norms) with ``column_shard`` / ``row_shard``;
+* token embeddings (an ``embed_tokens`` ``nn.Embedding`` anywhere in the node): vocab-parallel, the vocabulary padded
   to a multiple of ``tp`` (rows past the vocabulary are zero and never looked up); ids outside a
   rank's rows give zeros there, and the all-reduce assembles the embedding;
-* the LM head (``lm_head`` of the node): vocab-parallel, sharing the embedding's shard when the two
+* the LM head (an ``lm_head`` ``nn.Linear`` anywhere in the node): vocab-parallel, sharing the embedding's shard when the two
   are tied; logits are all-gathered, so every rank holds the full row (the padding cut off). A node
   whose ``vocab_parallel_head`` is False (it reads head rows itself, e.g. Orpheus's constrained
   audio sampling) keeps a full replica of the head instead;
@@ -34,9 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.llama import LlamaAttention, LlamaBackbone, LlamaMLP
+from mstar.layers.llama import LlamaAttention, LlamaMLP
 
-__all__ = ["TPGroup", "TPPeerLost", "VocabParallelEmbedding", "VocabParallelHead", "apply_tp", "head_shard"]
+__all__ = ["TPGroup", "TPPeerLost", "VocabParallelEmbedding", "VocabParallelHead", "apply_tp", "column_shard",
+           "head_shard", "row_shard", "shardable"]
 
 
 class TPPeerLost(ConnectionError):
@@ -117,13 +120,13 @@ def _linear_like(src: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None
     return out
 
 
-def _rows(lin: nn.Linear, start: int, n: int) -> nn.Linear:
+def column_shard(lin: nn.Linear, start: int, n: int) -> nn.Linear:
     """Column-parallel shard: output features ``[start, start + n)``."""
     bias = None if lin.bias is None else lin.bias.detach()[start:start + n]
     return _linear_like(lin, lin.weight.detach()[start:start + n], bias)
 
 
-def _cols(lin: nn.Linear, start: int, n: int, tp: TPGroup) -> nn.Linear:
+def row_shard(lin: nn.Linear, start: int, n: int, tp: TPGroup) -> nn.Linear:
     """Row-parallel shard: input features ``[start, start + n)``; only rank 0 adds the bias."""
     bias = None if lin.bias is None else (lin.bias.detach() if tp.rank == 0 else torch.zeros_like(lin.bias))
     return _linear_like(lin, lin.weight.detach()[:, start:start + n], bias)
@@ -131,8 +134,8 @@ def _cols(lin: nn.Linear, start: int, n: int, tp: TPGroup) -> nn.Linear:
 
 def shard_attention(attn: LlamaAttention, tp: TPGroup) -> None:
     s, d = head_shard(attn.num_heads, attn.num_kv_heads, tp), attn.head_dim
-    attn.set_projections(_rows(attn.q_proj, s.q0 * d, s.nq * d), _rows(attn.k_proj, s.kv0 * d, s.nkv * d),
-                         _rows(attn.v_proj, s.kv0 * d, s.nkv * d), _cols(attn.o_proj, s.q0 * d, s.nq * d, tp))
+    attn.set_projections(column_shard(attn.q_proj, s.q0 * d, s.nq * d), column_shard(attn.k_proj, s.kv0 * d, s.nkv * d),
+                         column_shard(attn.v_proj, s.kv0 * d, s.nkv * d), row_shard(attn.o_proj, s.q0 * d, s.nq * d, tp))
     attn.register_forward_hook(tp.reduce_output)
 
 
@@ -143,7 +146,7 @@ def shard_mlp(mlp: LlamaMLP, tp: TPGroup) -> None:
                          f"multiple of tp_size")
     n = inter // tp.size
     lo = tp.rank * n
-    mlp.set_projections(_rows(mlp.gate_proj, lo, n), _rows(mlp.up_proj, lo, n), _cols(mlp.down_proj, lo, n, tp))
+    mlp.set_projections(column_shard(mlp.gate_proj, lo, n), column_shard(mlp.up_proj, lo, n), row_shard(mlp.down_proj, lo, n, tp))
     mlp.register_forward_hook(tp.reduce_output)
 
 
@@ -185,22 +188,40 @@ class VocabParallelHead(nn.Module):
         return self.tp.all_gather_last(F.linear(hidden, self.weight))[..., :self.vocab_size]
 
 
-def _shard_embedding(backbone: LlamaBackbone, tp: TPGroup) -> None:
-    backbone.embed_tokens = VocabParallelEmbedding(backbone.embed_tokens.weight, tp)
+def _shard_embeddings(module: nn.Module, tp: TPGroup) -> dict[int, tuple[torch.Tensor, VocabParallelEmbedding]]:
+    """Every ``embed_tokens`` embedding, vocab-parallel: original weight id -> (that weight, its shard)."""
+    out = {}
+    for owner in list(module.modules()):
+        emb = getattr(owner, "embed_tokens", None)
+        if isinstance(emb, nn.Embedding):
+            owner.embed_tokens = VocabParallelEmbedding(emb.weight, tp)
+            out[id(emb.weight)] = (emb.weight, owner.embed_tokens)
+    return out
 
 
-def _shard_head(module: nn.Module, embeddings: dict[int, VocabParallelEmbedding], tp: TPGroup) -> None:
-    """The node's ``lm_head``: vocab-parallel (tied: the embedding's shard), or left whole."""
-    head = getattr(module, "lm_head", None)
-    if not isinstance(head, nn.Linear) or not getattr(module, "vocab_parallel_head", True):
-        if isinstance(head, nn.Linear):  # a replica: untie it from the (now sharded) embedding
-            module.lm_head = _linear_like(head, head.weight.detach().clone(), head.bias)
-        return
-    tied = embeddings.get(id(head.weight))
-    weight = tied.weight if tied is not None else VocabParallelEmbedding(head.weight, tp).weight
-    module.lm_head = VocabParallelHead(weight, head.out_features, tp)
-    if hasattr(module, "prepacked"):
+def _shard_heads(module: nn.Module, embeddings: dict[int, tuple[torch.Tensor, VocabParallelEmbedding]],
+                 tp: TPGroup) -> None:
+    """Every ``lm_head``: vocab-parallel (tied: the embedding's shard), or a whole replica when the
+    node's ``vocab_parallel_head`` is False."""
+    parallel = getattr(module, "vocab_parallel_head", True)
+    for owner in list(module.modules()):
+        head = getattr(owner, "lm_head", None)
+        if not isinstance(head, nn.Linear):
+            continue
+        if not parallel:  # a replica: untied from the (now sharded) embedding
+            owner.lm_head = _linear_like(head, head.weight.detach().clone(), head.bias)
+            continue
+        tied = embeddings.get(id(head.weight))
+        weight = tied[1].weight if tied is not None else VocabParallelEmbedding(head.weight, tp).weight
+        owner.lm_head = VocabParallelHead(weight, head.out_features, tp)
+    if parallel and hasattr(module, "prepacked"):
         module.prepacked = None  # a prepacked full head would bypass the shard
+
+
+def shardable(module: nn.Module) -> bool:
+    """Whether ``apply_tp`` has anything to shard in ``module`` (else it runs whole, on one rank)."""
+    return any(isinstance(m, LlamaAttention | LlamaMLP) or callable(getattr(m, "shard_tp", None))
+               for m in module.modules())
 
 
 def apply_tp(module: nn.Module, tp: TPGroup) -> nn.Module:
@@ -211,22 +232,22 @@ def apply_tp(module: nn.Module, tp: TPGroup) -> nn.Module:
     """
     if tp.size == 1:
         return module
-    attns = [m for m in module.modules() if isinstance(m, LlamaAttention)]
-    mlps = [m for m in module.modules() if isinstance(m, LlamaMLP)]
-    backbones = [m for m in module.modules() if isinstance(m, LlamaBackbone)]
-    if not attns and not mlps:
+    blocks = list(module.modules())
+    attns = [m for m in blocks if isinstance(m, LlamaAttention)]
+    own = [m for m in blocks if callable(getattr(m, "shard_tp", None))]
+    mlps = [m for m in blocks if isinstance(m, LlamaMLP)]
+    if not shardable(module):
         raise ValueError(f"{type(module).__name__} has no layer that tensor parallelism can shard "
-                         f"(Llama attention / MLP blocks)")
-    shards = {head_shard(a.num_heads, a.num_kv_heads, tp) for a in attns}  # checks every layer first
-    original = {id(b.embed_tokens.weight): b for b in backbones}
+                         f"(Llama attention / MLP blocks, or a block with shard_tp)")
+    shards = {head_shard(a.num_heads, a.num_kv_heads, tp) for a in [*attns, *own]
+              if hasattr(a, "num_kv_heads")}  # checks every layer before changing any
     for a in attns:
         shard_attention(a, tp)
+    for m in own:
+        m.shard_tp(tp)
     for m in mlps:
         shard_mlp(m, tp)
-    for b in backbones:
-        _shard_embedding(b, tp)
-    embeddings = {wid: b.embed_tokens for wid, b in original.items()}
-    _shard_head(module, embeddings, tp)
+    _shard_heads(module, _shard_embeddings(module, tp), tp)
     spec = getattr(module, "kv_spec", None)
     if spec is not None and shards:
         (shard,) = shards

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mstar.model.base import ModelDef
+from mstar.layers.tensor_parallel import apply_tp, shardable
 from mstar.runtime.engine import (
     DEFERRED,
     ItemError,
@@ -122,7 +123,7 @@ class Worker:
             module.to(device).eval()
             if base in self.engines:
                 pass
-            elif self.tp is not None and base in self.tp.layouts:
+            elif self.tp is not None and base in self.tp.layouts and shardable(module):
                 self.engines[base] = self._tp_engine(base, module, device)
             else:
                 self.engines[base] = (KVCacheEngine(module, self._pool_blocks(module), limits.kv_block_size, device)
@@ -131,8 +132,6 @@ class Worker:
 
     def _tp_engine(self, base: str, module, device: str) -> StatelessEngine:
         """Shard ``module`` over its tensor-parallel group; the leader's engine mirrors its calls."""
-        from mstar.layers.tensor_parallel import apply_tp
-
         layout = self.tp.layouts[base]
         apply_tp(module, self.tp.tp_group(base))
         if not layout.is_leader:
