@@ -68,7 +68,7 @@ def reference():
 @pytest.fixture(scope="module")
 def llama_tp2():
     placement = Placement.load(ROOT / "examples" / "placements" / "llama_tp2.yaml")
-    placement = Placement.from_dict({**placement.to_dict(), "model": "llama-tiny", "runtime": SMALL_CACHE})
+    placement = Placement.from_dict({**placement.to_dict(), "runtime": SMALL_CACHE})
     rt = Runtime("llama-tiny", placement, workers="process", on_worker_death="restart").start()
     yield rt
     rt.shutdown()
@@ -120,8 +120,11 @@ def test_orpheus_tp2_gives_the_audio_of_one_rank():
     params = {"max_tokens": 42, "sampling": {"seed": 5}}  # Orpheus samples by default
     with Runtime("orpheus-tiny") as rt:
         one = rt.generate(prompts, params)
-    placement = Placement.from_dict({"node_groups": [{"node_names": ["LLM"], "ranks": [0, 1], "tp_size": 2},
-                                                     {"node_names": ["snac_decoder"], "ranks": [0]}]})
+    placement = Placement.load(ROOT / "examples" / "placements" / "orpheus_tp2_codec_rank.yaml")
+    assert placement.ranks_of("snac_decoder", "decode") == (2,)  # the example: the codec on rank 2
+    groups = [g.to_dict() for g in placement.node_groups]
+    groups[1]["ranks"] = [0]  # here with the leader, to stay at two processes
+    placement = Placement.from_dict({**placement.to_dict(), "node_groups": groups})
     with Runtime("orpheus-tiny", placement, workers="process") as rt:
         two = rt.generate(prompts, params)
         assert _blocks_used_per_rank(rt) == [0, 0]
