@@ -7,7 +7,8 @@ cache with ``batch`` prompts of ``context`` tokens, and time one decode step (ba
 * **TP1**: the dense node on rank 0 alone (rank 1 waits);
 * **TP2**: the node after ``apply_tp`` on both ranks (each step: 2 all-reduces per layer, one for
   the embedding, one all-gather of the logits);
-* **all-reduce**: one ``[batch, hidden]`` fp32 all-reduce, the unit of the per-layer cost.
+* **all-reduce**: one ``[batch, hidden]`` fp32 all-reduce, the unit of the per-layer cost;
+* **all-gather**: the logits' ``[batch, vocab / 2]`` halves gathered (once per step).
 
 Figures are medians over ``repeats`` (min-max), in ms. On a 2-core machine TP2 is not expected to
 be faster: the point is what the collectives cost per step and per layer.
@@ -103,7 +104,10 @@ def _rank_main(rank: int, port: int, out: str, shape: str, batch: int, context: 
         dist.barrier()
         x = torch.randn(batch, node.config.hidden_size)
         res["all_reduce"] = _median_ms(lambda: dist.all_reduce(x), repeats)
-        apply_tp(node, TPGroup(rank, 2))
+        tp = TPGroup(rank, 2)
+        shard = torch.randn(batch, -(-node.config.vocab_size // 2))
+        res["all_gather"] = _median_ms(lambda: tp.all_gather_last(shard), repeats)
+        apply_tp(node, tp)
         res["tp2"] = _median_ms(_DecodeStep(node, batch, context), repeats)
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     finally:
@@ -129,17 +133,18 @@ def run_tp_bench(shape: str = "bench", batch: int = 16, context: int = 128, repe
 
 def format_table(res: dict) -> str:
     layers = res["layers"]
-    collectives = 2 * layers + 2
-    tp1, tp2, ar = (statistics.median(res[k]) for k in ("tp1", "tp2", "all_reduce"))
+    reduces = 2 * layers + 1
+    tp1, tp2, ar, ag = (statistics.median(res[k]) for k in ("tp1", "tp2", "all_reduce", "all_gather"))
     lines = [f"decode step, {res['shape']} shape, batch {res['batch']}, context {res['context']}, "
              f"{res['repeats']} repeats, gloo over 127.0.0.1, 1 thread per rank (ms, median (min-max))",
              "| | ms |", "|---|---|",
              f"| TP1 step | {spread_cell(spread(res['tp1']))} |",
              f"| TP2 step | {spread_cell(spread(res['tp2']))} |",
              f"| one all-reduce [{res['batch']}, hidden] | {spread_cell(spread(res['all_reduce']))} |",
+             f"| logits all-gather [{res['batch']}, vocab / 2] x 2 | {spread_cell(spread(res['all_gather']))} |",
              f"| TP2 - TP1 per step | {tp2 - tp1:.3f} |",
-             f"| collectives per TP2 step ({layers} layers x 2 + embedding + logits) | {collectives} |",
-             f"| all-reduce cost per step (collectives x one all-reduce) | {collectives * ar:.3f} |",
+             f"| collectives per TP2 step | {reduces} all-reduces ({layers} layers x 2 + embedding) + 1 all-gather |",
+             f"| collective cost per step (all-reduces + all-gather) | {reduces * ar + ag:.3f} |",
              f"| all-reduce cost per layer (2 x one all-reduce) | {2 * ar:.3f} |"]
     return "\n".join(lines)
 
