@@ -112,3 +112,64 @@ def test_head_shards_keep_gqa_groups_whole():
         head_shard(6, 2, TPGroup(0, 4))
     with pytest.raises(ValueError, match="kv heads"):
         head_shard(12, 3, TPGroup(0, 4))
+
+
+# -- the leader's mirrored engine calls, replayed on a follower (one process, no collectives) ---------
+class _Relay:
+    """A transport to one follower: every message crosses the wire format, then is followed."""
+
+    def __init__(self, follower) -> None:
+        self.follower, self.calls = follower, []
+
+    def send(self, dest: int, msg) -> None:
+        from mstar.runtime.serialization import decode, encode
+        from mstar.runtime.tensor_parallel import follow
+
+        assert dest == 1
+        msg = decode(encode(msg))
+        self.calls.append(msg.method)
+        follow(self.follower, msg)
+
+
+def _item(seq: int, rid: str, ids: list[int], decode_step: int | None = None):
+    from mstar.runtime.engine import WorkItem
+
+    walk, name = ("prefill", "input_ids") if decode_step is None else ("decode", "token")
+    it = () if decode_step is None else (decode_step,)
+    return WorkItem(seq, rid, "main", walk, 0, "LLM", it, {name: [torch.tensor(ids)]}, {}, {"max_tokens": 8}, 0)
+
+
+def _state(eng):
+    m = eng.manager
+    return ({r: m.snapshot(r) for r in m.request_ids()}, {r: eng.is_swapped(r) for r in "abc"}, eng.stats(),
+            [torch.cat([k, v]) for k, v in eng.kv_caches])
+
+
+def test_a_follower_repeating_the_leaders_calls_keeps_the_same_pool_and_cache():
+    from tests.toy_models import TinyAttentionLM
+
+    from mstar.runtime.engine import DEFERRED, KVCacheEngine
+    from mstar.runtime.tensor_parallel import TPLeaderKVEngine
+
+    torch.manual_seed(0)
+    leader, follower = TPLeaderKVEngine(TinyAttentionLM(0), 6, 4), KVCacheEngine(TinyAttentionLM(0), 6, 4)
+    relay = _Relay(follower)
+    leader._init_mirror("LLM", (1,), relay)
+    steps = [lambda: leader.run([_item(0, "a", [1, 2, 3, 4, 5, 6, 7]), _item(1, "b", [8] * 9)]),
+             lambda: leader.run([_item(2, "c", [9] * 6)]),  # 2 blocks, 1 free: deferred
+             lambda: leader.swap_out("b"),
+             lambda: leader.run([_item(3, "c", [9] * 6)]),
+             lambda: leader.run([_item(4, "b", [5], decode_step=0)]),  # cannot swap back in: deferred
+             lambda: leader.free_request("a"),
+             lambda: leader.run([_item(5, "b", [5], decode_step=0)]),  # swapped in inside the run
+             lambda: leader.free_request("b"), lambda: leader.free_request("c")]
+    results = []
+    for step in steps:
+        results.append(step())
+        for a, b in zip(_state(leader), _state(follower)):  # after every call, not only at the end
+            assert a == b if not isinstance(a, list) else all(torch.equal(x, y) for x, y in zip(a, b))
+    assert results[1] == [DEFERRED] and results[4] == [DEFERRED] and results[6] != [DEFERRED]
+    # one message per call the worker made: the swap-in inside a run is the follower's own
+    assert relay.calls == ["run", "run", "swap_out", "run", "run", "free_request", "run", "free_request",
+                           "free_request"]
+    assert leader.manager.pool.num_used == follower.manager.pool.num_used == 0
