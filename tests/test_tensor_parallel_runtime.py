@@ -84,6 +84,8 @@ def test_tp2_seeded_samples_equal_one_rank(llama_tp2, reference):
 
 def test_tp2_leader_schedules_and_kv_blocks_return_to_zero_on_every_rank(llama_tp2):
     ranks = llama_tp2.stats()["ranks"]
+    assert [r["tensor_parallel"]["LLM"] for r in ranks] == [{"ranks": [0, 1], "role": "leader"},
+                                                           {"ranks": [0, 1], "role": "follower"}]
     assert ranks[0]["batch_sizes"]["LLM"] and not ranks[1]["batch_sizes"]["LLM"]  # the follower queues nothing
     assert ranks[0]["preemptions"]["LLM"] > 0  # the small cache made the leader swap (mirrored on rank 1)
     assert ranks[1]["kv"]["LLM"]["preemptions"] == ranks[0]["kv"]["LLM"]["preemptions"]

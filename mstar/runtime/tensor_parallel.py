@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from mstar.layers.tensor_parallel import TPGroup
 from mstar.model.base import ModelDef
 from mstar.placement import Placement, PlacementError
 from mstar.runtime.engine import KVCacheEngine, StatelessEngine, WorkItem
@@ -195,9 +196,7 @@ class TPContext:
     def follows(self) -> bool:
         return any(not lay.is_leader for lay in self.layouts.values())
 
-    def tp_group(self, module: str):
-        from mstar.layers.tensor_parallel import TPGroup
-
+    def tp_group(self, module: str) -> TPGroup:
         layout = self.layouts[module]
         return TPGroup(layout.index, len(layout.ranks), self.groups[layout.ranks])
 
@@ -209,7 +208,7 @@ def connect(model: ModelDef, placement: Placement, rank: int, address: str | Non
     import torch
 
     # one rank's spinning OpenMP threads would delay its peers at every collective: share the cores
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // placement.num_ranks))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // placement.num_ranks))
     groups = join_process_groups(placement, rank, address, device)
     return TPContext(layouts_on(model, placement, rank), groups)
 

@@ -458,4 +458,7 @@ class Worker:
             "preemptions": {b: e.preemptions for b, e in self.engines.items() if isinstance(e, KVCacheEngine)},
             "walks": len(self.walks),
             "stream_buffers": len(self.streams),
+            "tensor_parallel": {} if self.tp is None else {
+                b: {"ranks": list(lay.ranks), "role": "leader" if lay.is_leader else "follower"}
+                for b, lay in self.tp.layouts.items() if b in self.engines},
         }
