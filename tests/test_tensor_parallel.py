@@ -21,15 +21,20 @@ PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119]
 
 
 def _nodes():
-    """(name, node) pairs: llama-tiny, orpheus-tiny (a whole head), a one-kv-head Llama (replicated kv)."""
+    """(name, node) pairs: llama-tiny (plain, and oneDNN-prepacked where PyTorch has it), orpheus-tiny
+    (a whole head), a one-kv-head Llama (replicated kv heads)."""
+    from mstar.layers.prepack import prepack_available
     from mstar.models.llama.config import TINY
     from mstar.models.llama.model import LlamaLM, LlamaTiny
     from mstar.models.orpheus.model import OrpheusTiny
 
     one_kv = LlamaLM(config={**TINY.to_hf_dict(), "num_key_value_heads": 1}, load_format="dummy", seed=3)
-    return [("llama-tiny", LlamaTiny().build_submodules(["LLM"])["LLM"]),
-            ("orpheus-tiny", OrpheusTiny().build_submodules(["LLM"])["LLM"]),
-            ("one-kv-head", one_kv.build_submodules(["LLM"])["LLM"])]
+    nodes = [("llama-tiny", LlamaTiny().build_submodules(["LLM"])["LLM"]),
+             ("orpheus-tiny", OrpheusTiny().build_submodules(["LLM"])["LLM"]),
+             ("one-kv-head", one_kv.build_submodules(["LLM"])["LLM"])]
+    if prepack_available():
+        nodes.append(("prepacked", LlamaTiny(prepack=True).build_submodules(["LLM"])["LLM"]))
+    return nodes
 
 
 def _logits(module, steps: list[list[int]]) -> torch.Tensor:
@@ -66,7 +71,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             steps = [PROMPT, [PROMPT[-1]], [7]]
             dense = _logits(node, steps)
             apply_tp(node, tp)
-            results[name] = {"dense": dense, "tp": _logits(node, steps), "kv_heads": node.kv_spec.num_kv_heads}
+            results[name] = {"dense": dense, "tp": _logits(node, steps), "kv_heads": node.kv_spec.num_kv_heads,
+                             "prepacked": node.model.layers[0].self_attn.prepacked is not None}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -94,6 +100,14 @@ def test_tp2_logits_match_the_dense_node(tp2_results, name):
         assert torch.equal(r["tp"].argmax(-1), r["dense"].argmax(-1))
     # both ranks hold the same logits (the leader's do not depend on which rank computed what)
     assert torch.equal(tp2_results[0][name]["tp"], tp2_results[1][name]["tp"])
+
+
+def test_tp2_keeps_prepacked_projections_prepacked(tp2_results):
+    if "prepacked" not in tp2_results[0]:
+        pytest.skip("PyTorch without oneDNN linear ops")
+    r = tp2_results[0]["prepacked"]
+    assert r["prepacked"] and (r["tp"] - r["dense"]).abs().max().item() < 1e-5
+    assert not tp2_results[0]["llama-tiny"]["prepacked"]
 
 
 def test_tp2_shards_the_kv_cache_by_head(tp2_results):
