@@ -160,10 +160,9 @@ def _state(eng):
 
 
 def test_a_follower_repeating_the_leaders_calls_keeps_the_same_pool_and_cache():
-    from tests.toy_models import TinyAttentionLM
-
     from mstar.runtime.engine import DEFERRED, KVCacheEngine
     from mstar.runtime.tensor_parallel import TPLeaderKVEngine
+    from tests.toy_models import TinyAttentionLM
 
     torch.manual_seed(0)
     leader, follower = TPLeaderKVEngine(TinyAttentionLM(0), 6, 4), KVCacheEngine(TinyAttentionLM(0), 6, 4)

@@ -125,10 +125,12 @@ def test_orpheus_tp2_gives_the_audio_of_one_rank():
     placement = Placement.load(ROOT / "examples" / "placements" / "orpheus_tp2_codec_rank.yaml")
     assert placement.ranks_of("snac_decoder", "decode") == (2,)  # the example: the codec on rank 2
     groups = [g.to_dict() for g in placement.node_groups]
-    groups[1]["ranks"] = [0]  # here with the leader, to stay at two processes
+    groups[1]["ranks"] = [1]  # here on the follower, to stay at two processes: it runs both
     placement = Placement.from_dict({**placement.to_dict(), "node_groups": groups})
     with Runtime("orpheus-tiny", placement, workers="process") as rt:
         two = rt.generate(prompts, params)
+        ranks = rt.stats()["ranks"]
+        assert ranks[1]["batch_sizes"]["snac_decoder"] and ranks[1]["tensor_parallel"]["LLM"]["role"] == "follower"
         assert _blocks_used_per_rank(rt) == [0, 0]
     assert _tokens(two) == _tokens(one)
     for a, b in zip(one, two):

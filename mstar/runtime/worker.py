@@ -20,8 +20,8 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar.model.base import ModelDef
 from mstar.layers.tensor_parallel import apply_tp, shardable
+from mstar.model.base import ModelDef
 from mstar.runtime.engine import (
     DEFERRED,
     ItemError,
@@ -54,7 +54,14 @@ from mstar.runtime.messages import (
 )
 from mstar.runtime.routing import Routing
 from mstar.runtime.streams import StreamBuffer
-from mstar.runtime.tensor_parallel import StatsBarrier, TPCall, TPContext, TPStatsBarrier, build_tp_engine, follow
+from mstar.runtime.tensor_parallel import (
+    StatsBarrier,
+    TPCall,
+    TPContext,
+    TPStatsBarrier,
+    build_tp_engine,
+    follow,
+)
 from mstar.runtime.walk_tracker import Effects, ReadyNode, WalkTracker
 
 log = logging.getLogger(__name__)
