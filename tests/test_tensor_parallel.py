@@ -186,3 +186,15 @@ def test_a_follower_repeating_the_leaders_calls_keeps_the_same_pool_and_cache():
     assert relay.calls == ["run", "run", "swap_out", "run", "run", "free_request", "run", "free_request",
                            "free_request"]
     assert leader.manager.pool.num_used == follower.manager.pool.num_used == 0
+
+
+def test_a_failed_collective_is_a_lost_worker_not_an_internal_error():
+    from mstar.layers.tensor_parallel import TPPeerLost
+    from mstar.runtime.failures import FailureKind
+
+    lost = TPPeerLost("all-reduce over tensor-parallel rank 0 of 2 failed: Connection closed by peer")
+    assert FailureKind.of(lost) is FailureKind.WORKER_LOST
+    wrapped = RuntimeError("node 'LLM' failed")
+    wrapped.__cause__ = lost
+    assert FailureKind.of(wrapped) is FailureKind.WORKER_LOST
+    assert FailureKind.of(RuntimeError("a bug")) is FailureKind.INTERNAL
