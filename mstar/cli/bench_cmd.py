@@ -28,7 +28,8 @@ _batches = _int_list("--batch")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark", description="Run a benchmark.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve, _add_pressure, _add_prefix, _add_soak):
+    for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve, _add_pressure, _add_prefix,
+                _add_soak, _add_tp):
         add(bsub)
 
 
@@ -373,3 +374,20 @@ def run_soak(args: argparse.Namespace) -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     return 1 if report["errors"] or report["leaks"] else 0
+
+
+def _add_tp(bsub) -> None:
+    from mstar.bench.tp_bench import add_arguments
+
+    tp = bsub.add_parser("tp", help="one decode step at TP1 vs TP2 (2 gloo processes) and the all-reduce cost",
+                         description="Time one decode step of a Llama node dense on one rank and sharded over "
+                                     "two gloo ranks (apply_tp), and one all-reduce of the step's hidden states.")
+    add_arguments(tp)
+    tp.set_defaults(func=run_tp)
+
+
+def run_tp(args: argparse.Namespace) -> int:
+    from mstar.bench.tp_bench import format_table, run_tp_bench
+
+    print(format_table(run_tp_bench(args.shape, args.batch, args.context, args.repeats)))
+    return 0

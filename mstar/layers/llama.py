@@ -169,6 +169,19 @@ class LlamaAttention(nn.Module):
         self._qkv_views = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
         pack_linears(self.o_proj)
 
+    def set_projections(self, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear) -> None:
+        """Replace the projections (a tensor-parallel shard: fewer heads, whole heads only); the
+        head counts follow their sizes, and packed / prepacked weights are rebuilt as they were."""
+        packed, prepacked = self._qkv is not None, self.prepacked is not None
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
+        self.num_heads = q.out_features // self.head_dim
+        self.num_kv_heads = k.out_features // self.head_dim
+        self._qkv, self._qkv_views, self.prepacked = None, (), None
+        if packed:
+            self.pack_weights()
+        if prepacked:
+            self.prepack()
+
     def prepack(self) -> bool:
         """oneDNN-prepacked q/k/v and o projections (``mstar.layers.prepack``); needs ``pack_weights``."""
         qkv = packed_weight(self._qkv, (self.q_proj, self.k_proj, self.v_proj), self._qkv_views)
@@ -232,6 +245,17 @@ class LlamaMLP(nn.Module):
         self._gate_up = pack_linears(self.gate_proj, self.up_proj)
         self._gate_up_views = (self.gate_proj.weight, self.up_proj.weight)
         pack_linears(self.down_proj)
+
+    def set_projections(self, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> None:
+        """Replace the projections (a tensor-parallel shard); packed / prepacked weights are rebuilt
+        as they were."""
+        packed, prepacked = self._gate_up is not None, self.prepacked is not None
+        self.gate_proj, self.up_proj, self.down_proj = gate, up, down
+        self._gate_up, self._gate_up_views, self.prepacked = None, (), None
+        if packed:
+            self.pack_weights()
+        if prepacked:
+            self.prepack()
 
     def prepack(self) -> bool:
         """oneDNN-prepacked gate/up and down projections (``mstar.layers.prepack``)."""

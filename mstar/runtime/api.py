@@ -37,6 +37,7 @@ from mstar.runtime.engine import StatelessEngine
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.messages import Emit
 from mstar.runtime.routing import Routing
+from mstar.runtime.tensor_parallel import check_tp_placement, tp_rank_tuples
 
 
 class RequestError(RuntimeError):
@@ -180,6 +181,9 @@ class Runtime:
         if overrides:
             limits = dataclasses.replace(self.placement.limits, **overrides)
             self.placement = dataclasses.replace(self.placement, limits=limits)
+        check_tp_placement(self.model, self.placement)
+        if workers == "inline" and tp_rank_tuples(self.placement):
+            raise ValueError("tensor parallelism (tp_size > 1) needs worker processes: use workers='process'")
         self.model.preflight()
         self.routing = Routing(graph, self.placement)
         self.mode = workers

@@ -25,6 +25,7 @@ from mstar.runtime.conductor import Conductor
 from mstar.runtime.messages import CONDUCTOR, FreeRequest, Shutdown, WorkerStatus
 from mstar.runtime.process import spawn_worker, spawn_workers
 from mstar.runtime.routing import Routing
+from mstar.runtime.tensor_parallel import NO_RESTART, open_rendezvous
 from mstar.runtime.transport import InlineTransport, ZmqTransport
 from mstar.runtime.worker import Worker
 
@@ -124,13 +125,16 @@ class ProcessDriver:
         self._starting: dict[int, float] = {}  # rank -> when its replacement process was spawned
         self._orphans: set[str] = set()  # requests in flight while a rank was down
         self._start_errors: dict[int, str] = {}  # rank -> why its replacement could not build its modules
+        self._rendezvous = None  # where tensor-parallel ranks meet (None without TP)
 
     def start(self) -> None:
         """Spawn the worker processes and wait until each reports ready (or why it could not start)."""
         self._run_dir = tempfile.mkdtemp(prefix="mstar-")
         self.transport = ZmqTransport(self._run_dir, CONDUCTOR)
+        self._rendezvous = open_rendezvous(self.routing.placement)
+        address = self._rendezvous.address if self._rendezvous is not None else None
         self.processes = spawn_workers(self.model, self.routing.placement, self._run_dir, self.device,
-                                    self.routing.num_ranks)
+                                    self.routing.num_ranks, address)
         ready: set[int] = set()
         deadline = time.monotonic() + self.start_timeout
         while len(ready) < len(self.processes):
@@ -161,6 +165,9 @@ class ProcessDriver:
                 p.join(timeout=5)
         self.processes = []
         self._starting.clear()
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
         if self.transport is not None:
             self.transport.sweep_shm()
             self.transport.close()
@@ -198,7 +205,7 @@ class ProcessDriver:
             error = self._start_errors.pop(rank, None)
             why = (f"worker rank {rank} could not restart ({error})" if error
                    else f"worker rank {rank} died (exit code {p.exitcode})")
-            refusal = self.policy.allow(now)
+            refusal = NO_RESTART if self._rendezvous is not None else self.policy.allow(now)
             if refusal is not None:
                 self._give_up(f"{why}; not restarted: {refusal}")
                 return

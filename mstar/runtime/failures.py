@@ -15,7 +15,8 @@ from mstar.runtime.message_registry import register_message
 @register_message
 class FailureKind(StrEnum):
     INPUT = "input"  # the request itself is bad (a ValueError raised by model code)
-    WORKER_LOST = "worker_lost"  # a worker process died while the request was in flight
+    WORKER_LOST = "worker_lost"  # a worker process died while the request was in flight (or a peer it
+    # exchanges with directly, e.g. a tensor-parallel rank: a ConnectionError)
     OUT_OF_MEMORY = "out_of_memory"  # KV blocks or host memory ran out
     INTERNAL = "internal"  # anything else: a bug, reported as such
     ABORTED = "aborted"  # the caller (or shutdown) ended the request
@@ -29,6 +30,8 @@ class FailureKind(StrEnum):
                 return cls.OUT_OF_MEMORY
             if isinstance(seen, ValueError):
                 return cls.INPUT
+            if isinstance(seen, ConnectionError):
+                return cls.WORKER_LOST
             seen = seen.__cause__
         return cls.INTERNAL
 

@@ -15,17 +15,20 @@ from typing import Any
 from mstar.runtime.messages import CONDUCTOR, WorkerStatus
 
 
-def worker_main(rank: int, model: Any, placement: Any, run_dir: str, device: str, parent_pid: int) -> None:
+def worker_main(rank: int, model: Any, placement: Any, run_dir: str, device: str, parent_pid: int,
+                dist_address: str | None = None) -> None:
     import torch
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from mstar.runtime.routing import Routing
+    from mstar.runtime.tensor_parallel import connect
     from mstar.runtime.transport import ZmqTransport
     from mstar.runtime.worker import Worker
 
     transport = ZmqTransport(run_dir, rank)
     try:
-        worker = Worker(rank, model, Routing(model.graph, placement), transport, device)
+        tp = connect(model, placement, rank, dist_address, device)  # None without tensor parallelism
+        worker = Worker(rank, model, Routing(model.graph, placement), transport, device, tp)
     except Exception:  # noqa: BLE001 - report why this rank could not start
         transport.send(CONDUCTOR, WorkerStatus(rank, False, traceback.format_exc()))
         transport.close(linger_ms=5000)  # the reason must reach the parent before this process exits
@@ -43,13 +46,16 @@ def worker_main(rank: int, model: Any, placement: Any, run_dir: str, device: str
         transport.close()
 
 
-def spawn_worker(rank: int, model: Any, placement: Any, run_dir: str, device: str) -> Any:
-    """Start the process of one rank (also a replacement for a dead one: it binds the same address)."""
-    args = (rank, model, placement, run_dir, device, os.getpid())
+def spawn_worker(rank: int, model: Any, placement: Any, run_dir: str, device: str,
+                 dist_address: str | None = None) -> Any:
+    """Start the process of one rank (also a replacement for a dead one: it binds the same address).
+    ``dist_address``: where the ranks meet for tensor parallelism (None without it)."""
+    args = (rank, model, placement, run_dir, device, os.getpid(), dist_address)
     p = mp.get_context("spawn").Process(target=worker_main, args=args, name=f"mstar-worker-{rank}", daemon=True)
     p.start()
     return p
 
 
-def spawn_workers(model: Any, placement: Any, run_dir: str, device: str, num_ranks: int) -> list:
-    return [spawn_worker(rank, model, placement, run_dir, device) for rank in range(num_ranks)]
+def spawn_workers(model: Any, placement: Any, run_dir: str, device: str, num_ranks: int,
+                  dist_address: str | None = None) -> list:
+    return [spawn_worker(rank, model, placement, run_dir, device, dist_address) for rank in range(num_ranks)]

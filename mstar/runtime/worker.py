@@ -20,6 +20,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from mstar.layers.tensor_parallel import apply_tp, shardable
 from mstar.model.base import ModelDef
 from mstar.runtime.engine import (
     DEFERRED,
@@ -53,6 +54,14 @@ from mstar.runtime.messages import (
 )
 from mstar.runtime.routing import Routing
 from mstar.runtime.streams import StreamBuffer
+from mstar.runtime.tensor_parallel import (
+    StatsBarrier,
+    TPCall,
+    TPContext,
+    TPStatsBarrier,
+    build_tp_engine,
+    follow,
+)
 from mstar.runtime.walk_tracker import Effects, ReadyNode, WalkTracker
 
 log = logging.getLogger(__name__)
@@ -74,13 +83,16 @@ class _Walk:
 
 
 class Worker:
-    def __init__(self, rank: int, model: ModelDef, routing: Routing, transport, device: str = "cpu") -> None:
+    def __init__(self, rank: int, model: ModelDef, routing: Routing, transport, device: str = "cpu",
+                 tp: TPContext | None = None) -> None:
         self.rank = rank
         self.model = model
         self.routing = routing
         self.transport = transport
+        self.tp = tp
         nodes = sorted(routing.placement.nodes_on(rank))
         self.engines: dict[str, StatelessEngine] = {}
+        self.following: set[str] = set()  # tensor-parallel modules this rank follows (runtime/tensor_parallel.py)
         self.max_batch: dict[str, int] = {}
         self._build_engines(nodes, device)
         self.queues: dict[str, deque[WorkItem]] = {b: deque() for b in self.engines}
@@ -104,7 +116,9 @@ class Worker:
         self._handlers = {StartWalk: self._start_walk, ExecNode: self._exec_node, NodeResult: self._node_result,
                           StreamPush: self._stream_push, StreamEnd: self._stream_end, FreeRequest: self._free_request,
                           MigrateKV: self._migrate_kv, FreeKV: self._free_kv, KVImport: self._import_kv,
-                          StatsRequest: self._stats_request, Shutdown: self._shutdown}
+                          StatsRequest: self._stats_request, Shutdown: self._shutdown, TPCall: self._tp_call,
+                          TPStatsBarrier: self._tp_stats_barrier}
+        self._stats_barrier = StatsBarrier()
 
     def _build_engines(self, nodes: list[str], device: str) -> None:
         placement = self.routing.placement
@@ -114,11 +128,26 @@ class Worker:
             base = self.model.module_of(node)
             module = modules[node]
             module.to(device).eval()
-            if base not in self.engines:
+            if base in self.engines:
+                pass
+            elif self.tp is not None and base in self.tp.layouts and shardable(module):
+                self.engines[base] = self._tp_engine(base, module, device)
+            else:
                 self.engines[base] = (KVCacheEngine(module, self._pool_blocks(module), limits.kv_block_size, device,
                                                     prefix_caching=limits.prefix_caching)
                                       if module.kv_spec is not None else StatelessEngine(module))
             self.max_batch[base] = min(self.max_batch.get(base, 1 << 30), placement.max_batch_size(node))
+
+    def _tp_engine(self, base: str, module, device: str) -> StatelessEngine:
+        """Shard ``module`` over its tensor-parallel group; the leader's engine mirrors its calls."""
+        layout = self.tp.layouts[base]
+        apply_tp(module, self.tp.tp_group(base))
+        if not layout.is_leader:
+            self.following.add(base)
+        blocks = self._pool_blocks(module) if module.kv_spec is not None else 0
+        limits = self.routing.placement.limits
+        return build_tp_engine(module, layout, self.transport, blocks, limits.kv_block_size, device,
+                               prefix_caching=limits.prefix_caching)
 
     def _pool_blocks(self, module) -> int:
         """``kv_cache_blocks``, or as many blocks as ``kv_cache_memory_gib`` holds for this module."""
@@ -205,7 +234,19 @@ class Worker:
         self.transport.send(CONDUCTOR, KVMoved(msg.request_id, msg.token))
 
     def _stats_request(self, msg: StatsRequest) -> None:
+        if self.tp is not None:
+            for rank in self.tp.followers:
+                self.transport.send(rank, TPStatsBarrier(msg.token))
+            if self.tp.follows and not self._stats_barrier.arrived(msg.token, from_leader=False):
+                return  # answered when the leader's barrier arrives
         self.transport.send(CONDUCTOR, StatsReply(msg.token, self.rank, self.stats()))
+
+    def _tp_stats_barrier(self, msg: TPStatsBarrier) -> None:
+        if self._stats_barrier.arrived(msg.token, from_leader=True):
+            self.transport.send(CONDUCTOR, StatsReply(msg.token, self.rank, self.stats()))
+
+    def _tp_call(self, msg: TPCall) -> None:
+        follow(self.engines[msg.module], msg)
 
     def _shutdown(self, msg: Shutdown) -> None:
         self.running = False
@@ -407,8 +448,9 @@ class Worker:
                 kept = [it for it in q if it.request_id != rid]
                 q.clear()
                 q.extend(kept)
-        for eng in self.engines.values():
-            eng.free_request(rid)
+        for base, eng in self.engines.items():
+            if base not in self.following:  # a follower's engine is freed by its leader only
+                eng.free_request(rid)
         self._arrival.pop(rid, None)
         for base, waiting in self.waiting.items():
             waiting.discard(rid)
@@ -425,4 +467,7 @@ class Worker:
             "preemptions": {b: e.preemptions for b, e in self.engines.items() if isinstance(e, KVCacheEngine)},
             "walks": len(self.walks),
             "stream_buffers": len(self.streams),
+            "tensor_parallel": {} if self.tp is None else {
+                b: {"ranks": list(lay.ranks), "role": "leader" if lay.is_leader else "follower"}
+                for b, lay in self.tp.layouts.items() if b in self.engines},
         }

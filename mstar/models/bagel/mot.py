@@ -125,6 +125,21 @@ class MoTAttention(nn.Module):
                 setattr(self, f"q_norm{sfx}", RMSNorm(self.head_dim, cfg.rms_norm_eps, **kw))
                 setattr(self, f"k_norm{sfx}", RMSNorm(self.head_dim, cfg.rms_norm_eps, **kw))
 
+    def shard_tp(self, tp: Any) -> None:
+        """Keep this rank's heads of both weight sets (``mstar.layers.tensor_parallel``): q/k/v and
+        their biases column-parallel by whole heads, o row-parallel, the output summed over the group;
+        the q/k norms act per head and stay as they are."""
+        from mstar.layers.tensor_parallel import column_shard, head_shard, row_shard
+
+        s, d = head_shard(self.num_heads, self.num_kv_heads, tp), self.head_dim
+        for sfx in ("", GEN_SUFFIX):
+            for name, start, n in (("q", s.q0, s.nq), ("k", s.kv0, s.nkv), ("v", s.kv0, s.nkv)):
+                proj = f"{name}_proj{sfx}"
+                setattr(self, proj, column_shard(getattr(self, proj), start * d, n * d))
+            setattr(self, f"o_proj{sfx}", row_shard(getattr(self, f"o_proj{sfx}"), s.q0 * d, s.nq * d, tp))
+        self.num_heads, self.num_kv_heads = s.nq, s.nkv
+        self.register_forward_hook(tp.reduce_output)
+
     def _qkv(self, x: torch.Tensor, gen: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         sfx = GEN_SUFFIX if gen else ""
         t = x.shape[0]

@@ -155,6 +155,7 @@ class LlamaTiny(LlamaLM):
     """The ``TINY`` Llama with seeded dummy weights and the byte tokenizer: runs offline, no files."""
 
     name = "llama-tiny"
+    family = "llama"  # placement files written for llama fit the tiny twin
 
     def __init__(self, model_path: str | Path | None = None, load_format: str = "dummy",
                  dtype: str | torch.dtype = "float32", seed: int = 0, prepack: bool | None = None) -> None:

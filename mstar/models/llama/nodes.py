@@ -76,6 +76,12 @@ class LlamaCausalLM(NodeSubmodule):
         return True
 
     @property
+    def vocab_parallel_head(self) -> bool:
+        """Whether tensor parallelism may shard the LM head by vocabulary
+        (``mstar.layers.tensor_parallel``): yes, logits only come from ``compute_logits``."""
+        return True
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 

@@ -147,6 +147,7 @@ class OrpheusTiny(OrpheusTTS):
     """Tiny Llama (real Orpheus vocabulary) + tiny SNAC, dummy weights, byte tokenizer: offline, fast."""
 
     name = "orpheus-tiny"
+    family = "orpheus"  # placement files written for orpheus fit the tiny twin
     constrain_audio = True
 
     def __init__(self, model_path: str | None = None, load_format: str = "dummy", hidden_size: int = 64,

@@ -41,6 +41,12 @@ class OrpheusLM(LlamaCausalLM):
 
     constrain_audio = False
 
+    @property
+    def vocab_parallel_head(self) -> bool:
+        """Constrained sampling reads rows of the head's weight: under tensor parallelism the
+        head then stays whole on every rank."""
+        return not self.constrain_audio
+
     def sample_next(self, last, engine_inputs):
         if not self.constrain_audio:
             return super().sample_next(last, engine_inputs)
