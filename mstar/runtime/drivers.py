@@ -23,7 +23,7 @@ from typing import Any
 
 from mstar.runtime.conductor import Conductor
 from mstar.runtime.messages import CONDUCTOR, FreeRequest, Shutdown, WorkerStatus
-from mstar.runtime.process import spawn_worker, spawn_workers
+from mstar.runtime.process import spawn_worker
 from mstar.runtime.routing import Routing
 from mstar.runtime.transport import InlineTransport, ZmqTransport
 from mstar.runtime.worker import Worker
@@ -128,9 +128,8 @@ class ProcessDriver:
     def start(self) -> None:
         """Spawn the worker processes and wait until each reports ready (or why it could not start)."""
         self._run_dir = tempfile.mkdtemp(prefix="mstar-")
-        self.transport = ZmqTransport(self._run_dir, CONDUCTOR)
-        self.processes = spawn_workers(self.model, self.routing.placement, self._run_dir, self.device,
-                                    self.routing.num_ranks)
+        self.transport = self._open_transport()
+        self.processes = [self._spawn(rank) for rank in range(self.routing.num_ranks)]
         ready: set[int] = set()
         deadline = time.monotonic() + self.start_timeout
         while len(ready) < len(self.processes):
@@ -145,6 +144,17 @@ class ProcessDriver:
                 self.stop()
                 why = f"exited with code {dead[0].exitcode}" if dead else f"not ready in {self.start_timeout} s"
                 raise RuntimeError(f"worker process {why}")
+        self._started()
+
+    # hooks of a driver whose workers reach each other differently (``mesh_driver.py``)
+    def _open_transport(self) -> ZmqTransport:
+        return ZmqTransport(self._run_dir, CONDUCTOR)
+
+    def _spawn(self, rank: int) -> Any:
+        return spawn_worker(rank, self.model, self.routing.placement, self._run_dir, self.device)
+
+    def _started(self) -> None:
+        """Every worker reported ready (``start``)."""
 
     def stop(self) -> None:
         """Ask every live worker to shut down, then make sure each process is gone; sweep shm files."""
@@ -204,7 +214,7 @@ class ProcessDriver:
                 return
             log.warning("%s; restarting it", why)
             self._orphans.update(conductor.requests)
-            self.processes[rank] = spawn_worker(rank, self.model, self.routing.placement, self._run_dir, self.device)
+            self.processes[rank] = self._spawn(rank)
             self._starting[rank] = now
             self.lost = f"restarting: {why}"
 
