@@ -8,6 +8,7 @@ import os
 import signal
 import tempfile
 import time
+import uuid
 
 import pytest
 import torch
@@ -39,8 +40,8 @@ def _recv_n(t: MeshTransport, n: int, timeout: float = 30.0) -> list:
 @pytest.fixture
 def pair():
     """Endpoint 0 on node 'a', endpoint 1 on node 'b' and endpoint 2 on node 'a'; books exchanged."""
-    run_dir = tempfile.mkdtemp(prefix="mstar-test-")
-    run_id = f"mstar-t{os.getpid()}"
+    run_dir = tempfile.gettempdir()
+    run_id = f"mstar-t{uuid.uuid4().hex[:12]}"
     ts = [MeshTransport(run_dir, i, node, "127.0.0.1", run_id) for i, node in enumerate("aba")]
     book = AddressBook({t.own: t.endpoint for t in ts}, 1)
     for t in ts:
@@ -77,9 +78,9 @@ def test_same_node_uses_ipc_and_shared_memory(pair):
 
 
 def test_messages_wait_for_the_book_and_keep_their_order():
-    run_dir = tempfile.mkdtemp(prefix="mstar-test-")
-    a = MeshTransport(run_dir, 0, "a", "127.0.0.1", "mstar-tb")
-    b = MeshTransport(run_dir, CONDUCTOR, "b", "127.0.0.1", "mstar-tb")
+    run_dir, run_id = tempfile.gettempdir(), f"mstar-t{uuid.uuid4().hex[:12]}"
+    a = MeshTransport(run_dir, 0, "a", "127.0.0.1", run_id)
+    b = MeshTransport(run_dir, CONDUCTOR, "b", "127.0.0.1", run_id)
     try:
         for i in range(3):
             a.send(CONDUCTOR, Emit(f"r{i}", "x", [torch.tensor([i])], None, "n", "w"))

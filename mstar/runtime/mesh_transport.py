@@ -1,6 +1,6 @@
 """``MeshTransport``: the ZeroMQ transport across nodes, peers found through an ``AddressBook``.
 
-The endpoint binds its PULL socket twice: on ``ipc://<run dir>/<name>.sock`` and on a random TCP
+The endpoint binds its PULL socket twice: on an IPC address (an abstract socket on Linux) and on a random TCP
 port of its node's address (never 0.0.0.0). Sending to a peer of the same node id goes over IPC with
 tensor frames of ``SHM_THRESHOLD`` bytes or more through /dev/shm, exactly as ``ZmqTransport``; to a
 peer on another node over TCP, every tensor frame inline. Messages and their encoding are the same
@@ -19,16 +19,23 @@ drivers treat as a dead rank (nothing is reconnected and resent).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import deque
 from typing import Any
 
 from mstar.runtime.address_book import AddressBook, Endpoint, PeerHello
 from mstar.runtime.serialization import encode
-from mstar.runtime.transport import SHM_DIR, ZmqTransport, ipc_address
+from mstar.runtime.transport import SHM_DIR, ZmqTransport
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
+
+
+def mesh_ipc_address(run_dir: str, run_id: str, addr: int) -> str:
+    """On Linux an abstract socket (no file to leave behind, gone with its process), else a path."""
+    name = f"{run_id}-{'conductor' if addr < 0 else f'rank{addr}'}"
+    return f"ipc://@{name}" if sys.platform == "linux" else f"ipc://{run_dir}/{name}.sock"
 
 
 def node_host() -> str:
@@ -50,7 +57,7 @@ class MeshTransport(ZmqTransport):
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.pull.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         self.pull.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        ipc = ipc_address(run_dir, own)
+        ipc = mesh_ipc_address(run_dir, run_id, own)
         self.pull.bind(ipc)
         port = self.pull.bind_to_random_port(f"tcp://{host}")
         self.endpoint = Endpoint(node_id, ipc, f"tcp://{host}:{port}")

@@ -8,7 +8,6 @@ says the serving side is gone. Peers are reached once the conductor's ``AddressB
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -40,7 +39,7 @@ def serve_rank(rank: int, model: Any, placement: Any, device: str, join: MeshJoi
     from mstar.runtime.routing import Routing
     from mstar.runtime.worker import Worker
 
-    run_dir = tempfile.mkdtemp(prefix="mstar-rank-")
+    run_dir = tempfile.gettempdir()  # for IPC paths where abstract sockets do not exist
     transport = MeshTransport(run_dir, rank, join.node_id, join.host, join.run_id, join.force_tcp)
     transport.install(AddressBook({CONDUCTOR: join.conductor}))
     transport.send(CONDUCTOR, transport.hello())
@@ -49,7 +48,6 @@ def serve_rank(rank: int, model: Any, placement: Any, device: str, join: MeshJoi
     except Exception:  # noqa: BLE001 - report why this rank could not start
         transport.send(CONDUCTOR, WorkerStatus(rank, False, traceback.format_exc()))
         transport.close(linger_ms=5000)  # the reason must reach the conductor before this rank ends
-        shutil.rmtree(run_dir, ignore_errors=True)
         return
     transport.send(CONDUCTOR, WorkerStatus(rank, True))
     busy = False
@@ -63,4 +61,3 @@ def serve_rank(rank: int, model: Any, placement: Any, device: str, join: MeshJoi
     finally:
         transport.sweep_own_shm()
         transport.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
