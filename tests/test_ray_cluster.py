@@ -72,6 +72,9 @@ def cluster():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, session.name)]
     shutil.rmtree(session, ignore_errors=True)
+    latest = session.parent / "session_latest"
+    if latest.is_symlink() and not latest.exists():
+        latest.unlink()
     assert not left, f"Ray processes left behind: {left}"
 
 
@@ -92,7 +95,8 @@ def _assert_released(rt: Runtime, run_id: str, pg_id: str, names: list[str]) -> 
         assert not [n for n in os.listdir(SHM_DIR) if n.startswith(run_id)]
 
 
-def _run_on_ray(model, placement: dict, inputs: list, params: dict) -> tuple[list, dict[int, str]]:
+def _run_on_ray(model, placement: dict, inputs: list, params: dict, then=None) -> tuple[list, dict[int, str]]:
+    """Generate on Ray, check what the run used and left; ``then(rt)`` runs before the shutdown."""
     rt = Runtime(model, Placement.from_dict(placement), workers="ray").start()
     driver = rt._driver
     run_id, pg_id = driver.transport.shm_prefix, driver._pg.id.hex()
@@ -103,6 +107,8 @@ def _run_on_ray(model, placement: dict, inputs: list, params: dict) -> tuple[lis
         assert kv_blocks_in_use(rt) == 0
         nodes = dict(driver.rank_nodes)
         links, conductor_node = driver.transport.links, driver.transport.node_id
+        if then is not None:
+            then(rt)
     finally:
         rt.shutdown()
     _assert_released(rt, run_id, pg_id, names)
@@ -135,28 +141,23 @@ def test_llama_prefill_and_decode_on_two_nodes_then_a_killed_actor(cluster):
     pd = {"model": "llama-tiny", "nodes": TWO_NODES, "node_groups": [
         {"node_names": ["LLM"], "ranks": [0], "graph_walks": ["prefill"]},
         {"node_names": ["LLM"], "ranks": [1], "graph_walks": ["decode"]}]}
-    outs, by_node = _run_on_ray(model, pd, inputs, params)
+    outs, by_node = _run_on_ray(model, pd, inputs, params, then=lambda rt: _kill_rank_1(rt, inputs[0], params))
     assert sorted(by_node.values()) == [[0], [1]]  # two Ray nodes
     for o, ref in zip(outs, single):
         assert [int(t) for t in o.tensors("text")] == [int(t) for t in ref]
 
-    rt = Runtime(model, Placement.from_dict(pd), workers="ray").start()
-    try:
-        with rt.held():  # the request is dispatched only after rank 1 is dead
-            h = rt.submit(inputs[0], params)
-            victim = rt._driver.actors[1]
-            ray.kill(victim)
-            ray.wait([r for r, rank in rt._driver._runs.items() if rank == 1], timeout=60)
-        out = h.result(timeout=60)
-        assert out.status is RequestStatus.FAILED and out.failure is FailureKind.WORKER_LOST, out.error
-        assert STATUS_OF_FAILURE[out.failure] == 503 and "worker rank 1 died" in out.error
-        assert not rt.healthy and "worker rank 1 died" in rt.fatal
-        with pytest.raises(RuntimeError, match="unhealthy"):
-            rt.submit(inputs[0], params)
-        run_id, pg_id = rt._driver.transport.shm_prefix, rt._driver._pg.id.hex()
-    finally:
-        rt.shutdown()
-    _assert_released(rt, run_id, pg_id, [f"{run_id}-rank{r}" for r in (0, 1)])
+
+def _kill_rank_1(rt: Runtime, inputs: dict, params: dict) -> None:
+    with rt.held():  # the request is dispatched only after rank 1 is dead
+        h = rt.submit(inputs, params)
+        ray.kill(rt._driver.actors[1])
+        ray.wait([r for r, rank in rt._driver._runs.items() if rank == 1], timeout=60)
+    out = h.result(timeout=60)
+    assert out.status is RequestStatus.FAILED and out.failure is FailureKind.WORKER_LOST, out.error
+    assert STATUS_OF_FAILURE[out.failure] == 503 and "worker rank 1 died" in out.error
+    assert not rt.healthy and "worker rank 1 died" in rt.fatal
+    with pytest.raises(RuntimeError, match="unhealthy"):
+        rt.submit(inputs, params)
 
 
 def test_orpheus_codec_on_the_other_node(cluster):
