@@ -9,6 +9,10 @@ network namespace (``make test`` runs them with ``unshare -n``); elsewhere they 
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -191,3 +195,46 @@ def test_bagel_cfg_views_on_the_other_node(cluster):
     outs, by_node = _run_on_ray(model, placement, inputs, params)
     assert sorted(by_node.values()) == [[0], [1, 2]]  # both guidance views share node 'b'
     torch.testing.assert_close(latents(outs[0]), single, rtol=0, atol=1e-5)
+
+
+def test_mstar_serve_with_ray_workers(cluster, tmp_path):
+    """``mstar serve --workers ray --ray-address``: a chat request answered by ranks on both nodes, then
+    SIGTERM: exit 0, the run's placement group removed."""
+    import httpx
+
+    from tests.server_utils import free_port
+
+    config = tmp_path / "pd.yaml"
+    config.write_text("model: llama-tiny\nnodes:\n  - {name: a, ranks: [0]}\n  - {name: b, ranks: [1]}\n"
+                      "node_groups:\n  - {node_names: [LLM], ranks: [0], graph_walks: [prefill]}\n"
+                      "  - {node_names: [LLM], ranks: [1], graph_walks: [decode]}\n")
+    port = free_port()
+    before = set(ray.util.placement_group_table())
+    proc = subprocess.Popen([sys.executable, "-m", "mstar.cli.main", "serve", "llama-tiny", "--config", str(config),
+                             "--workers", "ray", "--ray-address", cluster.address, "--port", str(port)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    guard = threading.Timer(180, proc.kill)  # a hung server fails the test instead of hanging it
+    guard.start()
+    try:
+        lines = []
+        for line in proc.stdout:  # uvicorn says so once its socket is bound
+            lines.append(line)
+            if "Uvicorn running on" in line:
+                break
+        assert proc.poll() is None, "".join(lines)
+        assert any("2 rank(s) on 2 node(s)" in line for line in lines), "".join(lines)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+            "model": "llama-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, "".join(lines) + out
+    finally:
+        guard.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    table = ray.util.placement_group_table()
+    new = set(table) - before
+    assert new and all(table[pg]["state"] == "REMOVED" for pg in new)

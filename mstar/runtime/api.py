@@ -189,6 +189,8 @@ class Runtime:
         as between ranks on different nodes."""
         if workers not in WORKER_MODES:
             raise ValueError(f"workers must be one of {WORKER_MODES}, got {workers!r}")
+        if ray_address is not None and workers != "ray":
+            raise ValueError("ray_address needs workers='ray'")
         if transport not in ("auto", "tcp") or (transport == "tcp" and workers != "process"):
             raise ValueError(f"transport must be 'auto', or 'tcp' with workers='process', got {transport!r}")
         self.model = resolve_model(model, **(model_kwargs or {}))
