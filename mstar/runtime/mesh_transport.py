@@ -26,7 +26,8 @@ from typing import Any
 
 from mstar.runtime.address_book import AddressBook, Endpoint, PeerHello
 from mstar.runtime.serialization import encode
-from mstar.runtime.transport import SHM_DIR, ZmqTransport
+from mstar.runtime.shm_pool import ShmAttach, ShmPool
+from mstar.runtime.transport import SHM_DIR, SHM_THRESHOLD, ZmqTransport
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
@@ -63,6 +64,8 @@ class MeshTransport(ZmqTransport):
         self.endpoint = Endpoint(node_id, ipc, f"tcp://{host}:{port}")
         self.pushes: dict[int, Any] = {}
         self.shm_prefix = run_id  # one prefix per run: the driver sweeps every rank's leftovers of its node
+        self.shm_threshold = SHM_THRESHOLD
+        self._pool, self._attach = ShmPool(), ShmAttach()
         self._shm_count = 0
         self._lock = threading.Lock()
         self.book = AddressBook()
