@@ -14,10 +14,10 @@ def test_every_path_moves_small_and_shm_sized_tensors(monkeypatch):
     rows = run_transport_bench([4096, 2 << 20], PATHS)
     assert [r.size for r in rows] == [4096, 2 << 20]
     for r in rows:
-        assert set(r.seconds) == {"memcpy", "socket", "socket-new", *PATHS}
+        assert set(r.seconds) == {"memcpy", "socket", "socket-new", "zmq", *PATHS}
         assert all(s > 0 for s in r.seconds.values())
     table = format_table(rows)
-    assert "| 2 MB |" in table and "shm/memcpy" in table and "tcp/socket" in table
+    assert "| 2 MB |" in table and "shm/memcpy" in table and "tcp/socket" in table and "tcp/zmq" in table
 
 
 def test_sizes_parse_and_bad_arguments_are_refused(capsys):

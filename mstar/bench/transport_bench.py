@@ -6,7 +6,8 @@ through /dev/shm), ``tcp`` (``MeshTransport`` on 127.0.0.1 between two node ids:
 TCP stream). Baselines: ``memcpy`` (one single-threaded copy into a warm buffer, numpy), ``socket``
 (the payload through a plain loopback TCP socket into a preallocated, warm buffer) and ``socket-new``
 (the same into a newly allocated buffer per message: what any receiver that keeps the tensor pays,
-ZeroMQ's receive included).
+ZeroMQ's receive included) and ``zmq`` (plain ZeroMQ PUSH/PULL over loopback TCP, default options, no
+mstar code: the floor of the ``tcp`` path).
 
 Every path but ``inline`` and ``memcpy`` runs between this process and a spawned peer process: the
 sender sends the tensor, the peer decodes the message and answers with a small acknowledgement; one
@@ -108,6 +109,56 @@ def _socket_peer(port_queue: Any, fresh: bool) -> None:
                 buf = np.empty(n, dtype=np.uint8) if fresh else warm[:n]  # fresh: new pages, as a receiver
                 _recv_exact(conn, memoryview(buf))                         # that keeps the tensor gets
                 conn.sendall(b"k")
+
+
+def _zmq_peer(port_in: int, port_out: int) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(f"tcp://127.0.0.1:{port_in}")
+    push.connect(f"tcp://127.0.0.1:{port_out}")
+    try:
+        while True:
+            frame = pull.recv(copy=False)
+            if len(frame) == 0:
+                return
+            del frame
+            push.send(b"k")
+    finally:
+        pull.close(0)
+        push.close(1000)
+
+
+def _measure_zmq(sizes: list[int]) -> dict[int, list[float]]:
+    """Plain ZeroMQ PUSH/PULL over loopback TCP (default options, zero-copy send and receive)."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    port_in, port_out = push.bind_to_random_port("tcp://127.0.0.1"), pull.bind_to_random_port("tcp://127.0.0.1")
+    peer = mp.get_context("spawn").Process(target=_zmq_peer, args=(port_in, port_out), daemon=True)
+    peer.start()
+    out = {}
+    try:
+        for size in sizes:
+            payload = memoryview(_payload(size).numpy())
+
+            def one(payload=payload) -> None:
+                push.send(payload, copy=False)
+                pull.recv()
+
+            t0 = time.perf_counter()
+            one()
+            out[size] = _rounds(one, time.perf_counter() - t0)
+        push.send(b"")
+        peer.join(30)
+    finally:
+        if peer.is_alive():
+            peer.kill()
+        push.close(0)
+        pull.close(0)
+    return out
 
 
 def _recv_exact(conn: socket.socket, view: memoryview) -> memoryview:
@@ -250,6 +301,7 @@ def run_transport_bench(sizes: list[int] | None = None, paths: tuple[str, ...] =
         "memcpy": {s: _measure_memcpy(s) for s in sizes},
         "socket": _measure_socket(sizes),
         "socket-new": _measure_socket(sizes, fresh=True),
+        "zmq": _measure_zmq(sizes),
     }
     for path in paths:
         per[path] = ({s: _measure_inline(s) for s in sizes} if path == "inline"
@@ -280,10 +332,10 @@ def _fmt_size(n: int) -> str:
 
 
 def format_table(rows: list[TransportRow]) -> str:
-    paths = [p for p in ("memcpy", "socket", "socket-new", *PATHS) if p in rows[0].seconds]
+    paths = [p for p in ("memcpy", "socket", "socket-new", "zmq", *PATHS) if p in rows[0].seconds]
     head = ["size", *[f"{p} GB/s" for p in paths if p != "inline"], "inline µs"]
-    extra = [c for c, need in (("shm/memcpy", "shm"), ("tcp/socket", "tcp"), ("tcp/socket-new", "tcp"))
-             if need in paths]
+    extra = [c for c, need in (("shm/memcpy", "shm"), ("tcp/socket", "tcp"), ("tcp/socket-new", "tcp"),
+                               ("tcp/zmq", "tcp")) if need in paths]
     lines = ["| " + " | ".join(head + extra) + " |", "|" + "---|" * (len(head) + len(extra))]
     for r in rows:
         cells = [_fmt_size(r.size), *[f"{r.gbps(p):.2f}" for p in paths if p != "inline"]]
@@ -293,5 +345,6 @@ def format_table(rows: list[TransportRow]) -> str:
         if "tcp" in paths:
             cells.append(f"{r.seconds['socket'] / r.seconds['tcp']:.0%}")
             cells.append(f"{r.seconds['socket-new'] / r.seconds['tcp']:.0%}")
+            cells.append(f"{r.seconds['zmq'] / r.seconds['tcp']:.0%}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
