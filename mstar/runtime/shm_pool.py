@@ -115,3 +115,9 @@ class ShmAttach:
             os.close(f)
         weakref.finalize(data, _release, flag)
         return memoryview(data)
+
+    def close(self) -> None:
+        """Unmap the header pages (a frame still in use keeps its segment busy for good)."""
+        for flag in self._flags.values():
+            flag.close()
+        self._flags.clear()

@@ -154,3 +154,4 @@ class ZmqTransport:
             self.pushes.clear()
         self.pull.close(0)
         self._pool.close()
+        self._attach.close()
