@@ -117,7 +117,7 @@ def _run_on_ray(model, placement: dict, inputs: list, params: dict, then=None) -
         rt.shutdown()
     _assert_released(rt, run_id, pg_id, names)
     by_node = {}
-    for rank, node_id in nodes.items():
+    for rank, node_id in sorted(nodes.items()):
         by_node.setdefault(node_id, []).append(rank)
     assert sorted(links) == sorted(nodes) and len(by_node) == 2
     for rank, address in links.items():  # IPC to the conductor's own Ray node, TCP to the other
