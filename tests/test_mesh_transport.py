@@ -23,6 +23,7 @@ from mstar.runtime.shm_pool import pool_supported
 from mstar.runtime.transport import SHM_DIR, SHM_THRESHOLD
 from tests.helpers import kv_blocks_in_use
 from tests.test_runtime import PD_SPLIT, PROMPTS, tokens
+from tests.test_worker_restart import wait_until
 from tests.toy_models import TinyAttentionLM, ToyLM
 
 
@@ -127,6 +128,19 @@ def test_worker_processes_over_tcp_match_one_rank_and_leave_nothing():
         os.kill(rt.worker_processes[1].pid, signal.SIGKILL)
         out = h.result(timeout=60)
         assert out.status is RequestStatus.FAILED and out.failure is FailureKind.WORKER_LOST
+        wait_until(lambda: rt.healthy)  # rank 1 restarted on a new port: every peer got the new book
+        assert tokens(rt.generate([{"input_ids": torch.tensor(PROMPTS[0])}], {"max_tokens": 9})[0]) == \
+            ref.reference_generate(PROMPTS[0], 9)
+        old = rt.worker_processes[0]
+        with rt.held():  # a dropped TCP link counts as a dead rank: the process is killed, the request fails
+            h = rt.submit({"input_ids": torch.tensor([1, 7])}, {"max_tokens": 250})
+            rt._driver.transport.lost.add(0)
+            rt._driver._last_check = 0.0  # the driver looks at its links in its next pass
+        out = h.result(timeout=60)
+        assert out.status is RequestStatus.FAILED and out.failure is FailureKind.WORKER_LOST, out.error
+        assert not old.is_alive()
+        wait_until(lambda: rt.healthy)
+        assert kv_blocks_in_use(rt) == 0
         procs = list(rt.worker_processes)
     finally:
         rt.shutdown()
