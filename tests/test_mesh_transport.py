@@ -153,3 +153,7 @@ def test_tcp_transport_needs_worker_processes():
         Runtime(ToyLM(), transport="tcp")
     with pytest.raises(ValueError, match="transport"):
         Runtime(ToyLM(), workers="process", transport="rdma")
+    with pytest.raises(ValueError, match="ray_address needs workers='ray'"):
+        Runtime(ToyLM(), workers="process", ray_address="127.0.0.1:6379")
+    with pytest.raises(ValueError, match="workers must be one of"):
+        Runtime(ToyLM(), workers="threads")

@@ -8,7 +8,8 @@
         rt.stats()
 
 Inline mode runs the conductor and every rank's worker in one background thread of this process
-(fast, for tests and laptops); process mode (``workers="process"``) runs one process per rank.
+(fast, for tests and laptops); process mode (``workers="process"``) runs one process per rank;
+``workers="ray"`` one Ray actor per rank, possibly on several hosts.
 """
 
 from __future__ import annotations
@@ -184,7 +185,8 @@ class Runtime:
         ``kv_cache_blocks`` / ``kv_cache_memory_gib``; ``mstar serve --kv-cache-memory``).
 
         ``workers="ray"``: one Ray actor per rank (``ray_driver.py``), on the Ray cluster at
-        ``ray_address`` (None: the one this process is connected to, else a new local one).
+        ``ray_address`` (None: the one this process is connected to, else a new local one); ranks
+        are not restarted there, so the first death is fatal whatever ``on_worker_death`` says.
         ``transport="tcp"`` (process mode): every link between processes over TCP, tensors inline,
         as between ranks on different nodes."""
         if workers not in WORKER_MODES:
