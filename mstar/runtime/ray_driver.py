@@ -5,8 +5,8 @@ Ray places and starts the ranks and reports their deaths; messages never go thro
 1. connect to the cluster (``ray.init(address)`` unless this process already is connected);
 2. one placement group: a bundle per ``nodes:`` entry of the placement (``STRICT_SPREAD``: distinct
    Ray nodes; a bundle also asks for the custom resource ``mstar_node_<name>`` when the cluster
-   has it, which pins a logical host to the Ray nodes started with it), or one bundle for every rank
-   on the driver's own node without the section; waited for at most ``start_timeout`` seconds,
+   has it, which pins a logical host to the Ray nodes started with it), or without the section one
+   bundle for every rank on the driver's host (``node:<address>``); waited for at most ``start_timeout`` seconds,
    then an error that names what the cluster lacks;
 3. a ``RankActor`` per rank in its node's bundle, whose ``run()`` binds the rank's ``MeshTransport``
    (IPC, and TCP on the node's address: ``MSTAR_HOST_IP`` or Ray's node address), announces it,
@@ -82,13 +82,19 @@ class Bundle:
     resources: dict[str, float]
 
 
-def plan_bundles(routing: Routing, device: str, cluster_resources: dict[str, float]) -> list[Bundle]:
+def plan_bundles(routing: Routing, device: str, cluster_resources: dict[str, float],
+                 host: str | None = None) -> list[Bundle]:
     """A bundle per ``nodes:`` entry (pinned where the cluster has its ``mstar_node_<name>``), or one
-    for every rank."""
+    for every rank on this host (Ray's ``node:<host address>`` resource)."""
     unit = "CPU" if device == "cpu" else "GPU"
     nodes = routing.placement.cluster_nodes
     if not nodes:
-        return [Bundle("<this host>", tuple(range(routing.num_ranks)), {unit: float(routing.num_ranks)})]
+        resources = {unit: float(routing.num_ranks)}
+        if unit == "GPU":
+            resources["CPU"] = float(routing.num_ranks)
+        if host is not None and f"node:{host}" in cluster_resources:
+            resources[f"node:{host}"] = PIN_AMOUNT
+        return [Bundle("<this host>", tuple(range(routing.num_ranks)), resources)]
     out = []
     for n in nodes:
         resources = {unit: float(len(n.ranks))}
@@ -159,7 +165,7 @@ class RayDriver:
     def _place(self, ray: Any) -> None:
         from ray.util.placement_group import placement_group
 
-        self.bundles = plan_bundles(self.routing, self.device, ray.cluster_resources())
+        self.bundles = plan_bundles(self.routing, self.device, ray.cluster_resources(), node_address())
         strategy = "STRICT_SPREAD" if len(self.bundles) > 1 else "STRICT_PACK"
         self._pg = placement_group([b.resources for b in self.bundles], strategy=strategy,
                                    name=f"mstar-{uuid.uuid4().hex[:8]}")
