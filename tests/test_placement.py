@@ -282,7 +282,7 @@ def test_check_model(tmp_path):
     ("node_groups: {node_names: [LLM]}\n", ["node_groups must be a list"]),
     ("node_groups: []\n", ["node_groups is empty"]),
     ("node_groups: [{node_names: [LLM], ranks: [0]}]\nmodle: bagel\n",
-     ["unknown key(s) ['modle']", "valid keys: model, name, node_groups, runtime"]),
+     ["unknown key(s) ['modle']", "valid keys: model, name, nodes, node_groups, runtime"]),
     ("model: 3\nnode_groups: [{node_names: [LLM], ranks: [0]}]\n", ["model must be a non-empty string"]),
     ("node_groups: [{node_names: [LLM], ranks: [0]}]\nruntime: 5\n", ["runtime: must be a mapping"]),
     ("node_groups: [{node_names: [LLM], ranks: [0]}]\nruntime: {max_batch: 5}\n",

@@ -120,9 +120,12 @@ def test_frames_for_a_dead_rank_are_swept_and_a_message_missing_one_is_dropped(t
     """A rank's process dies with shared-memory frames addressed to it: the driver sweeps the files
     addressed to that rank (and only those); a message whose frame was swept, delivered later to
     the rank's replacement, is dropped instead of failing its receive loop."""
+    from mstar.runtime.shm_pool import ShmPool
     from mstar.runtime.transport import ZmqTransport
 
     conductor, rank0, rank1 = (ZmqTransport(str(tmp_path), a) for a in (-1, 0, 1))
+    conductor._pool.close()
+    conductor._pool = ShmPool(0)  # no reused segments: every large frame is a named /dev/shm file
     try:
         big = torch.randn(512, 1024)  # 2 MiB: over the shared-memory threshold
         conductor.send(0, {"t": big})

@@ -156,8 +156,9 @@ def test_orpheus_tp2_gives_the_audio_of_one_rank():
 
 def test_tp_placements_the_runtime_cannot_run_are_refused_before_any_worker_starts():
     tp2 = {"node_names": ["LLM"], "ranks": [0, 1], "tp_size": 2}
-    with pytest.raises(ValueError, match="needs worker processes"):
-        Runtime("llama-tiny", Placement.from_dict({"node_groups": [tp2]}))
+    for kwargs in ({}, {"workers": "ray"}, {"workers": "process", "transport": "tcp"}):
+        with pytest.raises(ValueError, match="runs on worker processes of one host"):
+            Runtime("llama-tiny", Placement.from_dict({"node_groups": [tp2]}), **kwargs)
     moved = {"node_groups": [{**tp2, "graph_walks": ["prefill"]},
                              {"node_names": ["LLM"], "ranks": [2], "graph_walks": ["decode"]}]}
     with pytest.raises(PlacementError, match="moving KV shards between groups is not supported"):

@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark", description="Run a benchmark.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve, _add_pressure, _add_prefix,
-                _add_soak, _add_tp):
+                _add_soak, _add_tp, _add_transport):
         add(bsub)
 
 
@@ -390,4 +390,35 @@ def run_tp(args: argparse.Namespace) -> int:
     from mstar.bench.tp_bench import format_table, run_tp_bench
 
     print(format_table(run_tp_bench(args.shape, args.batch, args.context, args.repeats)))
+    return 0
+
+
+def _add_transport(bsub) -> None:
+    tr = bsub.add_parser("transport", help="one tensor message per path (in-process, IPC, shm, TCP) vs. memcpy "
+                                           "and a loopback socket",
+                         description="Median time per message of one uint8 tensor (sent, decoded by a peer "
+                                     "process, acknowledged) through each transport path, as GB/s, next to a "
+                                     "single-threaded memcpy and a plain loopback TCP socket (into a warm "
+                                     "buffer, and into a new one per message).")
+    tr.add_argument("--sizes", default="4K,64K,1M,16M,64M",
+                    help="comma-separated sizes in bytes, K/M suffixes allowed (default 4K,64K,1M,16M,64M)")
+    tr.add_argument("--paths", default="inline,ipc,shm,tcp", help="comma-separated paths (default all)")
+    tr.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    tr.set_defaults(func=run_transport)
+
+
+def run_transport(args: argparse.Namespace) -> int:
+    import json
+
+    from mstar.bench.transport_bench import PATHS, format_table, parse_sizes, run_transport_bench
+
+    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths:
+        raise ValueError(f"--paths takes some of {', '.join(PATHS)}; got {args.paths!r}")
+    rows = run_transport_bench(parse_sizes(args.sizes), paths)
+    print(format_table(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump([{"size": r.size, "seconds": r.seconds} for r in rows], f, indent=1)
     return 0

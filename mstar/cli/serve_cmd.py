@@ -29,8 +29,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on API routes")
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before answering 429")
-    p.add_argument("--workers", choices=["inline", "process"], default="process",
-                   help="process: one worker process per rank (default); inline: all in this process")
+    p.add_argument("--workers", choices=["inline", "process", "ray"], default="process",
+                   help="process: one worker process per rank (default); inline: all in this process; ray: one "
+                        "Ray actor per rank, placed by the placement's nodes: section (pip install 'mstar[ray]')")
+    p.add_argument("--ray-address", metavar="ADDR",
+                   help="with --workers ray: the Ray cluster to join (host:port of its head, or 'auto'); default: "
+                        "the cluster this process finds, else a new local one")
     p.add_argument("--kv-cache-memory", type=float, metavar="GIB",
                    help="size each KV cache from memory: GiB per KV module and rank (replaces the placement's "
                         "kv_cache_blocks)")
@@ -62,6 +66,12 @@ def model_kwargs(target, args: argparse.Namespace) -> dict:
     return wanted
 
 
+def _ray_kwargs(args: argparse.Namespace) -> dict:
+    if args.ray_address is not None and args.workers != "ray":
+        raise ValueError("--ray-address needs --workers ray")
+    return {"ray_address": args.ray_address} if args.workers == "ray" else {}
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("mstar.serve")
@@ -84,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     runtime = Runtime(args.model, args.config, workers=args.workers, model_kwargs=kwargs,
                       kv_cache_memory_gib=args.kv_cache_memory, on_worker_death=args.on_worker_death,
                       max_restarts=args.max_restarts, restart_window_s=args.restart_window,
-                      prefix_caching=args.prefix_caching)
+                      prefix_caching=args.prefix_caching, **_ray_kwargs(args))
     runtime.start()
     log.info("model ready in %.1f s on %d rank(s)", time.perf_counter() - t0, runtime.routing.num_ranks)
     name = args.served_model_name or args.model

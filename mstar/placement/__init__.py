@@ -10,6 +10,8 @@ only for some walks::
       - { node_names: [LLM, combine_cfg],                      ranks: [0] }
       - { node_names: [LLM_cfg_text], ranks: [1], graph_walks: [image_gen_cfg] }
       - { node_names: [LLM_cfg_img],  ranks: [2], graph_walks: [image_gen_cfg] }
+    nodes:                              # optional: logical hosts and their ranks (``placement/cluster.py``)
+      - { name: a, ranks: [0, 1, 2] }
     runtime:                            # optional; defaults shown
       max_batch_size: 32                # per node; a group may override it with its own max_batch_size
       kv_cache_blocks: 1024
@@ -55,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from mstar.placement.cluster import ClusterNode, check_nodes, parse_nodes
 from mstar.placement.groups import (
     DEFAULT_RANK,
     TOP_LEVEL_KEYS,
@@ -75,7 +78,7 @@ from mstar.placement.parse import (
 if TYPE_CHECKING:
     from mstar.graph import WalkGraph
 
-__all__ = ["NodeGroup", "Placement", "PlacementError", "RuntimeLimits"]
+__all__ = ["ClusterNode", "NodeGroup", "Placement", "PlacementError", "RuntimeLimits"]
 
 
 @dataclass(frozen=True)
@@ -93,9 +96,11 @@ class Placement:
     source: str = "<dict>"
     name: str | None = None
     walk_nodes: tuple[tuple[str, frozenset[str]], ...] | None = field(default=None, repr=False, compare=False)
+    cluster_nodes: tuple[ClusterNode, ...] = ()  # the file's ``nodes:`` section (empty: this host)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "node_groups", tuple(self.node_groups))
+        object.__setattr__(self, "cluster_nodes", tuple(self.cluster_nodes))
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
@@ -140,7 +145,9 @@ class Placement:
         groups = tuple(_parse_group(i, g, source) for i, g in enumerate(raw_groups))
         limits = _parse_runtime(d.get("runtime"), source)
         _check_groups(groups, source)
-        return cls(model=model, node_groups=groups, limits=limits, source=source, name=name)
+        nodes = parse_nodes(d.get("nodes"), source)
+        check_nodes(nodes, groups, source, complete=False)
+        return cls(model=model, node_groups=groups, limits=limits, source=source, name=name, cluster_nodes=nodes)
 
     @classmethod
     def single_rank(cls, graph: WalkGraph, model: str | None = None) -> Placement:
@@ -156,6 +163,8 @@ class Placement:
             d["model"] = self.model
         if self.name is not None:
             d["name"] = self.name
+        if self.cluster_nodes:
+            d["nodes"] = [n.to_dict() for n in self.cluster_nodes]
         d["node_groups"] = [g.to_dict() for g in self.node_groups]
         runtime = dataclasses.asdict(self.limits)
         # the memory size, when set, governs: an explicit kv_cache_blocks beside it would win on reading
@@ -183,6 +192,13 @@ class Placement:
     def node_names(self) -> tuple[str, ...]:
         """Every node some group mentions, in order of first mention."""
         return tuple(dict.fromkeys(n for g in self.node_groups for n in g.node_names))
+
+    def cluster_node_of(self, rank: int) -> str | None:
+        """The ``nodes:`` entry that runs ``rank`` (None without a ``nodes:`` section)."""
+        for n in self.cluster_nodes:
+            if rank in n.ranks:
+                return n.name
+        return None
 
     def group_for(self, node: str, walk: str) -> NodeGroup:
         """The group that places ``node`` for ``walk`` (a walk-scoped group wins over an unscoped one)."""
@@ -293,6 +309,7 @@ class Placement:
         if missing:
             raise PlacementError(f"{src}: ranks must be 0..N-1 (here N = {n_ranks}); missing "
                                  f"{', '.join(map(str, missing))}")
+        check_nodes(self.cluster_nodes, groups, src)
         return dataclasses.replace(self, node_groups=tuple(groups),
                                    walk_nodes=tuple((w, walk_nodes[w]) for w in walk_names))
 

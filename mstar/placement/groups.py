@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-TOP_LEVEL_KEYS = ("model", "name", "node_groups", "runtime")
+TOP_LEVEL_KEYS = ("model", "name", "nodes", "node_groups", "runtime")
 GROUP_KEYS = ("node_names", "ranks", "graph_walks", "tp_size", "max_batch_size")
 RUNTIME_KEYS = ("max_batch_size", "kv_cache_blocks", "kv_block_size", "max_queue", "kv_cache_memory_gib",
                 "prefix_caching")

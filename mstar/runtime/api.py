@@ -8,7 +8,8 @@
         rt.stats()
 
 Inline mode runs the conductor and every rank's worker in one background thread of this process
-(fast, for tests and laptops); process mode (``workers="process"``) runs one process per rank.
+(fast, for tests and laptops); process mode (``workers="process"``) runs one process per rank;
+``workers="ray"`` one Ray actor per rank, possibly on several hosts.
 """
 
 from __future__ import annotations
@@ -153,12 +154,31 @@ class RequestHandle:
         return self._done.is_set()
 
 
+WORKER_MODES = ("inline", "process", "ray")
+
+
+def _make_driver(workers: str, transport: str, model: ModelDef, routing: Routing, device: str,
+                 start_timeout: float, policy: RestartPolicy, ray_address: str | None) -> Any:
+    if workers == "inline":
+        return InlineDriver(model, routing, device)
+    if workers == "ray":
+        from mstar.runtime.ray_driver import RayDriver  # Ray is optional: imported only here
+
+        return RayDriver(model, routing, device, start_timeout, address=ray_address)
+    if transport == "tcp":
+        from mstar.runtime.mesh_driver import MeshProcessDriver
+
+        return MeshProcessDriver(model, routing, device, start_timeout, policy, force_tcp=True)
+    return ProcessDriver(model, routing, device, start_timeout, policy)
+
+
 class Runtime:
     def __init__(self, model: str | ModelDef | type, placement: str | Path | Placement | None = None, *,
                  workers: str = "inline", device: str = "cpu", model_kwargs: Mapping[str, Any] | None = None,
                  start_timeout: float = 300.0, kv_cache_memory_gib: float | None = None,
                  on_worker_death: str = "restart", max_restarts: int = 3, restart_window_s: float = 300.0,
-                 prefix_caching: bool | None = None) -> None:
+                 prefix_caching: bool | None = None, transport: str = "auto",
+                 ray_address: str | None = None) -> None:
         """``on_worker_death`` (process mode): ``restart`` respawns a dead worker's rank, unless
         ``max_restarts`` restarts already happened within ``restart_window_s``; then, or at once
         with ``exit``, the runtime stays unhealthy for good (``fatal``).
@@ -166,9 +186,19 @@ class Runtime:
         ``kv_cache_memory_gib``: size every KV pool from memory (replaces the placement's
         ``kv_cache_blocks`` / ``kv_cache_memory_gib``; ``mstar serve --kv-cache-memory``).
         ``prefix_caching``: True / False replaces the placement's ``runtime.prefix_caching`` (default
-        on; ``mstar serve --no-prefix-caching``)."""
-        if workers not in ("inline", "process"):
-            raise ValueError(f"workers must be 'inline' or 'process', got {workers!r}")
+        on; ``mstar serve --no-prefix-caching``).
+
+        ``workers="ray"``: one Ray actor per rank (``ray_driver.py``), on the Ray cluster at
+        ``ray_address`` (None: the one this process is connected to, else a new local one); ranks
+        are not restarted there, so the first death is fatal whatever ``on_worker_death`` says.
+        ``transport="tcp"`` (process mode): every link between processes over TCP, tensors inline,
+        as between ranks on different nodes."""
+        if workers not in WORKER_MODES:
+            raise ValueError(f"workers must be one of {WORKER_MODES}, got {workers!r}")
+        if ray_address is not None and workers != "ray":
+            raise ValueError("ray_address needs workers='ray'")
+        if transport not in ("auto", "tcp") or (transport == "tcp" and workers != "process"):
+            raise ValueError(f"transport must be 'auto', or 'tcp' with workers='process', got {transport!r}")
         self.model = resolve_model(model, **(model_kwargs or {}))
         graph = self.model.graph
         if placement is None:
@@ -182,16 +212,17 @@ class Runtime:
             limits = dataclasses.replace(self.placement.limits, **overrides)
             self.placement = dataclasses.replace(self.placement, limits=limits)
         check_tp_placement(self.model, self.placement)
-        if workers == "inline" and tp_rank_tuples(self.placement):
-            raise ValueError("tensor parallelism (tp_size > 1) needs worker processes: use workers='process'")
+        if tp_rank_tuples(self.placement) and (workers != "process" or transport != "auto"):
+            raise ValueError("tensor parallelism (tp_size > 1) runs on worker processes of one host for now: "
+                             "use workers='process' (not inline or ray, nor transport='tcp')")
         self.model.preflight()
         self.routing = Routing(graph, self.placement)
         self.mode = workers
         self.device = device
         policy = RestartPolicy(on_worker_death, max_restarts, restart_window_s)  # checked in either mode
         # chosen once: the loop below never asks which mode it is in
-        self._driver = (InlineDriver(self.model, self.routing, device) if workers == "inline"
-                        else ProcessDriver(self.model, self.routing, device, start_timeout, policy))
+        self._driver = _make_driver(workers, transport, self.model, self.routing, device, start_timeout, policy,
+                                    ray_address)
         self._conductor: Conductor | None = None
         self._commands: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None

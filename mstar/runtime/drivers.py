@@ -23,7 +23,7 @@ from typing import Any
 
 from mstar.runtime.conductor import Conductor
 from mstar.runtime.messages import CONDUCTOR, FreeRequest, Shutdown, WorkerStatus
-from mstar.runtime.process import spawn_worker, spawn_workers
+from mstar.runtime.process import spawn_worker
 from mstar.runtime.routing import Routing
 from mstar.runtime.tensor_parallel import NO_RESTART, open_rendezvous
 from mstar.runtime.transport import InlineTransport, ZmqTransport
@@ -130,11 +130,9 @@ class ProcessDriver:
     def start(self) -> None:
         """Spawn the worker processes and wait until each reports ready (or why it could not start)."""
         self._run_dir = tempfile.mkdtemp(prefix="mstar-")
-        self.transport = ZmqTransport(self._run_dir, CONDUCTOR)
+        self.transport = self._open_transport()
         self._rendezvous = open_rendezvous(self.routing.placement)
-        address = self._rendezvous.address if self._rendezvous is not None else None
-        self.processes = spawn_workers(self.model, self.routing.placement, self._run_dir, self.device,
-                                    self.routing.num_ranks, address)
+        self.processes = [self._spawn(rank) for rank in range(self.routing.num_ranks)]
         ready: set[int] = set()
         deadline = time.monotonic() + self.start_timeout
         while len(ready) < len(self.processes):
@@ -149,6 +147,18 @@ class ProcessDriver:
                 self.stop()
                 why = f"exited with code {dead[0].exitcode}" if dead else f"not ready in {self.start_timeout} s"
                 raise RuntimeError(f"worker process {why}")
+        self._started()
+
+    # hooks of a driver whose workers reach each other differently (``mesh_driver.py``)
+    def _open_transport(self) -> ZmqTransport:
+        return ZmqTransport(self._run_dir, CONDUCTOR)
+
+    def _spawn(self, rank: int) -> Any:
+        address = self._rendezvous.address if self._rendezvous is not None else None
+        return spawn_worker(rank, self.model, self.routing.placement, self._run_dir, self.device, address)
+
+    def _started(self) -> None:
+        """Every worker reported ready (``start``)."""
 
     def stop(self) -> None:
         """Ask every live worker to shut down, then make sure each process is gone; sweep shm files."""
@@ -212,7 +222,7 @@ class ProcessDriver:
             log.warning("%s; restarting it", why)
             self.transport.sweep_shm(rank)  # frames queued for it: lost with it, or dropped by the new one
             self._orphans.update(conductor.requests)
-            self.processes[rank] = spawn_worker(rank, self.model, self.routing.placement, self._run_dir, self.device)
+            self.processes[rank] = self._spawn(rank)
             self._starting[rank] = now
             self.lost = f"restarting: {why}"
 

@@ -22,6 +22,7 @@ from typing import Any
 import msgpack
 
 from mstar.runtime.serialization import decode, encode
+from mstar.runtime.shm_pool import ShmAttach, ShmPool
 
 # tensor frames this large travel through shared memory (one copy instead of two through the socket)
 SHM_THRESHOLD = int(os.environ.get("MSTAR_SHM_THRESHOLD", 1 << 20))
@@ -64,6 +65,8 @@ class ZmqTransport:
         self.pull.bind(ipc_address(run_dir, own))
         self.pushes: dict[int, Any] = {}
         self.shm_prefix = "mstar-" + os.path.basename(run_dir.rstrip("/"))
+        self.shm_threshold = SHM_THRESHOLD
+        self._pool, self._attach = ShmPool(), ShmAttach()  # reused segments (``shm_pool.py``)
         self._shm_count = 0
         self._lock = threading.Lock()  # send() may be called from a user thread and the driver
 
@@ -94,7 +97,8 @@ class ZmqTransport:
                     log.warning("dropped a message for a dead rank's process: %s", e)
         return out
 
-    # Large frames: the sender writes the bytes into a fresh file in /dev/shm (POSIX shared memory)
+    # Large frames: the sender copies the bytes into a free segment of its pool (``shm_pool.py``), or,
+    # when none is free, writes them into a fresh file in /dev/shm (POSIX shared memory)
     # and sends its name; the receiver maps it, unlinks the name at once (the mapping stays valid
     # while a decoded tensor uses it) and decodes the tensor straight from the mapping. Frame 0 of
     # the wire message lists the indexes of such frames; names start with the run's prefix and name
@@ -102,11 +106,15 @@ class ZmqTransport:
     # shutdown).
     def _to_shm(self, frames: list, dest: int) -> list:
         big = [] if not SHM_DIR else [i for i, f in enumerate(frames)
-                                      if i > 0 and memoryview(f).nbytes >= SHM_THRESHOLD]
+                                      if i > 0 and memoryview(f).nbytes >= self.shm_threshold]
         if not big:
             return [b"\x90", *frames]  # msgpack empty list: no shared-memory frames
         out = list(frames)
         for i in big:
+            ref = self._pool.put(memoryview(frames[i]).cast("B"))
+            if ref is not None:
+                out[i] = ref
+                continue
             self._shm_count += 1
             # the pid keeps the names of a restarted rank apart from those its dead process left
             name = f"{self._dest_prefix(dest)}{self.own + 1}-{os.getpid()}-{self._shm_count}"
@@ -121,14 +129,16 @@ class ZmqTransport:
             out[i] = f"{name}:{view.nbytes}".encode()
         return [msgpack.packb(big), *out]
 
-    @staticmethod
-    def _from_shm(frames: list) -> list:
+    def _from_shm(self, frames: list) -> list:
         raw0 = frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]
         big = msgpack.unpackb(bytes(raw0))
         frames = list(frames[1:])
         for i in big:
-            raw = frames[i].buffer if hasattr(frames[i], "buffer") else frames[i]
-            name, _, size = bytes(raw).decode().rpartition(":")
+            raw = bytes(frames[i].buffer if hasattr(frames[i], "buffer") else frames[i])
+            if self._attach.is_pooled(raw):
+                frames[i] = self._attach.open(raw)
+                continue
+            name, _, size = raw.decode().rpartition(":")
             path = os.path.join(SHM_DIR, name)
             try:
                 fd = os.open(path, os.O_RDWR)
@@ -163,3 +173,5 @@ class ZmqTransport:
                 s.close(linger_ms)
             self.pushes.clear()
         self.pull.close(0)
+        self._pool.close()
+        self._attach.close()
