@@ -137,12 +137,11 @@ class _Relay:
 
     def send(self, dest: int, msg) -> None:
         from mstar.runtime.serialization import decode, encode
-        from mstar.runtime.tensor_parallel import follow
 
         assert dest == 1
         msg = decode(encode(msg))
         self.calls.append(msg.method)
-        follow(self.follower, msg)
+        self.follower.call(msg)
 
 
 def _item(seq: int, rid: str, ids: list[int], decode_step: int | None = None):
@@ -162,11 +161,12 @@ def _state(eng):
 def test_a_follower_repeating_the_leaders_calls_keeps_the_same_pool_and_cache():
     from mstar.runtime.engine import DEFERRED, KVCacheEngine
     from mstar.runtime.tensor_parallel import TPLeaderKVEngine
+    from mstar.runtime.tp_follower import TPFollower
     from tests.toy_models import TinyAttentionLM
 
     torch.manual_seed(0)
     leader, follower = TPLeaderKVEngine(TinyAttentionLM(0), 6, 4), KVCacheEngine(TinyAttentionLM(0), 6, 4)
-    relay = _Relay(follower)
+    relay = _Relay(TPFollower({"LLM": follower}, None, None))
     leader._init_mirror("LLM", (1,), relay)
     steps = [lambda: leader.run([_item(0, "a", [1, 2, 3, 4, 5, 6, 7]), _item(1, "b", [8] * 9)]),
              lambda: leader.run([_item(2, "c", [9] * 6)]),  # 2 blocks, 1 free: deferred
@@ -198,3 +198,23 @@ def test_a_failed_collective_is_a_lost_worker_not_an_internal_error():
     wrapped.__cause__ = lost
     assert FailureKind.of(wrapped) is FailureKind.WORKER_LOST
     assert FailureKind.of(RuntimeError("a bug")) is FailureKind.INTERNAL
+
+
+def test_a_follower_holds_calls_back_until_the_shard_of_an_import_arrives():
+    from mstar.runtime.engine import KVCacheEngine
+    from mstar.runtime.tensor_parallel import TPCall
+    from mstar.runtime.tp_follower import TPFollower, TPShard
+    from tests.toy_models import TinyAttentionLM
+
+    eng = KVCacheEngine(TinyAttentionLM(0), 6, 4)
+    follower = TPFollower({"LLM": eng}, None, None)
+    k = [torch.ones(5, eng.kv_caches[0][0].shape[2], eng.kv_caches[0][0].shape[3])]
+    follower.call(TPCall("LLM", "import", ["a", 7]))
+    follower.call(TPCall("LLM", "run", [[_item(0, "a", [3], decode_step=0)]]))
+    assert follower.waiting == 2 and eng.manager.pool.num_used == 0  # nothing ran out of order
+    follower.shard(TPShard("LLM", "a", {"LLM": {"num_tokens": 5, "k": k, "v": k}}, 7))
+    assert follower.waiting == 0 and eng.manager.num_tokens("a", "LLM") == 6  # imported, then appended
+    follower.call(TPCall("LLM", "free_request", ["a"]))
+    follower.call(TPCall("LLM", "forget", ["a"]))
+    follower.shard(TPShard("LLM", "a", {"LLM": {"num_tokens": 5, "k": k, "v": k}}, 8))  # late: its import never comes
+    assert follower.waiting == 0 and eng.manager.pool.num_used == 0 and follower.held_shards == 0

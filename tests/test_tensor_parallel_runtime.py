@@ -159,7 +159,22 @@ def test_tp_placements_the_runtime_cannot_run_are_refused_before_any_worker_star
     for kwargs in ({}, {"workers": "ray"}, {"workers": "process", "transport": "tcp"}):
         with pytest.raises(ValueError, match="runs on worker processes of one host"):
             Runtime("llama-tiny", Placement.from_dict({"node_groups": [tp2]}), **kwargs)
-    moved = {"node_groups": [{**tp2, "graph_walks": ["prefill"]},
-                             {"node_names": ["LLM"], "ranks": [2], "graph_walks": ["decode"]}]}
-    with pytest.raises(PlacementError, match="moving KV shards between groups is not supported"):
-        Runtime("llama-tiny", Placement.from_dict(moved), workers="process")
+    resharded = {"node_groups": [{**tp2, "graph_walks": ["prefill"]},
+                                 {"node_names": ["LLM"], "ranks": [2], "graph_walks": ["decode"]}]}
+    with pytest.raises(PlacementError, match="resharding is not supported"):
+        Runtime("llama-tiny", Placement.from_dict(resharded), workers="process")
+    overlapping = {"node_groups": [{**tp2, "graph_walks": ["prefill"]},
+                                   {**tp2, "ranks": [1, 2], "graph_walks": ["decode"]}]}
+    with pytest.raises(PlacementError, match="rank 1 is in two tensor-parallel groups"):
+        Runtime("llama-tiny", Placement.from_dict(overlapping), workers="process")
+
+
+@pytest.mark.slow
+def test_prefill_on_one_tp2_group_decode_on_another_moves_each_shard(reference):
+    """Four worker processes (the one test here with more than two): KV shards move 0 -> 2, 1 -> 3."""
+    placement = Placement.load(ROOT / "examples" / "placements" / "llama_tp2_pd_split.yaml")
+    with Runtime("llama-tiny", placement, workers="process") as rt:
+        assert _tokens(rt.generate(_inputs(PROMPTS), GREEDY)) == reference["greedy"]
+        ranks = rt.stats()["ranks"]
+        assert [bool(r["batch_sizes"]["LLM"]) for r in ranks] == [True, False, True, False]  # the leaders
+        assert _blocks_used_per_rank(rt) == [0, 0, 0, 0]

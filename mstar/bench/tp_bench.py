@@ -12,6 +12,11 @@ cache with ``batch`` prompts of ``context`` tokens, and time one decode step (ba
 
 Figures are medians over ``repeats`` (min-max), in ms. On a 2-core machine TP2 is not expected to
 be faster: the point is what the collectives cost per step and per layer.
+
+``--runtime``: the same shape served end to end (worker processes, ``Runtime.generate``), TP1 on
+one rank vs TP2 on two, one thread per rank (the leader's scheduling and its calls mirrored to
+the follower included):
+``batch`` requests submitted together, ms per step = wall time / ``max_tokens`` steps.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 
 from mstar.bench.stats import spread, spread_cell
 
-__all__ = ["format_table", "main", "run_tp_bench"]
+__all__ = ["format_runtime_table", "format_table", "main", "run", "run_runtime_bench", "run_tp_bench"]
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -149,19 +154,72 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _llm(shape: str):
+    from mstar.bench.llm_bench import BENCH_SHAPE
+    from mstar.models.llama.model import LlamaLM, LlamaTiny
+
+    return LlamaTiny() if shape == "tiny" else LlamaLM(config=BENCH_SHAPE.hf_config(), load_format="dummy")
+
+
+def run_runtime_bench(shape: str = "bench", batch: int = 16, max_tokens: int = 32, repeats: int = 3) -> dict:
+    """ms per step of ``batch`` greedy requests through ``Runtime`` at TP1 and TP2 (per repeat)."""
+    from mstar.placement import Placement
+    from mstar.runtime import Runtime
+
+    os.environ.setdefault("MSTAR_ATTENTION_KERNEL", "torch")
+    os.environ["OMP_NUM_THREADS"] = "1"  # every rank one thread (TP2 ranks get one each on 2 cores anyway)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"input_ids": torch.randint(3, 250, (32,), generator=gen)} for _ in range(batch)]
+    params = {"max_tokens": max_tokens, "sampling": {"ignore_eos": True}}
+    out: dict[str, list[float]] = {}
+    for tp in (1, 2):
+        placement = Placement.from_dict({"node_groups": [{"node_names": ["LLM"], "ranks": list(range(tp)),
+                                                          "tp_size": tp}]})
+        with Runtime(_llm(shape), placement, workers="process") as rt:
+            rt.generate(prompts[:1], {"max_tokens": 2})  # warm-up
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                with rt.held():
+                    handles = [rt.submit(p, params) for p in prompts]
+                for h in handles:
+                    assert h.result().finished
+                times.append((time.perf_counter() - start) * 1e3 / max_tokens)
+            out[f"tp{tp}"] = times
+    return {**out, "shape": shape, "batch": batch, "max_tokens": max_tokens, "repeats": repeats}
+
+
+def format_runtime_table(res: dict) -> str:
+    lines = [f"served step, {res['shape']} shape, {res['batch']} requests x {res['max_tokens']} tokens, "
+             f"{res['repeats']} repeats, worker processes, 1 thread per rank (ms per step, median (min-max))",
+             "| | ms / step |", "|---|---|",
+             f"| TP1 (1 rank) | {spread_cell(spread(res['tp1']))} |",
+             f"| TP2 (2 ranks, gloo) | {spread_cell(spread(res['tp2']))} |"]
+    return "\n".join(lines)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", choices=["bench", "tiny"], default="bench",
                    help="the compare-llm Llama shape (hidden 512, 8 layers) or llama-tiny (default bench)")
     p.add_argument("--batch", type=int, default=16, help="decode rows per step (default 16)")
     p.add_argument("--context", type=int, default=128, help="tokens already in each sequence's cache (default 128)")
     p.add_argument("--repeats", type=int, default=20, help="timed steps per configuration (default 20)")
+    p.add_argument("--runtime", action="store_true",
+                   help="serve the shape through Runtime at TP1 and TP2 instead (repeats = timed batches)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per request with --runtime (default 32)")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mstar.bench.tp_bench", description=__doc__.split("\n")[0])
     add_arguments(p)
-    args = p.parse_args(argv)
-    print(format_table(run_tp_bench(args.shape, args.batch, args.context, args.repeats)))
+    return run(p.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.runtime:
+        print(format_runtime_table(run_runtime_bench(args.shape, args.batch, args.max_tokens, args.repeats)))
+    else:
+        print(format_table(run_tp_bench(args.shape, args.batch, args.context, args.repeats)))
     return 0
 
 

@@ -387,10 +387,9 @@ def _add_tp(bsub) -> None:
 
 
 def run_tp(args: argparse.Namespace) -> int:
-    from mstar.bench.tp_bench import format_table, run_tp_bench
+    from mstar.bench.tp_bench import run
 
-    print(format_table(run_tp_bench(args.shape, args.batch, args.context, args.repeats)))
-    return 0
+    return run(args)
 
 
 def _add_transport(bsub) -> None:

@@ -10,7 +10,9 @@ Each engine's block pool therefore goes through the same sequence of operations 
 and makes the same decisions (which items are admitted, which blocks they get), so all ranks
 run the same forwards over the same token rows and meet in the collectives in the same order.
 A follower drops the outputs of its forwards; nothing else reaches its engine (a ``FreeRequest``
-from the conductor frees its walks and buffers, never its follower engines).
+from the conductor frees its walks and buffers, never its follower engines). ``tp_follower.py``
+has the follower's side, including KV migration between groups of equal ``tp_size`` (shard i to
+shard i) for per-walk placement.
 
 Process groups: when any group has ``tp_size > 1`` every rank joins one ``torch.distributed``
 world (gloo on CPU, NCCL on CUDA devices, imported only then) through a ``TCPStore`` the driver
@@ -18,8 +20,8 @@ binds on 127.0.0.1 (port chosen by the OS, handed to the workers); then every ra
 group of every distinct TP rank tuple in sorted order (``new_group`` is collective: unequal calls
 deadlock). A dead rank cannot rejoin that world, so a runtime with TP does not restart workers.
 
-Not supported yet (rejected by ``check_tp_placement``): a TP module placed on different ranks in
-different walks (its KV shards would have to move shard by shard), and a rank in two TP groups.
+Not supported yet (rejected by ``check_tp_placement``): a TP module placed on groups of different
+sizes (KV resharding), and a rank in two TP groups.
 """
 
 from __future__ import annotations
@@ -123,11 +125,11 @@ def check_tp_placement(model: ModelDef, placement: Placement) -> None:
         for n in g.node_names:
             by_module.setdefault(model.module_of(n), set()).add(g.ranks if g.tp_size > 1 else (g.ranks[0],))
     for module, layouts in sorted(by_module.items()):
-        if len(layouts) > 1 and any(len(r) > 1 for r in layouts):
-            raise PlacementError(f"{placement.source}: module {module!r} is tensor-parallel but placed on "
-                                 f"different ranks {sorted(map(list, layouts))} across its nodes or walks; "
-                                 f"moving KV shards between groups is not supported yet: place all of its "
-                                 f"nodes on one tp group for every walk")
+        if len({len(r) for r in layouts}) > 1:
+            raise PlacementError(f"{placement.source}: module {module!r} is placed on groups of different "
+                                 f"tp_size {sorted(map(list, layouts))} across its nodes or walks; its KV "
+                                 f"shards move only between groups of one size (resharding is not supported "
+                                 f"yet)")
 
 
 def layouts_on(model: ModelDef, placement: Placement, rank: int) -> dict[str, TPLayout]:
@@ -186,6 +188,11 @@ class TPContext:
 
     layouts: dict[str, TPLayout]
     groups: dict[tuple[int, ...], Any]
+    peers: dict[tuple[str, int], tuple[int, ...]]  # (module, leader rank) -> that group's ranks
+
+    def shard_rank(self, module: str, leader: int, index: int) -> int:
+        """The rank holding shard ``index`` of ``module`` in the group led by ``leader``."""
+        return self.peers[(module, leader)][index]
 
     @property
     def followers(self) -> tuple[int, ...]:
@@ -210,7 +217,9 @@ def connect(model: ModelDef, placement: Placement, rank: int, address: str | Non
     # one rank's spinning OpenMP threads would delay its peers at every collective: share the cores
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // placement.num_ranks))
     groups = join_process_groups(placement, rank, address, device)
-    return TPContext(layouts_on(model, placement, rank), groups)
+    peers = {(model.module_of(n), g.ranks[0]): g.ranks for g in placement.node_groups if g.tp_size > 1
+             for n in g.node_names}
+    return TPContext(layouts_on(model, placement, rank), groups, peers)
 
 
 # -- leader and followers ---------------------------------------------------------------------------
@@ -237,6 +246,16 @@ class _Mirror:
         finally:
             self._tp_depth -= 1
 
+    def tell(self, method: str, *args: Any) -> None:
+        """Send the followers a call with no engine call here (``migrate``, ``forget``)."""
+        with self._mirrored(method, *args):
+            pass
+
+    def import_shard(self, request_id: str, caches: dict[str, Any], token: int) -> None:
+        """Import this rank's shard of migrated caches; each follower imports the shard of ``token``."""
+        with self._mirrored("import", request_id, token):
+            super().import_request(request_id, caches)
+
     def run(self, items: list[WorkItem]) -> list:
         with self._mirrored("run", items):
             return super().run(items)
@@ -259,16 +278,6 @@ class TPLeaderEngine(_Mirror, StatelessEngine):
 
     def swap_out(self, request_id: str, preempted: bool = True) -> None:
         raise TypeError("a stateless engine has no KV blocks to swap out")
-
-
-def follow(engine: StatelessEngine, call: TPCall) -> None:
-    """Repeat a leader's engine call on a follower (its outputs are the leader's to route)."""
-    if call.method not in MIRRORED:
-        raise ValueError(f"not a mirrored engine call: {call.method!r}")
-    try:
-        getattr(engine, call.method)(*call.args)
-    except Exception:  # noqa: BLE001 - the leader reports the failure; this rank keeps serving
-        log.exception("tensor-parallel follower: %s of %s failed", call.method, call.module)
 
 
 def build_tp_engine(module: Any, layout: TPLayout, transport: Any, num_blocks: int, block_size: int,

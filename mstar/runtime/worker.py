@@ -58,10 +58,12 @@ from mstar.runtime.tensor_parallel import (
     StatsBarrier,
     TPCall,
     TPContext,
+    TPLeaderEngine,
+    TPLeaderKVEngine,
     TPStatsBarrier,
     build_tp_engine,
-    follow,
 )
+from mstar.runtime.tp_follower import TPFollower, TPShard
 from mstar.runtime.walk_tracker import Effects, ReadyNode, WalkTracker
 
 log = logging.getLogger(__name__)
@@ -117,8 +119,9 @@ class Worker:
                           StreamPush: self._stream_push, StreamEnd: self._stream_end, FreeRequest: self._free_request,
                           MigrateKV: self._migrate_kv, FreeKV: self._free_kv, KVImport: self._import_kv,
                           StatsRequest: self._stats_request, Shutdown: self._shutdown, TPCall: self._tp_call,
-                          TPStatsBarrier: self._tp_stats_barrier}
+                          TPStatsBarrier: self._tp_stats_barrier, TPShard: self._tp_shard}
         self._stats_barrier = StatsBarrier()
+        self._tp_follower = TPFollower(self.engines, transport, tp) if self.following else None
 
     def _build_engines(self, nodes: list[str], device: str) -> None:
         placement = self.routing.placement
@@ -209,12 +212,16 @@ class Worker:
 
     def _free_request(self, msg: FreeRequest) -> None:
         self._free(msg.request_id)
+        for eng in self._tp_led():  # for good: followers drop shards of it that were never imported
+            eng.tell("forget", msg.request_id)
         self._freed[msg.request_id] = None
         if len(self._freed) > 100_000:
             self._freed.popitem(last=False)
 
     def _migrate_kv(self, msg: MigrateKV) -> None:
         eng = self.engines.get(msg.module)
+        if isinstance(eng, TPLeaderKVEngine):  # each follower sends its own shard
+            eng.tell("migrate", msg.request_id, list(msg.dests), list(msg.tokens), msg.keep)
         caches = eng.export_request(msg.request_id, free=not msg.keep) if eng is not None else {}
         for dest, token in zip(msg.dests, msg.tokens):
             self.transport.send(dest, KVImport(msg.request_id, msg.module, caches, token))
@@ -226,7 +233,9 @@ class Worker:
 
     def _import_kv(self, msg: KVImport) -> None:
         eng = self.engines.get(msg.module)
-        if eng is not None:
+        if isinstance(eng, TPLeaderKVEngine):
+            self._guarded(msg.request_id, lambda: eng.import_shard(msg.request_id, msg.caches, msg.token))
+        elif eng is not None:
             self._guarded(msg.request_id, lambda: eng.import_request(msg.request_id, msg.caches))
         elif msg.caches:
             self._fail(msg.request_id, f"rank {self.rank} received KV of {msg.module!r}, which it does not hold",
@@ -246,7 +255,14 @@ class Worker:
             self.transport.send(CONDUCTOR, StatsReply(msg.token, self.rank, self.stats()))
 
     def _tp_call(self, msg: TPCall) -> None:
-        follow(self.engines[msg.module], msg)
+        self._tp_follower.call(msg)
+
+    def _tp_shard(self, msg: TPShard) -> None:
+        self._tp_follower.shard(msg)
+
+    def _tp_led(self) -> list:
+        """The engines this rank leads a tensor-parallel group for."""
+        return [e for e in self.engines.values() if isinstance(e, TPLeaderKVEngine | TPLeaderEngine)]
 
     def _shutdown(self, msg: Shutdown) -> None:
         self.running = False
