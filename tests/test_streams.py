@@ -33,3 +33,15 @@ def test_end_of_empty_stream_and_continue_after_done():
     assert last.items == (7,) and last.is_final
     again = buf.pull("n", "x")  # a consumer that keeps running sees an empty final chunk
     assert again.items == () and again.is_final
+
+
+def test_an_empty_push_after_the_end_changes_nothing():
+    """A producer step that streams nothing (an LM token that carries no audio) may reach the
+    consumer after the stream's end: it must not reopen or break the finished stream."""
+    buf = StreamBuffer()
+    f = lambda: FixedChunkPolicy(chunk_size=2)  # noqa: E731
+    buf.push("n", "x", "p", f, [1, 2], offset=0)
+    buf.end("p", {("n", "x"): 2})
+    buf.push("n", "x", "p", f, [], offset=2)
+    buf.push("n", "x", "p", f, [], offset=0)
+    assert drain(buf) == [[1, 2]] and buf.all_ended({"p"})

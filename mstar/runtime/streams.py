@@ -43,7 +43,8 @@ class StreamBuffer:
 
     def push(self, node: str, name: str, from_partition: str, factory, items: list[Any], offset: int) -> None:
         inp = self.ensure(node, name, from_partition, factory)
-        inp.held[offset] = items
+        if items:  # an empty push carries nothing (and may arrive after the stream's end)
+            inp.held[offset] = items
         while inp.next_offset in inp.held:
             batch = inp.held.pop(inp.next_offset)
             inp.pending.extend(inp.policy.push(batch))

@@ -275,6 +275,8 @@ class Worker:
             self.transport.send(CONDUCTOR, Emit(rid, e.name, e.value, e.modality, e.node, w.walk))
         w.state.update(fx.state)
         for p in fx.pushes:
+            if not p.items:
+                continue  # nothing to stream this step (e.g. a token that carries no audio)
             skey = StreamKey(p.partition, p.node, p.name)
             offset = w.offsets.get(skey, 0) + w.pushed[skey]
             w.pushed[skey] += len(p.items)
