@@ -27,10 +27,11 @@ from typing import Any
 import torch
 
 from mstar.layers.paged_attention import AttentionMetadata, QueryMode, copy_blocks
-from mstar.model.submodule import EngineInputs, ForwardInfo, KVSequence, KVSpec, NodeInputs, NodeSubmodule
+from mstar.model.submodule import EngineInputs, ForwardInfo, KVSequence, NodeInputs, NodeSubmodule
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.keys import WalkKey
 from mstar.runtime.kv.block_pool import BlockPool, KVCacheManager, OutOfBlocks, prefix_hashes
+from mstar.runtime.kv.sizing import as_blocks, cdiv
 
 
 @dataclass(slots=True)
@@ -457,7 +458,7 @@ class KVCacheEngine(StatelessEngine):
             if m.has(request_id, name):
                 m.free(request_id, name)
         bs = m.block_size
-        if sum(_cdiv(c["num_tokens"], bs) for c in caches.values()) > m.pool.num_free or request_id in self._swapped:
+        if sum(cdiv(c["num_tokens"], bs) for c in caches.values()) > m.pool.num_free or request_id in self._swapped:
             self._import_swapped(request_id, caches)
             return
         for name, c in caches.items():
@@ -479,12 +480,12 @@ class KVCacheEngine(StatelessEngine):
         start = saved.num_blocks if saved else 0
         for name, c in caches.items():
             n = c["num_tokens"]
-            nb = _cdiv(n, bs)
+            nb = cdiv(n, bs)
             tables[name] = (list(range(start, start + nb)), n)
             start += nb
             for layer in range(len(self.kv_caches)):
-                ks[layer].append(_as_blocks(c["k"][layer], nb, bs, cache.dtype))
-                vs[layer].append(_as_blocks(c["v"][layer], nb, bs, cache.dtype))
+                ks[layer].append(as_blocks(c["k"][layer], nb, bs, cache.dtype))
+                vs[layer].append(as_blocks(c["v"][layer], nb, bs, cache.dtype))
         empty = torch.zeros((0, *cache.shape[1:]), dtype=cache.dtype)
         self._swapped[request_id] = _Swapped(tables, [torch.cat([empty, *k]) for k in ks],
                                              [torch.cat([empty, *v]) for v in vs])
@@ -492,25 +493,3 @@ class KVCacheEngine(StatelessEngine):
     def stats(self) -> dict[str, Any]:
         return {**self.manager.stats(), "swapped_requests": len(self._swapped), "preemptions": self.preemptions,
                 "prefix_query_tokens": self.prefix_query_tokens, "prefix_hit_tokens": self.prefix_hit_tokens}
-
-
-def blocks_in_memory(spec: KVSpec, block_size: int, gib: float) -> int:
-    """How many KV blocks of ``spec`` fit in ``gib`` GiB: K and V of every layer, in its dtype."""
-    itemsize = torch.empty((), dtype=spec.dtype).element_size()
-    per_block = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
-    blocks = int(gib * (1 << 30)) // per_block
-    if blocks < 1:
-        raise ValueError(f"kv_cache_memory_gib={gib} holds no KV block of {per_block} bytes "
-                         f"({spec.num_layers} layers, block size {block_size})")
-    return blocks
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _as_blocks(dense: torch.Tensor, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Dense per-token K or V ``[n, heads, dim]`` as ``[num_blocks, block_size, heads, dim]`` (host)."""
-    out = torch.zeros((num_blocks * block_size, *dense.shape[1:]), dtype=dtype)
-    out[:dense.shape[0]] = dense.to("cpu", dtype)
-    return out.view(num_blocks, block_size, *dense.shape[1:])

@@ -28,10 +28,10 @@ from mstar.runtime.engine import (
     KVCacheEngine,
     StatelessEngine,
     WorkItem,
-    blocks_in_memory,
 )
 from mstar.runtime.failures import FailureKind, KVCacheExhausted, describe
 from mstar.runtime.keys import PartitionKey, StreamKey, WalkKey, decode_counts, encode_counts
+from mstar.runtime.kv.sizing import blocks_in_memory
 from mstar.runtime.messages import (
     CONDUCTOR,
     Emit,
