@@ -1,7 +1,7 @@
 """``mstar bench runtime``: measure the runtime's per-step overhead (see mstar/bench/runtime_bench.py).
 ``mstar bench orpheus``: Orpheus TTS serving vs. HF generate baselines (see mstar/bench/orpheus_bench.py).
-``mstar bench compare llm|rollout|t2i|policy``: ours vs. peers in one run (mstar/bench/llm_bench.py,
-rollout_bench.py, bagel_bench.py, policy_bench.py)."""
+``mstar bench compare llm|rollout|t2i|policy|omni``: ours vs. peers in one run (mstar/bench/llm_bench.py,
+rollout_bench.py, bagel_bench.py, policy_bench.py, omni_bench.py)."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def _add_rollout(bsub) -> None:
 
 
 def _add_compare(bsub) -> None:
-    x = bsub.add_parser("compare", help="ours vs. the peer baselines in one run (suites: llm, rollout, t2i)",
+    x = bsub.add_parser("compare", help="ours vs. the peer baselines in one run (suites: llm, rollout, t2i, omni)",
                         description="Run mstar and peer baselines side by side, same weights, same run. "
                                     "llm: a Llama-shaped LM vs. HF transformers generate and vLLM's CPU "
                                     "backend (from the .venv-peers virtualenv made by `make bench-peers`); "
@@ -83,12 +83,15 @@ def _add_compare(bsub) -> None:
                                     "text-to-image vs. the dense oracle loop (--batches, default 1,4), plus "
                                     "image-understanding TTFT and tokens/s; policy: pi0.5 over the openpi "
                                     "websocket protocol at --clients concurrent clients vs. lerobot's "
-                                    "sample_actions one request at a time (from .venv-ref-pi05, `make ref-pi05`).")
-    x.add_argument("suite", choices=["rollout", "llm", "tts", "t2i", "policy"])
+                                    "sample_actions one request at a time (from .venv-ref-pi05, `make ref-pi05`); "
+                                    "omni: Qwen3-Omni text-to-speech (random weights saved by transformers, loaded "
+                                    "by mstar) vs. transformers generate(return_audio=True) one request at a time "
+                                    "and batched.")
+    x.add_argument("suite", choices=["rollout", "llm", "tts", "t2i", "policy", "omni"])
     x.add_argument("--horizons", type=_batches, default=[4, 15, 30], help="rollout: horizons")
     x.add_argument("--batches", type=_batches, default=None,
                    help="rollout / t2i: batch sizes (default 1,8 / 1,4)")
-    x.add_argument("--repeats", type=int, default=None, help="repeats per system (default: rollout 1, llm 3)")
+    x.add_argument("--repeats", type=int, default=None, help="repeats per system (default: rollout 1, llm 3, omni 2)")
     x.add_argument("--image-size", type=int, default=64, help="t2i: image side in pixels (default 64)")
     x.add_argument("--steps", type=int, default=50, help="t2i: flow timesteps (default 50: 49 steps)")
     x.add_argument("--i2t-batches", type=_batches, default=[1, 2, 4, 8, 16], help="t2i: i2t batch sizes")
@@ -119,9 +122,24 @@ def _add_compare(bsub) -> None:
     x.add_argument("--threads", type=int, default=1, help="policy: torch threads on each side (default 1)")
     x.add_argument("--rounds", type=int, default=3,
                    help="policy: alternating rounds of reference and mstar, pooled (default 3)")
-    x.add_argument("--seed", type=int, default=0, help="llm: weights and prompts seed (default 0)")
-    x.add_argument("--out", default=None, help="llm: also write the results as JSON to this file")
+    x.add_argument("--seed", type=int, default=0, help="llm / omni: weights and prompts seed (default 0)")
+    x.add_argument("--out", default=None, help="llm / omni: also write the results as JSON to this file")
+    _add_compare_omni(x)
     x.set_defaults(func=run_compare)
+
+
+def _add_compare_omni(x) -> None:
+    x.add_argument("--levels", type=_int_list("--levels"), default=[1, 4, 16],
+                   help="omni: comma-separated numbers of concurrent requests (default 1,4,16)")
+    x.add_argument("--text-tokens", type=int, default=12, help="omni: most thinker tokens per request (default 12)")
+    x.add_argument("--talker-steps", type=int, default=61,
+                   help="omni: talker steps per request, codec EOS suppressed: steps - 1 frames (default 61)")
+    x.add_argument("--sample", action="store_true",
+                   help="omni: sample the talker as the reference default (temperature 0.9, top-k 50) instead "
+                        "of greedy (no parity line then)")
+    x.add_argument("--hidden", type=int, default=128, help="omni: hidden size (default 128)")
+    x.add_argument("--layers", type=int, default=4, help="omni: thinker and talker layers (default 4)")
+    x.add_argument("--experts", type=int, default=8, help="omni: experts per MoE layer, top-2 (default 8)")
 
 
 def _add_serve(bsub) -> None:
@@ -203,6 +221,8 @@ def run_compare(args: argparse.Namespace) -> int:
         return run_compare_t2i(args)
     if args.suite == "policy":
         return run_compare_policy(args)
+    if args.suite == "omni":
+        return run_compare_omni(args)
     from mstar.bench.rollout_bench import format_compare, run_rollout_compare
 
     rows, cem = run_rollout_compare(args.horizons, args.batches or [1, 8], repeats=args.repeats or 1)
@@ -241,6 +261,25 @@ def run_compare_t2i(args: argparse.Namespace) -> int:
     print(format_t2i(rows))
     print(f"\nbagel-tiny image understanding (greedy, {args.i2t_tokens} tokens each, EOS ignored)", flush=True)
     print(format_i2t(run_i2t(args.i2t_batches, repeats=repeats, max_tokens=args.i2t_tokens)))
+    return 0
+
+
+def run_compare_omni(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
+    from mstar.bench.omni_bench import bench_hf_config, format_table, run_omni_bench, to_json
+
+    if args.hidden < 32 or args.hidden % 32 or args.layers < 2 or args.experts < 2:
+        raise ValueError("omni: --hidden must be a multiple of 32, --layers and --experts >= 2")
+    cfg = bench_hf_config(args.hidden, args.layers, args.experts)
+    res = run_omni_bench(sorted(args.levels), text_tokens=args.text_tokens, talker_steps=args.talker_steps,
+                         repeats=args.repeats or 2, sample=args.sample, seed=args.seed, config=cfg,
+                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_table(res))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(to_json(res), f, indent=1)
     return 0
 
 

@@ -9,8 +9,9 @@ BUILTIN_MODELS: dict[str, str] = {
     # Unified multimodal: BAGEL (text/image in, text/image out), and its tiny offline variant.
     "bagel": "mstar.models.bagel.model:BagelModel",
     "bagel-tiny": "mstar.models.bagel.model:BagelTiny",
-    # Structure-only declarations (graph + next_walk, no weights yet): drawable with `mstar graph`.
-    "qwen3-omni": "mstar.models.qwen3_omni.model:Qwen3OmniGraph",
+    # Omni: Qwen3-Omni (thinker -> talker -> code2wav: text and speech out), and its tiny offline variant.
+    "qwen3-omni": "mstar.models.qwen3_omni.model:Qwen3Omni",
+    "qwen3-omni-tiny": "mstar.models.qwen3_omni.model:Qwen3OmniTiny",
     # Text-to-speech: Orpheus (Llama + SNAC), and its tiny offline variant.
     "orpheus": "mstar.models.orpheus.model:OrpheusTTS",
     "orpheus-tiny": "mstar.models.orpheus.model:OrpheusTiny",

@@ -1,8 +1,37 @@
 """Qwen3-Omni's Walk Graph: Thinker -> Talker -> Code2Wav, three partitions streaming in a chain.
 
-The Talker's decode is a DynamicLoop that contains the code predictor's fixed Loop (15 code
-groups per audio frame), the nesting the paper describes. Structure only: no weights or nodes yet
-(``model.py`` makes it drawable with ``mstar graph qwen3-omni``).
+::
+
+    Thinker   thinker_prefill: input_ids -> Thinker -> token, seen, rope_delta (state), text (client),
+                               thinker_states ~> Talker
+              thinker_prefill_{audio_in,image_in,audio_in_image_in}: the towers first (audio_encoder:
+                               audio_features -> audio_embeds; vision_encoder: pixel_values, image_grid_thw
+                               -> image_embeds, deepstack), then the Thinker with their outputs
+              thinker_decode:  DynamicLoop(Thinker: token, seen, rope_delta -> token, seen (fed back), text,
+                                           thinker_states ~>)
+              (text-only requests run the *_text twins, which stream nothing)
+    Talker    talker_prefill[_image_in]: thinker_states (the prompt block), input_ids[, image_grid_thw]
+                               -> Talker -> codec_sum, talker_seen, talker_delta (state)
+              talker_decode:   DynamicLoop(
+                                 Talker: thinker_states (one generated position per iteration), codec_sum,
+                                         talker_seen, talker_delta -> code0, talker_hidden, ... ,
+                                 Loop x15(code_predictor: talker_hidden, code, cp_cache, cp_sum -> code, ...),
+                                 frame_assembler: code0, speak, code (15), cp_sum -> codec_sum (fed back),
+                                                  frame_codes (client), codec_frames ~> Code2Wav)
+    Code2Wav  code2wav_chunk:  codec_frames (25 new frames + 25 of left context) -> Code2Wav -> audio (client)
+
+Stream items: the Thinker's prefill pushes ONE item, the prompt's ``[P, 2, H]`` (input embeddings and
+the ``accept_hidden_layer`` output per position); each decode iteration pushes the ``[1, 2, H]`` of the
+token it fed. ``FixedChunkPolicy(chunk_size=1, continue_after_done=True)`` hands the Talker one
+item per walk / iteration and, once the Thinker ended, empty final chunks (the Talker then adds
+``tts_eos`` once, then ``tts_pad``). The Talker prefills the user turn and the first 8 assistant
+positions in ``talker_prefill``; iteration 0 of ``talker_decode`` brings the 9th position (the first
+generated token's text + ``codec_bos``), so the Talker trails the Thinker by one token.
+
+The code predictor is a fixed ``Loop`` of 15 steps nested in the Talker's ``DynamicLoop``: step 0
+reads ``[talker hidden, E(code0)]``, each later step the previous code's embedding; its per-frame
+cache (``cp_cache``) and the running sum of the frame's code embeddings (``cp_sum``, the next
+Talker input) are carried from step to step.
 """
 
 from __future__ import annotations
@@ -29,59 +58,135 @@ from mstar.graph import (
 if TYPE_CHECKING:
     from mstar.model.base import WalkState
 
-__all__ = ["NUM_CODE_GROUPS", "build_graph", "next_walk"]
+__all__ = ["CODE2WAV_CHUNK", "CODE2WAV_LEFT_CONTEXT", "NUM_CODE_GROUPS", "build_graph", "code2wav_exact_context",
+           "next_walk", "prefill_walk_name", "wants_audio"]
 
 NUM_CODE_GROUPS = 16
+CODE2WAV_CHUNK = 25
+CODE2WAV_LEFT_CONTEXT = 25  # the seeds' value; the model passes its exact context (see build_graph)
 
 
-def build_graph() -> WalkGraph:
-    states_out = StreamingGraphEdge(next_node="Talker", name="thinker_states", target_partition="Talker")
+def wants_audio(params) -> bool:
+    """Whether a request asks for speech (``params["audio"]``; default: text only)."""
+    return bool(params.get("audio", False))
+
+
+def _prefill_section(outputs: list[GraphEdge], audio_in: bool, image_in: bool):
+    """The Thinker's prefill, after the towers the request's media need (each tower's embeddings
+    replace its placeholders; the vision tower's deepstack features join the first layers)."""
+    towers, thinker_inputs = [], ["input_ids"]
+    if audio_in:
+        towers.append(GraphNode("audio_encoder", ["audio_features"], [GraphEdge("Thinker", "audio_embeds")]))
+        thinker_inputs.append("audio_embeds")
+    if image_in:
+        towers.append(GraphNode("vision_encoder", ["pixel_values", "image_grid_thw"],
+                                [GraphEdge("Thinker", "image_embeds"), GraphEdge("Thinker", "deepstack")]))
+        thinker_inputs += ["image_embeds", "deepstack", "image_grid_thw"]
+    thinker = GraphNode("Thinker", thinker_inputs, outputs)
+    return Sequential([*towers, thinker]) if towers else thinker
+
+
+def prefill_walk_name(audio_in: bool, image_in: bool, audio_out: bool) -> str:
+    return "thinker_prefill" + "_audio_in" * audio_in + "_image_in" * image_in + "_text" * (not audio_out)
+
+
+def _thinker_walks(max_text_tokens: int) -> list[Walk]:
     text_out = GraphEdge(EMIT_TO_CLIENT, "text", output_modality="text")
-    thinker_prefill = GraphNode("Thinker", ["input_ids"], [GraphEdge(TO_STATE, "token"), text_out, states_out])
-    thinker_decode = DynamicLoop(
-        GraphNode("Thinker", ["token"], [GraphEdge("Thinker", "token"), text_out, states_out]),
-        max_iters=2048,
+    states = StreamingGraphEdge(next_node="Talker", name="thinker_states", target_partition="Talker")
+    walks = []
+    for audio_out in (True, False):
+        extra = [states] if audio_out else []
+        outputs = [GraphEdge(TO_STATE, "token"), GraphEdge(TO_STATE, "seen"), GraphEdge(TO_STATE, "rope_delta"),
+                   text_out, *extra]
+        for audio_in in (False, True):
+            for image_in in (False, True):
+                inputs = ["input_ids", *["audio_features"] * audio_in,
+                          *["pixel_values", "image_grid_thw"] * image_in]
+                walks.append(Walk(prefill_walk_name(audio_in, image_in, audio_out),
+                                  _prefill_section(outputs, audio_in, image_in), inputs=inputs,
+                                  partition="Thinker"))
+        suffix = "" if audio_out else "_text"
+        decode = DynamicLoop(GraphNode("Thinker", ["token", "seen", "rope_delta"],
+                                       [GraphEdge("Thinker", "token"), GraphEdge("Thinker", "seen"), text_out,
+                                        *extra]),
+                             max_iters=max_text_tokens, name=f"thinker_loop{suffix}")
+        walks.append(Walk(f"thinker_decode{suffix}", decode, inputs=["token", "seen", "rope_delta"],
+                          partition="Thinker"))
+    return walks
+
+
+def _talker_walks(max_frames: int) -> list[Walk]:
+    prefill_out = [GraphEdge(TO_STATE, "codec_sum"), GraphEdge(TO_STATE, "talker_seen"),
+                   GraphEdge(TO_STATE, "talker_delta")]
+    prefill = GraphNode("Talker", ["thinker_states", "input_ids"], prefill_out)
+    prefill_image = GraphNode("Talker", ["thinker_states", "input_ids", "image_grid_thw"], prefill_out)
+    talker = GraphNode("Talker", ["thinker_states", "codec_sum", "talker_seen", "talker_delta"], [
+        GraphEdge("Talker", "talker_seen"),
+        GraphEdge("code_predictor", "talker_hidden"), GraphEdge("code_predictor", "code"),
+        GraphEdge("code_predictor", "cp_cache"), GraphEdge("code_predictor", "cp_sum"),
+        GraphEdge("frame_assembler", "code0"), GraphEdge("frame_assembler", "speak"),
+    ])
+    groups = Loop(
+        GraphNode("code_predictor", ["talker_hidden", "code", "cp_cache", "cp_sum"],
+                  [GraphEdge("code_predictor", "code"), GraphEdge("code_predictor", "cp_cache"),
+                   GraphEdge("code_predictor", "cp_sum")]),
+        max_iters=NUM_CODE_GROUPS - 1,
+        outputs=[GraphEdge("frame_assembler", "code"), GraphEdge("frame_assembler", "cp_sum")],
+        accumulate=["code"],
+        name="code_groups",
     )
-    talker_decode = DynamicLoop(
-        Sequential([
-            GraphNode("Talker", ["thinker_states", "frame_codes"],
-                      [GraphEdge("code_predictor", "talker_hidden"), GraphEdge("code_predictor", "code"),
-                       GraphEdge("frame_assembler", "code0")]),
-            Loop(
-                GraphNode("code_predictor", ["talker_hidden", "code"], [GraphEdge("code_predictor", "code")]),
-                max_iters=NUM_CODE_GROUPS - 1,
-                outputs=[GraphEdge("frame_assembler", "code")],
-                accumulate=["code"],
-                name="code_groups",
-            ),
-            GraphNode("frame_assembler", ["code0", "code"],
-                      [GraphEdge("Talker", "frame_codes"),
-                       StreamingGraphEdge("Code2Wav", "codec_frames", target_partition="Code2Wav")]),
-        ]),
-        max_iters=4096,
-        stop_node="Talker",
-        name="talker_loop",
-    )
-    code2wav = GraphNode("Code2Wav", ["codec_frames"], [GraphEdge(EMIT_TO_CLIENT, "audio", output_modality="audio")])
+    assembler = GraphNode("frame_assembler", ["code0", "speak", "code", "cp_sum"], [
+        GraphEdge("Talker", "codec_sum"), GraphEdge(EMIT_TO_CLIENT, "frame_codes"),
+        StreamingGraphEdge("Code2Wav", "codec_frames", target_partition="Code2Wav"),
+    ])
+    decode = DynamicLoop(Sequential([talker, groups, assembler]), max_iters=max_frames, stop_node="Talker",
+                         name="talker_loop")
+    return [Walk("talker_prefill", prefill, inputs=["input_ids"], partition="Talker"),
+            Walk("talker_prefill_image_in", prefill_image, inputs=["input_ids", "image_grid_thw"],
+                 partition="Talker"),
+            Walk("talker_decode", decode, inputs=["codec_sum", "talker_seen", "talker_delta"], partition="Talker")]
+
+
+def code2wav_exact_context(num_layers: int, sliding_window: int, conv_context: int = 10) -> int:
+    """Left context (frames) that makes every streamed Code2Wav chunk equal a full decode: the
+    pre-transformer's reach (``layers * (window - 1)``) plus the causal convolutions'."""
+    return num_layers * (sliding_window - 1) + conv_context
+
+
+def build_graph(max_text_tokens: int = 2048, max_frames: int = 4096,
+                code2wav_left_context: int = CODE2WAV_LEFT_CONTEXT) -> WalkGraph:
+    """``code2wav_left_context``: frames of context each Code2Wav chunk re-reads. The seeds' 25 is
+    shorter than the pre-transformer's reach, so a served model passes ``code2wav_exact_context``
+    of its config (the convolutions still run over only 10 + new frames)."""
+    audio_out = GraphEdge(EMIT_TO_CLIENT, "audio", output_modality="audio")
+    code2wav = GraphNode("Code2Wav", ["codec_frames"], [audio_out])
     topology = PartitionTopology(connections=[
         Connection("Thinker", "Talker", "thinker_states",
                    lambda: FixedChunkPolicy(chunk_size=1, continue_after_done=True)),
         Connection("Talker", "Code2Wav", "codec_frames",
-                   lambda: LeftContextChunkPolicy(chunk=25, left_context=25)),
+                   lambda: LeftContextChunkPolicy(chunk=CODE2WAV_CHUNK, left_context=code2wav_left_context)),
     ])
-    return WalkGraph([
-        Walk("thinker_prefill", thinker_prefill, inputs=["input_ids"], partition="Thinker"),
-        Walk("thinker_decode", thinker_decode, inputs=["token"], partition="Thinker"),
-        Walk("talker_decode", talker_decode, inputs=["frame_codes"], partition="Talker"),
-        Walk("code2wav_chunk", code2wav, partition="Code2Wav"),
-    ], topology=topology)
+    return WalkGraph([*_thinker_walks(max_text_tokens), *_talker_walks(max_frames),
+                      Walk("code2wav_chunk", code2wav, partition="Code2Wav")], topology=topology)
 
 
-def next_walk(state: WalkState) -> str | None:
-    """Thinker: prefill, then decode; Talker: one decode walk (fed by the Thinker's stream); Code2Wav:
-    one walk per chunk until the stream is drained."""
+def next_walk(state: WalkState, first_token_ends: bool = False) -> str | None:
+    """Thinker: the prefill for the request's media (towers for ``audio_features`` / ``pixel_values``),
+    then decode unless ``first_token_ends`` (the *_text twins when no audio is asked for); Talker:
+    prefill, then one decode walk, for audio requests only; Code2Wav: one walk per chunk until the
+    stream is drained."""
+    audio = wants_audio(state.params)
+    images = bool(state.tensors.get("pixel_values"))
     if state.partition == "Thinker":
-        return {None: "thinker_prefill", "thinker_prefill": "thinker_decode"}.get(state.last_walk)
+        if state.last_walk is None:
+            return prefill_walk_name(bool(state.tensors.get("audio_features")), images, audio)
+        if state.last_walk.startswith("thinker_prefill") and not first_token_ends:
+            return "thinker_decode" if audio else "thinker_decode_text"
+        return None
     if state.partition == "Talker":
-        return "talker_decode" if state.last_walk is None else None
+        if not audio:
+            return None
+        if state.last_walk is None:
+            return "talker_prefill_image_in" if images else "talker_prefill"
+        return "talker_decode" if state.last_walk.startswith("talker_prefill") else None
     return None if state.stream_done else "code2wav_chunk"

@@ -42,7 +42,8 @@ async def chat(req: ChatCompletionRequest, engine: Engine, limits: Limits):
     api_req = adapt(engine.adapter.chat_request, req.model_dump(), images, audio)
     completion = _Completion(await start(engine, CHAT, api_req), engine.model_name, api_req.prompt_tokens,
                              want_audio=bool(req.modalities and "audio" in req.modalities),
-                             sample_rate=engine.adapter.sample_rate)
+                             sample_rate=engine.adapter.sample_rate,
+                             audio_format=req.audio.format if req.audio else "wav")
     if not req.stream:
         return await completion.collect()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -95,6 +96,7 @@ class _Completion:
     prompt_tokens: int
     want_audio: bool
     sample_rate: int
+    audio_format: str = "wav"  # of message.audio.data: a WAV file, or "pcm16" raw samples
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -152,6 +154,10 @@ class _Completion:
         return sse({**self._head("chat.completion.chunk"), "choices": [choice]})
 
     def _audio(self, pcm: list[torch.Tensor], transcript: str) -> dict:
-        wav, _ = media.encode_audio(torch.cat(pcm), self.sample_rate, "wav")
-        return {"id": f"audio_{uuid.uuid4().hex[:16]}", "data": base64.b64encode(wav).decode(),
+        samples = torch.cat(pcm)
+        if self.audio_format == "pcm16":
+            data = media.pcm_bytes(samples)
+        else:
+            data, _ = media.encode_audio(samples, self.sample_rate, "wav")
+        return {"id": f"audio_{uuid.uuid4().hex[:16]}", "data": base64.b64encode(data).decode(),
                 "expires_at": self.created + 3600, "transcript": transcript}

@@ -1,0 +1,251 @@
+"""Qwen3-Omni's Code2Wav: codec frames (16 codes each, 12.5 Hz) -> 24 kHz mono waveform.
+
+:class:`Code2Wav` wraps transformers' ``Qwen3OmniMoeCode2Wav`` (built from its config; weights
+under ``code2wav.*`` in the checkpoint) as a batched, stateless module:
+
+* ``decode(codes [B, Q, T]) -> [B, wave_length(T)]``: the whole sequence at once (the module's
+  forward, clamped to [-1, 1]);
+* ``decode_chunk(codes [B, Q, T], left_context) -> list of B 1-D waveforms``: one streamed chunk,
+  whose first ``left_context`` frames were already decoded by earlier chunks;
+* ``decode_chunks(list of ChunkRequest) -> list of waveforms``: many requests' chunks, one forward
+  per group of equal shape.
+
+Lengths. Every decoder block upsamples with a transposed convolution of kernel ``2r`` and stride
+``r`` trimmed by ``r`` on both sides, so ``L`` steps become ``(L - 1) * r``: each output sample
+needs the *next* input step (one step of look-ahead). For the real config (upsampling 2, 2 then
+8, 5, 4, 3) ``n`` frames give ``1920 * n - 555`` samples (:meth:`Code2Wav.wave_length`). The
+samples a decode of frames ``[0, n)`` produces depend on those frames only (everything is causal
+apart from that look-ahead, which the trimming already excludes).
+
+Stitching rule. A chunk holds frames ``[s - c, e)``: ``c`` frames of left context then the new
+frames ``[s, e)``. The stream so far has ``wave_length(s)`` samples, so the chunk emits its
+decode's samples ``[wave_length(c), wave_length(e - s + c))``: global samples
+``[wave_length(s), wave_length(e))``. The concatenation of a stream's chunks therefore has exactly
+the length of a full decode, ``wave_length(n)`` (transformers' ``chunked_decode`` instead drops
+``ctx * 1920`` samples, losing 555 at every boundary). A first chunk (``c = 0``) emits everything.
+
+Values. The causal convolutions reach fewer than :data:`CONV_CONTEXT` frames back, so a chunk
+convolves only its new frames and that many before them. The pre-transformer attends over a
+72-frame sliding window per layer, so with 25 frames of left context a stateless chunk differs from
+a full decode after each chunk start (tiny random config: relative L2 ~2e-3; the real config with
+random weights: ~0.3). With ``left_context >= exact_left_context`` (``layers * (window - 1) +
+CONV_CONTEXT``: 578 frames for the real model, 81 for the tiny one) the transformer sees its whole
+reach and a chunk equals the full decode to rounding; the transformer is cheap next to the
+convolutions, which still run over ``CONV_CONTEXT`` + new frames only.
+
+Exact streaming with a state (:class:`Code2WavStream`, ``new_stream`` / ``decode_streams``): a
+per-request state holding the pre-transformer's sliding-window K/V (``window - 1`` frames per
+layer) and its last :data:`CONV_CONTEXT` output frames. Each chunk's NEW frames go through the
+transformer on that cache, then the convolutions run on the kept outputs plus the new ones and
+emit by the same stitching rule: equal to a full decode to rounding at any chunk size, with no
+recomputed context at all (the state must be dropped when the request ends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from mstar.model.checkpoint import load_into
+
+if TYPE_CHECKING:  # transformers is imported when a Code2Wav is built, not with this module
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
+
+__all__ = ["CONV_CONTEXT", "SAMPLE_RATE", "WEIGHT_PREFIX", "ChunkRequest", "Code2Wav", "Code2WavStream",
+           "to_pcm16"]
+
+SAMPLE_RATE = 24_000
+WEIGHT_PREFIX = "code2wav."
+# frames of transformer output the convolutions need on the left: their causal kernels reach
+# 3 + 1.5 + 1.5 + 2.4 + 0.5 + 0.1 < 10 frames back (ConvNeXt at 2 and 4 steps per frame, the input
+# convolution, then the residual units of each decoder block); 5 already agree to rounding
+CONV_CONTEXT = 10
+
+
+@dataclass(frozen=True)
+class ChunkRequest:
+    """One request's chunk: ``codes`` ``[Q, T]`` (row 0 = layer-0 codes), of which the first
+    ``left_context`` frames are context already decoded by an earlier chunk."""
+
+    codes: torch.Tensor
+    left_context: int
+
+    def __post_init__(self) -> None:
+        if self.codes.dim() != 2:
+            raise ValueError(f"chunk codes must be [num_quantizers, frames], got {tuple(self.codes.shape)}")
+        if not 0 <= self.left_context < self.codes.shape[1]:
+            raise ValueError(f"left_context must be in [0, {self.codes.shape[1]}), got {self.left_context}")
+
+
+@dataclass
+class Code2WavStream:
+    """One request's exact streaming state: ``cache`` (transformers ``DynamicCache`` of the
+    pre-transformer, its sliding window), ``context`` ``[<= CONV_CONTEXT, H]`` (the last transformer
+    outputs) and ``frames`` decoded so far."""
+
+    cache: Any
+    context: torch.Tensor
+    frames: int = 0
+
+
+def _config(config: Qwen3OmniMoeCode2WavConfig | Mapping[str, Any]) -> Qwen3OmniMoeCode2WavConfig:
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
+
+    if isinstance(config, Qwen3OmniMoeCode2WavConfig):
+        return config
+    if isinstance(config, Mapping):
+        return Qwen3OmniMoeCode2WavConfig(**config)
+    raise TypeError(f"code2wav config must be a Qwen3OmniMoeCode2WavConfig or a dict, got {type(config).__name__}")
+
+
+class Code2Wav(nn.Module):
+    """Batched stateless codec decoder around transformers' ``Qwen3OmniMoeCode2Wav``."""
+
+    def __init__(self, config: Qwen3OmniMoeCode2WavConfig | Mapping[str, Any]) -> None:
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+        super().__init__()
+        self.config = _config(config)
+        self.model = Qwen3OmniMoeCode2Wav(self.config).eval()
+        self.num_quantizers = int(self.config.num_quantizers)
+        self.codebook_size = int(self.config.codebook_size)
+        self.upsampling_ratios = tuple(int(r) for r in self.config.upsampling_ratios)
+        self.upsample_rates = tuple(int(r) for r in self.config.upsample_rates)
+        self.samples_per_frame = int(self.model.total_upsample)
+
+    @property
+    def sample_rate(self) -> int:
+        return SAMPLE_RATE
+
+    def wave_length(self, frames: int) -> int:
+        """Samples a decode of ``frames`` frames produces (0 for 0 frames)."""
+        if frames <= 0:
+            return 0
+        steps = frames
+        for ratio in self.upsampling_ratios:  # kernel == stride: exact multiple
+            steps *= ratio
+        for rate in self.upsample_rates:  # kernel 2r, stride r, trimmed by r on both sides
+            steps = (steps - 1) * rate
+        return max(steps, 0)
+
+    def emit_range(self, frames: int, left_context: int) -> tuple[int, int]:
+        """The samples of a ``frames``-frame decode that a chunk with ``left_context`` context
+        frames emits: ``[wave_length(left_context), wave_length(frames))``."""
+        return self.wave_length(left_context), self.wave_length(frames)
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], prefix: str = WEIGHT_PREFIX) -> None:
+        """Copy the ``prefix``-named tensors of a checkpoint state dict (strict: every mismatch is a
+        ``CheckpointError``); tensors with other prefixes are ignored."""
+        own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        load_into(self.model, own, what=f"checkpoint '{prefix}*' tensors")
+
+    def _check_codes(self, codes: torch.Tensor) -> None:
+        if codes.dim() != 3 or codes.shape[1] != self.num_quantizers:
+            raise ValueError(f"codes must be [batch, {self.num_quantizers}, frames], got {tuple(codes.shape)}")
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.codebook_size):
+            raise ValueError(f"codes must lie in [0, {self.codebook_size})")
+
+    @torch.inference_mode()
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """``codes`` ``[B, Q, T]`` -> waveform ``[B, wave_length(T)]`` (float32, in [-1, 1])."""
+        self._check_codes(codes)
+        if codes.shape[-1] == 0:
+            return torch.zeros(codes.shape[0], 0)
+        wav = self.model(codes.long().to(self._device()))
+        return wav[:, 0].float()
+
+    def _embed(self, codes: torch.Tensor) -> torch.Tensor:
+        """``[B, Q, T]`` codes -> the mean of their 16 code embeddings ``[B, T, H]``."""
+        return self.model.code_embedding(codes.long().to(self._device()) + self.model.code_offset).mean(1)
+
+    def _vocode(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Transformer outputs ``[B, T, H]`` -> waveform ``[B, wave_length(T)]`` (the convolutions)."""
+        x = hidden.transpose(1, 2)
+        for stage in self.model.upsample:
+            for block in stage:
+                x = block(x)
+        for block in self.model.decoder:
+            x = block(x)
+        return x.clamp(min=-1, max=1)[:, 0].float()
+
+    def new_stream(self) -> Code2WavStream:
+        from transformers import DynamicCache
+
+        hidden = self.model.code_embedding.weight
+        return Code2WavStream(DynamicCache(config=self.config), hidden.new_zeros(0, hidden.shape[1]))
+
+    @torch.inference_mode()
+    def decode_streams(self, streams: Sequence[Code2WavStream], codes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each stream's next frames (``codes[i]`` ``[Q, n_i]``, ``n_i >= 1``) -> the samples they add
+        (``wave_length(total) - wave_length(before)``). The transformer runs per stream on its cache;
+        the convolutions run once per group of equal length."""
+        pieces = []
+        for stream, new in zip(streams, codes):
+            self._check_codes(new[None])
+            out = self.model.pre_transformer(inputs_embeds=self._embed(new[None]), cache=stream.cache,
+                                             use_cache=True).last_hidden_state[0]
+            pieces.append((len(stream.context), torch.cat([stream.context, out])))
+            stream.context = pieces[-1][1][-CONV_CONTEXT:]
+            stream.frames += new.shape[1]
+        return self._vocode_pieces(pieces)
+
+    def decode_chunk(self, codes: torch.Tensor, left_context: int) -> list[torch.Tensor]:
+        """One chunk of each of ``B`` rows with the same ``left_context``: the new samples of each
+        row (``wave_length(T) - wave_length(left_context)`` of them)."""
+        return self.decode_chunks([ChunkRequest(row, left_context) for row in codes])
+
+    @torch.inference_mode()
+    def decode_chunks(self, chunks: Sequence[ChunkRequest]) -> list[torch.Tensor]:
+        """Chunks of many requests, in the order given. The transformer runs over every frame of a
+        chunk (one forward per group of equal frame count); the convolutions only over the new
+        frames and the :data:`CONV_CONTEXT` before them (their reach), which gives the same samples
+        as convolving the whole chunk."""
+        hidden: list[torch.Tensor | None] = [None] * len(chunks)
+        for rows in _groups(chunk.codes.shape[1] for chunk in chunks).values():
+            codes = torch.stack([chunks[i].codes for i in rows])
+            self._check_codes(codes)
+            out = self.model.pre_transformer(inputs_embeds=self._embed(codes)).last_hidden_state
+            for row, i in enumerate(rows):
+                hidden[i] = out[row]
+        pieces = []
+        for chunk, h in zip(chunks, hidden):
+            keep = min(CONV_CONTEXT, chunk.left_context)
+            pieces.append((keep, h[chunk.left_context - keep:]))
+        return self._vocode_pieces(pieces)
+
+    def _vocode_pieces(self, pieces: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        """``(context frames, transformer outputs [T, H])`` pairs -> the samples of the frames after
+        the context; one convolution pass per group of equal length."""
+        out: list[torch.Tensor | None] = [None] * len(pieces)
+        for frames, rows in _groups(h.shape[0] for _, h in pieces).items():
+            wav = self._vocode(torch.stack([pieces[i][1] for i in rows]))
+            for row, i in enumerate(rows):
+                start, end = self.emit_range(frames, pieces[i][0])
+                out[i] = wav[row, start:end]
+        return out  # type: ignore[return-value]
+
+    @property
+    def exact_left_context(self) -> int:
+        """The left context that makes a stateless chunk exact: the transformer's reach
+        (``layers * (window - 1)`` frames) plus the convolutions' (:data:`CONV_CONTEXT`)."""
+        return int(self.config.num_hidden_layers) * (int(self.config.sliding_window) - 1) + CONV_CONTEXT
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def _groups(sizes: Iterable[int]) -> dict[int, list[int]]:
+    """Indices by size, in order: the rows that can share one forward."""
+    out: dict[int, list[int]] = {}
+    for i, size in enumerate(sizes):
+        out.setdefault(size, []).append(i)
+    return out
+
+
+def to_pcm16(wave: torch.Tensor) -> torch.Tensor:
+    """A float waveform in [-1, 1] as int16 PCM (scaled by 32767, rounded, clamped)."""
+    return (wave.float().clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16)

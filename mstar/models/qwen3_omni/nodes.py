@@ -1,0 +1,480 @@
+"""Qwen3-Omni's nodes (see ``graph.py`` for the walks they serve):
+
+* ``audio_encoder`` (``AudioEncoderNode``), ``vision_encoder`` (``VisionEncoderNode``): transformers'
+  audio and vision towers over the request's clips / images;
+* ``Thinker`` (``ThinkerNode``): the MoE thinker over the paged cache (placeholders replaced by the
+  towers' embeddings, deepstack features, M-RoPE positions); samples text tokens and, in the
+  audio-out walks, streams per fed position ``[n, 2, H]`` = (input embedding, ``accept_hidden_layer``
+  output);
+* ``Talker`` (``TalkerNode``): the talker over its own paged cache. ``talker_prefill`` reads the prompt
+  block and prefills the user turn + 8 assistant positions; each ``talker_decode`` iteration adds one
+  position (``codec_sum`` of the previous frame + the next text: a streamed token's projection, then
+  ``tts_eos`` once, then ``tts_pad``) and samples the frame's layer-0 code;
+* ``code_predictor`` (``CodePredictorNode``): one residual code per iteration of ``code_groups``;
+* ``frame_assembler`` (``FrameAssembler``): the frame's 16 codes -> ``Code2Wav`` stream, and the sum of
+  its code embeddings -> the Talker's next input;
+* ``Code2Wav`` (``Code2WavNode``): one stream chunk -> the float32 samples it adds to the waveform
+  (``audio``, 24 kHz mono in [-1, 1]; the streamed chunks concatenate to a full-length decode).
+
+Per-request sampling comes from the request's params (``model.py``): ``sampling`` (thinker),
+``talker_sampling``, ``code_predictor_sampling``; ``voice`` picks the speaker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mstar.layers.sampling import SamplingParams, request_sampling, sample
+from mstar.model.decode import generation_done, stop_token_set
+from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
+from mstar.models.qwen3_omni.code2wav import ChunkRequest, Code2Wav
+from mstar.models.qwen3_omni.config import Qwen3OmniConfig
+from mstar.models.qwen3_omni.prompt import OmniTokenIds, assistant_start, multimodal_mask, user_positions
+from mstar.models.qwen3_omni.talker import CodePredictor, TalkerLM, empty_frame_cache
+from mstar.models.qwen3_omni.thinker import ThinkerLM, mrope_positions
+
+__all__ = ["PREDICTOR_SAMPLING", "TALKER_SAMPLING", "THINKER_SAMPLING", "AudioEncoderNode", "Code2WavNode",
+           "CodePredictorNode", "FrameAssembler", "TalkerNode", "ThinkerNode", "VisionEncoderNode",
+           "omni_token_ids", "predictor_sampling", "talker_sampling", "vision_layout"]
+
+THINKER_SAMPLING: Mapping[str, Any] = {"temperature": 0.0, "max_tokens": 256}
+TALKER_SAMPLING: Mapping[str, Any] = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05,
+                                      "max_tokens": 4096}
+PREDICTOR_SAMPLING: Mapping[str, Any] = {"temperature": 1.0, "top_k": 50, "top_p": 0.8}
+
+
+def omni_token_ids(cfg: Qwen3OmniConfig) -> OmniTokenIds:
+    t, k = cfg.tokens, cfg.talker
+    return OmniTokenIds(im_start=t.im_start, im_end=t.im_end, system=t.system, user=t.user, assistant=t.assistant,
+                        tts_pad=t.tts_pad, tts_bos=t.tts_bos, tts_eos=t.tts_eos, audio=t.audio, image=t.image,
+                        video=t.video, codec_pad=k.codec_pad_id, codec_bos=k.codec_bos_id, codec_eos=k.codec_eos_id,
+                        codec_nothink=k.codec_nothink_id, codec_think_bos=k.codec_think_bos_id,
+                        codec_think_eos=k.codec_think_eos_id, speakers=dict(k.speaker_ids))
+
+
+def talker_sampling(params: Mapping[str, Any]) -> SamplingParams:
+    return request_sampling({"sampling": params.get("talker_sampling")}, TALKER_SAMPLING)
+
+
+def predictor_sampling(params: Mapping[str, Any]) -> SamplingParams:
+    """The request's ``code_predictor_sampling``; greedy when the talker is greedy and none is given
+    (the reference mirrors the talker's ``do_sample``); a seeded talker seeds it too (talker seed + 1:
+    its draws must not reuse the talker's noise at the same step) unless it has its own seed."""
+    given = params.get("code_predictor_sampling")
+    talker = talker_sampling(params)
+    if given is None and talker.greedy:
+        return SamplingParams(temperature=0.0)
+    defaults = {**PREDICTOR_SAMPLING, "seed": None if talker.seed is None else talker.seed + 1}
+    return request_sampling({"sampling": given}, defaults)
+
+
+def _bool(value: bool) -> torch.Tensor:
+    return torch.tensor(bool(value))
+
+
+# -- Thinker -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ThinkerRequest:
+    """One request's share of a Thinker forward beyond its token ids."""
+
+    media: list[tuple[torch.Tensor, torch.Tensor]]  # (placeholder rows, tower embeddings) replacing them
+    deepstack: tuple[torch.Tensor, torch.Tensor] | None  # (image rows, [layers, n, H]) added after layers
+    positions: torch.Tensor  # [3, n] M-RoPE position ids of the new tokens
+    delta: int  # M-RoPE position - cache offset of every token after the prompt
+
+
+class ThinkerNode(NodeSubmodule):
+    """Prefill (``input_ids``; with ``audio_embeds`` / ``image_embeds``, ``deepstack``,
+    ``image_grid_thw`` after the towers) and decode (``token``, ``seen``, ``rope_delta``) of the thinker;
+    outputs ``token``, ``text`` (the same id, for the client), ``stop``, ``seen`` (prompt + generated
+    ids when the request has a repetition penalty, else empty), ``rope_delta`` and ``thinker_states``
+    (a list of items per request)."""
+
+    def __init__(self, lm: ThinkerLM, cfg: Qwen3OmniConfig) -> None:
+        super().__init__()
+        self.lm = lm
+        c = cfg.thinker
+        self.kv_spec = KVSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, lm.lm_head.weight.dtype)
+        self.accept_layer = cfg.talker.accept_hidden_layer
+        self.eos_ids = (cfg.tokens.im_end,)
+        self.tokens = cfg.tokens
+        self.vision = vision_layout(cfg)
+
+    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
+                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
+        sp = request_sampling(fwd_info.params, THINKER_SAMPLING)
+        penalised = sp.repetition_penalty != 1.0
+        if "input_ids" in inputs:
+            ids, step = inputs["input_ids"][0].reshape(-1).to(torch.long), 0
+            req, seen = self._prefill_request(ids, inputs), ids if penalised else None
+        else:
+            ids, step = inputs["token"][0].reshape(-1).to(torch.long), fwd_info.iteration[-1] + 1
+            delta = int(inputs["rope_delta"][0])
+            req = _ThinkerRequest([], None, torch.full((3, ids.numel()), fwd_info.cache_len + delta), delta)
+            seen = inputs["seen"][0].reshape(-1).to(torch.long) if penalised else None
+        if ids.numel() == 0:
+            raise ValueError("the Thinker got no tokens")
+        return NodeInputs(tensor_inputs={"ids": ids}, num_tokens=ids.numel(),
+                          extras={"sampling": sp, "step": step, "stop_ids": stop_token_set(sp, self.eos_ids),
+                                  "stream": not graph_walk.endswith("_text"), "req": req, "seen": seen})
+
+    def _prefill_request(self, ids: torch.Tensor, inputs: Mapping[str, list]) -> _ThinkerRequest:
+        media, deepstack, grids = [], None, None
+        for name, token in (("audio_embeds", self.tokens.audio), ("image_embeds", self.tokens.image)):
+            if name in inputs:  # the tower's rows replace the placeholders, in order
+                rows, values = (ids == token).nonzero().reshape(-1), inputs[name][0]
+                if rows.numel() != values.shape[0]:
+                    raise ValueError(f"the prompt has {rows.numel()} {name.split('_')[0]} placeholders, its "
+                                     f"inputs give {values.shape[0]} embeddings")
+                media.append((rows, values))
+        if "image_grid_thw" in inputs:
+            grids = inputs["image_grid_thw"][0].reshape(-1, 3)
+            deepstack = (media[-1][0], inputs["deepstack"][0])
+        positions, delta = mrope_positions(ids, grids, self.tokens.image, *self.vision)
+        return _ThinkerRequest(media, deepstack, positions, delta)
+
+    def _embed(self, ids: torch.Tensor, ei: EngineInputs) -> torch.Tensor:
+        embeds = self.lm.embed(ids)
+        for start, req in zip(_starts(ei), ei.extras["req"]):
+            for rows, values in req.media:
+                embeds = embeds.index_copy(0, rows.to(embeds.device) + start, values.to(embeds))
+        return embeds
+
+    @staticmethod
+    def _deepstack(ei: EngineInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per deepstack layer, (batch rows, features) of every request with images."""
+        parts = [(rows + start, feats) for start, req in zip(_starts(ei), ei.extras["req"])
+                 if req.deepstack is not None for rows, feats in [req.deepstack]]
+        if not parts:
+            return []
+        layers = parts[0][1].shape[0]
+        return [(torch.cat([r for r, _ in parts]), torch.cat([f[k] for _, f in parts])) for k in range(layers)]
+
+    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs,
+                ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        ei = engine_inputs
+        streams = any(ei.extras["stream"])
+        embeds = self._embed(ids, ei)
+        positions = torch.cat([r.positions for r in ei.extras["req"]], dim=1)
+        out = self.lm(embeds, ei, capture=self.accept_layer if streams else None, mrope_positions=positions,
+                      deepstack=self._deepstack(ei))
+        last = out.hidden[ei.last_token_rows().to(out.hidden.device)]
+        seen = ei.extras["seen"]
+        seen_lists = None if all(s is None for s in seen) else [[] if s is None else s.tolist() for s in seen]
+        tokens = sample(self.lm.lm_head(last), ei.extras["sampling"], seen_lists, ei.extras["step"]).cpu()
+        states = torch.stack([embeds, out.captured], dim=1).cpu() if streams else None
+        result: dict[str, list] = {"token": [], "text": [], "stop": [], "thinker_states": [], "rope_delta": [],
+                                   "seen": []}
+        for i, (start, n) in enumerate(zip(_starts(ei), ei.num_tokens)):
+            tok = tokens[i:i + 1].clone()
+            result["token"].append(tok)
+            result["text"].append(tok)
+            x = ei.extras
+            done = generation_done(int(tok), x["step"][i], x["sampling"][i], x["stop_ids"][i])
+            result["stop"].append(_bool(done))
+            result["rope_delta"].append(torch.tensor([ei.extras["req"][i].delta]))
+            # prompt + generated tokens, for the repetition penalty (empty when the request has none)
+            result["seen"].append(torch.zeros(0, dtype=torch.long) if seen[i] is None
+                                  else torch.cat([seen[i], tok]))
+            result["thinker_states"].append([states[start:start + n]] if ei.extras["stream"][i] else [])
+        return result
+
+
+def _starts(ei: EngineInputs) -> list[int]:
+    """Each request's first row in the batch's flat token dimension."""
+    return [0, *torch.tensor(ei.num_tokens).cumsum(0).tolist()[:-1]]
+
+
+def vision_layout(cfg: Qwen3OmniConfig) -> tuple[int, int]:
+    """(spatial merge size, position ids per second) of the M-RoPE image positions."""
+    th = cfg.hf.get("thinker_config") or {}
+    merge = (th.get("vision_config") or {}).get("spatial_merge_size", 2)
+    return int(merge), int(th.get("position_id_per_seconds", 13))
+
+
+class AudioEncoderNode(NodeSubmodule):
+    """``audio_features`` (the request's clips, ``[128, T_i]`` each) -> ``audio_embeds`` ``[sum n_i, H]``:
+    every clip of the batch in one call of the wrapped transformers audio tower."""
+
+    def __init__(self, tower: Any) -> None:
+        super().__init__()
+        self.tower = tower
+
+    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
+                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
+        return NodeInputs(extras={"clips": [c.float() for c in inputs["audio_features"]]})
+
+    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
+        clips = engine_inputs.extras["clips"]
+        out = iter(self.tower([c for per_request in clips for c in per_request]))
+        return {"audio_embeds": [torch.cat([next(out) for _ in per_request]) for per_request in clips]}
+
+
+class VisionEncoderNode(NodeSubmodule):
+    """``pixel_values`` [N, D] and ``image_grid_thw`` [I, 3] of a request -> ``image_embeds``
+    [sum n_i, H] and ``deepstack`` [layers, sum n_i, H] (features added after the Thinker's first layers)."""
+
+    def __init__(self, tower: Any) -> None:
+        super().__init__()
+        self.tower = tower
+
+    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
+                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
+        return NodeInputs(extras={"pixels": inputs["pixel_values"][0].float(),
+                                  "grids": inputs["image_grid_thw"][0].reshape(-1, 3).long()})
+
+    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
+        x = engine_inputs.extras
+        out: dict[str, list] = {"image_embeds": [], "deepstack": []}
+        for pixels, grids in zip(x["pixels"], x["grids"]):  # one tower call per request (its images batch)
+            vision = self.tower(pixels, grids)
+            out["image_embeds"].append(torch.cat(vision.embeds))
+            out["deepstack"].append(torch.stack([torch.cat(layer) for layer in vision.deepstack]))
+        return out
+
+
+# -- Talker --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _PrefillRequest:
+    """What one request's talker prefill projects: the thinker rows of its user positions (text or
+    placeholder), the 3 assistant-header rows, and its speaker's codec id."""
+
+    text_rows: torch.Tensor  # [U_text + 3, Ht] input embeddings: user text positions, then the header
+    hidden_rows: torch.Tensor  # [U_mm, Ht] accepted-layer states at the user's media placeholders
+    is_media: torch.Tensor  # bool [U]: which user positions take hidden_rows
+    speaker: int
+    positions: torch.Tensor  # [3, U + 8] M-RoPE position ids
+    delta: int  # position - cache offset after the prompt (non-zero with images)
+
+
+@dataclass(frozen=True)
+class _DecodeRequest:
+    codec_sum: torch.Tensor  # [1, H]
+    text_row: torch.Tensor | None  # [1, Ht] the next streamed token's input embedding, or None
+    tts: str  # "text", "eos" or "pad"
+    positions: torch.Tensor  # [3, 1]
+
+
+class TalkerNode(NodeSubmodule):
+    """Prefill: ``thinker_states`` (prompt block), ``input_ids`` (and ``image_grid_thw`` with images)
+    -> ``codec_sum`` (= E(codec_bos)), ``talker_seen`` (empty), ``talker_delta`` (M-RoPE offset).
+    Decode: ``thinker_states``, ``codec_sum``, ``talker_seen``, ``talker_delta`` -> ``code0``,
+    ``speak``, ``stop``, ``talker_seen``, and the code predictor's initial values ``talker_hidden``,
+    ``code``, ``cp_cache``, ``cp_sum``."""
+
+    def __init__(self, lm: TalkerLM, cfg: Qwen3OmniConfig, tts_rows: torch.Tensor) -> None:
+        super().__init__()
+        self.lm = lm
+        c = cfg.talker
+        self.kv_spec = KVSpec(c.text.num_hidden_layers, c.text.num_key_value_heads, c.text.head_dim,
+                              lm.codec_head.weight.dtype)
+        self.ids = omni_token_ids(cfg)
+        self.cp_config = c.code_predictor
+        self.vision = vision_layout(cfg)
+        # the thinker's input embeddings of tts_bos, tts_eos, tts_pad [3, Ht] (projected in each forward)
+        self.register_buffer("tts_rows", tts_rows.detach().clone(), persistent=False)
+
+    # -- inputs ---------------------------------------------------------------------------------------
+    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
+                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
+        items = inputs["thinker_states"]
+        if graph_walk.startswith("talker_prefill"):
+            grids = inputs["image_grid_thw"][0].reshape(-1, 3) if "image_grid_thw" in inputs else None
+            req = self._prefill_request(inputs["input_ids"][0].reshape(-1), items, grids, fwd_info.params)
+            n = int(req.is_media.numel()) + 8
+            return NodeInputs(num_tokens=n, extras={"req": req, "sampling": None, "seen": None, "step": 0})
+        step = fwd_info.iteration[-1]
+        chunk = fwd_info.stream_chunks.get("thinker_states") or {"start": 0}
+        if items:
+            row, tts = items[0][:, 0], "text"
+        else:  # the thinker ended: tts_eos right after its last streamed token, then pads
+            row, tts = None, "eos" if step == int(chunk["start"]) - 1 else "pad"
+        position = torch.full((3, 1), fwd_info.cache_len + int(inputs["talker_delta"][0]))
+        req = _DecodeRequest(inputs["codec_sum"][0].reshape(1, -1), row, tts, position)
+        seen = inputs["talker_seen"][0].reshape(-1).to(torch.long)
+        return NodeInputs(num_tokens=1, extras={"req": req, "sampling": talker_sampling(fwd_info.params),
+                                                "seen": seen, "step": step})
+
+    def _prefill_request(self, prompt: torch.Tensor, items: list, grids: torch.Tensor | None,
+                         params: Mapping[str, Any]) -> _PrefillRequest:
+        if len(items) != 1 or items[0].shape[0] != prompt.numel():
+            raise ValueError(f"the Talker prefill needs the prompt's thinker states ({prompt.numel()} positions)")
+        states = items[0]
+        start = assistant_start(prompt, self.ids)
+        if prompt.numel() - start != 3:
+            raise ValueError("the prompt must end with '<|im_start|>assistant\\n' for audio output")
+        users = user_positions(prompt, self.ids)
+        media = multimodal_mask(prompt, self.ids)[users]
+        text_pos = torch.cat([users[~media], torch.arange(start, start + 3)])
+        speaker = self.ids.speaker_id(str(params.get("voice") or "ethan"))
+        talker_ids = torch.cat([prompt[users], torch.full((9,), self.ids.tts_pad)])  # what RoPE is computed from
+        positions, delta = mrope_positions(talker_ids, grids, self.ids.image, *self.vision)
+        return _PrefillRequest(states[text_pos, 0], states[users[media], 1], media, speaker,
+                               positions[:, :-1], delta)
+
+    # -- forward --------------------------------------------------------------------------------------
+    def _prefill_embeds(self, req: _PrefillRequest, tts: torch.Tensor) -> torch.Tensor:
+        lm, ids = self.lm, self.ids
+        w = lm.codec_head.weight
+        text = lm.text_projection(req.text_rows.to(w))
+        n_user = req.is_media.numel()
+        user = text.new_empty(n_user, text.shape[-1])
+        user[~req.is_media] = text[:-3]
+        if req.hidden_rows.shape[0]:
+            user[req.is_media] = lm.hidden_projection(req.hidden_rows.to(w))
+        header = torch.cat([text[-3:], tts[2:3].expand(4, -1), tts[0:1]])  # 3 rows, tts_pad x4, tts_bos
+        codec = lm.codec_embed(torch.tensor([ids.codec_nothink, ids.codec_think_bos, ids.codec_think_eos,
+                                             req.speaker, ids.codec_pad]))
+        return torch.cat([user, header + torch.cat([codec.new_zeros(3, codec.shape[-1]), codec])])
+
+    def _decode_embed(self, req: _DecodeRequest, tts: torch.Tensor) -> torch.Tensor:
+        if req.text_row is not None:
+            text = self.lm.text_projection(req.text_row.to(self.lm.codec_head.weight))
+        else:
+            text = tts[1:2] if req.tts == "eos" else tts[2:3]
+        return req.codec_sum.to(text) + text
+
+    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
+        ei = engine_inputs
+        tts = self.lm.text_projection(self.tts_rows.to(self.lm.codec_head.weight))
+        embeds = torch.cat([self._prefill_embeds(r, tts) if isinstance(r, _PrefillRequest) else
+                            self._decode_embed(r, tts) for r in ei.extras["req"]])
+        positions = torch.cat([r.positions for r in ei.extras["req"]], dim=1)
+        hidden = self.lm(embeds, ei, mrope_positions=positions).hidden
+        last = hidden[ei.last_token_rows().to(hidden.device)]
+        decode_rows = [i for i, r in enumerate(ei.extras["req"]) if isinstance(r, _DecodeRequest)]
+        codes = self._sample(last, ei, decode_rows)
+        bos = self.lm.codec_embed(torch.tensor([self.ids.codec_bos]))
+        out: dict[str, list] = {k: [] for k in ("codec_sum", "talker_seen", "talker_delta", "code0", "speak",
+                                                "stop", "talker_hidden", "code", "cp_cache", "cp_sum")}
+        for i, req in enumerate(ei.extras["req"]):
+            if isinstance(req, _PrefillRequest):
+                self._prefill_outputs(out, bos, req.delta)
+            else:
+                self._decode_outputs(out, ei, i, int(codes[i]), last[i:i + 1])
+        return out
+
+    def _sample(self, last: torch.Tensor, ei: EngineInputs, rows: list[int]) -> dict[int, torch.Tensor]:
+        if not rows:
+            return {}
+        logits = self.lm.logits(last[rows])
+        no_eos = [r for r, i in enumerate(rows) if ei.extras["sampling"][i].ignore_eos]
+        if no_eos:  # ignore_eos: codec EOS is suppressed as well, the talker runs to its max_tokens
+            logits[no_eos, self.ids.codec_eos] = float("-inf")
+        picked = sample(logits, [ei.extras["sampling"][i] for i in rows],
+                        [ei.extras["seen"][i].tolist() for i in rows], [ei.extras["step"][i] for i in rows]).cpu()
+        return dict(zip(rows, picked))
+
+    def _prefill_outputs(self, out: dict[str, list], bos: torch.Tensor, delta: int) -> None:
+        out["codec_sum"].append(bos.clone())
+        out["talker_seen"].append(torch.zeros(0, dtype=torch.long))
+        out["talker_delta"].append(torch.tensor([delta]))
+        for name in ("code0", "speak", "stop", "talker_hidden", "code", "cp_cache", "cp_sum"):
+            out[name].append(None)
+
+    def _decode_outputs(self, out: dict[str, list], ei: EngineInputs, i: int, code: int,
+                        hidden: torch.Tensor) -> None:
+        sp: SamplingParams = ei.extras["sampling"][i]
+        last = code == self.ids.codec_eos or ei.extras["step"][i] + 1 >= sp.max_tokens
+        c0 = torch.tensor([code])  # the EOS (or max) step's frame is computed but not streamed (speak false)
+        out["codec_sum"].append(None)
+        out["talker_delta"].append(None)
+        out["talker_seen"].append(torch.cat([ei.extras["seen"][i], c0]))
+        out["code0"].append(c0)
+        out["speak"].append(_bool(not last))
+        out["stop"].append(_bool(last))
+        out["talker_hidden"].append(hidden.detach().clone())
+        out["code"].append(c0)
+        out["cp_cache"].append(empty_frame_cache(self.cp_config, hidden.dtype))
+        out["cp_sum"].append(self.lm.codec_embed(c0))
+
+
+# -- code predictor, frame assembly, Code2Wav -------------------------------------------------------------
+
+
+class CodePredictorNode(NodeSubmodule):
+    """Iteration j of ``code_groups``: code j+1 of the frame (``code``), the grown ``cp_cache`` and
+    ``cp_sum`` + the new code's embedding."""
+
+    def __init__(self, predictor: CodePredictor) -> None:
+        super().__init__()
+        self.predictor = predictor
+
+    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
+                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
+        frame, j = fwd_info.iteration[-2], fwd_info.iteration[-1]
+        return NodeInputs(extras={"j": j, "seed_step": frame * self.predictor.config.num_code_groups + j,
+                                  "sampling": predictor_sampling(fwd_info.params),
+                                  "hidden": inputs["talker_hidden"][0], "code": inputs["code"][0].reshape(-1),
+                                  "cache": inputs["cp_cache"][0], "sum": inputs["cp_sum"][0]})
+
+    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
+        x = engine_inputs.extras
+        p = self.predictor
+        rows = [torch.cat([h, s]) if j == 0 else p.embed(j - 1, c) for h, s, j, c in
+                zip(x["hidden"], x["sum"], x["j"], x["code"])]
+        logits, caches = p.step(rows, x["j"], x["cache"])
+        codes = sample(logits, x["sampling"], None, x["seed_step"]).cpu()
+        out: dict[str, list] = {"code": [], "cp_cache": caches, "cp_sum": []}
+        for i, j in enumerate(x["j"]):
+            code = codes[i:i + 1].clone()
+            out["code"].append(code)
+            out["cp_sum"].append(x["sum"][i] + p.embed(j, code))
+        return out
+
+
+class FrameAssembler(NodeSubmodule):
+    """``code0`` + the 15 residual codes -> one ``[16]`` frame on the ``codec_frames`` stream and to the
+    client (``frame_codes``; an empty tensor on the last talker step, which has no frame), and
+    ``codec_sum`` (the Talker's next codec input)."""
+
+    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
+                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
+        codes = [inputs["code0"][0].reshape(-1)] + [c.reshape(-1) for c in inputs["code"]]  # code: one per step
+        return NodeInputs(extras={"frame": torch.cat(codes), "speak": bool(inputs["speak"][0]),
+                                  "sum": inputs["cp_sum"][0]})
+
+    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
+        x = engine_inputs.extras
+        frames = [f if s else f[:0] for f, s in zip(x["frame"], x["speak"])]
+        # the last step pushes an empty item rather than nothing: every push then carries an item, so
+        # a consumer that already saw the stream's end never receives a push (pushes and the end travel
+        # from different senders; an empty push could arrive after the end)
+        return {"codec_sum": list(x["sum"]), "frame_codes": frames, "codec_frames": [[f] for f in frames]}
+
+
+class Code2WavNode(NodeSubmodule):
+    """One ``codec_frames`` chunk per request -> ``audio``: float32 samples ``[wave_length(new_end) -
+    wave_length(new_start)]`` (Code2Wav's stitching rule), empty for a chunk without frames."""
+
+    def __init__(self, code2wav: Code2Wav) -> None:
+        super().__init__()
+        self.code2wav = code2wav
+
+    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
+                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
+        items = inputs["codec_frames"]
+        chunk = fwd_info.stream_chunks.get("codec_frames") or {"start": 0, "new_start": 0}
+        context = int(chunk["new_start"]) - int(chunk["start"])
+        frames = [f.reshape(-1) for f in items if f.numel()]  # the talker's last item is empty
+        new = sum(1 for f in items[context:] if f.numel())
+        if new == 0:
+            return NodeInputs(extras={"chunk": None})
+        return NodeInputs(extras={"chunk": ChunkRequest(torch.stack(frames, dim=1), len(frames) - new)})
+
+    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
+        # one decode per chunk, not one per group of equal-length chunks: a batched convolution rounds
+        # a row differently from the same row alone (~1e-13 here), and a request's audio must not
+        # depend on which requests share its step (concurrency, placements). A chunk of 25-50 frames is
+        # already a large convolution: on a CPU thread, 16 tiny-config chunks of 50 frames take 0.6 s
+        # one by one and 1.6 s as one batch
+        return {"audio": [self.code2wav.decode_chunks([c])[0] if c is not None else torch.zeros(0)
+                          for c in engine_inputs.extras["chunk"]]}

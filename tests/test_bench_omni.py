@@ -1,0 +1,135 @@
+"""``mstar bench compare omni`` at test size: the qwen3-omni-tiny config saved by transformers and loaded by
+mstar, a few frames per request. The table has a row per system and concurrency and a line per goal;
+with greedy decoding mstar and both transformers baselines speak the same frames (codes and audio
+length), and mstar's first audio comes before its end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar.bench import omni_bench
+from mstar.models.qwen3_omni.config import TINY_HF_CONFIG
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def result():
+    import os
+
+    old = os.environ.get("MSTAR_ATTENTION_KERNEL")
+    os.environ["MSTAR_ATTENTION_KERNEL"] = "torch"  # the compiled kernel's first build would dominate
+    try:
+        torch.manual_seed(0)
+        yield omni_bench.run_omni_bench([1, 2], text_tokens=4, talker_steps=5, repeats=1,
+                                        config=dict(TINY_HF_CONFIG), profile=True)
+    finally:
+        if old is None:
+            os.environ.pop("MSTAR_ATTENTION_KERNEL", None)
+        else:
+            os.environ["MSTAR_ATTENTION_KERNEL"] = old
+
+
+def test_greedy_runs_give_the_same_codes_and_audio_length(result):
+    assert [r.concurrency for r in result.results] == [1, 2]
+    for r in result.results:
+        p = r.parity
+        assert p is not None and p.requests == r.concurrency
+        assert p.ok, p
+        for s in r.systems.values():
+            assert s.audio_s_per_request == pytest.approx((1920 * 4 - 555) / 24000)
+
+
+def test_summaries_are_consistent(result):
+    for r in result.results:
+        assert set(r.systems) == set(omni_bench.SYSTEMS)
+        mine = r.systems["mstar"]
+        assert 0 < mine.ttfa_p50_ms <= mine.ttfa_p95_ms
+        batched = r.systems["hf-batched"]
+        assert batched.ttfa_p50_ms == batched.ttfa_p95_ms  # one generate: every request ends together
+        for s in r.systems.values():
+            med, lo, hi = s.req_per_s
+            assert 0 < lo <= med <= hi
+            assert s.rtf_p50 > 0
+        best = max(r.systems[b].req_per_s[0] for b in omni_bench.BASELINES)
+        assert r.throughput_ratio == pytest.approx(mine.req_per_s[0] / best)
+
+
+def test_table_has_every_row_and_goal(result):
+    table = omni_bench.format_table(result)
+    assert "the qwen3-omni-tiny config" in table and f"torch threads {result.threads}" in table
+    for c in (1, 2):
+        for system in omni_bench.SYSTEMS:
+            assert f"| {c} | {system} |" in table
+    goals = omni_bench.goals(result)
+    assert len(goals) == 4  # throughput at 2, TTFA at 1 and 2, TTFA p95 at 2 vs 1
+    for text, ok in goals:
+        assert f"goal {'met' if ok else 'NOT met'}: {text}" in table
+    assert ("mstar profile at concurrency 2" in table) == (not all(ok for _, ok in goals))
+    data = omni_bench.to_json(result)
+    assert [g["met"] for g in data["goals"]] == [ok for _, ok in goals]
+
+
+def test_prompts_are_chat_turns_ending_in_the_assistant_header():
+    from mstar.models.qwen3_omni.prompt import OmniTokenIds
+
+    ids = OmniTokenIds()
+    batch = omni_bench.prompts(3)
+    assert len({tuple(p) for p in batch}) == 3
+    for p in batch:
+        assert p[:2] == [ids.im_start, ids.system] and p[-3:] == [ids.im_start, ids.assistant, ids.newline]
+        assert p.count(ids.user) == 1
+
+
+def test_bench_config_is_larger_and_consistent():
+    cfg = omni_bench.bench_hf_config(hidden=128, layers=4, experts=8)
+    text = cfg["thinker_config"]["text_config"]
+    talker = cfg["talker_config"]
+    assert text["hidden_size"] == talker["text_config"]["hidden_size"] == 128
+    assert talker["code_predictor_config"]["hidden_size"] == talker["thinker_hidden_size"] == 128
+    assert sum(text["rope_parameters"]["mrope_section"]) == text["head_dim"] // 2
+    assert "larger than qwen3-omni-tiny" in omni_bench.describe_config(cfg)
+    assert TINY_HF_CONFIG["thinker_config"]["text_config"]["hidden_size"] == 64  # the shared config is untouched
+
+
+def test_cli_parses_the_omni_suite():
+    import argparse
+
+    from mstar.cli import bench_cmd
+
+    parser = argparse.ArgumentParser()
+    bench_cmd.add_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["bench", "compare", "omni", "--levels", "1,4", "--talker-steps", "9", "--sample"])
+    assert args.suite == "omni" and args.levels == [1, 4] and args.talker_steps == 9 and args.sample
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "compare", "omni", "--levels", "0"])
+    args = parser.parse_args(["bench", "compare", "omni", "--hidden", "48"])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        bench_cmd.run_compare(args)
+
+
+def test_sampled_talker_has_no_parity_line(monkeypatch):
+    """``--sample``: the reference's talker sampling on every system; lengths still match (EOS
+    suppressed), codes are not compared."""
+    monkeypatch.setenv("MSTAR_ATTENTION_KERNEL", "torch")
+    res = omni_bench.run_omni_bench([1], text_tokens=3, talker_steps=4, repeats=1, sample=True,
+                                    config=dict(TINY_HF_CONFIG), profile=False)
+    (r,) = res.results
+    assert r.parity is None and res.sampled and not res.profile
+    assert all(s.audio_s_per_request == pytest.approx((1920 * 3 - 555) / 24000) for s in r.systems.values())
+    table = omni_bench.format_table(res)
+    assert "talker sampled (temperature 0.9, top-k 50)" in table and "parity" not in table
+
+
+def test_hf_weights_do_not_depend_on_what_memory_held():
+    """transformers leaves the talker's fused expert tensors uninitialised; the benchmark fills them
+    from its seed, so two builds are equal and finite whatever the allocator hands out."""
+    junk = [torch.full((1 << 20,), float("nan")) for _ in range(64)]
+    del junk
+    first = omni_bench.build_hf(dict(TINY_HF_CONFIG), 0).state_dict()
+    junk = [torch.full((1 << 20,), 1e30) for _ in range(64)]
+    del junk
+    second = omni_bench.build_hf(dict(TINY_HF_CONFIG), 0).state_dict()
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) and torch.isfinite(first[k]).all() for k in first)

@@ -1,0 +1,394 @@
+"""Qwen3-Omni parts against transformers on a tiny random config (fp32, CPU): Code2Wav and its
+chunk stitching, and the Talker prompt (the code predictor is checked with the talker, in
+test_qwen3_omni_model.py and test_qwen3_omni_runtime.py)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+from mstar.graph.chunking import LeftContextChunkPolicy
+from mstar.model.checkpoint import CheckpointError
+from mstar.models.qwen3_omni import prompt as P
+from mstar.models.qwen3_omni.code2wav import ChunkRequest, Code2Wav, to_pcm16
+
+HIDDEN, HEAD_DIM, CODEBOOK, GROUPS = 64, 16, 64, 16
+IS, IE, NL, SYSTEM, USER, ASSISTANT = 151644, 151645, 198, 8948, 872, 77091
+AUDIO, IMAGE = 151675, 151655
+
+
+def tiny_hf_config() -> Qwen3OmniMoeConfig:
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 2, 2], "interleaved": True,
+            "mrope_interleaved": True}
+    decoder = dict(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=HEAD_DIM, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32, norm_topk_prob=True, rope_parameters=rope,
+                   max_position_embeddings=4096)
+    special = dict(audio_token_id=AUDIO, image_token_id=IMAGE, video_token_id=151656,
+                   vision_start_token_id=151652, audio_start_token_id=151669, position_id_per_seconds=13)
+    cb = CODEBOOK
+    thinker = dict(
+        text_config=dict(vocab_size=152064, **decoder),
+        audio_config=dict(encoder_layers=1, d_model=32, encoder_attention_heads=2, encoder_ffn_dim=64,
+                          downsample_hidden_size=16, output_dim=HIDDEN),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN,
+                           deepstack_visual_indexes=[0, 1], num_position_embeddings=64),
+        vision_end_token_id=151653, audio_end_token_id=151670, **special)
+    predictor = dict(vocab_size=cb, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM, num_code_groups=GROUPS,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    talker = dict(
+        text_config=dict(vocab_size=cb + 1024, shared_expert_intermediate_size=64, **decoder),
+        code_predictor_config=predictor, num_code_groups=GROUPS, thinker_hidden_size=HIDDEN,
+        accept_hidden_layer=1, spatial_merge_size=2, codec_pad_id=cb + 100, codec_bos_id=cb + 101,
+        codec_eos_token_id=cb + 102, codec_nothink_id=cb + 107, codec_think_bos_id=cb + 108,
+        codec_think_eos_id=cb + 109, speaker_id={"chelsie": cb + 253, "ethan": cb + 254, "aiden": cb + 255},
+        **special)
+    code2wav = dict(codebook_size=cb, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                    intermediate_size=64, num_hidden_layers=1, num_quantizers=GROUPS, sliding_window=72,
+                    upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2], decoder_dim=64,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    return Qwen3OmniMoeConfig(thinker_config=thinker, talker_config=talker, code2wav_config=code2wav)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """Seeded, with the talker's MoE weights drawn too (transformers leaves them uninitialised; see
+    ``loader.hf_reference_model``)."""
+    torch.manual_seed(0)
+    model = Qwen3OmniMoeForConditionalGeneration(tiny_hf_config()).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.talker.model.layers:
+            for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj, layer.mlp.gate.weight):
+                p.copy_(torch.randn(p.shape, generator=gen) * model.config.initializer_range)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(hf, tmp_path_factory):
+    """The tiny model's tensors as transformers saves them (hub names)."""
+    path = tmp_path_factory.mktemp("qwen3_omni_tiny")
+    hf.save_pretrained(path)
+    state = {}
+    for file in sorted(path.glob("*.safetensors")):
+        state.update(load_file(file))
+    return state
+
+
+@pytest.fixture(scope="module")
+def code2wav(hf, checkpoint):
+    module = Code2Wav(hf.config.code2wav_config)
+    module.load_weights(checkpoint)
+    return module
+
+
+def _codes(frames: int, seed: int, batch: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CODEBOOK, (batch, GROUPS, frames), generator=gen)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error (the tiny random codec's waveforms are ~1e-6 in amplitude)."""
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _stream(code2wav: Code2Wav, codes: torch.Tensor, chunk: int, left_context: int) -> list[torch.Tensor]:
+    """Decode ``codes`` ``[Q, T]`` as the runtime streams it: frames through a LeftContextChunkPolicy."""
+    policy = LeftContextChunkPolicy(chunk=chunk, left_context=left_context)
+    chunks = policy.push(list(codes.T)) + policy.finish()
+    return [code2wav.decode_chunk(torch.stack(c.items, dim=1)[None], c.num_context)[0] for c in chunks]
+
+
+# ------------------------------------------------------------------------------------------ Code2Wav
+
+
+@pytest.mark.parametrize("frames", [1, 2, 13])
+def test_code2wav_full_decode_equals_transformers(hf, code2wav, frames):
+    codes = _codes(frames, seed=frames)
+    with torch.no_grad():
+        ref = hf.code2wav.chunked_decode(codes, chunk_size=300, left_context_size=25)[0, 0]
+    ours = code2wav.decode(codes)[0]
+    assert ours.shape[0] == code2wav.wave_length(frames) == 1920 * frames - 555
+    assert torch.equal(ours, ref)
+
+
+def test_code2wav_stream_has_exact_length_and_matches_full_decode(code2wav):
+    codes = _codes(60, seed=1)[0]
+    full = code2wav.decode(codes[None])[0]
+    parts = _stream(code2wav, codes, chunk=25, left_context=25)
+    assert [p.shape[0] for p in parts] == [1920 * 25 - 555, 1920 * 25, 1920 * 10]
+    streamed = torch.cat(parts)
+    assert streamed.shape == full.shape == (1920 * 60 - 555,)
+    # the first chunk is the full decode's start exactly; later chunks see 25 of the 72 frames the
+    # pre-transformer's window spans, so they differ slightly (relative L2 ~2e-3 on this model)
+    assert _relative(parts[0], full[: parts[0].shape[0]]) < 1e-5
+    assert 0 < _relative(streamed, full) < 1e-2
+
+
+def test_code2wav_stream_with_the_receptive_field_as_context_equals_full_decode(code2wav):
+    """``exact_left_context`` (71 + 10 frames here) of context: every stateless chunk is exact, and
+    the convolutions still see only the last 10 context frames."""
+    assert code2wav.exact_left_context == 81
+    codes = _codes(100, seed=2)[0]
+    full = code2wav.decode(codes[None])[0]
+    streamed = torch.cat(_stream(code2wav, codes, chunk=9, left_context=code2wav.exact_left_context))
+    assert streamed.shape == full.shape
+    assert _relative(streamed, full) < 1e-5
+
+
+def _stream_exact(code2wav: Code2Wav, codes: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    stream, parts, start = code2wav.new_stream(), [], 0
+    for n in sizes:
+        parts += code2wav.decode_streams([stream], [codes[:, start:start + n]])
+        start += n
+    return parts
+
+
+@pytest.mark.parametrize("sizes", [[10, 10, 10], [1, 12, 17]])
+def test_code2wav_exact_stream_equals_full_decode(code2wav, sizes):
+    codes = _codes(30, seed=7)[0]
+    full = code2wav.decode(codes[None])[0]
+    parts = _stream_exact(code2wav, codes, sizes)
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    assert [p.shape[0] for p in parts] == [code2wav.wave_length(e) - code2wav.wave_length(e - n)
+                                           for e, n in zip(ends, sizes)]
+    assert _relative(torch.cat(parts), full) < 1e-5
+    # stateless chunks of the same frames (10 recomputed context frames) are far further off
+    assert _relative(torch.cat(_stream(code2wav, codes, chunk=10, left_context=10)), full) > 1e-4
+
+
+def test_code2wav_exact_streams_batch_together(code2wav):
+    codes = [_codes(16, seed=s)[0] for s in (10, 11, 12)]
+    alone = [_stream_exact(code2wav, c, [8, 8]) for c in codes]
+    streams = [code2wav.new_stream() for _ in codes]
+    first = code2wav.decode_streams(streams, [c[:, :8] for c in codes])
+    second = code2wav.decode_streams(streams[:2], [codes[0][:, 8:], codes[1][:, 8:]])
+    second += code2wav.decode_streams(streams[2:], [codes[2][:, 8:]])
+    for i in range(3):
+        assert _relative(first[i], alone[i][0]) < 1e-5 and _relative(second[i], alone[i][1]) < 1e-5
+
+
+def test_code2wav_batched_chunks_equal_chunks_alone(code2wav):
+    chunks = [ChunkRequest(_codes(16, seed=3)[0], 8), ChunkRequest(_codes(7, seed=4)[0], 0),
+              ChunkRequest(_codes(16, seed=5)[0], 8), ChunkRequest(_codes(12, seed=6)[0], 8)]
+    batched = code2wav.decode_chunks(chunks)
+    for chunk, wave in zip(chunks, batched):
+        alone = code2wav.decode_chunk(chunk.codes[None], chunk.left_context)[0]
+        assert wave.shape == alone.shape
+        assert _relative(wave, alone) < 1e-5
+    assert [w.shape[0] for w in batched] == [1920 * 8, 1920 * 7 - 555, 1920 * 8, 1920 * 4]
+
+
+def test_code2wav_rejects_bad_codes_and_mismatched_weights(code2wav, checkpoint):
+    with pytest.raises(ValueError, match="codes must be"):
+        code2wav.decode(torch.zeros(1, GROUPS - 1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="codes must lie"):
+        code2wav.decode(torch.full((1, GROUPS, 4), CODEBOOK))
+    with pytest.raises(ValueError, match="left_context"):
+        ChunkRequest(_codes(5, seed=0)[0], 5)
+    broken = {k: v for k, v in checkpoint.items() if not k.endswith("decoder.6.conv.weight")}
+    with pytest.raises(CheckpointError, match="missing"):
+        Code2Wav(code2wav.config).load_weights(broken)
+
+
+def test_to_pcm16_scales_and_clamps():
+    pcm = to_pcm16(torch.tensor([0.0, 0.5, -1.0, 1.0, 2.0]))
+    assert pcm.dtype == torch.int16
+    assert pcm.tolist() == [0, 16384, -32767, 32767, 32767]
+
+
+# -------------------------------------------------------------------------------------- Talker prompt
+
+
+def _talker_inputs(hf, monkeypatch, input_ids: torch.Tensor, speaker: str):
+    """Run the reference's generate and record the Thinker's result and the Talker's inputs."""
+    seen = {}
+    thinker_generate, talker_generate = hf.thinker.generate, hf.talker.generate
+
+    def thinker(*args, **kwargs):
+        seen["thinker"] = thinker_generate(*args, **kwargs)
+        return seen["thinker"]
+
+    def talker(*args, **kwargs):
+        seen["talker"] = kwargs
+        return talker_generate(*args, **kwargs)
+
+    monkeypatch.setattr(hf.thinker, "generate", thinker)
+    monkeypatch.setattr(hf.talker, "generate", talker)
+    with torch.no_grad():
+        hf.generate(input_ids=input_ids, speaker=speaker, return_audio=True, thinker_max_new_tokens=6,
+                    thinker_do_sample=False, talker_max_new_tokens=4, talker_do_sample=False)
+    return seen["thinker"], seen["talker"]
+
+
+def _projections(hf):
+    talker = hf.talker
+    return dict(text_projection=talker.text_projection, hidden_projection=talker.hidden_projection,
+                codec_embedding=talker.get_input_embeddings())
+
+
+def test_talker_prompt_equals_transformers(hf, monkeypatch):
+    ids = P.OmniTokenIds.from_hf(hf.config)
+    prompt = torch.tensor([IS, SYSTEM, NL, 100, 101, IE, NL, IS, USER, NL, 9707, 11, 1879, IE, NL,
+                           IS, ASSISTANT, NL, 5, 6, IE, NL, IS, USER, NL, 77, IE, NL, IS, ASSISTANT, NL])
+    result, talker = _talker_inputs(hf, monkeypatch, prompt[None], "Aiden")
+    layer = hf.config.talker_config.accept_hidden_layer
+    embed = torch.cat([h[0] for h in result.hidden_states], dim=1)[0]
+    hidden = torch.cat([h[layer] for h in result.hidden_states], dim=1)[0]
+    with torch.no_grad():
+        tts = P.tts_embeds(hf.thinker.get_input_embeddings(), hf.talker.text_projection, ids)
+        ours = P.build_talker_prompt(prompt, embed, hidden, speaker=ids.speaker_id("aiden"), tts=tts,
+                                     ids=ids, **_projections(hf))
+        trailing = P.trailing_text(embed[prompt.numel() + 1:], hf.talker.text_projection, tts)
+    # user turns only: the system turn and the earlier assistant turn are left out
+    assert ours.user_positions.tolist() == list(range(7, 15)) + list(range(22, 28))
+    assert torch.equal(ours.embeds, talker["inputs_embeds"][0])
+    assert torch.equal(ours.input_ids, talker["talker_input_ids"][0])
+    assert torch.equal(trailing, talker["trailing_text_hidden"][0])
+    assert torch.equal(tts.pad, talker["tts_pad_embed"][0, 0])
+
+
+def test_talker_user_part_projects_media_positions_from_the_hidden_states(hf):
+    ids = P.OmniTokenIds.from_hf(hf.config)
+    prompt = torch.tensor([IS, SYSTEM, NL, 100, IE, NL, IS, USER, NL, 151669, AUDIO, AUDIO, AUDIO, 151670,
+                           151652, IMAGE, IMAGE, 151653, 9707, IE, NL, IS, ASSISTANT, NL])
+    torch.manual_seed(4)
+    embed, hidden = torch.randn(prompt.numel() + 1, HIDDEN), torch.randn(prompt.numel(), HIDDEN)
+    mm = P.multimodal_mask(prompt, ids)
+    with torch.no_grad():
+        ref = hf._get_talker_user_parts(0, prompt.numel(), mm[None], hidden[None], embed[None, :-1])[0]
+        tts = P.tts_embeds(hf.thinker.get_input_embeddings(), hf.talker.text_projection, ids)
+        ours = P.build_talker_prompt(prompt, embed, hidden, speaker=ids.speaker_id("chelsie"), tts=tts,
+                                     ids=ids, **_projections(hf))
+    users = P.user_positions(prompt, ids)
+    assert users.tolist() == list(range(6, 21))
+    assert torch.equal(ours.embeds[:users.numel()], ref[users])
+    assert ours.embeds.shape == (users.numel() + 9, HIDDEN)
+
+
+def test_talker_prompt_errors():
+    ids = P.OmniTokenIds()
+    with pytest.raises(ValueError, match="choose one of: aiden, chelsie, ethan"):
+        ids.speaker_id("bob")
+    assert ids.speaker_id("Ethan") == 2302
+    with pytest.raises(ValueError, match="assistant"):
+        P.assistant_start([IS, USER, NL, 5, IE, NL], ids)
+    with pytest.raises(ValueError, match="needs"):
+        P.build_talker_prompt([IS, USER, NL, IE, NL, IS, ASSISTANT, NL], torch.zeros(8, 4), torch.zeros(8, 4),
+                              speaker=1, tts=P.TtsEmbeds(*torch.zeros(3, 4)), text_projection=lambda x: x,
+                              hidden_projection=lambda x: x, codec_embedding=lambda x: x, ids=ids)
+
+
+def test_chat_token_ids_layout():
+    ids = P.OmniTokenIds()
+    turns = [P.ChatTurn("user", "ab", media=(P.AudioPart(2), P.ImagePart(1)))]
+    encode = lambda text: [ord(c) for c in text]  # noqa: E731
+    out = P.chat_token_ids(turns, encode, ids, system_prompt="S")
+    assert out == [IS, SYSTEM, NL, ord("S"), IE, NL,
+                   IS, USER, NL, ids.audio_start, AUDIO, AUDIO, ids.audio_end, ids.vision_start, IMAGE,
+                   ids.vision_end, ord("a"), ord("b"), IE, NL, IS, ASSISTANT, NL]
+    assert P.chat_token_ids([P.ChatTurn("system", "x")], encode, ids, system_prompt="S")[3] == ord("x")
+    with pytest.raises(ValueError, match="unknown role"):
+        P.chat_token_ids([P.ChatTurn("tool", "x")], encode, ids)
+
+
+# ----------------------------------------------------------------------------------------- placements
+
+PLACEMENTS = ["qwen3_omni_single.yaml", "qwen3_omni_two_gpu.yaml", "qwen3_omni_three_way.yaml"]
+PLACEMENT_DIR = Path(__file__).resolve().parents[1] / "examples" / "placements"
+
+
+@pytest.fixture(scope="module")
+def one_rank_outputs():
+    return _generate(None)
+
+
+def _generate(placement):
+    from mstar.models.qwen3_omni.model import Qwen3OmniTiny
+    from mstar.runtime.api import Runtime
+
+    prompts = [{"input_ids": torch.tensor([IS, USER, NL, 9707, 11, 1879, IE, NL, IS, ASSISTANT, NL])},
+               {"input_ids": torch.tensor([IS, USER, NL, 77, 78, IE, NL, IS, ASSISTANT, NL])}]
+    params = {"max_tokens": 5, "audio": True, "voice": "ethan", "talker_sampling": {"temperature": 0, "max_tokens": 30}}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MSTAR_ATTENTION_KERNEL", "torch")
+        with Runtime(Qwen3OmniTiny(), placement) as rt:
+            outs = rt.generate(prompts, params)
+    return [(torch.cat(o.tensors("text")), torch.cat(o.tensors("audio"))) for o in outs]
+
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_shipped_placements_validate(name):
+    from mstar.models.qwen3_omni.graph import build_graph as build_omni_graph
+    from mstar.placement import Placement
+
+    placement = Placement.load(PLACEMENT_DIR / name).check_model("qwen3-omni")
+    assert placement.validate(build_omni_graph()).num_ranks == PLACEMENTS.index(name) + 1
+
+
+@pytest.mark.parametrize("name", PLACEMENTS[1:])
+def test_every_placement_gives_the_same_text_and_audio(one_rank_outputs, name):
+    for (text, audio), (ref_text, ref_audio) in zip(_generate(PLACEMENT_DIR / name), one_rank_outputs):
+        assert torch.equal(text, ref_text)
+        assert audio.shape == ref_audio.shape and audio.shape[0] > 1920 * 25  # more than one chunk
+        assert torch.equal(audio, ref_audio)
+
+
+# ------------------------------------------------------------------------------------------ encoders
+
+
+def test_resample_is_band_limited_and_has_the_expected_length():
+    from mstar.models.qwen3_omni.encoders import resample
+
+    for rate in (24000, 44100, 8000):
+        t = torch.arange(rate) / rate
+        out = resample(torch.sin(2 * math.pi * 440 * t), rate, 16000)
+        assert out.shape == (16000,)
+        expected = torch.sin(2 * math.pi * 440 * torch.arange(16000) / 16000)
+        assert (out - expected)[200:-200].abs().max() < 1e-3  # edges see the zero padding
+
+
+def test_audio_tower_equals_transformers_on_a_batch_of_clips(hf, checkpoint):
+    from mstar.models.qwen3_omni.encoders import AudioTower, audio_input
+
+    tower = AudioTower(hf.config.thinker_config.audio_config)
+    tower.load_weights(checkpoint)
+    t = torch.arange(72000) / 24000
+    pcm = (0.3 * torch.sin(2 * math.pi * 440 * t) * 32767).to(torch.int16)
+    long, short = audio_input(pcm, 24000), audio_input(pcm[:24000], 24000)
+    assert (long.features.shape, long.num_tokens, short.features.shape, short.num_tokens) == \
+        ((128, 300), 39, (128, 100), 13)
+    ours = tower([long.features, short.features])
+    padded = torch.zeros(2, 128, 300)
+    padded[0], padded[1, :, :100] = long.features, short.features
+    mask = torch.zeros(2, 300, dtype=torch.long)
+    mask[0], mask[1, :100] = 1, 1
+    with torch.no_grad():
+        ref = hf.thinker.model.get_audio_features(padded, feature_attention_mask=mask).last_hidden_state
+    assert [o.shape[0] for o in ours] == [39, 13]
+    torch.testing.assert_close(torch.cat(ours), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tower([short.features])[0], ours[1], rtol=1e-5, atol=1e-6)
+
+
+def test_vision_tower_equals_transformers(hf, checkpoint):
+    from mstar.models.qwen3_omni.encoders import VisionTower, image_input
+
+    tower = VisionTower(hf.config.thinker_config.vision_config)
+    tower.load_weights(checkpoint)
+    gen = torch.Generator().manual_seed(5)
+    images = [image_input(torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen))
+              for shape in ((64, 96, 3), (40, 40, 3))]
+    assert [(i.grid_thw.tolist(), i.num_tokens) for i in images] == [([1, 4, 6], 6), ([1, 4, 4], 4)]
+    pixels, grid = torch.cat([i.pixel_values for i in images]), torch.stack([i.grid_thw for i in images])
+    ours = tower(pixels, grid)
+    with torch.no_grad():
+        ref = hf.thinker.model.get_image_features(pixels, grid)
+    torch.testing.assert_close(torch.cat(ours.embeds), torch.cat(ref.pooler_output), rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(ours.deepstack, ref.deepstack_features):
+        torch.testing.assert_close(torch.cat(mine), torch.cat(theirs), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,317 @@
+"""Qwen3-Omni through the Runtime (in-process): a tiny random checkpoint saved by transformers, loaded by
+mstar's loader, against ``Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True)`` with the
+same weights (fp32, greedy thinker and talker): text tokens, every frame's 16 codes, the waveform and
+its exact length; text-only requests skip the Talker and Code2Wav; batched requests give what each
+gives alone; KV blocks back to zero."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar import RequestStatus
+from mstar.models.qwen3_omni import loader
+from mstar.models.qwen3_omni.config import TINY_HF_CONFIG
+from mstar.models.qwen3_omni.model import Qwen3Omni, Qwen3OmniTiny
+from mstar.runtime.api import Runtime
+from tests.helpers import kv_blocks_in_use
+
+transformers = pytest.importorskip("transformers")
+
+IM_START, IM_END, SYSTEM, USER, ASSISTANT, NL = 151644, 151645, 8948, 872, 77091, 198
+
+
+def chat(*user_text: int) -> torch.Tensor:
+    """A system turn, one user turn with ``user_text``, and the assistant header."""
+    return torch.tensor([IM_START, SYSTEM, NL, 100, 101, IM_END, NL, IM_START, USER, NL, *user_text, IM_END, NL,
+                         IM_START, ASSISTANT, NL])
+
+
+PROMPTS = [chat(9707, 11, 1879), chat(40, 1079, 264, 8967, 30), chat(15339)]
+GREEDY_TALKER = {"temperature": 0.0}
+
+
+@pytest.fixture(autouse=True)
+def _torch_attention(monkeypatch):
+    # the PyTorch paged-attention path: the compiled kernel is tested on its own, and loading it
+    # would dominate these tests' time
+    monkeypatch.setenv("MSTAR_ATTENTION_KERNEL", "torch")
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory):
+    """(transformers model, checkpoint dir) of the tiny config, seeded, saved by transformers."""
+    model = loader.hf_reference_model(TINY_HF_CONFIG, seed=0)
+    path = tmp_path_factory.mktemp("qwen3_omni_tiny")
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def runtime(omni):
+    import os
+
+    old = os.environ.get("MSTAR_ATTENTION_KERNEL")
+    os.environ["MSTAR_ATTENTION_KERNEL"] = "torch"
+    try:
+        with Runtime(Qwen3Omni(omni[1])) as rt:
+            yield rt
+    finally:
+        if old is None:
+            os.environ.pop("MSTAR_ATTENTION_KERNEL", None)
+        else:
+            os.environ["MSTAR_ATTENTION_KERNEL"] = old
+
+
+def hf_generate(model, ids, text_tokens, talker_steps, **talker):
+    """transformers' text ids, frame codes [F, 16] and waveform, greedy."""
+    captured = {}
+    decode = model.code2wav.chunked_decode
+
+    def capture(codes, *args, **kw):
+        captured["codes"] = codes[0].T.clone()
+        return decode(codes, *args, **kw)
+
+    model.code2wav.chunked_decode = capture
+    try:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            seq, wav = model.generate(input_ids=ids[None], speaker="Ethan", return_audio=True,
+                                      thinker_max_new_tokens=text_tokens, thinker_do_sample=False,
+                                      talker_max_new_tokens=talker_steps, talker_do_sample=False, **talker)
+    finally:
+        model.code2wav.chunked_decode = decode
+    return seq[0, ids.numel():].tolist(), captured["codes"], wav.reshape(-1)
+
+
+def ours(out):
+    assert out.finished, out.error
+    frames = [f for f in out.tensors("frame_codes") if f.numel()]
+    audio = out.tensors("audio")
+    return ([int(t) for t in out.tensors("text")], torch.stack(frames) if frames else torch.zeros(0, 16),
+            torch.cat(audio) if audio else torch.zeros(0))
+
+
+def audio_params(text_tokens, talker_steps, **talker):
+    return {"audio": True, "max_tokens": text_tokens, "voice": "Ethan",
+            "talker_sampling": {**GREEDY_TALKER, "max_tokens": talker_steps, **talker}}
+
+
+@pytest.mark.parametrize("text_tokens,talker_steps", [(8, 40), (5, 3)], ids=["eos", "talker-max"])
+def test_audio_matches_transformers_generate(omni, runtime, text_tokens, talker_steps):
+    model, _ = omni
+    ids = PROMPTS[0]
+    ref_text, ref_codes, ref_wav = hf_generate(model, ids, text_tokens, talker_steps)
+    text, codes, wav = ours(runtime.generate({"input_ids": ids}, audio_params(text_tokens, talker_steps))[0])
+    assert text == ref_text
+    assert torch.equal(codes, ref_codes)
+    assert wav.numel() == ref_wav.numel() == 1920 * codes.shape[0] - 555
+    assert ref_wav.abs().max() > 0  # the tiny model's waveform is quiet: compare relative error too
+    assert (wav - ref_wav).abs().max() <= 1e-4 and (wav - ref_wav).norm() <= 1e-5 * ref_wav.norm()
+    assert kv_blocks_in_use(runtime) == 0
+
+
+def test_long_speech_streams_exact_length(omni, runtime):
+    """60 frames (EOS suppressed on both sides): three Code2Wav chunks of 25 new frames, each with the
+    model's exact left context (its pre-transformer's reach; here more than the stream so far):
+    codes identical, the streamed waveform as long as a full decode and equal to it."""
+    model, _ = omni
+    ids = PROMPTS[1]
+    vocab = model.config.talker_config.text_config.vocab_size
+    no_eos = list(range(vocab - 1024, vocab))
+    ref_text, ref_codes, ref_wav = hf_generate(model, ids, 6, 61, talker_suppress_tokens=no_eos)
+    text, codes, wav = ours(runtime.generate({"input_ids": ids}, audio_params(6, 61, ignore_eos=True))[0])
+    assert text == ref_text and codes.shape == (60, 16)
+    assert torch.equal(codes, ref_codes)
+    assert wav.numel() == ref_wav.numel() == 1920 * 60 - 555
+    assert (wav - ref_wav).abs().max() <= 1e-4 and (wav - ref_wav).norm() <= 1e-5 * ref_wav.norm()
+
+
+def test_text_only_skips_talker_and_code2wav(runtime):
+    calls = {}
+    for name in ("Talker", "code_predictor", "Code2Wav"):
+        module = runtime.local_module(name)
+        forward = module.forward
+
+        def counted(*a, _name=name, _forward=forward, **kw):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _forward(*a, **kw)
+
+        module.forward = counted
+    try:
+        out = runtime.generate({"input_ids": PROMPTS[0]}, {"max_tokens": 8})[0]
+    finally:
+        for name in ("Talker", "code_predictor", "Code2Wav"):
+            del runtime.local_module(name).forward
+    assert out.finished, out.error
+    spoken = runtime.generate({"input_ids": PROMPTS[0]}, audio_params(8, 40))[0]
+    assert [int(t) for t in out.tensors("text")] == [int(t) for t in spoken.tensors("text")]
+    assert calls == {} and not out.tensors("audio")
+    assert kv_blocks_in_use(runtime) == 0
+
+
+def test_thinker_repetition_penalty_matches_transformers(omni, runtime):
+    """A penalty below 1 favours seen tokens (the random tiny model never repeats on its own)."""
+    model, _ = omni
+    ids = PROMPTS[2]
+    with torch.no_grad():
+        ref = model.thinker.generate(input_ids=ids[None], max_new_tokens=12, do_sample=False, eos_token_id=IM_END,
+                                     repetition_penalty=0.05)
+    out = runtime.generate({"input_ids": ids}, {"max_tokens": 12, "sampling": {"repetition_penalty": 0.05}})[0]
+    plain = runtime.generate({"input_ids": ids}, {"max_tokens": 12})[0]
+    assert [int(t) for t in out.tensors("text")] == ref[0, ids.numel():].tolist()
+    assert [int(t) for t in out.tensors("text")] != [int(t) for t in plain.tensors("text")]
+
+
+def test_batched_requests_match_each_alone(runtime):
+    params = [audio_params(n, 30) for n in (8, 6, 4)]
+    alone = [ours(runtime.generate({"input_ids": p}, q)[0]) for p, q in zip(PROMPTS, params)]
+    together = runtime.generate([{"input_ids": p} for p in PROMPTS], params)
+    for (text, codes, wav), out in zip(alone, together):
+        t2, c2, w2 = ours(out)
+        assert t2 == text and torch.equal(c2, codes)
+        assert torch.equal(w2, wav)  # audio depends on the codes alone: Code2Wav decodes each chunk alone
+    assert kv_blocks_in_use(runtime) == 0
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"audio": True, "voice": "nobody"}, "unknown voice"),
+    ({"audio": True, "talker_sampling": {"top_p": 2.0}}, "top_p"),
+    ({"sampling": {"repetition_penalty": -1.0}}, "repetition_penalty"),
+    ({"max_tokens": 5000}, "exceeds"),
+])
+def test_bad_requests_are_rejected(runtime, params, match):
+    with pytest.raises(ValueError, match=match):
+        runtime.submit({"input_ids": PROMPTS[0]}, params)
+
+
+def test_audio_needs_an_assistant_turn_at_the_end(runtime):
+    with pytest.raises(ValueError, match="assistant"):
+        runtime.submit({"input_ids": PROMPTS[0][:-3]}, {"audio": True})
+    with pytest.raises(ValueError, match="go together"):
+        runtime.submit({"input_ids": PROMPTS[0], "pixel_values": torch.zeros(4, 8)}, {})
+    with pytest.raises(ValueError, match="image placeholders and no images"):
+        runtime.submit({"input_ids": chat(151652, 151655, 151653)}, {})
+
+
+def test_tiny_model_samples_speech_reproducibly():
+    """qwen3-omni-tiny with the reference's sampling defaults (talker and code predictor sampled),
+    seeded: two runs give the same audio, whose length follows its frame count."""
+    params = {"audio": True, "max_tokens": 6, "talker_sampling": {"seed": 7, "max_tokens": 30}}
+    with Runtime(Qwen3OmniTiny()) as rt:
+        first, again = (ours(rt.generate({"input_ids": PROMPTS[2]}, params)[0]) for _ in range(2))
+        assert kv_blocks_in_use(rt) == 0
+    text, codes, wav = first
+    assert len(text) == 6 and 1 <= codes.shape[0] <= 29
+    assert wav.numel() == 1920 * codes.shape[0] - 555
+    assert text == again[0] and torch.equal(codes, again[1]) and torch.equal(wav, again[2])
+
+
+PLACEMENTS = ["qwen3_omni_two_gpu.yaml", "qwen3_omni_three_way.yaml"]
+
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_placements_give_the_same_outputs(omni, runtime, name):
+    """Thinker apart from Talker + Code2Wav (the paper's 2-GPU layout), and all three apart: KV stays
+    with its module's rank, streams cross ranks, outputs are those of one rank."""
+    from pathlib import Path
+
+    from mstar.placement import Placement
+
+    params = audio_params(8, 40)
+    expected = ours(runtime.generate({"input_ids": PROMPTS[0]}, params)[0])
+    placement = Placement.load(Path(__file__).parents[1] / "examples" / "placements" / name)
+    with Runtime(Qwen3Omni(omni[1]), placement) as rt:
+        got = ours(rt.generate({"input_ids": PROMPTS[0]}, params)[0])
+        assert kv_blocks_in_use(rt) == 0
+    assert got[0] == expected[0] and torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
+
+
+@pytest.mark.slow
+def test_worker_processes_give_the_same_outputs(omni, runtime):
+    """The 2-GPU layout with one worker process per rank: every value crossing a process (stream
+    items, the per-frame predictor state, emitted audio) goes through the wire format."""
+    from pathlib import Path
+
+    from mstar.placement import Placement
+
+    params = audio_params(8, 40)
+    expected = ours(runtime.generate({"input_ids": PROMPTS[1]}, params)[0])
+    placement = Placement.load(Path(__file__).parents[1] / "examples" / "placements" / PLACEMENTS[0])
+    with Runtime(Qwen3Omni(omni[1]), placement, workers="process") as rt:
+        got = ours(rt.generate({"input_ids": PROMPTS[1]}, params)[0])
+        assert kv_blocks_in_use(rt) == 0
+    assert got[0] == expected[0] and torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
+
+
+AUDIO_START, AUDIO, AUDIO_END = 151669, 151675, 151670
+
+
+def test_audio_input_matches_transformers_generate(omni, runtime):
+    """A spoken question (1.3 s of a tone, as log-mel features): the audio tower's rows replace the
+    placeholders; text, codes and waveform as transformers' with ``input_features``."""
+    from mstar.models.qwen3_omni.encoders import audio_input
+
+    model, _ = omni
+    t = torch.arange(20800) / 16000
+    clip = audio_input((0.3 * torch.sin(2 * torch.pi * 440 * t)).float(), 16000)
+    ids = chat(AUDIO_START, *[AUDIO] * clip.num_tokens, AUDIO_END, 9707, 11)
+    ref_text, ref_codes, ref_wav = hf_generate(model, ids, 6, 30, input_features=clip.features[None],
+                                               feature_attention_mask=torch.ones(1, clip.features.shape[1],
+                                                                                 dtype=torch.long))
+    out = runtime.generate({"input_ids": ids, "audio_features": [clip.features]}, audio_params(6, 30))[0]
+    text, codes, wav = ours(out)
+    assert text == ref_text and torch.equal(codes, ref_codes)
+    assert wav.numel() == ref_wav.numel() and (wav - ref_wav).norm() <= 1e-5 * ref_wav.norm()
+    text_only = runtime.generate({"input_ids": ids, "audio_features": [clip.features]}, {"max_tokens": 6})[0]
+    assert [int(x) for x in text_only.tensors("text")] == ref_text
+    with pytest.raises(ValueError, match="placeholders"):
+        short = chat(AUDIO_START, *[AUDIO] * (clip.num_tokens - 1), AUDIO_END, 9707, 11)
+        runtime.submit({"input_ids": short, "audio_features": [clip.features]}, {})
+    assert kv_blocks_in_use(runtime) == 0
+
+
+VISION_START, IMAGE, VISION_END = 151652, 151655, 151653
+
+
+def test_image_input_matches_transformers_generate(omni, runtime):
+    """An image (64 x 96): the vision tower's rows replace the placeholders, its deepstack features
+    join the first layers, and the 3-D M-RoPE positions (thinker and talker) follow the reference."""
+    from mstar.models.qwen3_omni.encoders import image_input
+
+    model, _ = omni
+    torch.manual_seed(5)
+    image = image_input(torch.randint(0, 256, (64, 96, 3), dtype=torch.uint8))
+    ids = chat(VISION_START, *[IMAGE] * image.num_tokens, VISION_END, 9707, 11)
+    grids = image.grid_thw[None]
+    ref_text, ref_codes, ref_wav = hf_generate(model, ids, 6, 30, pixel_values=image.pixel_values,
+                                               image_grid_thw=grids)
+    inputs = {"input_ids": ids, "pixel_values": image.pixel_values, "image_grid_thw": grids}
+    text, codes, wav = ours(runtime.generate(inputs, audio_params(6, 30))[0])
+    assert text == ref_text and torch.equal(codes, ref_codes)
+    assert wav.numel() == ref_wav.numel() and (wav - ref_wav).norm() <= 1e-5 * ref_wav.norm()
+    with pytest.raises(ValueError, match="placeholders"):
+        runtime.submit({**inputs, "input_ids": chat(VISION_START, IMAGE, VISION_END)}, {})
+    assert kv_blocks_in_use(runtime) == 0
+
+
+def test_abort_mid_speech_frees_everything(runtime):
+    """A client leaving after the first audio chunk: the request ends ABORTED, while the Talker is
+    still speaking, and its KV blocks (both caches) and walks are gone."""
+    handle = runtime.submit({"input_ids": PROMPTS[0]}, audio_params(8, 200, ignore_eos=True))
+    first_audio = next(ev for ev in handle if ev.name == "audio")
+    runtime.abort(handle.request_id)
+    assert first_audio.value[0].numel() == 1920 * 25 - 555
+    assert handle.result(timeout=60).status is RequestStatus.ABORTED
+    stats = runtime.stats()
+    assert kv_blocks_in_use(runtime) == 0 and stats["running_requests"] == 0
+    assert all(rank["walks"] == 0 for rank in stats["ranks"])
+
+
+def test_one_token_answer_still_speaks(runtime):
+    """The thinker stops at its first token (max_tokens 1: no decode walk). transformers refuses this
+    (its talker prompt needs a second token); here the talker reads tts_eos as the answer's text."""
+    out = runtime.generate({"input_ids": PROMPTS[0]}, audio_params(1, 6))[0]
+    text, codes, wav = ours(out)
+    assert len(text) == 1 and 1 <= codes.shape[0] <= 5 and wav.numel() == 1920 * codes.shape[0] - 555
+    assert kv_blocks_in_use(runtime) == 0

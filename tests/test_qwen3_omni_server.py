@@ -1,0 +1,324 @@
+"""Qwen3-Omni behind the OpenAI API: the adapter's request and output handling."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mstar.model.adapter import CHAT, SPEECH, AudioChunk, TextDelta
+from mstar.models.qwen3_omni import adapter as A
+from mstar.models.qwen3_omni.prompt import AUDIO_SYSTEM_PROMPT, OmniTokenIds
+
+IDS = OmniTokenIds()
+IS, IE, NL = IDS.im_start, IDS.im_end, IDS.newline
+
+
+class ByteTokenizer:
+    """Text <-> byte values (special ids decode to nothing)."""
+
+    def encode(self, text, add_special_tokens=True):
+        assert not add_special_tokens
+        return list(text.encode())
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+
+class FakeModel:
+    tokenizer = ByteTokenizer()
+
+    def __init__(self):
+        self.validated = []
+
+    def validate_request(self, inputs, params):
+        self.validated.append((inputs, params))
+
+
+@pytest.fixture
+def adapter():
+    return A.Qwen3OmniAdapter(FakeModel())
+
+
+def _chat(adapter, messages, media_images=(), media_audio=(), **body):
+    return adapter.chat_request({"model": "m", "messages": messages, **body}, list(media_images), list(media_audio))
+
+
+def _segment(ids: list[int], role: int) -> list[int]:
+    """The token ids of the first turn of ``role`` (after ``<|im_start|>role\\n``, up to ``<|im_end|>``)."""
+    start = next(i for i in range(len(ids) - 1) if ids[i] == IS and ids[i + 1] == role) + 3
+    return ids[start:ids.index(IE, start)]
+
+
+def test_text_only_chat_has_no_speech_and_no_inserted_system_turn(adapter):
+    req = _chat(adapter, [{"role": "user", "content": "hi"}], max_tokens=7, temperature=0.5)
+    ids = req.inputs["input_ids"][0].tolist()
+    assert ids == [IS, IDS.user, NL, *b"hi", IE, NL, IS, IDS.assistant, NL]
+    assert req.params == {"sampling": {"temperature": 0.5}, "max_tokens": 7}  # no "audio": text only
+    assert req.prompt_tokens == len(ids)
+    assert adapter.model.validated  # the model's own checks ran
+
+
+def test_audio_chat_adds_the_system_prompt_voice_and_talker_defaults(adapter):
+    req = _chat(adapter, [{"role": "user", "content": "hi"}], modalities=["text", "audio"],
+                audio={"voice": "Chelsie", "format": "wav"})
+    ids = req.inputs["input_ids"][0].tolist()
+    assert bytes(_segment(ids, IDS.system)).decode() == AUDIO_SYSTEM_PROMPT
+    assert req.params == {"sampling": {}, "audio": True, "voice": "chelsie", "talker_sampling": {}}
+    own = _chat(adapter, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                modalities=["audio"])
+    assert bytes(_segment(own.inputs["input_ids"][0].tolist(), IDS.system)) == b"be brief"
+    assert own.params["voice"] == "ethan"  # the default voice
+
+
+def test_talker_sampling_overrides_and_seed(adapter):
+    req = _chat(adapter, [{"role": "user", "content": "x"}], modalities=["text", "audio"], seed=5,
+                talker_temperature=0.0, talker_top_k=3, talker_max_tokens=40, code_predictor_top_p=0.5)
+    assert req.params["talker_sampling"] == {"temperature": 0.0, "top_k": 3, "seed": 5, "max_tokens": 40}
+    assert req.params["code_predictor_sampling"] == {"top_p": 0.5}
+    assert req.params["sampling"] == {"seed": 5}
+    other = _chat(adapter, [{"role": "user", "content": "x"}], modalities=["audio"], seed=5, talker_seed=6)
+    assert other.params["talker_sampling"] == {"seed": 6}
+
+
+def test_unknown_voice_names_the_choices(adapter):
+    with pytest.raises(ValueError, match="unknown voice 'bob'; choose one of: chelsie, ethan, aiden"):
+        _chat(adapter, [{"role": "user", "content": "x"}], modalities=["text", "audio"], audio={"voice": "bob"})
+
+
+def _tone(seconds: float, rate: int) -> torch.Tensor:
+    t = torch.arange(int(seconds * rate)) / rate
+    return (0.3 * torch.sin(2 * math.pi * 440 * t) * 32767).to(torch.int16)
+
+
+def test_media_inputs_become_features_and_placeholders(adapter):
+    image = torch.randint(0, 256, (64, 96, 3), dtype=torch.uint8)
+    content = [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+               {"type": "image_url", "image_url": {"url": ""}}, {"type": "text", "text": "what?"}]
+    req = _chat(adapter, [{"role": "user", "content": content}], media_images=[image],
+                media_audio=[(_tone(1.0, 24000), 24000)])
+    ids = req.inputs["input_ids"][0].tolist()
+    assert req.inputs["audio_features"][0].shape == (128, 100)  # 1 s at 16 kHz, hop 160
+    assert ids.count(IDS.audio) == 13  # the audio tower's length for 100 mel frames
+    assert req.inputs["image_grid_thw"][0].tolist() == [[1, 4, 6]]
+    assert req.inputs["pixel_values"][0].shape == (24, 3 * 2 * 16 * 16)
+    assert ids.count(IDS.image) == 24 // 4
+    user = _segment(ids, IDS.user)
+    assert user[0] == IDS.audio_start and user[14] == IDS.audio_end and user[15] == IDS.vision_start
+    assert bytes(user[-5:]) == b"what?"
+
+
+def test_bad_chat_requests(adapter):
+    with pytest.raises(ValueError, match="role 'tool'"):
+        _chat(adapter, [{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="user messages"):
+        _chat(adapter, [{"role": "assistant", "content": [{"type": "image_url"}]}],
+              media_images=[torch.zeros(32, 32, 3, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="stop"):
+        _chat(adapter, [{"role": "user", "content": "x"}], stop=["a"])
+    with pytest.raises(ValueError, match="too short"):
+        _chat(adapter, [{"role": "user", "content": [{"type": "input_audio"}]}], media_audio=[(_tone(0.01, 16000), 16000)])
+    with pytest.raises(ValueError, match="at most"):
+        _chat(adapter, [{"role": "user", "content": "x" * (A.MAX_PROMPT_TOKENS + 1)}])
+
+
+def test_speech_goes_through_the_chat_prompt(adapter):
+    req = adapter.speech_request({"model": "m", "input": "Hello there", "voice": "aiden", "speed": 1.0})
+    ids = req.inputs["input_ids"][0].tolist()
+    assert bytes(_segment(ids, IDS.system)).decode() == AUDIO_SYSTEM_PROMPT
+    assert bytes(_segment(ids, IDS.user)).decode() == A.SPEECH_PROMPT.format(text="Hello there")
+    assert req.params["voice"] == "aiden" and req.params["audio"] is True
+    with pytest.raises(ValueError, match="characters"):
+        adapter.speech_request({"input": "x" * (A.MAX_INPUT_CHARS + 1)})
+    with pytest.raises(ValueError, match="speed"):
+        adapter.speech_request({"input": "x", "speed": 2.0})
+    with pytest.raises(ValueError, match="unknown voice"):
+        adapter.speech_request({"input": "x", "voice": "tara"})
+
+
+def test_decoder_turns_items_into_text_and_pcm16(adapter):
+    req = _chat(adapter, [{"role": "user", "content": "x"}], modalities=["text", "audio"], max_tokens=3)
+    decoder = adapter.new_decoder(CHAT, req)
+    assert decoder.feed("text", [torch.tensor([ord("o")])]) == [TextDelta("o", 1)]
+    [chunk] = decoder.feed("audio", [torch.tensor([0.0, 0.5, -1.0])])
+    assert isinstance(chunk, AudioChunk) and chunk.sample_rate == 24000
+    assert chunk.pcm.dtype == torch.int16 and chunk.pcm.tolist() == [0, 16384, -32767]
+    assert decoder.feed("audio", [torch.zeros(0)]) == []
+    decoder.feed("text", [torch.tensor([ord("k")])])
+    decoder.feed("text", [torch.tensor([ord("!")])])
+    assert decoder.finish_reason == "length"
+    stop = adapter.new_decoder(SPEECH, req)
+    stop.feed("text", [torch.tensor([IE])])
+    assert stop.finish_reason == "stop"
+
+
+# ------------------------------------------------------------------ qwen3-omni-tiny through the OpenAI SDK
+
+MODEL = "qwen3-omni-tiny"
+GREEDY_SPEECH = {"talker_temperature": 0.0, "talker_max_tokens": 12}  # greedy talker -> greedy code predictor
+
+
+@pytest.fixture(scope="module")
+def server():
+    from mstar.models.qwen3_omni.model import Qwen3OmniTiny
+    from tests.server_utils import running_server
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MSTAR_ATTENTION_KERNEL", "torch")  # no C++ kernel build in a fresh process
+        with running_server(Qwen3OmniTiny(), MODEL) as (url, engine):
+            yield url, engine
+
+
+@pytest.fixture
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def _wav_samples(data: bytes) -> torch.Tensor:
+    import io
+    import wave
+
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+        return torch.frombuffer(bytearray(w.readframes(w.getnframes())), dtype=torch.int16)
+
+
+def _audio_chat(client, text: str, **kw):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=6, modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "wav"}, extra_body=GREEDY_SPEECH, **kw)
+
+
+def test_text_only_chat(server, client):
+    from tests.helpers import kv_blocks_in_use
+
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert len(r.choices) == 1 and r.choices[0].message.audio is None
+    assert r.usage.completion_tokens <= 5 and r.choices[0].finish_reason in ("stop", "length")
+    assert kv_blocks_in_use(server[1].runtime) == 0
+
+
+def test_audio_chat_non_streaming_is_one_choice_with_a_24khz_wav(server, client):
+    import base64
+
+    r = _audio_chat(client, "hello")
+    assert len(r.choices) == 1
+    message = r.choices[0].message
+    samples = _wav_samples(base64.b64decode(message.audio.data))
+    frames = (samples.numel() + 555) // 1920
+    assert frames >= 1 and samples.numel() == 1920 * frames - 555  # Code2Wav's exact length, no gaps
+    assert frames <= GREEDY_SPEECH["talker_max_tokens"]
+    assert message.audio.transcript == message.content
+    assert message.audio.id
+
+
+def test_audio_format_pcm16_returns_the_raw_samples(client):
+    import base64
+
+    wav = _audio_chat(client, "raw please").choices[0].message.audio.data
+    raw = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "raw please"}], max_tokens=6,
+        modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}, extra_body=GREEDY_SPEECH)
+    samples = torch.frombuffer(bytearray(base64.b64decode(raw.choices[0].message.audio.data)), dtype=torch.int16)
+    assert torch.equal(samples, _wav_samples(base64.b64decode(wav)))
+
+
+def test_audio_chat_streaming_equals_non_streaming(client):
+    import base64
+
+    whole = _audio_chat(client, "stream me").choices[0].message
+    text, pcm = [], []
+    for chunk in _audio_chat(client, "stream me", stream=True):
+        delta = chunk.choices[0].delta.model_dump() if chunk.choices else {}
+        text.append(delta.get("content") or "")
+        if delta.get("audio"):
+            pcm.append(base64.b64decode(delta["audio"]["data"]))
+    assert len(pcm) >= 1
+    streamed = torch.frombuffer(bytearray(b"".join(pcm)), dtype=torch.int16)
+    assert torch.equal(streamed, _wav_samples(base64.b64decode(whole.audio.data)))
+    assert "".join(text) == whole.content
+
+
+def test_speech_route_speaks_the_chat_reply(client):
+    import base64
+
+    speech = client.audio.speech.create(model=MODEL, voice="ethan", input="Good morning", response_format="wav",
+                                        extra_body={"max_tokens": 6, **GREEDY_SPEECH})
+    chat = _audio_chat(client, A.SPEECH_PROMPT.format(text="Good morning")).choices[0].message
+    assert torch.equal(_wav_samples(speech.read()), _wav_samples(base64.b64decode(chat.audio.data)))
+
+
+def test_bad_requests_are_400s(server, client):
+    import base64
+
+    import httpx
+
+    url = server[0]
+    bad_voice = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
+                 "audio": {"voice": "bob", "format": "wav"}}
+    r = httpx.post(url + "/v1/chat/completions", json=bad_voice, timeout=60)
+    assert r.status_code == 400 and "choose one of: chelsie, ethan, aiden" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/audio/speech", json={"model": MODEL, "input": "x", "voice": "bob"}, timeout=60)
+    assert r.status_code == 400 and "voice" in r.json()["error"]["message"]
+    junk = {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFFjunk").decode(), "format": "wav"}}
+    r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": [junk]}]})
+    assert r.status_code == 400 and "WAV" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/audio/speech", json={"model": MODEL, "input": "x" * 4001, "voice": "ethan"}, timeout=60)
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
+    long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 4}
+    r = httpx.post(url + "/v1/chat/completions", json=long_chat, timeout=60)
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+
+
+def test_audio_and_image_input_with_speech_out(server, client):
+    import base64
+    import io
+    import wave
+
+    from PIL import Image
+
+    from tests.helpers import kv_blocks_in_use
+
+    clip = io.BytesIO()
+    with wave.open(clip, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(24000)
+        w.writeframes(_tone(1.0, 24000).numpy().tobytes())
+    png = io.BytesIO()
+    Image.new("RGB", (96, 64), (200, 30, 90)).save(png, format="PNG")
+    content = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(clip.getvalue()).decode(),
+                                                       "format": "wav"}},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                   + base64.b64encode(png.getvalue()).decode()}},
+               {"type": "text", "text": "what is this?"}]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=4,
+                                       modalities=["text", "audio"], audio={"voice": "aiden", "format": "wav"},
+                                       extra_body=GREEDY_SPEECH)
+    samples = _wav_samples(base64.b64decode(r.choices[0].message.audio.data))
+    assert samples.numel() % 1920 == 1920 - 555
+    # the prompt holds the 13 audio and 6 image placeholders of a 1 s clip and a 96 x 64 picture
+    text_only = _audio_chat(client, "what is this?")
+    assert r.usage.prompt_tokens == text_only.usage.prompt_tokens + (13 + 2) + (6 + 2)
+    assert kv_blocks_in_use(server[1].runtime) == 0
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({"audio": {"voice": 5}}, "voice"),
+    ({"talker_top_k": "many"}, "top_k"),
+    ({"talker_temperature": -1}, "temperature"),
+    ({"talker_max_tokens": 10 ** 7}, "context"),
+    ({"code_predictor_top_p": 2.0}, "top_p"),
+])
+def test_hostile_speech_knobs_are_400s(server, extra, fragment):
+    import httpx
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
+            "max_tokens": 2, **extra}
+    r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"]
