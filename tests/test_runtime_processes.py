@@ -143,6 +143,11 @@ def test_frames_for_a_dead_rank_are_swept_and_a_message_missing_one_is_dropped(t
         while not got:
             got = rank1.recv(1000)
         assert torch.equal(got[0]["t"], big) and names() == []
+        conductor.send(1, {"t": big})
+        conductor.sweep_shm(sender=0)  # rank 0 wrote none of them
+        assert len(names()) == 1
+        conductor.sweep_shm(sender=-1)  # what the conductor wrote (a mesh endpoint's own, at its end)
+        assert names() == []
     finally:
         for t in (conductor, rank0, rank1):
             t.close()

@@ -27,7 +27,7 @@ from typing import Any
 from mstar.runtime.address_book import AddressBook, Endpoint, PeerHello
 from mstar.runtime.serialization import encode
 from mstar.runtime.shm_pool import ShmAttach, ShmPool
-from mstar.runtime.transport import SHM_DIR, SHM_THRESHOLD, ZmqTransport
+from mstar.runtime.transport import SHM_THRESHOLD, ZmqTransport
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
@@ -175,14 +175,7 @@ class MeshTransport(ZmqTransport):
 
     def sweep_own_shm(self) -> None:
         """Remove the shared-memory files this endpoint wrote that nobody consumed."""
-        mine = f"{self.shm_prefix}-{self.own + 1}-"
-        if SHM_DIR:
-            for name in os.listdir(SHM_DIR):
-                if name.startswith(mine):
-                    try:
-                        os.unlink(os.path.join(SHM_DIR, name))
-                    except FileNotFoundError:
-                        pass
+        self.sweep_shm(sender=self.own)
 
     def close(self, linger_ms: int = 0) -> None:
         with self._lock:

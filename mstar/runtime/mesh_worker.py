@@ -36,6 +36,7 @@ def serve_rank(rank: int, model: Any, placement: Any, device: str, join: MeshJoi
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from mstar.runtime.mesh_transport import MeshTransport
+    from mstar.runtime.process import serve
     from mstar.runtime.routing import Routing
     from mstar.runtime.worker import Worker
 
@@ -50,14 +51,8 @@ def serve_rank(rank: int, model: Any, placement: Any, device: str, join: MeshJoi
         transport.close(linger_ms=5000)  # the reason must reach the conductor before this rank ends
         return
     transport.send(CONDUCTOR, WorkerStatus(rank, True))
-    busy = False
     try:
-        while worker.running:
-            for msg in transport.recv(0 if busy else 50):
-                worker.handle(msg)
-            busy = worker.step()
-            if not busy and orphaned():
-                break
+        serve(worker, transport, orphaned)
     finally:
         transport.sweep_own_shm()
         transport.close()

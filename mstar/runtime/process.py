@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from mstar.runtime.messages import CONDUCTOR, WorkerStatus
@@ -34,16 +35,22 @@ def worker_main(rank: int, model: Any, placement: Any, run_dir: str, device: str
         transport.close(linger_ms=5000)  # the reason must reach the parent before this process exits
         return
     transport.send(CONDUCTOR, WorkerStatus(rank, True))
-    busy = False
     try:
-        while worker.running:
-            for msg in transport.recv(0 if busy else 50):
-                worker.handle(msg)
-            busy = worker.step()
-            if not busy and os.getppid() != parent_pid:
-                break  # the serving process died: do not linger
+        serve(worker, transport, lambda: os.getppid() != parent_pid)  # the serving process died: do not linger
     finally:
         transport.close()
+
+
+def serve(worker: Any, transport: Any, orphaned: Callable[[], bool]) -> None:
+    """A ready rank's loop: receive -> handle -> one batched step; waits on its socket when idle
+    and returns at ``Shutdown``, or when ``orphaned()`` says so while idle."""
+    busy = False
+    while worker.running:
+        for msg in transport.recv(0 if busy else 50):
+            worker.handle(msg)
+        busy = worker.step()
+        if not busy and orphaned():
+            break
 
 
 def spawn_worker(rank: int, model: Any, placement: Any, run_dir: str, device: str,

@@ -154,17 +154,22 @@ class ZmqTransport:
     def _dest_prefix(self, dest: int) -> str:
         return f"{self.shm_prefix}-to{dest + 1}-"
 
-    def sweep_shm(self, dest: int | None = None) -> None:
+    def sweep_shm(self, dest: int | None = None, sender: int | None = None) -> None:
         """Remove shared-memory files of this run that no receiver consumed: those addressed to
-        ``dest`` (a rank that died: what was in its process's buffers is lost), or all of them."""
+        ``dest`` (a rank that died: what was in its process's buffers is lost), those ``sender``
+        wrote, or all of them. Names: ``<run>-to<dest + 1>-<sender + 1>-<pid>-<n>``."""
+        if not SHM_DIR:
+            return
         prefix = self.shm_prefix + "-" if dest is None else self._dest_prefix(dest)
-        if SHM_DIR:
-            for name in os.listdir(SHM_DIR):
-                if name.startswith(prefix):
-                    try:
-                        os.unlink(os.path.join(SHM_DIR, name))
-                    except FileNotFoundError:
-                        pass
+        for name in os.listdir(SHM_DIR):
+            if not name.startswith(prefix):
+                continue
+            if sender is not None and name[len(self.shm_prefix) + 1:].split("-")[1:2] != [str(sender + 1)]:
+                continue
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the sockets; ``linger_ms`` > 0 first lets queued outgoing messages go (a last word)."""
