@@ -187,6 +187,38 @@ def test_left_context_properties(stream, sizes, chunk, left):
     assert signature(recs) == signature(one_by_one(LeftContextChunkPolicy(chunk, left), stream))
 
 
+def ramp_ends(n: int, chunk: int, first: int) -> list[int]:
+    """Where the chunks of a ramped LeftContextChunkPolicy end, for a stream of n items."""
+    ends, size, end = [], first, first
+    while end <= n:
+        ends.append(end)
+        size = min(chunk, 2 * size)
+        end += size
+    return ends
+
+
+@SETTINGS
+@given(streams, split_sizes, st.integers(1, 20), st.integers(0, 30), st.integers(1, 20))
+def test_left_context_with_a_ramped_first_chunk(stream, sizes, chunk, left, first):
+    first = min(first, chunk)
+    make = lambda: LeftContextChunkPolicy(chunk, left, first_chunk=first)  # noqa: E731
+    recs, _ = drive(make(), stream, sizes)
+    check_common(recs, stream)
+    for c in chunks_of(recs):
+        assert list(c.context_items) == stream[max(0, c.new_start - left) : c.new_start]
+    ends = ramp_ends(len(stream), chunk, first)
+    assert [r.chunk.end for r in recs if not r.from_finish] == ends
+    fin = [r.chunk for r in recs if r.from_finish]
+    assert len(fin) == (len(stream) > (ends[-1] if ends else 0))
+    assert signature(recs) == signature(one_by_one(make(), stream))
+
+
+def test_ramped_first_chunk_schedule_and_errors():
+    assert ramp_ends(100, 25, 5) == [5, 15, 35, 60, 85]
+    with pytest.raises(ValueError, match="first_chunk"):
+        LeftContextChunkPolicy(chunk=4, left_context=0, first_chunk=5)
+
+
 # ------------------------------------------------------------- bounded memory
 @pytest.mark.parametrize(
     "factory, bound",
@@ -197,6 +229,7 @@ def test_left_context_properties(stream, sizes, chunk, left):
         (lambda: SlidingWindowChunkPolicy(window=10, stride=10), 10),
         (lambda: LeftContextChunkPolicy(chunk=25, left_context=25), 50),
         (lambda: LeftContextChunkPolicy(chunk=3, left_context=0), 3),
+        (lambda: LeftContextChunkPolicy(chunk=25, left_context=25, first_chunk=5), 50),
     ],
 )
 def test_bounded_memory_long_stream(factory, bound):

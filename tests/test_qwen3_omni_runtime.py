@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mstar import RequestStatus
+from mstar.models.qwen3_omni import graph as omni_graph
 from mstar.models.qwen3_omni import loader
 from mstar.models.qwen3_omni.config import TINY_HF_CONFIG
 from mstar.models.qwen3_omni.model import Qwen3Omni, Qwen3OmniTiny
@@ -112,7 +113,7 @@ def test_audio_matches_transformers_generate(omni, runtime, text_tokens, talker_
 
 
 def test_long_speech_streams_exact_length(omni, runtime):
-    """60 frames (EOS suppressed on both sides): three Code2Wav chunks of 25 new frames, each with the
+    """60 frames (EOS suppressed on both sides): Code2Wav chunks of 5, 10, 20, 25 new frames, each with the
     model's exact left context (its pre-transformer's reach; here more than the stream so far):
     codes identical, the streamed waveform as long as a full decode and equal to it."""
     model, _ = omni
@@ -301,7 +302,7 @@ def test_abort_mid_speech_frees_everything(runtime):
     handle = runtime.submit({"input_ids": PROMPTS[0]}, audio_params(8, 200, ignore_eos=True))
     first_audio = next(ev for ev in handle if ev.name == "audio")
     runtime.abort(handle.request_id)
-    assert first_audio.value[0].numel() == 1920 * 25 - 555
+    assert first_audio.value[0].numel() == 1920 * omni_graph.CODE2WAV_FIRST_CHUNK - 555
     assert handle.result(timeout=60).status is RequestStatus.ABORTED
     stats = runtime.stats()
     assert kv_blocks_in_use(runtime) == 0 and stats["running_requests"] == 0

@@ -360,28 +360,39 @@ class LeftContextChunkPolicy(ChunkPolicy):
     Qwen3-Omni's codec decoding (25 new frames with 25 frames of left context to warm
     up the causal convolutions).
 
-    Invariants: ``items[:num_context] == stream[max(0, new_start - left_context):new_start]``;
-    every chunk from ``push`` has exactly ``chunk`` new items;
-    ``buffered <= chunk + left_context``.
+    ``first_chunk`` (default ``chunk``): the first chunk's new items; each later one doubles
+    the previous size until it reaches ``chunk`` (5, 10, 20, 25, 25, ... for ``first_chunk=5``),
+    so the first output comes early and later chunks grow about as fast as a faster-than-real-time
+    consumer plays what it has.
 
-    ``finish``: the remaining new items (1..chunk-1 of them), if any, fire with their
+    Invariants: ``items[:num_context] == stream[max(0, new_start - left_context):new_start]``;
+    every chunk from ``push`` has exactly the scheduled number of new items (``chunk`` without
+    ``first_chunk``); ``buffered <= chunk + left_context``.
+
+    ``finish``: the remaining new items (fewer than the next chunk's), if any, fire with their
     left context as one final chunk; otherwise ``[]``.
     """
 
-    def __init__(self, chunk: int, left_context: int) -> None:
+    def __init__(self, chunk: int, left_context: int, first_chunk: int | None = None) -> None:
         self.chunk = _check_int("chunk", chunk, 1)
         self.left_context = _check_int("left_context", left_context, 0)
-        super().__init__(first_fire=self.chunk)
+        self.first_chunk = self.chunk if first_chunk is None else _check_int("first_chunk", first_chunk, 1)
+        if self.first_chunk > self.chunk:
+            raise ValueError(f"first_chunk ({self.first_chunk}) must be at most chunk ({self.chunk})")
+        super().__init__(first_fire=self.first_chunk)
+        self._size = self.first_chunk  # new items of the chunk that fires next
 
     def _context_start(self) -> int:
         return max(0, self._delivered - self.left_context)
 
     def _next_fire_after(self, fired_at: int) -> int:
-        return fired_at + self.chunk
+        self._size = min(self.chunk, 2 * self._size)
+        return fired_at + self._size
 
     @property
     def max_buffered(self) -> int:
         return self.chunk + self.left_context
 
     def _params(self) -> str:
-        return f"chunk={self.chunk}, left_context={self.left_context}"
+        first = f", first_chunk={self.first_chunk}" if self.first_chunk != self.chunk else ""
+        return f"chunk={self.chunk}, left_context={self.left_context}{first}"

@@ -18,7 +18,7 @@
                                  Loop x15(code_predictor: talker_hidden, code, cp_cache, cp_sum -> code, ...),
                                  frame_assembler: code0, speak, code (15), cp_sum -> codec_sum (fed back),
                                                   frame_codes (client), codec_frames ~> Code2Wav)
-    Code2Wav  code2wav_chunk:  codec_frames (25 new frames + 25 of left context) -> Code2Wav -> audio (client)
+    Code2Wav  code2wav_chunk:  codec_frames (5, 10, 20, then 25 new frames + left context) -> Code2Wav -> audio
 
 Stream items: the Thinker's prefill pushes ONE item, the prompt's ``[P, 2, H]`` (input embeddings and
 the ``accept_hidden_layer`` output per position); each decode iteration pushes the ``[1, 2, H]`` of the
@@ -58,11 +58,12 @@ from mstar.graph import (
 if TYPE_CHECKING:
     from mstar.model.base import WalkState
 
-__all__ = ["CODE2WAV_CHUNK", "CODE2WAV_LEFT_CONTEXT", "NUM_CODE_GROUPS", "build_graph", "code2wav_exact_context",
+__all__ = ["CODE2WAV_CHUNK", "CODE2WAV_FIRST_CHUNK", "CODE2WAV_LEFT_CONTEXT", "NUM_CODE_GROUPS", "build_graph", "code2wav_exact_context",
            "next_walk", "prefill_walk_name", "wants_audio"]
 
 NUM_CODE_GROUPS = 16
 CODE2WAV_CHUNK = 25
+CODE2WAV_FIRST_CHUNK = 5  # the first audio after 5 frames (0.4 s); then 10, 20, 25, 25, ... new frames
 CODE2WAV_LEFT_CONTEXT = 25  # the seeds' value; the model passes its exact context (see build_graph)
 
 
@@ -154,17 +155,20 @@ def code2wav_exact_context(num_layers: int, sliding_window: int, conv_context: i
 
 
 def build_graph(max_text_tokens: int = 2048, max_frames: int = 4096,
-                code2wav_left_context: int = CODE2WAV_LEFT_CONTEXT) -> WalkGraph:
+                code2wav_left_context: int = CODE2WAV_LEFT_CONTEXT,
+                code2wav_first_chunk: int = CODE2WAV_FIRST_CHUNK) -> WalkGraph:
     """``code2wav_left_context``: frames of context each Code2Wav chunk re-reads. The seeds' 25 is
     shorter than the pre-transformer's reach, so a served model passes ``code2wav_exact_context``
-    of its config (the convolutions still run over only 10 + new frames)."""
+    of its config (the convolutions still run over only 10 + new frames). ``code2wav_first_chunk``:
+    new frames of the first chunk, doubling up to ``CODE2WAV_CHUNK`` (time to first audio)."""
     audio_out = GraphEdge(EMIT_TO_CLIENT, "audio", output_modality="audio")
     code2wav = GraphNode("Code2Wav", ["codec_frames"], [audio_out])
     topology = PartitionTopology(connections=[
         Connection("Thinker", "Talker", "thinker_states",
                    lambda: FixedChunkPolicy(chunk_size=1, continue_after_done=True)),
         Connection("Talker", "Code2Wav", "codec_frames",
-                   lambda: LeftContextChunkPolicy(chunk=CODE2WAV_CHUNK, left_context=code2wav_left_context)),
+                   lambda: LeftContextChunkPolicy(chunk=CODE2WAV_CHUNK, left_context=code2wav_left_context,
+                                                  first_chunk=code2wav_first_chunk)),
     ])
     return WalkGraph([*_thinker_walks(max_text_tokens), *_talker_walks(max_frames),
                       Walk("code2wav_chunk", code2wav, partition="Code2Wav")], topology=topology)
