@@ -1,6 +1,7 @@
 """The hostile-body fuzz of ``test_server_fuzz`` against real families' adapters (llama-tiny,
-orpheus-tiny, vjepa2-ac-tiny, pi05-tiny), on the routes each serves and on one it does not: no 5xx, OpenAI's
-error shape, a healthy server and no KV block held after. Derandomized, 20 examples a route."""
+orpheus-tiny, vjepa2-ac-tiny, pi05-tiny; qwen3-omni-tiny on chat and /generate without audio out),
+on the routes each serves and on one it does not: no 5xx, OpenAI's error shape, a healthy server
+and no KV block held after. Derandomized, 20 examples a route."""
 
 import httpx
 import pytest
@@ -62,3 +63,36 @@ def test_speech_never_5xx(server, body):
 @given(body=generate_bodies)
 def test_generate_never_5xx(server, body):
     fz._post(server[0], "/generate", body)
+
+
+# qwen3-omni-tiny: chat and /generate; audio out is left out (a fuzzed audio request may run the
+# talker's default 4096 steps) and so is the speech route, which always speaks.
+@pytest.fixture(scope="module")
+def omni_server():
+    from mstar.model import resolve_model
+
+    with running_server(resolve_model("qwen3-omni-tiny"), "qwen3-omni-tiny") as (url, engine):
+        yield url
+        assert httpx.get(url + "/health", timeout=30).json() == {"status": "ok"}
+        fz._settled(engine)
+
+
+def text_only(body):
+    if isinstance(body, dict):
+        body = {k: v for k, v in body.items() if k not in ("modalities", "audio")}
+        if body.get("model") == fz.MODEL:
+            body["model"] = "qwen3-omni-tiny"
+    return body
+
+
+@FUZZ
+@given(body=fz.chat_bodies.map(text_only))
+def test_omni_chat_never_5xx(omni_server, body):
+    fz._post(omni_server, "/v1/chat/completions", body)
+
+
+@FUZZ
+@given(body=fz.generate_bodies.map(lambda b: {**b, "params": {k: v for k, v in b["params"].items() if k != "audio"}}
+                                   if isinstance(b, dict) and isinstance(b.get("params"), dict) else b))
+def test_omni_generate_never_5xx(omni_server, body):
+    fz._post(omni_server, "/generate", body)
