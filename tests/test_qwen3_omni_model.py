@@ -74,6 +74,9 @@ def test_config_reads_the_checkpoint_quirks(omni):
     assert cfg.talker.accept_hidden_layer == 1 and cfg.talker.codec_eos_id == 64 + 102
     assert cfg.talker.speaker_ids == {"chelsie": 317, "ethan": 318, "aiden": 319}
     assert cfg.tokens.audio == 151675 and cfg.tokens.tts_pad == 151671
+    # the prompts' ids come from the same file: codec specials and speakers of the tiny talker
+    assert cfg.tokens.codec_eos == 64 + 102 and cfg.tokens.codec_bos == 64 + 101
+    assert cfg.tokens.speaker_id("Ethan") == 318 and cfg.tokens.vision_start == 151652
     assert cfg.talker.suppressed_from == 64
 
 

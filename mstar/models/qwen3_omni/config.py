@@ -26,8 +26,8 @@ from typing import Any
 from mstar.model.validation import check_int
 from mstar.models.llama.config import read_json
 
-__all__ = ["TINY_HF_CONFIG", "CodePredictorConfig", "MoeTextConfig", "Qwen3OmniConfig", "TalkerConfig",
-           "TokenIds"]
+__all__ = ["NEWLINE_ID", "TINY_HF_CONFIG", "CodePredictorConfig", "MoeTextConfig", "OmniTokenIds", "Qwen3OmniConfig",
+           "TalkerConfig"]
 
 
 def _rope(d: Mapping[str, Any], what: str) -> tuple[float, tuple[int, ...]]:
@@ -182,43 +182,87 @@ class TalkerConfig:
                    speaker_ids={str(k).lower(): int(v) for k, v in speakers.items()}, **ints)
 
 
+NEWLINE_ID = 198  # "\n" in the Qwen tokenizer
+
+
 @dataclass(frozen=True)
-class TokenIds:
-    """Special token ids of the thinker's vocabulary (defaults: the real checkpoint's)."""
+class OmniTokenIds:
+    """Token ids of the Thinker's vocabulary and the Talker's codec that the prompts use (defaults:
+    the real checkpoint's)."""
 
     im_start: int = 151644
     im_end: int = 151645
     system: int = 8948
     user: int = 872
     assistant: int = 77091
+    newline: int = NEWLINE_ID
     tts_pad: int = 151671
     tts_bos: int = 151672
     tts_eos: int = 151673
     audio: int = 151675
     image: int = 151655
     video: int = 151656
+    audio_start: int = 151669
+    audio_end: int = 151670
+    vision_start: int = 151652
+    vision_end: int = 151653
+    codec_pad: int = 2148
+    codec_bos: int = 2149
+    codec_eos: int = 2150
+    codec_nothink: int = 2155
+    codec_think_bos: int = 2156
+    codec_think_eos: int = 2157
+    speakers: Mapping[str, int] = field(default_factory=lambda: {"chelsie": 2301, "ethan": 2302, "aiden": 2303})
+
+    def speaker_id(self, voice: str) -> int:
+        """The codec id of ``voice`` (case-insensitive); ``ValueError`` naming the choices."""
+        key = voice.lower() if isinstance(voice, str) else voice
+        if key not in self.speakers:
+            raise ValueError(f"unknown voice {voice!r}; choose one of: {', '.join(sorted(self.speakers))}")
+        return self.speakers[key]
 
     @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any]) -> TokenIds:
-        th = d.get("thinker_config") or {}
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> OmniTokenIds:
+        """From a ``config.json`` dict (root, thinker and talker ids; absent ones keep the defaults)."""
+        th, tk = d.get("thinker_config") or {}, d.get("talker_config") or {}
         pick = {"im_start": d.get("im_start_token_id"), "im_end": d.get("im_end_token_id"),
                 "system": d.get("system_token_id"), "user": d.get("user_token_id"),
                 "assistant": d.get("assistant_token_id"), "tts_pad": d.get("tts_pad_token_id"),
                 "tts_bos": d.get("tts_bos_token_id"), "tts_eos": d.get("tts_eos_token_id"),
                 "audio": th.get("audio_token_id"), "image": th.get("image_token_id"),
-                "video": th.get("video_token_id")}
-        return cls(**{k: int(v) for k, v in pick.items() if v is not None})
+                "video": th.get("video_token_id"), "audio_start": th.get("audio_start_token_id"),
+                "audio_end": th.get("audio_end_token_id"), "vision_start": th.get("vision_start_token_id"),
+                "vision_end": th.get("vision_end_token_id"), "codec_pad": tk.get("codec_pad_id"),
+                "codec_bos": tk.get("codec_bos_id"), "codec_eos": tk.get("codec_eos_token_id"),
+                "codec_nothink": tk.get("codec_nothink_id"), "codec_think_bos": tk.get("codec_think_bos_id"),
+                "codec_think_eos": tk.get("codec_think_eos_id")}
+        ids = {k: int(v) for k, v in pick.items() if v is not None}
+        speakers = tk.get("speaker_id")
+        if isinstance(speakers, Mapping) and speakers:
+            ids["speakers"] = {str(k).lower(): int(v) for k, v in speakers.items()}
+        return cls(**ids)
 
-    @property
-    def multimodal(self) -> tuple[int, int, int]:
-        return (self.audio, self.image, self.video)
+    @classmethod
+    def from_hf(cls, config: object) -> OmniTokenIds:
+        """From a transformers ``Qwen3OmniMoeConfig`` (root, thinker and talker ids)."""
+        thinker, talker = config.thinker_config, config.talker_config
+        return cls(
+            im_start=config.im_start_token_id, im_end=config.im_end_token_id,
+            system=config.system_token_id, user=config.user_token_id, assistant=config.assistant_token_id,
+            tts_pad=config.tts_pad_token_id, tts_bos=config.tts_bos_token_id, tts_eos=config.tts_eos_token_id,
+            audio=thinker.audio_token_id, image=thinker.image_token_id, video=thinker.video_token_id,
+            audio_start=thinker.audio_start_token_id, audio_end=getattr(thinker, "audio_end_token_id", 151670),
+            vision_start=thinker.vision_start_token_id, vision_end=getattr(thinker, "vision_end_token_id", 151653),
+            codec_pad=talker.codec_pad_id, codec_bos=talker.codec_bos_id, codec_eos=talker.codec_eos_token_id,
+            codec_nothink=talker.codec_nothink_id, codec_think_bos=talker.codec_think_bos_id,
+            codec_think_eos=talker.codec_think_eos_id, speakers=dict(talker.speaker_id))
 
 
 @dataclass(frozen=True)
 class Qwen3OmniConfig:
     thinker: MoeTextConfig
     talker: TalkerConfig
-    tokens: TokenIds
+    tokens: OmniTokenIds
     hf: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the whole dict, for towers
 
     def __post_init__(self) -> None:
@@ -239,7 +283,7 @@ class Qwen3OmniConfig:
         if not isinstance(th, Mapping) or not isinstance(tk, Mapping):
             raise ValueError("a Qwen3-Omni config needs thinker_config and talker_config")
         return cls(thinker=MoeTextConfig.from_hf_dict(th.get("text_config") or {}, "thinker_config.text_config"),
-                   talker=TalkerConfig.from_hf_dict(tk), tokens=TokenIds.from_hf_dict(d), hf=dict(d))
+                   talker=TalkerConfig.from_hf_dict(tk), tokens=OmniTokenIds.from_hf_dict(d), hf=dict(d))
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path) -> Qwen3OmniConfig:

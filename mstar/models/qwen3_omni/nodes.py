@@ -48,12 +48,8 @@ PREDICTOR_SAMPLING: Mapping[str, Any] = {"temperature": 1.0, "top_k": 50, "top_p
 
 
 def omni_token_ids(cfg: Qwen3OmniConfig) -> OmniTokenIds:
-    t, k = cfg.tokens, cfg.talker
-    return OmniTokenIds(im_start=t.im_start, im_end=t.im_end, system=t.system, user=t.user, assistant=t.assistant,
-                        tts_pad=t.tts_pad, tts_bos=t.tts_bos, tts_eos=t.tts_eos, audio=t.audio, image=t.image,
-                        video=t.video, codec_pad=k.codec_pad_id, codec_bos=k.codec_bos_id, codec_eos=k.codec_eos_id,
-                        codec_nothink=k.codec_nothink_id, codec_think_bos=k.codec_think_bos_id,
-                        codec_think_eos=k.codec_think_eos_id, speakers=dict(k.speaker_ids))
+    """The prompts' token and codec ids, as read from the checkpoint."""
+    return cfg.tokens
 
 
 def talker_sampling(params: Mapping[str, Any]) -> SamplingParams:

@@ -27,10 +27,12 @@ is generated.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+
+from mstar.models.qwen3_omni.config import OmniTokenIds
 
 __all__ = [
     "AUDIO_SYSTEM_PROMPT",
@@ -54,59 +56,6 @@ AUDIO_SYSTEM_PROMPT = (
     "auditory and visual inputs, as well as generating text and speech."
 )
 Projection = Callable[[torch.Tensor], torch.Tensor]
-NEWLINE_ID = 198  # "\n" in the Qwen tokenizer
-
-
-@dataclass(frozen=True)
-class OmniTokenIds:
-    """Token ids of the Thinker's vocabulary and the Talker's codec that the prompts use (defaults:
-    the real checkpoint's)."""
-
-    im_start: int = 151644
-    im_end: int = 151645
-    system: int = 8948
-    user: int = 872
-    assistant: int = 77091
-    newline: int = NEWLINE_ID
-    tts_pad: int = 151671
-    tts_bos: int = 151672
-    tts_eos: int = 151673
-    audio: int = 151675
-    image: int = 151655
-    video: int = 151656
-    audio_start: int = 151669
-    audio_end: int = 151670
-    vision_start: int = 151652
-    vision_end: int = 151653
-    codec_pad: int = 2148
-    codec_bos: int = 2149
-    codec_eos: int = 2150
-    codec_nothink: int = 2155
-    codec_think_bos: int = 2156
-    codec_think_eos: int = 2157
-    speakers: Mapping[str, int] = field(default_factory=lambda: {"chelsie": 2301, "ethan": 2302, "aiden": 2303})
-
-    def speaker_id(self, voice: str) -> int:
-        """The codec id of ``voice`` (case-insensitive); ``ValueError`` naming the choices."""
-        key = voice.lower() if isinstance(voice, str) else voice
-        if key not in self.speakers:
-            raise ValueError(f"unknown voice {voice!r}; choose one of: {', '.join(sorted(self.speakers))}")
-        return self.speakers[key]
-
-    @classmethod
-    def from_hf(cls, config: object) -> OmniTokenIds:
-        """From a transformers ``Qwen3OmniMoeConfig`` (root, thinker and talker ids)."""
-        thinker, talker = config.thinker_config, config.talker_config
-        return cls(
-            im_start=config.im_start_token_id, im_end=config.im_end_token_id,
-            system=config.system_token_id, user=config.user_token_id, assistant=config.assistant_token_id,
-            tts_pad=config.tts_pad_token_id, tts_bos=config.tts_bos_token_id, tts_eos=config.tts_eos_token_id,
-            audio=thinker.audio_token_id, image=thinker.image_token_id, video=thinker.video_token_id,
-            audio_start=thinker.audio_start_token_id, audio_end=getattr(thinker, "audio_end_token_id", 151670),
-            vision_start=thinker.vision_start_token_id, vision_end=getattr(thinker, "vision_end_token_id", 151653),
-            codec_pad=talker.codec_pad_id, codec_bos=talker.codec_bos_id, codec_eos=talker.codec_eos_token_id,
-            codec_nothink=talker.codec_nothink_id, codec_think_bos=talker.codec_think_bos_id,
-            codec_think_eos=talker.codec_think_eos_id, speakers=dict(talker.speaker_id))
 
 
 @dataclass(frozen=True)
