@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,10 +63,28 @@ import torch
 from mstar.runtime.message_registry import (
     _CLS_TO_TAG,
     _DC_FIELDS,
-    _TAG_TO_CLS,
     is_registered,
     message_tag,
     register_message,
+)
+from mstar.runtime.wire_decode import decode
+from mstar.runtime.wire_format import (
+    _INT_MAX,
+    _INT_MIN,
+    _K_BIGINT,
+    _K_DATACLASS,
+    _K_ENUM,
+    _K_NDARRAY,
+    _K_NPSCALAR,
+    _K_TENSOR,
+    _K_TUPLE,
+    _MARK,
+    _TORCH_DTYPE_NAMES,
+    FORMAT_VERSION,
+    TENSOR_DTYPES,
+    DecodeError,
+    Frame,
+    _numpy_dtype_ok,
 )
 
 __all__ = [
@@ -81,63 +98,6 @@ __all__ = [
     "message_tag",
     "register_message",
 ]
-
-FORMAT_VERSION = 1
-
-
-Frame = Any  # bytes | bytearray | memoryview | zmq.Frame (anything with a ``.buffer``)
-
-
-class DecodeError(ValueError):
-    """Raised by :func:`decode` for any malformed or unknown input."""
-
-
-# --------------------------------------------------------------------------------------------
-# Wire format
-# --------------------------------------------------------------------------------------------
-#
-# header = msgpack array [FORMAT_VERSION, n_buffers, root]
-# Plain None/bool/int/float/str/bytes/list/dict map to msgpack natively (dict keys: str/int).
-# Anything else becomes a one-entry map {_MARK: [kind, ...]}; _MARK is a bytes key, which no
-# plain dict can contain.
-
-_MARK = b"$"
-_K_TUPLE = 0  # [K, items]
-_K_DATACLASS = 1  # [K, tag, {field: value}]
-_K_ENUM = 2  # [K, tag, value]
-_K_TENSOR = 3  # [K, dtype name, shape, buffer index]
-_K_NDARRAY = 4  # [K, numpy dtype str, shape, buffer index]
-_K_NPSCALAR = 5  # [K, numpy dtype str, raw bytes]
-_K_BIGINT = 6  # [K, decimal str]
-
-_INT_MIN = -(2**63)
-_INT_MAX = 2**64 - 1
-
-
-def _torch_dtypes() -> dict[str, torch.dtype]:
-    names = [
-        "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-        "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    ]  # fmt: skip
-    out = {}
-    for name in names:
-        dt = getattr(torch, name, None)
-        if isinstance(dt, torch.dtype):
-            out[name] = dt
-    return out
-
-
-#: dtype name on the wire -> torch dtype, for every tensor dtype that can be sent.
-TENSOR_DTYPES: dict[str, torch.dtype] = _torch_dtypes()
-_TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in TENSOR_DTYPES.items()}
-
-_NUMPY_KINDS = frozenset("biufc")
-
-
-def _numpy_dtype_ok(dt: np.dtype) -> bool:
-    return dt.kind in _NUMPY_KINDS and not dt.hasobject and dt.fields is None and dt.subdtype is None
-
 
 # --------------------------------------------------------------------------------------------
 # Encoding
@@ -330,193 +290,3 @@ def encoded_nbytes(frames: Sequence[Frame]) -> int:
             with memoryview(buf) as mv:
                 total += mv.nbytes
     return total
-
-
-# --------------------------------------------------------------------------------------------
-# Decoding
-# --------------------------------------------------------------------------------------------
-
-
-class _Decoder:
-    __slots__ = ("frames", "views", "u8")
-
-    def __init__(self, frames: Sequence[Frame]) -> None:
-        self.frames = frames
-        self.views: dict[int, memoryview] = {}  # buffer index -> writable 1-D byte view
-        self.u8: dict[int, torch.Tensor] = {}  # buffer index -> uint8 tensor over it
-
-    def view(self, idx: Any) -> memoryview:
-        mv = self.views.get(idx)
-        if mv is not None:
-            return mv
-        if type(idx) is not int or not 0 <= idx < len(self.frames) - 1:
-            raise DecodeError(f"buffer index {idx!r} out of range ({len(self.frames) - 1} buffers)")
-        frame = self.frames[idx + 1]
-        buf = frame.buffer if hasattr(frame, "buffer") else frame
-        mv = memoryview(buf)
-        if mv.readonly or not mv.c_contiguous:
-            mv = memoryview(bytearray(mv))  # the one copy: never hand out writable views of bytes
-        elif mv.ndim != 1 or mv.format != "B":
-            mv = mv.cast("B")
-        self.views[idx] = mv
-        return mv
-
-    def hook(self, d: dict) -> Any:
-        if _MARK not in d:
-            for k in d:
-                if type(k) is not str and type(k) is not int:
-                    raise DecodeError(f"invalid dict key {k!r} in message")
-            return d
-        if len(d) != 1:
-            raise DecodeError("malformed tagged value in message header")
-        node = d[_MARK]
-        if type(node) is not list or not node:
-            raise DecodeError("malformed tagged value in message header")
-        kind = node[0]
-        n = len(node)
-        if kind == _K_TUPLE and n == 2 and type(node[1]) is list:
-            return tuple(node[1])
-        if kind == _K_DATACLASS and n == 3 and type(node[2]) is dict:
-            return self.dataclass(node[1], node[2])
-        if kind == _K_ENUM and n == 3:
-            cls = _TAG_TO_CLS.get(node[1]) if type(node[1]) is str else None
-            if cls is None or not issubclass(cls, enum.Enum):
-                raise DecodeError(f"unknown enum type tag {node[1]!r} (is it registered?)")
-            try:
-                return cls(node[2])
-            except (ValueError, TypeError) as e:
-                raise DecodeError(f"invalid value {node[2]!r} for enum {node[1]!r}") from e
-        if kind == _K_TENSOR and n == 4:
-            return self.tensor(node[1], node[2], node[3])
-        if kind == _K_NDARRAY and n == 4:
-            return self.ndarray(node[1], node[2], node[3])
-        if kind == _K_NPSCALAR and n == 3 and type(node[2]) is bytes:
-            dt = _numpy_dtype(node[1])
-            if len(node[2]) != dt.itemsize:
-                raise DecodeError("numpy scalar size mismatch")
-            return np.frombuffer(node[2], dtype=dt)[0]
-        if kind == _K_BIGINT and n == 2 and type(node[1]) is str:
-            try:
-                return int(node[1])
-            except ValueError as e:
-                raise DecodeError("malformed big integer") from e
-        raise DecodeError(f"malformed tagged value of kind {kind!r} in message header")
-
-    def dataclass(self, tag: Any, values: dict) -> Any:
-        cls = _TAG_TO_CLS.get(tag) if type(tag) is str else None
-        if cls is None or cls not in _DC_FIELDS:
-            raise DecodeError(
-                f"unknown message type tag {tag!r} (is the class registered with @register_message "
-                f"and its module imported in this process?)"
-            )
-        specs = _DC_FIELDS[cls]
-        obj = cls.__new__(cls)
-        used = 0
-        for name, has_default, default, factory in specs:
-            if name in values:
-                value = values[name]
-                used += 1
-            elif has_default:
-                value = default
-            elif factory is not None:
-                value = factory()
-            else:
-                raise DecodeError(f"message {tag!r} lacks required field {name!r}")
-            object.__setattr__(obj, name, value)
-        if used != len(values):
-            known = {s[0] for s in specs}
-            extra = sorted(str(k) for k in values if k not in known)
-            raise DecodeError(f"message {tag!r} has unknown fields {extra}")
-        return obj
-
-    def tensor(self, dtype_name: Any, shape: Any, idx: Any) -> torch.Tensor:
-        dtype = TENSOR_DTYPES.get(dtype_name) if type(dtype_name) is str else None
-        if dtype is None:
-            raise DecodeError(f"unsupported tensor dtype {dtype_name!r}")
-        numel = _check_shape(shape)
-        mv = self.view(idx)
-        itemsize = dtype.itemsize
-        if mv.nbytes != numel * itemsize:
-            raise DecodeError(
-                f"tensor buffer {idx} has {mv.nbytes} bytes, expected {numel * itemsize} "
-                f"for {dtype_name}{shape}"
-            )
-        if numel == 0:
-            return torch.empty(shape, dtype=dtype)
-        u8 = self.u8.get(idx)
-        if u8 is None:
-            u8 = torch.frombuffer(mv, dtype=torch.uint8)  # writable by construction: no warning
-            self.u8[idx] = u8
-        if u8.data_ptr() % min(itemsize, 8):
-            u8 = u8.clone()  # misaligned for this dtype
-        return u8.view(dtype).view(shape)
-
-    def ndarray(self, dtype_str: Any, shape: Any, idx: Any) -> np.ndarray:
-        dt = _numpy_dtype(dtype_str)
-        numel = _check_shape(shape)
-        mv = self.view(idx)
-        if mv.nbytes != numel * dt.itemsize:
-            raise DecodeError(f"array buffer {idx} has {mv.nbytes} bytes, expected {numel * dt.itemsize}")
-        return np.frombuffer(mv, dtype=dt).reshape(shape)
-
-
-def _numpy_dtype(s: Any) -> np.dtype:
-    if type(s) is not str:
-        raise DecodeError(f"invalid numpy dtype {s!r}")
-    try:
-        dt = np.dtype(s)
-    except TypeError as e:
-        raise DecodeError(f"invalid numpy dtype {s!r}") from e
-    if not _numpy_dtype_ok(dt):
-        raise DecodeError(f"unsupported numpy dtype {s!r}")
-    return dt
-
-
-def _check_shape(shape: Any) -> int:
-    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
-        raise DecodeError(f"invalid shape {shape!r}")
-    return math.prod(shape)
-
-
-def decode(frames: Sequence[Frame]) -> Any:
-    """Decode frames produced by :func:`encode` (``bytes``, ``bytearray``, ``memoryview`` or
-    ``zmq.Frame``-like objects with a ``.buffer``).  Raises :class:`DecodeError` on any
-    malformed input.
-    """
-    if isinstance(frames, (bytes, bytearray, memoryview, str)) or len(frames) < 1:
-        raise DecodeError("expected a non-empty sequence of frames")
-    head = frames[0]
-    head = head.buffer if hasattr(head, "buffer") else head
-    decoder = _Decoder(frames)
-    unpacker = msgpack.Unpacker(
-        None,
-        raw=False,
-        use_list=True,
-        strict_map_key=False,
-        object_hook=decoder.hook,
-        max_buffer_size=max(memoryview(head).nbytes, 1),
-    )
-    try:
-        unpacker.feed(head)
-        if unpacker.read_array_header() != 3:
-            raise DecodeError("malformed message header")
-        version = unpacker.unpack()
-        if version != FORMAT_VERSION:
-            raise DecodeError(f"unsupported message format version {version!r} (expected {FORMAT_VERSION})")
-        n_buffers = unpacker.unpack()
-        if type(n_buffers) is not int or n_buffers != len(frames) - 1:
-            raise DecodeError(f"message header announces {n_buffers!r} buffers but {len(frames) - 1} came")
-        root = unpacker.unpack()
-        try:
-            unpacker.unpack()
-        except msgpack.OutOfData:
-            pass
-        else:
-            raise DecodeError("trailing data after message header")
-    except DecodeError:
-        raise
-    except RecursionError:
-        raise DecodeError("message nesting too deep") from None
-    except Exception as e:  # msgpack format errors, OutOfData, bad types from a corrupt header
-        raise DecodeError(f"malformed message header: {type(e).__name__}: {e}") from e
-    return root
