@@ -175,8 +175,8 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
         raise RuntimeError("no compiler\nmore lines")
 
     monkeypatch.delenv("MSTAR_ATTENTION_KERNEL", raising=False)
-    monkeypatch.setattr(paged_decode_mod, "_state", {})
-    monkeypatch.setattr(paged_decode_mod, "build", broken)
+    monkeypatch.setattr(paged_decode_mod._EXTENSION, "_state", {})
+    monkeypatch.setattr(paged_decode_mod._EXTENSION, "build", broken)
     ctx_lens = [3, 18]
     q, kv, k_cache, v_cache, tables = _random_rows(ctx_lens, (4, 2, 16, 4), False)
     with caplog.at_level(logging.WARNING, logger="mstar.layers.paged_decode"):

@@ -1,18 +1,21 @@
-"""Prepacked (oneDNN) linears (mstar.layers.prepack) against the plain matrix-multiply path."""
+"""Prepacked linears (panel kernel, oneDNN) (mstar.layers.prepack) against the plain matrix-multiply path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mstar.layers.prepack import PrepackedLinear, prepack_available, prepack_linears
+from mstar.layers.llama import RMSNorm
+from mstar.layers.cpu_ops import ops
+from mstar.layers.prepack import PrepackedLinear, onednn_available, prepack_available, prepack_linears, prepack_mode
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.loader import build_llama_model
 from mstar.models.llama.model import LlamaTiny
 from mstar.runtime import Runtime
 from tests.test_llama import PagedBatcher, tokens
 
-pytestmark = pytest.mark.skipif(not prepack_available(), reason="PyTorch without oneDNN linear ops")
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="neither the panel kernel nor oneDNN here")
+ROUTES = [m for m, ok in (("panel", ops() is not None), ("onednn", onednn_available())) if ok]
 
 CONFIG = LlamaConfig.from_hf_dict({
     "vocab_size": 4000, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 3,
@@ -47,22 +50,30 @@ def test_changed_weights_fall_back_to_the_plain_path():
                 (layer.mlp.up_proj if i % 2 else layer.mlp.down_proj).weight.mul_(0.5)
             m.lm_head.weight.add_(0.01)
     assert module.model.layers[0].self_attn._prepacked(module.model.layers[0].self_attn._qkv) is None
+    for sub in reference.modules():  # the norms take no packed weight: compiled in both
+        if isinstance(sub, RMSNorm):
+            sub.prepack()
     for a, b in zip(_logits(reference), _logits(module)):
         assert torch.equal(a, b)  # every changed projection runs the plain path again
 
 
-def test_off_by_default_on_by_env_and_linear_values(monkeypatch):
+def test_on_by_default_off_by_env_and_linear_values(monkeypatch):
     monkeypatch.delenv("MSTAR_PREPACK", raising=False)
     module = build_llama_model(CONFIG, load_format="dummy")
-    assert module.prepacked is None
-    monkeypatch.setenv("MSTAR_PREPACK", "1")
-    assert build_llama_model(CONFIG, load_format="dummy").prepacked is not None
-    assert build_llama_model(CONFIG, load_format="dummy", prepack=False).prepacked is None
-    assert prepack_linears(module) == 1 + 2 * CONFIG.num_hidden_layers
+    assert module.prepacked is not None and module.prepacked.mode == prepack_mode()
+    monkeypatch.setenv("MSTAR_PREPACK", "0")
+    assert build_llama_model(CONFIG, load_format="dummy").prepacked is None
+    assert build_llama_model(CONFIG, load_format="dummy", prepack=True).prepacked is not None
+    monkeypatch.setenv("MSTAR_PREPACK", "onednn")
+    assert build_llama_model(CONFIG, load_format="dummy").prepacked.mode == "onednn"
+    # every attention, MLP and norm block, and the head
+    assert prepack_linears(module) == 1 + 4 * CONFIG.num_hidden_layers + 1
     w = torch.randn(48, 32)
     x = torch.randn(5, 32)
-    torch.testing.assert_close(PrepackedLinear(w)(x), x @ w.T, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(PrepackedLinear(w.T.contiguous(), in_out=True)(x), x @ w.T, atol=1e-5, rtol=1e-5)
+    for mode in ROUTES:
+        torch.testing.assert_close(PrepackedLinear(w, mode=mode)(x), x @ w.T, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(PrepackedLinear(w.T.contiguous(), in_out=True, mode=mode)(x), x @ w.T,
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_greedy_tokens_same_with_and_without_prepacking():

@@ -142,11 +142,16 @@ def test_prefill_logits_match_transformers(ours, hf):
     model, module = ours
     prompts = [_chat_ids(model, CHATS[0]), _chat_ids(model, CHATS[2])]
     logits = PagedBatcher(module, num_blocks=64, block_size=16).step(module, dict(enumerate(prompts)))
-    worst = 0.0
+    worst = scale = 0.0
     with torch.no_grad():
         for piece, p in zip(torch.split(logits, [len(p) for p in prompts]), prompts):
-            worst = max(worst, (piece - hf[1](torch.tensor([p])).logits[0]).abs().max().item())
-    assert worst < 1e-4, worst
+            ref = hf[1](torch.tensor([p])).logits[0]
+            worst = max(worst, (piece - ref).abs().max().item())
+            scale = max(scale, ref.abs().max().item())
+    # relative to the largest logit (~40): the prepacked kernels sum in another order than
+    # transformers' matrix multiplies, which over 30 layers moves logits by ~4e-6 of their scale
+    # (1.6e-4 absolute; the plain path, same multiplies as transformers, is bitwise equal here)
+    assert worst < 1e-5 * scale, (worst, scale)
 
 
 def test_greedy_chat_answers_match_transformers_generate(ours, hf, runtime):

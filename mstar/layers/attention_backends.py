@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
 
+from mstar.layers.cpu_build import compiled_kernels_enabled
 from mstar.layers.paged_attention import AttentionMetadata, copy_blocks, paged_attention
 
 __all__ = [
@@ -111,11 +111,6 @@ def get_backend(name: str = "torch") -> AttentionBackend:
         raise TypeError(f"{target} is not an AttentionBackend")
     _INSTANCES[name] = backend
     return backend
-
-
-def compiled_kernels_enabled() -> bool:
-    """False when ``MSTAR_ATTENTION_KERNEL=torch`` asks for the PyTorch path everywhere."""
-    return os.environ.get("MSTAR_ATTENTION_KERNEL", "").strip().lower() != "torch"
 
 
 def default_backend() -> AttentionBackend:

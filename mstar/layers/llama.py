@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.attention_backends import AttentionBackend, default_backend
+from mstar.layers.cpu_ops import ops
 from mstar.layers.paged_attention import paged_attention
 from mstar.layers.prepack import PrepackedLinear, can_prepack
 from mstar.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary
@@ -109,6 +110,13 @@ def pack_linears(*linears: nn.Linear) -> torch.Tensor:
     return packed
 
 
+def y_rotatable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The compiled in-place rotary applies: float32 CPU activations and contiguous float32 tables."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and cos.dtype == torch.float32
+            and sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+            and ops() is not None)
+
+
 def packed_weight(packed: torch.Tensor | None, linears: tuple[nn.Linear, ...], views: tuple) -> torch.Tensor | None:
     """``packed`` if the linears still hold the views made by ``pack_linears`` (else None)."""
     if packed is None:
@@ -127,8 +135,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
         self.eps = eps
+        self.compiled = False  # through the compiled kernel (``prepack``)
+
+    def prepack(self) -> bool:
+        """Use the compiled RMSNorm (``mstar.layers.cpu_ops``) for float32 CPU inputs from now on."""
+        self.compiled = ops() is not None
+        return self.compiled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.compiled and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and x.dim() == 2 and x.device.type == "cpu" and x.is_contiguous()):
+            return ops().rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # the same arithmetic without the (no-op) casts' dispatch cost
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         in_dtype = x.dtype
@@ -161,6 +178,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, **kw)
         self._qkv: torch.Tensor | None = None
         self._qkv_views: tuple = ()
+        # forward(..., residual) adds it; False where the output must be reduced first (TP shards)
+        self.takes_residual = True
         self.prepacked: tuple[PrepackedLinear, PrepackedLinear] | None = None  # (qkv, o)
 
     def pack_weights(self) -> None:
@@ -198,14 +217,20 @@ class LlamaAttention(nn.Module):
         return pre
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                engine_inputs: Any) -> torch.Tensor:
+                engine_inputs: Any, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[T, hidden]`` (already normed); ``cos``/``sin`` ``[T, head_dim]`` at the tokens'
-        positions."""
+        positions; ``residual`` (optional) is added to the output (fused into the prepacked o)."""
         t = x.shape[0]
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = packed_weight(self._qkv, (self.q_proj, self.k_proj, self.v_proj), self._qkv_views)
         pre = self._prepacked(qkv)
-        if qkv is not None:  # one matmul; q and k heads side by side are rotated together
+        if pre is not None and y_rotatable(x, cos, sin):  # q and k rotated in place by the kernel
+            y = pre[0](x)
+            ops().rotary_(y, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+            q = y[:, :nq].view(t, self.num_heads, self.head_dim)
+            k = y[:, nq:nq + nkv].view(t, self.num_kv_heads, self.head_dim)
+            v = y[:, nq + nkv:]
+        elif qkv is not None:  # one matmul; q and k heads side by side are rotated together
             y = pre[0](x) if pre is not None else torch.matmul(x, qkv)
             qk = apply_rotary(y[:, :nq + nkv].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
             q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], y[:, nq + nkv:]
@@ -221,7 +246,9 @@ class LlamaAttention(nn.Module):
         else:
             out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scaling)
         out = out.reshape(t, self.num_heads * self.head_dim)
-        return pre[1](out) if pre is not None else self.o_proj(out)
+        if pre is not None:
+            return pre[1](out, residual)
+        return self.o_proj(out) if residual is None else residual + self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -238,6 +265,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
         self._gate_up: torch.Tensor | None = None
         self._gate_up_views: tuple = ()
+        self.takes_residual = True  # as LlamaAttention.takes_residual
         self.prepacked: tuple[PrepackedLinear, PrepackedLinear] | None = None  # (gate_up, down)
 
     def pack_weights(self) -> None:
@@ -262,21 +290,23 @@ class LlamaMLP(nn.Module):
         gate_up = packed_weight(self._gate_up, (self.gate_proj, self.up_proj), self._gate_up_views)
         if not can_prepack(gate_up, self.down_proj.weight):
             return False
-        self.prepacked = (PrepackedLinear(gate_up, in_out=True), PrepackedLinear(self.down_proj.weight))
+        self.prepacked = (PrepackedLinear(gate_up, in_out=True, silu_mul=True),
+                          PrepackedLinear(self.down_proj.weight))
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``down(silu(gate(x)) * up(x))``, plus ``residual`` when given (fused when prepacked)."""
         gate_up = packed_weight(self._gate_up, (self.gate_proj, self.up_proj), self._gate_up_views)
-        if gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         pre = self.prepacked
-        if pre is not None and pre[0].fresh(gate_up) and pre[1].fresh(self.down_proj.weight):
-            y = pre[0](x)
+        if gate_up is not None and pre is not None and pre[0].fresh(gate_up) and pre[1].fresh(self.down_proj.weight):
+            return pre[1](pre[0](x), residual)  # SiLU-mul fused into the gate/up multiply
+        if gate_up is None:
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            y = torch.matmul(x, gate_up)
             n = y.shape[-1] // 2
-            return pre[1](F.silu(y[..., :n]) * y[..., n:])
-        y = torch.matmul(x, gate_up)
-        n = y.shape[-1] // 2
-        return self.down_proj(F.silu(y[..., :n]) * y[..., n:])
+            out = self.down_proj(F.silu(y[..., :n]) * y[..., n:])
+        return out if residual is None else residual + out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -294,8 +324,14 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 engine_inputs: Any) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, engine_inputs)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn, mlp = self.self_attn, self.mlp
+        if attn.takes_residual:  # the residual add fused into the o projection's store
+            h = attn(self.input_layernorm(x), cos, sin, engine_inputs, residual=x)
+        else:
+            h = x + attn(self.input_layernorm(x), cos, sin, engine_inputs)
+        if mlp.takes_residual:
+            return mlp(self.post_attention_layernorm(h), residual=h)
+        return h + mlp(self.post_attention_layernorm(h))
 
 
 class LlamaBackbone(nn.Module):

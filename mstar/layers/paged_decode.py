@@ -8,82 +8,38 @@ each task on one thread in a fixed order, so a row's output is bitwise the same 
 with any number of threads, for one build on one machine (it is built with ``-march=native``);
 against the PyTorch path it agrees to about 1e-6.
 
-The extension is built at first use into ``$MSTAR_KERNEL_DIR`` (default ``~/.cache/mstar/kernels``,
-one directory per torch version and CPU feature set; ``make install`` builds it ahead) and loaded
-from there afterwards. When it cannot be built (no
-compiler) or ``MSTAR_ATTENTION_KERNEL=torch`` is set, the PyTorch path is used, with one warning
-line in the first case.
+The extension is built and loaded by ``mstar.layers.cpu_build`` (cached per machine; when it
+cannot be built, or ``MSTAR_ATTENTION_KERNEL=torch`` is set, the PyTorch path is used, with one
+warning line in the first case).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from mstar.layers.attention_backends import AttentionBackend, compiled_kernels_enabled
+from mstar.layers.attention_backends import AttentionBackend
+from mstar.layers.cpu_build import CpuExtension
 from mstar.layers.paged_attention import DecodeRows, attend_decode_rows, paged_attention
 
 __all__ = ["CompiledPagedBackend", "build", "kernel", "paged_decode"]
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _DTYPES = (torch.float32, torch.bfloat16)
-_STALE_LOCK_S = 600  # a build takes well under a minute
-_state: dict[str, Any] = {}
-
-
-def _cpu_tag() -> str:
-    """A short digest of the CPU's feature flags: a ``-march=native`` build only runs where they match."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha1(flags.encode()).hexdigest()[:10]
-
-
-def _build_dir() -> Path:
-    root = Path(os.environ.get("MSTAR_KERNEL_DIR", Path.home() / ".cache" / "mstar" / "kernels"))
-    path = root / f"paged_decode-torch{torch.__version__.replace('+', '_')}-{_cpu_tag()}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+_EXTENSION = CpuExtension("paged_decode", "paged attention", log)
 
 
 def build(verbose: bool = False) -> Any:
     """Compile (or load the cached build of) the extension; raises when it cannot be built."""
-    from torch.utils.cpp_extension import load
-
-    start = time.perf_counter()
-    build_dir = _build_dir()
-    lock = build_dir / "lock"  # left behind by a build that was killed: torch would wait on it forever
-    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-        lock.unlink(missing_ok=True)
-    module = load(name="mstar_paged_decode", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
-                  extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=verbose)
-    log.info("paged decode kernel ready in %.1f s", time.perf_counter() - start)
-    return module
+    return _EXTENSION.build(verbose)
 
 
 def kernel() -> Any | None:
     """The loaded extension, or None (disabled, or the build failed: one warning, then silence)."""
-    if not compiled_kernels_enabled():
-        return None
-    if "module" not in _state:
-        try:
-            _state["module"] = build()
-        except Exception as exc:  # no compiler, no headers, ...: the PyTorch path still works
-            log.warning("compiled paged attention unavailable, using the PyTorch path (%s: %s)",
-                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-            _state["module"] = None
-    return _state["module"]
+    return _EXTENSION.get()
 
 
 def _tables(plan: DecodeRows, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

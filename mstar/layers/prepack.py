@@ -1,82 +1,142 @@
-"""Prepacked linear layers: weights reordered once into oneDNN's blocked layout (as inductor's
-weight freezing does), so a CPU matrix multiply skips re-laying the weight out at every call.
+"""Prepacked linear layers: weights laid out once for fast CPU matrix multiplies.
 
 ``prepack_linears(module)`` is a transform of a built model (in the spirit of gpt-fast's
 ``apply_tp``): every submodule with a ``prepack()`` method (the Llama attention and MLP blocks, the
-LLM node's head) prepacks its projections and uses them from then on. Each prepacked weight
-remembers the tensor it was packed from and that tensor's version counter, so a module whose
-weights were changed afterwards (an in-place copy, a replaced parameter) goes back to the plain
-path instead of using stale values. Only float32 CPU weights are prepacked; without PyTorch's
-oneDNN ops nothing changes. The packed copy doubles the memory of the projection weights.
+norms, the LLM node's head) switches to prepacked projections and compiled kernels. Two routes:
 
-Off by default; the Llama loader applies it with ``prepack=True`` or ``MSTAR_PREPACK=1``. Results
-agree with ``x @ W`` to ~1e-5 relative, not bitwise: on SmolLM2-135M (30 layers) prefill logits
-move 1.3e-4 from transformers' (the plain path stays within its 1e-4 test bound). Neither path is
-bitwise batch invariant per row on this CPU (a row alone and in a batch of 16 may round
-differently), so with or without it batch invariance is a property of greedy tokens, not of
-logits' bits.
+* ``panel`` (the default where the compiled kernels build, ``mstar.layers.cpu_ops``): weights as
+  column panels, multiplied by mstar's kernel with a fixed accumulation order per output, so a
+  row's result is the same bits in any batch and at any thread count; SiLU-mul and residual adds
+  are fused into its stores. float32 and bfloat16 weights.
+* ``onednn`` (``MSTAR_PREPACK=onednn``): PyTorch's own oneDNN path with weights reordered into its
+  blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what
+  inductor's weight freezing uses); float32 only, NOT batch invariant per row (a row alone and in
+  a batch of 16 may round differently).
+
+Each prepacked weight remembers the tensor it was packed from and that tensor's version counter,
+so a module whose weights were changed afterwards (an in-place copy, a replaced parameter) goes
+back to the plain path instead of using stale values. The packed copy doubles the memory of the
+projection weights. ``MSTAR_PREPACK=0`` (or ``prepack=False`` in the loaders) keeps the plain path.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PrepackedLinear", "can_prepack", "prepack_available", "prepack_linears", "prepack_requested"]
+from mstar.layers.cpu_ops import ops
+
+__all__ = ["PrepackedLinear", "can_prepack", "onednn_available", "prepack_available", "prepack_linears", "prepack_mode",
+           "prepack_requested"]
 
 log = logging.getLogger(__name__)
 
 # oneDNN picks the packed layout for this many rows; any batch works. 16 (a full decode batch) was
 # as fast as no hint or 1 at batch 1 and faster at batch 16 (2-core AVX-512 machine).
 BATCH_HINT = 16
+_OFF = ("0", "false", "no", "off")
 
 
-def prepack_available() -> bool:
+def onednn_available() -> bool:
     """PyTorch has the oneDNN linear ops (a CPU build with mkldnn)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def prepack_mode(flag: bool | None = None) -> str | None:
+    """The route a loader should prepack with: ``"panel"``, ``"onednn"`` or None (plain).
+
+    ``flag=False`` or ``MSTAR_PREPACK=0``: None. ``MSTAR_PREPACK=onednn``: oneDNN. Otherwise (the
+    default, ``flag=True``, ``MSTAR_PREPACK=1``): the panel kernel, None where it cannot be built."""
+    env = os.environ.get("MSTAR_PREPACK", "").strip().lower()
+    if flag is False or (flag is None and env in _OFF):
+        return None
+    if env == "onednn":
+        return "onednn" if onednn_available() else None
+    return "panel" if ops() is not None else None
+
+
 def prepack_requested(flag: bool | None = None) -> bool:
-    """Whether a loader should prepack: ``flag`` when given, else ``MSTAR_PREPACK=1`` (off by default:
-    see the module docstring)."""
-    if flag is not None:
-        return flag
-    return os.environ.get("MSTAR_PREPACK", "0").strip().lower() in ("1", "true", "yes", "on")
+    """Whether a loader should prepack at all (``prepack_mode`` is not None)."""
+    return prepack_mode(flag) is not None
+
+
+def prepack_available() -> bool:
+    """Some prepacked route can run here."""
+    return ops() is not None or onednn_available()
+
+
+def _route() -> str:
+    """The route new prepacked weights take: ``prepack_mode(True)`` (oneDNN where nothing else runs)."""
+    return prepack_mode(True) or "onednn"
 
 
 class PrepackedLinear:
     """``x @ W.T`` for a weight ``W`` ``[out, in]`` (nn.Linear's layout; ``in_out=True``: ``source``
-    is stored ``[in, out]`` and computes ``x @ source``) through a oneDNN-prepacked copy of it."""
+    is stored ``[in, out]`` and computes ``x @ source``) through a prepacked copy of it.
 
-    def __init__(self, source: torch.Tensor, *, in_out: bool = False) -> None:
+    ``silu_mul=True``: the weight holds ``[gate | up]`` output columns and the call returns
+    ``silu(gate) * up``. ``__call__(x, residual)`` adds ``residual`` to the result."""
+
+    def __init__(self, source: torch.Tensor, *, in_out: bool = False, silu_mul: bool = False,
+                 mode: str | None = None) -> None:
+        if mode not in (None, "panel", "onednn"):
+            raise ValueError(f"unknown prepack route {mode!r} (panel, onednn)")
         self.source = source
         self.version = source._version
+        self.silu_mul = silu_mul
+        self.mode = mode or _route()
         with torch.no_grad():
-            out_in = (source.detach().t() if in_out else source.detach()).contiguous()
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(out_in, BATCH_HINT)
+            w = source.detach()
+            if self.mode == "panel":
+                in_out_w = (w if in_out else w.t()).contiguous()
+                self.n_out = in_out_w.shape[1] // (2 if silu_mul else 1)
+                self.packed = ops().pack(in_out_w, silu_mul)
+            else:
+                out_in = (w.t() if in_out else w).contiguous()
+                self.n_out = out_in.shape[0]
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(out_in, BATCH_HINT)
 
     def fresh(self, source: torch.Tensor | None) -> bool:
         """Packed from this very tensor, which has not changed since (same version)."""
         return source is self.source and source._version == self.version
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
         if x.dim() != 2 or not x.is_contiguous():
-            x = x.reshape(-1, x.shape[-1]).contiguous()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            x = x.reshape(-1, shape[-1]).contiguous()
+        if self.mode == "panel":
+            fuse = residual is not None and residual.dtype == torch.float32 and residual.is_contiguous()
+            y = ops().linear(x, self.packed, self.n_out, self.silu_mul,
+                             residual.reshape(-1, self.n_out) if fuse else None)
+            if y.dtype != x.dtype:
+                y = y.to(x.dtype)
+            if residual is not None and not fuse:
+                y = y + residual.reshape(y.shape)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            if self.silu_mul:
+                n = y.shape[-1] // 2
+                y = F.silu(y[:, :n]) * y[:, n:]
+            if residual is not None:
+                y = y + residual.reshape(y.shape)
+        return y.view(*shape[:-1], y.shape[-1]) if len(shape) != 2 else y
 
 
 def can_prepack(*weights: torch.Tensor | None) -> bool:
-    """Every weight is a float32 CPU tensor (what the oneDNN path is used for here)."""
-    return all(w is not None and w.dtype == torch.float32 and w.device.type == "cpu" for w in weights)
+    """Every weight is a CPU tensor of a dtype the current route multiplies (panel: float32 or
+    bfloat16; oneDNN: float32)."""
+    dtypes = (torch.float32, torch.bfloat16) if _route() == "panel" else (torch.float32,)
+    return all(w is not None and w.dtype in dtypes and w.device.type == "cpu" for w in weights)
 
 
 def prepack_linears(module: nn.Module) -> int:
-    """Prepack the projections of every submodule of ``module`` that has a ``prepack()`` method;
-    returns how many did (0 without the oneDNN ops: the plain path is kept)."""
-    if not prepack_available():
+    """Prepack the projections of every submodule of ``module`` that has a ``prepack()`` method,
+    on the route ``prepack_mode(True)`` names; returns how many did (0 when no route can run here:
+    the plain path is kept)."""
+    if prepack_mode(True) is None:
         return 0
     count = 0
     try:
@@ -84,10 +144,10 @@ def prepack_linears(module: nn.Module) -> int:
             prepack = getattr(sub, "prepack", None)
             if callable(prepack) and prepack():
                 count += 1
-    except RuntimeError as exc:  # a oneDNN build that cannot pack these shapes: keep the plain path
+    except RuntimeError as exc:  # a build that cannot pack these shapes: keep the plain path
         log.warning("prepacked linears unavailable, using plain matrix multiplies (%s)", exc)
         for sub in module.modules():
-            if hasattr(sub, "prepack"):
+            if hasattr(sub, "prepacked"):
                 sub.prepacked = None
         return 0
     return count

@@ -136,6 +136,7 @@ def shard_attention(attn: LlamaAttention, tp: TPGroup) -> None:
     s, d = head_shard(attn.num_heads, attn.num_kv_heads, tp), attn.head_dim
     attn.set_projections(column_shard(attn.q_proj, s.q0 * d, s.nq * d), column_shard(attn.k_proj, s.kv0 * d, s.nkv * d),
                          column_shard(attn.v_proj, s.kv0 * d, s.nkv * d), row_shard(attn.o_proj, s.q0 * d, s.nq * d, tp))
+    attn.takes_residual = False  # the residual is added after the all-reduce, not once per rank
     attn.register_forward_hook(tp.reduce_output)
 
 
@@ -147,6 +148,7 @@ def shard_mlp(mlp: LlamaMLP, tp: TPGroup) -> None:
     n = inter // tp.size
     lo = tp.rank * n
     mlp.set_projections(column_shard(mlp.gate_proj, lo, n), column_shard(mlp.up_proj, lo, n), row_shard(mlp.down_proj, lo, n, tp))
+    mlp.takes_residual = False
     mlp.register_forward_hook(tp.reduce_output)
 
 

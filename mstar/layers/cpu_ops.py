@@ -1,0 +1,40 @@
+"""The compiled CPU kernels of the Llama-style blocks (``csrc/cpu_ops.cpp``): panel linears, RMSNorm
+and the in-place rotary embedding.
+
+* ``pack(w_in_out, silu_mul)`` lays a ``[in, out]`` weight out once as column panels of 64 (each
+  panel ``[in, 64]`` contiguous); ``linear(x, packed, n_out, silu_mul, residual)`` multiplies by it,
+  optionally fusing ``silu(gate) * up`` (the panels then interleave gate and up columns) or a
+  residual add into the store. Every output element is one float32 accumulator updated in input
+  order, so a row's result is the same bits in any batch and at any thread count; on a 2-core
+  AVX-512 machine it runs a decode step's 33 multiplies at memory bandwidth at batch 1 and at about
+  the speed of oneDNN's big-matrix rate at batch 16 (figures in BENCHMARKS.md).
+* ``rms_norm(x, weight, eps)`` and ``rotary_(y, cos, sin, heads, head_dim)``: one pass each
+  instead of five or six PyTorch ops.
+
+Weights may be float32 or bfloat16 (widened on load); results are float32. ``ops()`` is the
+loaded extension or None (``mstar.layers.cpu_build``: built at install or first use, one warning
+when it cannot be built, off with ``MSTAR_ATTENTION_KERNEL=torch``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mstar.layers.cpu_build import CpuExtension
+
+__all__ = ["build", "ops"]
+
+log = logging.getLogger(__name__)
+
+_EXTENSION = CpuExtension("cpu_ops", "CPU linear / norm / rotary", log)
+
+
+def build(verbose: bool = False) -> Any:
+    """Compile (or load the cached build of) the extension; raises when it cannot be built."""
+    return _EXTENSION.build(verbose)
+
+
+def ops() -> Any | None:
+    """The loaded extension, or None (disabled, or the build failed: one warning, then silence)."""
+    return _EXTENSION.get()

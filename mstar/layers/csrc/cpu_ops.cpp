@@ -1,0 +1,270 @@
+// CPU kernels of the Llama-style blocks: linear layers over weights packed once into column panels
+// (y[M, N] = x[M, K] @ W[K, N]), RMSNorm, and the rotary embedding applied in place.
+//
+// The weight is stored as panels of kPanel (64) output columns, each panel [K][64] contiguous
+// (zero-padded past N), so a panel streams from memory in one pass and stays in L2 while every
+// row group of the batch uses it. Each output element is ONE accumulator updated by k ascending,
+// acc = fma(x[r][k], w[k][c], acc), starting from zero: a row's result is the same bits whatever
+// the other rows of the batch are, whatever row group or thread computes it and however many
+// threads there are (for one build of this file). Weights may be float32 or bfloat16 (widened to
+// float32 on load); inputs float32 or bfloat16; accumulation and the output are float32.
+//
+// Epilogues fused into the store: `silu_mul` (panels interleave 32 gate and 32 up columns; the
+// output is silu(gate) * up, N/2 columns) and `residual` (y += residual, element by element).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kPanel = 64;
+constexpr int64_t kVec = 16;
+constexpr int64_t kRows = 6;         // rows per register tile (6 x 64 columns = 24 accumulators)
+constexpr int64_t kRowChunk = 60;    // rows per task: tasks are (panel, row chunk)
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+typedef uint32_t vu32 __attribute__((vector_size(64)));
+
+inline vf16 load(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vf16 load(const c10::BFloat16* p) {  // 16 bf16 -> float32: the raw bits shifted up
+  vu16 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  vu32 wide = __builtin_convertvector(raw, vu32) << 16;
+  vf16 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+inline float scalar(float x) { return x; }
+inline float scalar(c10::BFloat16 x) { return static_cast<float>(x); }
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+struct Epilogue {
+  bool silu_mul;
+  const float* residual;  // [M, n_out] or null
+  int64_t n_out;          // columns of the output
+};
+
+// Rows [r0, r0 + R) of x times one panel, stored with the epilogue. R is a template argument so
+// the accumulators live in registers; every row's arithmetic is the same for any R.
+template <int R, typename TX, typename TW>
+inline void tile(const TX* x, int64_t K, const TW* panel, int64_t col0, float* y,
+                 const Epilogue& ep) {
+  vf16 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = vf16{};
+  for (int64_t k = 0; k < K; ++k) {
+    const TW* w = panel + k * kPanel;
+    vf16 w0 = load(w), w1 = load(w + kVec), w2 = load(w + 2 * kVec), w3 = load(w + 3 * kVec);
+    // keep the panel's row in registers: otherwise the compiler re-reads it from memory for every
+    // row of the tile (one load per multiply-add), and loads, not multiply-adds, bound the loop
+    asm("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
+    for (int r = 0; r < R; ++r) {
+      const float xv = scalar(x[r * K + k]);
+      acc[r][0] += xv * w0;
+      acc[r][1] += xv * w1;
+      acc[r][2] += xv * w2;
+      acc[r][3] += xv * w3;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out[kPanel];
+    std::memcpy(out, acc[r], sizeof out);
+    float* yr = y + r * ep.n_out;
+    if (ep.silu_mul) {  // columns [0, 32) are gate, [32, 64) up, of output columns col0/2 + [0, 32)
+      const int64_t c0 = col0 / 2, n = std::min<int64_t>(kPanel / 2, ep.n_out - c0);
+      for (int64_t c = 0; c < n; ++c) yr[c0 + c] = silu(out[c]) * out[kPanel / 2 + c];
+    } else {
+      const int64_t n = std::min<int64_t>(kPanel, ep.n_out - col0);
+      if (ep.residual != nullptr) {
+        const float* res = ep.residual + r * ep.n_out + col0;
+        for (int64_t c = 0; c < n; ++c) yr[col0 + c] = out[c] + res[c];
+      } else {
+        std::memcpy(yr + col0, out, sizeof(float) * n);
+      }
+    }
+  }
+}
+
+template <typename TX, typename TW>
+void run(const TX* x, int64_t M, int64_t K, const TW* packed, int64_t panels, float* y,
+         const Epilogue& ep) {
+  // rows split evenly into chunks of at most kRowChunk (a multiple of the tile height)
+  const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
+  const int64_t per_chunk = ((M + chunks - 1) / chunks + kRows - 1) / kRows * kRows;
+  // grain 1: a task is one (panel, row chunk); which thread runs it does not change its bits
+  at::parallel_for(0, panels * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t p = task / chunks, chunk = task % chunks;
+      const TW* panel = packed + p * K * kPanel;
+      const int64_t row_end = std::min(M, (chunk + 1) * per_chunk);
+      int64_t r = chunk * per_chunk;
+      Epilogue e = ep;
+      auto res = [&](int64_t row) { return ep.residual ? ep.residual + row * ep.n_out : nullptr; };
+      for (; r + kRows <= row_end; r += kRows) {
+        e.residual = res(r);
+        tile<kRows>(x + r * K, K, panel, p * kPanel, y + r * ep.n_out, e);
+      }
+      if (r < row_end) {  // the last 1..5 rows as one tile
+        e.residual = res(r);
+        const TX* xr = x + r * K;
+        float* yr = y + r * ep.n_out;
+        switch (row_end - r) {
+          case 1: tile<1>(xr, K, panel, p * kPanel, yr, e); break;
+          case 2: tile<2>(xr, K, panel, p * kPanel, yr, e); break;
+          case 3: tile<3>(xr, K, panel, p * kPanel, yr, e); break;
+          case 4: tile<4>(xr, K, panel, p * kPanel, yr, e); break;
+          default: tile<5>(xr, K, panel, p * kPanel, yr, e); break;
+        }
+      }
+    }
+  });
+}
+
+template <typename TX>
+void dispatch_weight(const TX* x, int64_t M, int64_t K, const torch::Tensor& packed, float* y,
+                     const Epilogue& ep) {
+  const int64_t panels = packed.size(0);
+  if (packed.scalar_type() == torch::kFloat32)
+    run(x, M, K, packed.data_ptr<float>(), panels, y, ep);
+  else
+    run(x, M, K, packed.data_ptr<c10::BFloat16>(), panels, y, ep);
+}
+
+}  // namespace
+
+// w [K, N] (float32 or bfloat16) -> panels [ceil(N / 64), K, 64], same dtype, zero-padded.
+// silu_mul: w holds [gate | up] (N = 2 I); panel j gets gate columns [32 j, 32 j + 32) then the
+// same up columns, so the fused epilogue finds both halves in one panel.
+torch::Tensor pack(torch::Tensor w, bool silu_mul) {
+  TORCH_CHECK(w.dim() == 2, "weight must be [in, out]");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16,
+              "weight must be float32 or bfloat16");
+  const int64_t K = w.size(0), N = w.size(1);
+  torch::Tensor src = w;
+  if (silu_mul) {
+    TORCH_CHECK(N % 2 == 0, "silu_mul needs [gate | up] columns");
+    const int64_t I = N / 2, half = kPanel / 2, blocks = (I + half - 1) / half;
+    auto gate = torch::zeros({K, blocks * half}, w.options());
+    auto up = torch::zeros({K, blocks * half}, w.options());
+    gate.narrow(1, 0, I).copy_(w.narrow(1, 0, I));
+    up.narrow(1, 0, I).copy_(w.narrow(1, I, I));
+    src = torch::stack({gate.view({K, blocks, half}), up.view({K, blocks, half})}, 2)
+              .reshape({K, blocks * kPanel});
+  }
+  const int64_t cols = src.size(1), panels = (cols + kPanel - 1) / kPanel;
+  auto padded = torch::zeros({K, panels * kPanel}, w.options());
+  padded.narrow(1, 0, cols).copy_(src);
+  return padded.view({K, panels, kPanel}).permute({1, 0, 2}).contiguous();
+}
+
+// x [M, K] float32 or bfloat16 contiguous; packed from `pack`; n_out output columns (N, or N / 2
+// with silu_mul); residual [M, n_out] float32 or empty. Returns [M, n_out] float32.
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, bool silu_mul,
+                     c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "input must be contiguous [rows, in]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
+                  packed.size(1) == x.size(1),
+              "packed weight does not match the input size");
+  TORCH_CHECK(n_out >= 1 && n_out <= packed.size(0) * kPanel / (silu_mul ? 2 : 1),
+              "output columns out of range");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({M, n_out}, x.options().dtype(torch::kFloat32));
+  Epilogue ep{silu_mul, nullptr, n_out};
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(!silu_mul, "silu_mul and residual do not combine");
+    TORCH_CHECK(residual->scalar_type() == torch::kFloat32 && residual->is_contiguous() &&
+                    residual->size(0) == M && residual->size(1) == n_out,
+                "residual must be contiguous float32 [rows, out]");
+    ep.residual = residual->data_ptr<float>();
+  }
+  if (M == 0) return y;
+  if (x.scalar_type() == torch::kFloat32) {
+    dispatch_weight(x.data_ptr<float>(), M, K, packed, y.data_ptr<float>(), ep);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "input must be float32 or bfloat16");
+    dispatch_weight(x.data_ptr<c10::BFloat16>(), M, K, packed, y.data_ptr<float>(), ep);
+  }
+  return y;
+}
+
+// RMSNorm of each row of x [T, H] float32: weight * (x * rsqrt(mean(x^2) + eps)). The sum of
+// squares is 16 lane-wise partial sums folded in a fixed tree (the same order for every row).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
+              "input must be contiguous float32 [tokens, hidden]");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == torch::kFloat32,
+              "weight must be float32 [hidden]");
+  const int64_t T = x.size(0), H = x.size(1);
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = xp + t * H;
+      float lanes[kVec] = {0};
+      int64_t i = 0;
+      for (; i + kVec <= H; i += kVec)
+        for (int64_t l = 0; l < kVec; ++l) lanes[l] += row[i + l] * row[i + l];
+      for (int64_t l = 0; i < H; ++i, ++l) lanes[l] += row[i] * row[i];
+      for (int64_t w = kVec / 2; w >= 1; w /= 2)
+        for (int64_t l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+      const float inv = 1.0f / std::sqrt(lanes[0] / static_cast<float>(H) + e);
+      float* o = op + t * H;
+      for (int64_t j = 0; j < H; ++j) o[j] = wp[j] * (row[j] * inv);
+    }
+  });
+  return out;
+}
+
+// The rotary embedding applied in place to heads [0, heads) of each row of y [T, >= heads * D]
+// (q and k heads side by side, as the packed q/k/v projection writes them): with a = y[i] and
+// b = y[i + D/2], y[i] = a cos[i] - b sin[i], y[i + D/2] = b cos[i + D/2] + a sin[i + D/2].
+void rotary_(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t D) {
+  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && y.scalar_type() == torch::kFloat32 &&
+                  y.size(1) >= heads * D && D % 2 == 0,
+              "rotary: y must be float32 [tokens, >= heads * head_dim] with unit column stride");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == y.size(0) &&
+                  cos.size(1) == D && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+              "rotary: cos / sin must be contiguous float32 [tokens, head_dim]");
+  const int64_t T = y.size(0), stride = y.stride(0), half = D / 2;
+  float* yp = y.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * D;
+      const float* s = sp + t * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = yp + t * stride + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = v[i], b = v[i + half];
+          v[i] = a * c[i] - b * s[i];
+          v[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a float32 matrix");
+  m.def("rotary_", &rotary_, "rotary embedding, in place, over the first heads of each row");
+  m.def("pack", &pack, "pack a [in, out] weight into column panels");
+  m.def("linear", &linear, "x @ W over a packed weight, with optional fused epilogues");
+}

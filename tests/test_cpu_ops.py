@@ -1,0 +1,126 @@
+"""The compiled CPU kernels of mstar.layers.cpu_ops (panel linears, RMSNorm, rotary) against PyTorch."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mstar.layers.cpu_ops as cpu_ops_mod
+from mstar.layers.llama import RMSNorm
+from mstar.layers.prepack import prepack_mode
+from mstar.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = cpu_ops_mod.ops()
+    if module is None:
+        pytest.skip("the CPU ops extension is unavailable here (MSTAR_ATTENTION_KERNEL=torch, or no compiler)")
+    return module
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 64, 64), (5, 33, 100), (7, 512, 1024), (61, 96, 130), (130, 40, 3)])
+def test_linear_matches_matmul(ext, threads, m, k, n):
+    x, w = _rand(m, k, seed=1), _rand(k, n, seed=2) / k ** 0.5
+    y = ext.linear(x, ext.pack(w, False), n, False, None)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y, (x.double() @ w.double()).float(), atol=2e-5, rtol=1e-5)
+
+
+def test_linear_rows_are_batch_and_thread_invariant(ext, threads):
+    """A row's bits do not depend on the batch around it, its place in it or the thread count."""
+    k, n = 320, 700
+    w = ext.pack(_rand(k, n, seed=3), False)
+    x = _rand(67, k, seed=4)
+    full = ext.linear(x, w, n, False, None)
+    for rows in ([0], [5, 6, 7], list(range(13, 30)), list(range(60, 67))):
+        part = ext.linear(x[rows].contiguous(), w, n, False, None)
+        assert torch.equal(part, full[rows])
+    torch.set_num_threads(3 - threads)  # the other count
+    assert torch.equal(ext.linear(x, w, n, False, None), full)
+
+
+def test_fused_silu_mul_and_residual(ext, threads):
+    k, i = 96, 70
+    x, gate_up = _rand(9, k, seed=5), _rand(k, 2 * i, seed=6) / k ** 0.5
+    act = ext.linear(x, ext.pack(gate_up, True), i, True, None)
+    ref = F.silu(x @ gate_up[:, :i]) * (x @ gate_up[:, i:])
+    torch.testing.assert_close(act, ref, atol=1e-5, rtol=1e-5)
+    w, res = _rand(k, 50, seed=7), _rand(9, 50, seed=8)
+    plain = ext.linear(x, ext.pack(w, False), 50, False, None)
+    assert torch.equal(ext.linear(x, ext.pack(w, False), 50, False, res), plain + res)
+
+
+def test_bfloat16_weights_and_inputs(ext):
+    x, w = _rand(6, 128, seed=9), _rand(128, 90, seed=10)
+    wb = w.to(torch.bfloat16)
+    y = ext.linear(x, ext.pack(wb, False), 90, False, None)
+    torch.testing.assert_close(y, x @ wb.float(), atol=2e-5, rtol=1e-5)
+    xb = x.to(torch.bfloat16)
+    torch.testing.assert_close(ext.linear(xb, ext.pack(wb, False), 90, False, None), xb.float() @ wb.float(),
+                               atol=2e-5, rtol=1e-5)
+
+
+def test_bad_arguments_raise(ext):
+    w = ext.pack(_rand(16, 8), False)
+    with pytest.raises(RuntimeError):
+        ext.linear(_rand(3, 17), w, 8, False, None)  # wrong input size
+    with pytest.raises(RuntimeError):
+        ext.linear(_rand(3, 16), w, 65, False, None)  # more columns than packed
+    with pytest.raises(RuntimeError):
+        ext.linear(_rand(3, 16), w, 8, False, _rand(2, 8))  # residual of the wrong shape
+
+
+def test_rms_norm_and_rotary_match_pytorch(ext, threads):
+    x, weight = _rand(37, 200, seed=11), _rand(200, seed=12)
+    norm = RMSNorm(200, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    ref = norm(x)
+    assert norm.prepack() and norm.compiled
+    torch.testing.assert_close(norm(x), ref, atol=1e-6, rtol=1e-6)
+    rows = [ext.rms_norm(x[i:i + 1].contiguous(), norm.weight.detach(), 1e-6) for i in (0, 20)]
+    full = ext.rms_norm(x, norm.weight.detach(), 1e-6)
+    assert torch.equal(rows[0][0], full[0]) and torch.equal(rows[1][0], full[20])
+
+    heads, kv_heads, d = 4, 2, 32
+    cos, sin = RotaryEmbedding(d, 10000.0)(torch.arange(11) * 7)
+    y = _rand(11, (heads + 2 * kv_heads) * d, seed=13)
+    ref_qk = apply_rotary(y[:, :(heads + kv_heads) * d].view(11, heads + kv_heads, d), cos, sin)
+    out = y.clone()
+    ext.rotary_(out, cos, sin, heads + kv_heads, d)
+    torch.testing.assert_close(out[:, :(heads + kv_heads) * d].view(11, -1, d), ref_qk, atol=1e-6, rtol=1e-6)
+    assert torch.equal(out[:, (heads + kv_heads) * d:], y[:, (heads + kv_heads) * d:])  # v untouched
+
+
+def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
+    def broken(verbose=False):
+        raise RuntimeError("no compiler\nmore lines")
+
+    monkeypatch.delenv("MSTAR_ATTENTION_KERNEL", raising=False)
+    monkeypatch.delenv("MSTAR_PREPACK", raising=False)
+    monkeypatch.setattr(cpu_ops_mod._EXTENSION, "_state", {})
+    monkeypatch.setattr(cpu_ops_mod._EXTENSION, "build", broken)
+    with caplog.at_level(logging.WARNING, logger="mstar.layers.cpu_ops"):
+        for _ in range(3):
+            assert cpu_ops_mod.ops() is None
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no compiler" in warnings[0].getMessage()
+    assert prepack_mode() is None  # the loaders keep the plain path
+    norm = RMSNorm(8)
+    assert not norm.prepack()
