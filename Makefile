@@ -27,10 +27,9 @@ $(STAMP): pyproject.toml
 	@! $(PY) -m pip list 2>/dev/null | grep -qiE '^(torchvision|torchaudio|torchcodec) ' || \
 		{ echo "error: torchvision/torchaudio/torchcodec must not be installed"; exit 1; }
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true
-	# the compiled CPU kernels (paged attention; linears, norm, rotary) into ~/.cache/mstar/kernels
-	# (~25 s each, once per machine); a failed build never fails the install: models then use the
+	# the compiled CPU kernels (linears, norm, rotary, paged attention) into ~/.cache/mstar/kernels
+	# (~40 s, once per machine); a failed build never fails the install: models then use the
 	# PyTorch paths
-	$(PY) -c "import mstar.layers.paged_decode as k; k.build()" || true
 	$(PY) -c "import mstar.layers.cpu_ops as k; k.build()" || true
 	touch $(STAMP)
 

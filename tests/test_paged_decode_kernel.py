@@ -179,7 +179,7 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
     monkeypatch.setattr(paged_decode_mod._EXTENSION, "build", broken)
     ctx_lens = [3, 18]
     q, kv, k_cache, v_cache, tables = _random_rows(ctx_lens, (4, 2, 16, 4), False)
-    with caplog.at_level(logging.WARNING, logger="mstar.layers.paged_decode"):
+    with caplog.at_level(logging.WARNING, logger="mstar.layers.cpu_ops"):
         for _ in range(3):
             out = CompiledPagedBackend().forward(q, kv, kv, k_cache, v_cache, _meta(tables, ctx_lens))
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]

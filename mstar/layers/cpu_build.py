@@ -1,6 +1,6 @@
 """Building and loading the C++ CPU extensions in ``mstar/layers/csrc`` (compiled at install or first use).
 
-Each extension is one source file compiled by ``torch.utils.cpp_extension`` with
+Each extension is a few source files compiled by ``torch.utils.cpp_extension`` with
 ``-O3 -march=native -fopenmp`` into ``$MSTAR_KERNEL_DIR`` (default ``~/.cache/mstar/kernels``), one
 directory per extension, torch version and CPU feature set (a ``-march=native`` build only runs
 where the features match); later processes load the cached build (~0.2 s). ``make install`` builds
@@ -43,12 +43,23 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
-class CpuExtension:
-    """One extension: ``csrc/<stem>.cpp`` built as module ``mstar_<stem>``; ``get()`` is the loaded
-    module or None (disabled, or the build failed: one warning on ``logger``, then silence)."""
+def _csrc_digest() -> str:
+    """A digest of every file in ``csrc/`` (headers too): part of the build flags, so editing any
+    of them rebuilds (torch's own check covers the listed sources only)."""
+    digest = hashlib.sha1()
+    for path in sorted(_CSRC.iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
 
-    def __init__(self, stem: str, what: str, logger: logging.Logger) -> None:
-        self.stem, self.what, self.log = stem, what, logger
+
+class CpuExtension:
+    """One extension: ``csrc/<source>`` for each of ``sources`` built as module ``mstar_<stem>``;
+    ``get()`` is the loaded module or None (disabled, or the build failed: one warning on
+    ``logger``, then silence)."""
+
+    def __init__(self, stem: str, sources: tuple[str, ...], what: str, logger: logging.Logger) -> None:
+        self.stem, self.sources, self.what, self.log = stem, sources, what, logger
         self._state: dict[str, Any] = {}
 
     def build_dir(self) -> Path:
@@ -66,10 +77,10 @@ class CpuExtension:
         lock = build_dir / "lock"  # left behind by a killed build: torch would wait on it forever
         if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
             lock.unlink(missing_ok=True)
-        module = load(name=f"mstar_{self.stem}", sources=[str(_CSRC / f"{self.stem}.cpp")],
-                      extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+        module = load(name=f"mstar_{self.stem}", sources=[str(_CSRC / src) for src in self.sources],
+                      extra_cflags=[*_FLAGS, f"-DMSTAR_CSRC_DIGEST={_csrc_digest()}"], extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                       verbose=verbose)
-        self.log.info("%s kernel ready in %.1f s", self.what, time.perf_counter() - start)
+        self.log.info("%s ready in %.1f s", self.what, time.perf_counter() - start)
         return module
 
     def get(self) -> Any | None:

@@ -1,5 +1,7 @@
-"""The compiled CPU kernels of the Llama-style blocks (``csrc/cpu_ops.cpp``): panel linears, RMSNorm
-and the in-place rotary embedding.
+"""The compiled CPU kernels (``csrc/``): panel linears, RMSNorm, the in-place rotary embedding
+(``cpu_ops.cpp``) and decode attention over the paged cache (``paged_decode.cpp``, used through
+``mstar.layers.paged_decode``), one extension sharing one thread pool (``parallel.h``: workers that
+spin briefly between calls instead of sleeping on a futex after every OpenMP region).
 
 * ``pack(w_in_out, silu_mul)`` lays a ``[in, out]`` weight out once as column panels of 64 (each
   panel ``[in, 64]`` contiguous); ``linear(x, packed, n_out, silu_mul, residual)`` multiplies by it,
@@ -27,7 +29,7 @@ __all__ = ["build", "ops"]
 
 log = logging.getLogger(__name__)
 
-_EXTENSION = CpuExtension("cpu_ops", "CPU linear / norm / rotary", log)
+_EXTENSION = CpuExtension("cpu_ops", ("cpu_ops.cpp", "paged_decode.cpp"), "CPU kernels", log)
 
 
 def build(verbose: bool = False) -> Any:

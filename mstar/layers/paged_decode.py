@@ -15,31 +15,22 @@ warning line in the first case).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from mstar.layers.attention_backends import AttentionBackend
-from mstar.layers.cpu_build import CpuExtension
+from mstar.layers.cpu_ops import _EXTENSION, build, ops  # noqa: F401 - _EXTENSION: for tests
 from mstar.layers.paged_attention import DecodeRows, attend_decode_rows, paged_attention
 
 __all__ = ["CompiledPagedBackend", "build", "kernel", "paged_decode"]
 
-log = logging.getLogger(__name__)
-
 _DTYPES = (torch.float32, torch.bfloat16)
-_EXTENSION = CpuExtension("paged_decode", "paged attention", log)
-
-
-def build(verbose: bool = False) -> Any:
-    """Compile (or load the cached build of) the extension; raises when it cannot be built."""
-    return _EXTENSION.build(verbose)
 
 
 def kernel() -> Any | None:
-    """The loaded extension, or None (disabled, or the build failed: one warning, then silence)."""
-    return _EXTENSION.get()
+    """The loaded extension (``mstar.layers.cpu_ops``), or None (disabled, or the build failed)."""
+    return ops()
 
 
 def _tables(plan: DecodeRows, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

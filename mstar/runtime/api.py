@@ -15,10 +15,12 @@ Inline mode runs the conductor and every rank's worker in one background thread 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import queue
 import threading
 import uuid
+import weakref
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -239,6 +241,11 @@ class Runtime:
         self._stop = False
         self._thread = threading.Thread(target=self._drive, name="mstar-runtime", daemon=True)
         self._thread.start()
+        # a runtime still running when the interpreter exits is shut down first: a daemon thread
+        # caught inside a torch op by the interpreter's finalization aborts the process
+        ref = weakref.ref(self)
+        self._exit_hook = lambda: (rt := ref()) is not None and rt.shutdown()
+        atexit.register(self._exit_hook)
         if self.placement.limits.kv_cache_memory_gib is not None:  # each module's pool size is known now
             for r in self.stats()["ranks"]:
                 for module, kv in r["kv"].items():
@@ -254,6 +261,7 @@ class Runtime:
             self._thread.join()
             self._thread = None
             self._driver.stop()
+            atexit.unregister(self._exit_hook)
 
     def __enter__(self) -> Runtime:
         return self.start()

@@ -10,7 +10,8 @@
 // (for one build of this file). Sums are written as explicit 16-lane vectors (GCC vector
 // extensions) or elementwise loops, never left for the compiler to reassociate.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+
+#include "parallel.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -187,13 +188,13 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* cp = ctx.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  // grain 1: every task runs whole on one thread, whichever thread that is
-  at::parallel_for(0, rows * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
+  // every task runs whole on one thread, whichever thread that is
+  mstar_cpu::parallel_tasks(rows * parts, [&](int64_t task) {
+    thread_local std::vector<float> scores;
+    {
       const int64_t r = task / parts, g0 = (task % parts) * per_part;
       const int64_t g1 = std::min(ly.kv_heads, g0 + per_part);
-      if (g0 >= g1) continue;
+      if (g0 >= g1) return;
       const int64_t off = (r * q_heads + g0 * ly.group) * ly.head_dim;
       attend_task<T>(qp + off, kp, vp, tp + r * ly.table_width, cp[r], g0, g1, ly, op + off, scores);
     }
@@ -225,8 +226,4 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     attend_rows<c10::BFloat16>(q, k_cache, v_cache, tables, ctx, out);
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (CPU)");
 }
