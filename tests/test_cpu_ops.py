@@ -124,3 +124,15 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
     assert prepack_mode() is None  # the loaders keep the plain path
     norm = RMSNorm(8)
     assert not norm.prepack()
+
+
+def test_argmax_rows_matches_torch_argmax(ext, threads):
+    x = _rand(9, 1000, seed=14)
+    x[1, 5] = x[1, 900] = float("nan")  # the first NaN wins, as in torch.argmax
+    x[2, :] = 1.0  # ties: the first index
+    x[3, 10] = x[3, 500] = float("inf")
+    x[4, 999] = 1e30  # the tail past the last full 16-lane vector
+    assert torch.equal(ext.argmax_rows(x), torch.argmax(x, dim=-1))
+    for shape in [(1, 1), (3, 17), (16, 32000)]:
+        y = _rand(*shape, seed=15)
+        assert torch.equal(ext.argmax_rows(y), torch.argmax(y, dim=-1))

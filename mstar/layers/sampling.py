@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from mstar.layers.cpu_ops import ops
+
 __all__ = [
     "SamplingParams",
     "apply_repetition_penalty",
@@ -392,6 +394,15 @@ def _top_k_top_p_partial(out: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, 
 # --------------------------------------------------------------------------------------------------------
 
 
+def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(x, dim=-1)`` of float32 logits ``[B, V]``: through the compiled kernel on CPU
+    (rows in parallel; torch's runs one thread here, ~0.4 ms for 16 x 32000), else torch's."""
+    ext = ops() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 else None
+    if ext is None or x.shape[1] == 0:
+        return torch.argmax(x, dim=-1)
+    return ext.argmax_rows(x.contiguous())
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -437,7 +448,7 @@ def sample(
 
     greedy = [p.greedy for p in params]
     if all(greedy):
-        return torch.argmax(x, dim=-1)
+        return _argmax_rows(x)
     out = torch.empty(batch, dtype=torch.long, device=device)
     g_rows = [i for i, g in enumerate(greedy) if g]
     s_rows = [i for i, g in enumerate(greedy) if not g]
@@ -445,7 +456,7 @@ def sample(
     if g_rows:
         # top-k / top-p never remove the maximum, so greedy is argmax of the penalised logits.
         gi = torch.tensor(g_rows, dtype=torch.long, device=device)
-        out[gi] = torch.argmax(x[gi], dim=-1)
+        out[gi] = _argmax_rows(x[gi])
 
     if s_rows:
         si = torch.tensor(s_rows, dtype=torch.long, device=device)

@@ -33,6 +33,7 @@ constexpr int64_t kRowChunk = 60;    // rows per task: tasks are (panel, row chu
 typedef float vf16 __attribute__((vector_size(64)));
 typedef uint16_t vu16 __attribute__((vector_size(32)));
 typedef uint32_t vu32 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
 
 inline vf16 load(const float* p) {
   vf16 v;
@@ -284,12 +285,54 @@ void rotary_(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_t head
   });
 }
 
+// The index of each row's maximum (the first one on ties; the first NaN if there is one, as
+// torch.argmax), x [B, V] float32 contiguous, V >= 1. Lane-wise maxima, then a scan for the
+// first index holding it; rows in parallel.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.size(1) >= 1,
+              "argmax_rows: x must be contiguous float32 [rows, vocab]");
+  const int64_t B = x.size(0), V = x.size(1);
+  auto out = torch::empty({B}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  mstar_cpu::parallel_tasks(B, [&](int64_t r) {
+    const float* row = xp + r * V;
+    vf16 m = vf16{} + row[0];
+    vi16 nan = vi16{};
+    int64_t i = 0;
+    for (; i + kVec <= V; i += kVec) {
+      const vf16 v = load(row + i);
+      nan |= (v != v);
+      m = v > m ? v : m;
+    }
+    float best = m[0];
+    bool any_nan = false;
+    for (int l = 0; l < kVec; ++l) {
+      best = m[l] > best ? m[l] : best;
+      any_nan |= nan[l] != 0;
+    }
+    for (; i < V; ++i) {
+      best = row[i] > best ? row[i] : best;
+      any_nan |= row[i] != row[i];
+    }
+    int64_t arg = 0;
+    for (int64_t j = 0; j < V; ++j)
+      if (any_nan ? row[j] != row[j] : row[j] == best) {
+        arg = j;
+        break;
+      }
+    op[r] = arg;
+  });
+  return out;
+}
+
 // csrc/paged_decode.cpp (compiled into this extension, sharing its thread pool)
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor ctx);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache");
+  m.def("argmax_rows", &argmax_rows, "index of each row's maximum (torch.argmax semantics)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a float32 matrix");
   m.def("rotary_", &rotary_, "rotary embedding, in place, over the first heads of each row");
   m.def("pack", &pack, "pack a [in, out] weight into column panels");

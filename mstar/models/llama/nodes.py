@@ -48,7 +48,10 @@ class LlamaCausalLM(NodeSubmodule):
         self.kv_spec = KVSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
         self.eos_token_ids = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.default_sampling = dict(default_sampling)
-        self.prepacked: PrepackedLinear | None = None  # the LM head, oneDNN-prepacked
+        self.prepacked: PrepackedLinear | None = None  # the LM head, prepacked
+        # a request's params -> (those params, its SamplingParams, its stop ids): built once, not at
+        # every step (the same params object comes with each of a request's steps)
+        self._sampling_cache: dict[int, tuple[Mapping[str, Any], SamplingParams, frozenset[int]]] = {}
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -96,10 +99,22 @@ class LlamaCausalLM(NodeSubmodule):
         """Hook for subclasses (e.g. constrained decoding) before sampling; the identity here."""
         return logits
 
+    def _sampling(self, params: Mapping[str, Any]) -> tuple[SamplingParams, frozenset[int]]:
+        """The request's sampling parameters and stop ids (cached per params object)."""
+        hit = self._sampling_cache.get(id(params))
+        if hit is not None and hit[0] is params:
+            return hit[1], hit[2]
+        sp = request_sampling(params, self.default_sampling)
+        stop = stop_token_set(sp, self.eos_token_ids)
+        if len(self._sampling_cache) >= 4096:  # finished requests' entries: dropped all at once
+            self._sampling_cache.clear()
+        self._sampling_cache[id(params)] = (params, sp, stop)  # holding params keeps its id unique
+        return sp, stop
+
     # -- runtime interface -----------------------------------------------------------------------
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
-        sp = request_sampling(fwd_info.params, self.default_sampling)
+        sp, stop_ids = self._sampling(fwd_info.params)
         if "input_ids" in inputs:  # prefill: the prompt; first sampled token
             ids = inputs["input_ids"][0].reshape(-1).to(torch.long)
             step = 0
@@ -111,8 +126,7 @@ class LlamaCausalLM(NodeSubmodule):
         if ids.numel() == 0:
             raise ValueError("LLM node got no tokens")
         return NodeInputs(tensor_inputs={"ids": ids}, num_tokens=ids.numel(),
-                          extras={"sampling": sp, "step": step, "seen": seen,
-                                  "stop_ids": stop_token_set(sp, self.eos_token_ids)},
+                          extras={"sampling": sp, "step": step, "seen": seen, "stop_ids": stop_ids},
                           prefix_ids=ids if step == 0 and "input_ids" in inputs else None, token_inputs=("ids",))
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs,
@@ -136,13 +150,11 @@ class LlamaCausalLM(NodeSubmodule):
 
     def step_outputs(self, tokens: torch.Tensor, engine_inputs: EngineInputs) -> dict[str, list[torch.Tensor]]:
         ei = engine_inputs
-        seen = ei.extras["seen"]
-        out_tokens, out_seen, out_stop = [], [], []
-        for i, tok in enumerate(tokens.tolist()):
-            t = tokens[i:i + 1].clone()
-            out_tokens.append(t)
-            s = seen[i]
-            out_seen.append(torch.zeros(0, dtype=torch.long) if s is None else torch.cat([s.cpu(), t]))
-            sp: SamplingParams = ei.extras["sampling"][i]
-            out_stop.append(torch.tensor(generation_done(tok, ei.extras["step"][i], sp, ei.extras["stop_ids"][i])))
+        seen, params, steps, stops = (ei.extras[k] for k in ("seen", "sampling", "step", "stop_ids"))
+        # one tensor per quantity for the whole batch, split into per-request views
+        out_tokens = list(tokens.clone().view(-1, 1).unbind(0))
+        done = [generation_done(tok, steps[i], params[i], stops[i]) for i, tok in enumerate(tokens.tolist())]
+        out_stop = list(torch.tensor(done).unbind(0))
+        empty = torch.zeros(0, dtype=torch.long)
+        out_seen = [empty if s is None else torch.cat([s.cpu(), t]) for s, t in zip(seen, out_tokens)]
         return {"token": out_tokens, "seen": out_seen, "stop": out_stop}
