@@ -72,8 +72,29 @@ def test_bfloat16_weights_and_inputs(ext):
     y = ext.linear(x, ext.pack(wb, False), 90, False, None)
     torch.testing.assert_close(y, x @ wb.float(), atol=2e-5, rtol=1e-5)
     xb = x.to(torch.bfloat16)
-    torch.testing.assert_close(ext.linear(xb, ext.pack(wb, False), 90, False, None), xb.float() @ wb.float(),
-                               atol=2e-5, rtol=1e-5)
+    yb = ext.linear(xb, ext.pack(wb, False), 90, False, None)
+    assert yb.dtype == torch.bfloat16  # the output has the input's dtype (rounded once, at the store)
+    torch.testing.assert_close(yb, (xb.float() @ wb.float()).to(torch.bfloat16), atol=0, rtol=8e-3)
+
+
+def test_bfloat16_dot_products_on_pair_packed_weights(ext, threads):
+    if not ext.dot_pairs_available():
+        pytest.skip("built for a CPU without AVX512-BF16")
+    xb, wb = _rand(23, 128, seed=16, dtype=torch.bfloat16), _rand(128, 150, seed=17, dtype=torch.bfloat16)
+    pairs = ext.pack(wb, False, True)
+    y = ext.linear(xb, pairs, 150, False, None)
+    torch.testing.assert_close(y, (xb.float() @ wb.float()).to(torch.bfloat16), atol=0, rtol=8e-3)
+    for rows in ([0], [3, 4, 5], list(range(7, 23))):  # batch invariant, as the float32 path
+        assert torch.equal(ext.linear(xb[rows].contiguous(), pairs, 150, False, None), y[rows])
+    res = _rand(23, 150, seed=18, dtype=torch.bfloat16)
+    fused = ext.linear(xb, pairs, 150, False, res)
+    torch.testing.assert_close(fused, (xb.float() @ wb.float() + res.float()).to(torch.bfloat16), atol=0, rtol=8e-3)
+    gate_up = _rand(128, 2 * 70, seed=19, dtype=torch.bfloat16)
+    act = ext.linear(xb, ext.pack(gate_up, True, True), 70, True, None)
+    g, u = (xb.float() @ gate_up.float()).split(70, dim=1)
+    torch.testing.assert_close(act, (F.silu(g) * u).to(torch.bfloat16), atol=1e-2, rtol=1e-2)
+    with pytest.raises(RuntimeError):
+        ext.pack(_rand(5, 8, dtype=torch.bfloat16), False, True)  # odd input size
 
 
 def test_bad_arguments_raise(ext):
@@ -136,3 +157,17 @@ def test_argmax_rows_matches_torch_argmax(ext, threads):
     for shape in [(1, 1), (3, 17), (16, 32000)]:
         y = _rand(*shape, seed=15)
         assert torch.equal(ext.argmax_rows(y), torch.argmax(y, dim=-1))
+
+
+def test_bfloat16_rms_norm_and_rotary(ext):
+    x, weight = _rand(9, 96, seed=20, dtype=torch.bfloat16), _rand(96, seed=21, dtype=torch.bfloat16)
+    norm = RMSNorm(96, 1e-6, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    ref = norm(x)  # the PyTorch path: statistics in float32, rounded as the reference's module
+    torch.testing.assert_close(ext.rms_norm(x, norm.weight.detach(), 1e-6), ref, atol=0, rtol=8e-3)
+    cos, sin = (t.to(torch.bfloat16) for t in RotaryEmbedding(16, 10000.0)(torch.arange(9) * 5))
+    y = _rand(9, 3 * 16, seed=22, dtype=torch.bfloat16)
+    ref_qk = apply_rotary(y[:, :32].float().view(9, 2, 16), cos.float(), sin.float())
+    ext.rotary_(y, cos, sin, 2, 16)
+    torch.testing.assert_close(y[:, :32].float().view(9, 2, 16), ref_qk, atol=1e-2, rtol=1e-2)

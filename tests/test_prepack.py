@@ -84,3 +84,15 @@ def test_greedy_tokens_same_with_and_without_prepacking():
             outs.append([tokens(o) for o in rt.generate([{"input_ids": p} for p in prompts],
                                                          {"max_tokens": 12})])
     assert outs[0] == outs[1] and all(len(t) == 12 for t in outs[0])
+
+
+def test_bfloat16_model_stays_within_bf16_tolerance_of_float32():
+    """``dtype=bfloat16``: weights, activations and KV cache in bf16 (the prepacked weights in bf16
+    too); logits agree with the float32 model's to bf16 precision."""
+    f32 = build_llama_model(CONFIG, load_format="dummy")
+    bf16 = build_llama_model(CONFIG, load_format="dummy", dtype="bfloat16")
+    assert bf16.kv_spec.dtype == torch.bfloat16
+    if bf16.prepacked is not None and bf16.prepacked.mode == "panel":
+        assert bf16.model.layers[0].mlp.prepacked[0].packed.dtype == torch.bfloat16
+    for a, b in zip(_logits(f32), _logits(bf16)):
+        assert (a - b.float()).abs().max().item() < 0.05 * a.abs().max().item()

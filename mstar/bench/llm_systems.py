@@ -69,11 +69,11 @@ def _params(max_tokens: int) -> dict[str, Any]:
 class MstarSystem(_InProcess):
     name = "mstar"
 
-    def __init__(self, checkpoint: str | Path, workers: str = "inline") -> None:
+    def __init__(self, checkpoint: str | Path, workers: str = "inline", dtype: str = "float32") -> None:
         from mstar.models.llama.model import LlamaLM
         from mstar.runtime.api import Runtime
 
-        self.rt = Runtime(LlamaLM(model_path=str(checkpoint)), workers=workers).start()
+        self.rt = Runtime(LlamaLM(model_path=str(checkpoint), dtype=dtype), workers=workers).start()
 
     def _tokens(self, out) -> list[int]:
         if not out.finished:
@@ -100,10 +100,10 @@ class MstarSystem(_InProcess):
 class HFSystem(_InProcess):
     name = "hf"
 
-    def __init__(self, checkpoint: str | Path) -> None:
+    def __init__(self, checkpoint: str | Path, dtype: str = "float32") -> None:
         import transformers
 
-        self.model = transformers.LlamaForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+        self.model = transformers.LlamaForCausalLM.from_pretrained(str(checkpoint), dtype=getattr(torch, dtype)).eval()
         self.model.generation_config.eos_token_id = None  # exactly max_new_tokens, like ignore_eos
         self.model.generation_config.pad_token_id = 0
 
@@ -168,13 +168,13 @@ class VllmSystem:
 
     def __init__(self, checkpoint: str | Path, venv: str | Path | None = None, max_prompt_len: int = 256,
                  max_tokens: int = 128,
-                 max_num_seqs: int = 16, log: Callable[[str], None] | None = None) -> None:
+                 max_num_seqs: int = 16, log: Callable[[str], None] | None = None, dtype: str = "float32") -> None:
         py = peer_python(venv)
         self.log_path = Path(checkpoint).parent / "vllm-peer.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             [str(py), str(PEER_SCRIPT), "--model", str(checkpoint), "--max-num-seqs", str(max_num_seqs),
-             "--max-model-len", str(max(512, max_prompt_len + max_tokens))],
+             "--max-model-len", str(max(512, max_prompt_len + max_tokens)), "--dtype", dtype],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=vllm_env(),
             cwd=str(Path(checkpoint).parent))
         try:

@@ -123,6 +123,8 @@ def _add_compare(bsub) -> None:
     x.add_argument("--rounds", type=int, default=3,
                    help="policy: alternating rounds of reference and mstar, pooled (default 3)")
     x.add_argument("--seed", type=int, default=0, help="llm / omni: weights and prompts seed (default 0)")
+    x.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="llm: every system's weights, activations and KV cache (default float32)")
     x.add_argument("--out", default=None, help="llm / omni: also write the results as JSON to this file")
     _add_compare_omni(x)
     x.set_defaults(func=run_compare)
@@ -292,7 +294,8 @@ def run_compare_llm(args: argparse.Namespace) -> int:
     workloads = [v.strip() for v in args.workloads.split(",") if v.strip()]
     res = run_llm_bench(cache_dir=args.cache_dir, concurrency=args.concurrency, b1_requests=args.b1_requests,
                         max_tokens=args.max_tokens, repeats=args.repeats or 3, seed=args.seed, systems=systems,
-                        workloads=workloads, peer_venv=args.peer_venv, log=main_log, model=args.model)
+                        workloads=workloads, peer_venv=args.peer_venv, log=main_log, model=args.model,
+                        dtype=args.dtype)
     print(describe(res))
     print()
     print(format_table(res))

@@ -8,8 +8,10 @@ spin briefly between calls instead of sleeping on a futex after every OpenMP reg
   optionally fusing ``silu(gate) * up`` (the panels then interleave gate and up columns) or a
   residual add into the store. Every output element is one float32 accumulator updated in input
   order, so a row's result is the same bits in any batch and at any thread count; on a 2-core
-  AVX-512 machine it runs a decode step's 33 multiplies at memory bandwidth at batch 1 and at about
-  the speed of oneDNN's big-matrix rate at batch 16 (figures in BENCHMARKS.md).
+  AVX-512 machine it runs a decode step's 33 multiplies near memory bandwidth at batch 1 and near
+  MKL's big-matrix rate at batch 16 (figures in BENCHMARKS.md). bfloat16 weights packed in pairs
+  use the CPU's bf16 dot products (AVX512-BF16), else they are widened to float32.
+* ``argmax_rows(x)``: ``torch.argmax(x, -1)`` over rows in parallel (greedy sampling).
 * ``rms_norm(x, weight, eps)`` and ``rotary_(y, cos, sin, heads, head_dim)``: one pass each
   instead of five or six PyTorch ops.
 

@@ -24,8 +24,10 @@ so a layer runs one matrix multiply for them. A module whose parameters were rep
 (``.to()``, ``load_state_dict(assign=True)``) falls back to the plain per-projection path.
 
 Prepacked weights (``prepack()``, called through ``mstar.layers.prepack.prepack_linears`` once the
-weights are loaded): the packed q/k/v, o, gate/up and down weights are also kept in oneDNN's
-blocked layout, used while the weights they came from are unchanged.
+weights are loaded): the packed q/k/v, o, gate/up and down weights are also kept in the
+prepacked layout of the route in use (column panels for mstar's kernel, gate/up interleaved for
+the fused SiLU-mul; or oneDNN's blocked layout), used while the weights they came from are
+unchanged; the norms and the rotary embedding then run through the compiled kernels too.
 
 Attention goes through ``backend``; ``LlamaBackbone`` defaults to ``default_backend()`` (decode rows
 through the compiled kernel where it can be built, see ``mstar.layers.paged_decode``).
@@ -57,6 +59,7 @@ __all__ = [
 ]
 
 
+_COMPILED_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled norm / rotary take
 _ATTN_BIAS = ("attention_bias=True is not supported by mstar's Llama layers "
               "(q/k/v/o projections must have no bias)")
 _MLP_BIAS = ("mlp_bias=True is not supported by mstar's Llama layers "
@@ -111,10 +114,10 @@ def pack_linears(*linears: nn.Linear) -> torch.Tensor:
 
 
 def y_rotatable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """The compiled in-place rotary applies: float32 CPU activations and contiguous float32 tables."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and cos.dtype == torch.float32
-            and sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
-            and ops() is not None)
+    """The compiled in-place rotary applies: float32 or bfloat16 CPU activations and contiguous
+    tables of their dtype."""
+    return (x.dtype in _COMPILED_DTYPES and x.device.type == "cpu" and cos.dtype == x.dtype
+            and sin.dtype == x.dtype and cos.is_contiguous() and sin.is_contiguous() and ops() is not None)
 
 
 def packed_weight(packed: torch.Tensor | None, linears: tuple[nn.Linear, ...], views: tuple) -> torch.Tensor | None:
@@ -143,7 +146,7 @@ class RMSNorm(nn.Module):
         return self.compiled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.compiled and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+        if (self.compiled and x.dtype in _COMPILED_DTYPES and self.weight.dtype == x.dtype
                 and x.dim() == 2 and x.device.type == "cpu" and x.is_contiguous()):
             return ops().rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # the same arithmetic without the (no-op) casts' dispatch cost
@@ -202,7 +205,7 @@ class LlamaAttention(nn.Module):
             self.prepack()
 
     def prepack(self) -> bool:
-        """oneDNN-prepacked q/k/v and o projections (``mstar.layers.prepack``); needs ``pack_weights``."""
+        """Prepacked q/k/v and o projections (``mstar.layers.prepack``); needs ``pack_weights``."""
         qkv = packed_weight(self._qkv, (self.q_proj, self.k_proj, self.v_proj), self._qkv_views)
         if not can_prepack(qkv, self.o_proj.weight):
             return False
@@ -286,7 +289,7 @@ class LlamaMLP(nn.Module):
             self.prepack()
 
     def prepack(self) -> bool:
-        """oneDNN-prepacked gate/up and down projections (``mstar.layers.prepack``)."""
+        """Prepacked gate/up (SiLU-mul fused) and down projections (``mstar.layers.prepack``)."""
         gate_up = packed_weight(self._gate_up, (self.gate_proj, self.up_proj), self._gate_up_views)
         if not can_prepack(gate_up, self.down_proj.weight):
             return False

@@ -7,7 +7,8 @@ norms, the LLM node's head) switches to prepacked projections and compiled kerne
 * ``panel`` (the default where the compiled kernels build, ``mstar.layers.cpu_ops``): weights as
   column panels, multiplied by mstar's kernel with a fixed accumulation order per output, so a
   row's result is the same bits in any batch and at any thread count; SiLU-mul and residual adds
-  are fused into its stores. float32 and bfloat16 weights.
+  are fused into its stores. float32 and bfloat16 weights (bfloat16 ones through the CPU's bf16
+  dot-product instructions where it has AVX512-BF16).
 * ``onednn`` (``MSTAR_PREPACK=onednn``): PyTorch's own oneDNN path with weights reordered into its
   blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what
   inductor's weight freezing uses); float32 only, NOT batch invariant per row (a row alone and in
@@ -93,7 +94,10 @@ class PrepackedLinear:
             if self.mode == "panel":
                 in_out_w = (w if in_out else w.t()).contiguous()
                 self.n_out = in_out_w.shape[1] // (2 if silu_mul else 1)
-                self.packed = ops().pack(in_out_w, silu_mul)
+                # bfloat16 weights multiply through the CPU's bf16 dot products where it has them
+                pairs = (w.dtype == torch.bfloat16 and in_out_w.shape[0] % 2 == 0
+                         and ops().dot_pairs_available())
+                self.packed = ops().pack(in_out_w, silu_mul, pairs)
             else:
                 out_in = (w.t() if in_out else w).contiguous()
                 self.n_out = out_in.shape[0]
@@ -107,12 +111,10 @@ class PrepackedLinear:
         shape = x.shape
         if x.dim() != 2 or not x.is_contiguous():
             x = x.reshape(-1, shape[-1]).contiguous()
-        if self.mode == "panel":
-            fuse = residual is not None and residual.dtype == torch.float32 and residual.is_contiguous()
+        if self.mode == "panel":  # the output has x's dtype
+            fuse = residual is not None and residual.dtype == x.dtype and residual.is_contiguous()
             y = ops().linear(x, self.packed, self.n_out, self.silu_mul,
                              residual.reshape(-1, self.n_out) if fuse else None)
-            if y.dtype != x.dtype:
-                y = y.to(x.dtype)
             if residual is not None and not fuse:
                 y = y + residual.reshape(y.shape)
         else:

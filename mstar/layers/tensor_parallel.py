@@ -19,7 +19,8 @@
 * the node's ``kv_spec``: the paged KV cache holds this rank's kv heads only.
 
 Row-parallel sums happen in forward hooks on the attention / MLP blocks, so the packed and
-oneDNN-prepacked paths of ``mstar.layers.llama`` are used unchanged on the shards. With two ranks
+prepacked paths of ``mstar.layers.llama`` are used unchanged on the shards (with the residual
+added after the reduction: ``takes_residual = False``). With two ranks
 gloo's sum is the same on both (``a + b``), so every rank's residual stream stays bitwise equal
 and the leader's results do not depend on which rank computed what.
 

@@ -28,6 +28,7 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     # answers go to the original stdout only; everything else that writes to fd 1 (vLLM's engine
     # processes inherit it) lands in stderr
@@ -41,7 +42,7 @@ def main() -> int:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", max_model_len=args.max_model_len,
+        llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, seed=args.seed)
         startup = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - reported to the driver

@@ -7,7 +7,9 @@
 // acc = fma(x[r][k], w[k][c], acc), starting from zero: a row's result is the same bits whatever
 // the other rows of the batch are, whatever row group or thread computes it and however many
 // threads there are (for one build of this file). Weights may be float32 or bfloat16 (widened to
-// float32 on load); inputs float32 or bfloat16; accumulation and the output are float32.
+// float32 on load); inputs float32 or bfloat16; accumulation float32; the output has the input's
+// dtype. With bfloat16 weights packed in pairs (`pack(..., pairs=true)`, a CPU with AVX512-BF16)
+// the multiply-adds are the CPU's bf16 dot products (two k per instruction, half the traffic).
 //
 // Epilogues fused into the store: `silu_mul` (panels interleave 32 gate and 32 up columns; the
 // output is silu(gate) * up, N/2 columns) and `residual` (y += residual, element by element).
@@ -15,6 +17,7 @@
 
 #include "parallel.h"
 
+#include <immintrin.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -55,20 +58,39 @@ inline float scalar(c10::BFloat16 x) { return static_cast<float>(x); }
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
+template <typename TY>
 struct Epilogue {
   bool silu_mul;
-  const float* residual;  // [M, n_out] or null
-  int64_t n_out;          // columns of the output
+  const TY* residual;  // [M, n_out] or null
+  int64_t n_out;       // columns of the output
 };
 
-// Rows [r0, r0 + R) of x times one panel, stored with the epilogue. R is a template argument so
-// the accumulators live in registers; every row's arithmetic is the same for any R.
+inline void put(float v, float* y) { *y = v; }
+inline void put(float v, c10::BFloat16* y) { *y = c10::BFloat16(v); }  // round to nearest even
+
+// Row r of a tile's accumulators (64 columns of panel output from col0) stored with the epilogue.
+template <typename TY>
+inline void store_row(const vf16 (&acc)[4], int64_t col0, TY* yr, const TY* res, const Epilogue<TY>& ep) {
+  float out[kPanel];
+  std::memcpy(out, acc, sizeof out);
+  if (ep.silu_mul) {  // columns [0, 32) are gate, [32, 64) up, of output columns col0/2 + [0, 32)
+    const int64_t c0 = col0 / 2, n = std::min<int64_t>(kPanel / 2, ep.n_out - c0);
+    for (int64_t c = 0; c < n; ++c) put(silu(out[c]) * out[kPanel / 2 + c], yr + c0 + c);
+  } else {
+    const int64_t n = std::min<int64_t>(kPanel, ep.n_out - col0);
+    if (res != nullptr) {
+      for (int64_t c = 0; c < n; ++c) put(out[c] + scalar(res[col0 + c]), yr + col0 + c);
+    } else {
+      for (int64_t c = 0; c < n; ++c) put(out[c], yr + col0 + c);
+    }
+  }
+}
+
+// Rows [0, R) of x times one panel [K][64]: one float32 multiply-add per (row, column, k), k
+// ascending. R is a template argument so the accumulators live in registers; every row's
+// arithmetic is the same for any R.
 template <int R, typename TX, typename TW>
-inline void tile(const TX* x, int64_t K, const TW* panel, int64_t col0, float* y,
-                 const Epilogue& ep) {
-  vf16 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = vf16{};
+inline void accumulate(const TX* x, int64_t K, const TW* panel, vf16 (&acc)[R][4]) {
   for (int64_t k = 0; k < K; ++k) {
     const TW* w = panel + k * kPanel;
     vf16 w0 = load(w), w1 = load(w + kVec), w2 = load(w + 2 * kVec), w3 = load(w + 3 * kVec);
@@ -83,68 +105,100 @@ inline void tile(const TX* x, int64_t K, const TW* panel, int64_t col0, float* y
       acc[r][3] += xv * w3;
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float out[kPanel];
-    std::memcpy(out, acc[r], sizeof out);
-    float* yr = y + r * ep.n_out;
-    if (ep.silu_mul) {  // columns [0, 32) are gate, [32, 64) up, of output columns col0/2 + [0, 32)
-      const int64_t c0 = col0 / 2, n = std::min<int64_t>(kPanel / 2, ep.n_out - c0);
-      for (int64_t c = 0; c < n; ++c) yr[c0 + c] = silu(out[c]) * out[kPanel / 2 + c];
-    } else {
-      const int64_t n = std::min<int64_t>(kPanel, ep.n_out - col0);
-      if (ep.residual != nullptr) {
-        const float* res = ep.residual + r * ep.n_out + col0;
-        for (int64_t c = 0; c < n; ++c) yr[col0 + c] = out[c] + res[c];
-      } else {
-        std::memcpy(yr + col0, out, sizeof(float) * n);
-      }
-    }
-  }
 }
 
-template <typename TX, typename TW>
-void run(const TX* x, int64_t M, int64_t K, const TW* packed, int64_t panels, float* y,
-         const Epilogue& ep) {
+#if defined(__AVX512BF16__)
+constexpr bool kDotPairs = true;
+// bfloat16 x and a pair-packed panel [K/2][64][2]: per (row, column), acc += x[2i] w[2i] +
+// x[2i+1] w[2i+1] for i ascending (the CPU's bf16 dot-product instruction, vdpbf16ps).
+template <int R>
+inline void accumulate_pairs(const c10::BFloat16* x, int64_t K, const c10::BFloat16* panel,
+                             vf16 (&acc)[R][4]) {
+  __m512 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < K / 2; ++i) {
+    const c10::BFloat16* w = panel + i * 2 * kPanel;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * K + 2 * i, sizeof pair);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      a[r][0] = _mm512_dpbf16_ps(a[r][0], xv, w0);
+      a[r][1] = _mm512_dpbf16_ps(a[r][1], xv, w1);
+      a[r][2] = _mm512_dpbf16_ps(a[r][2], xv, w2);
+      a[r][3] = _mm512_dpbf16_ps(a[r][3], xv, w3);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) std::memcpy(&acc[r][j], &a[r][j], sizeof(vf16));
+}
+#else
+constexpr bool kDotPairs = false;
+#endif
+
+// One tile: rows [0, R) of x, one panel, accumulated and stored.
+template <bool Pairs, typename TX, typename TW, typename TY>
+struct Tile {
+  const TX* x;
+  int64_t K;
+  const Epilogue<TY>& ep;
+
+  template <int R>
+  void rows(int64_t r0, const TW* panel, int64_t col0, TY* y) const {
+    vf16 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = vf16{};
+#if defined(__AVX512BF16__)
+    if constexpr (Pairs) {
+      accumulate_pairs<R>(x + r0 * K, K, panel, acc);
+    } else {
+      accumulate<R>(x + r0 * K, K, panel, acc);
+    }
+#else
+    accumulate<R>(x + r0 * K, K, panel, acc);
+#endif
+    for (int r = 0; r < R; ++r) {
+      const TY* res = ep.residual ? ep.residual + (r0 + r) * ep.n_out : nullptr;
+      store_row(acc[r], col0, y + (r0 + r) * ep.n_out, res, ep);
+    }
+  }
+};
+
+template <bool Pairs, typename TX, typename TW, typename TY>
+void run(const TX* x, int64_t M, int64_t K, const TW* packed, int64_t panels, TY* y,
+         const Epilogue<TY>& ep) {
   // rows split evenly into chunks of at most kRowChunk (a multiple of the tile height)
   const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
   const int64_t per_chunk = ((M + chunks - 1) / chunks + kRows - 1) / kRows * kRows;
+  const Tile<Pairs, TX, TW, TY> tile{x, K, ep};
   // a task is one (panel, row chunk); which thread runs it does not change its bits
   mstar_cpu::parallel_tasks(panels * chunks, [&](int64_t task) {
-    {
-      const int64_t p = task / chunks, chunk = task % chunks;
-      const TW* panel = packed + p * K * kPanel;
-      const int64_t row_end = std::min(M, (chunk + 1) * per_chunk);
-      int64_t r = chunk * per_chunk;
-      Epilogue e = ep;
-      auto res = [&](int64_t row) { return ep.residual ? ep.residual + row * ep.n_out : nullptr; };
-      for (; r + kRows <= row_end; r += kRows) {
-        e.residual = res(r);
-        tile<kRows>(x + r * K, K, panel, p * kPanel, y + r * ep.n_out, e);
-      }
-      if (r < row_end) {  // the last 1..5 rows as one tile
-        e.residual = res(r);
-        const TX* xr = x + r * K;
-        float* yr = y + r * ep.n_out;
-        switch (row_end - r) {
-          case 1: tile<1>(xr, K, panel, p * kPanel, yr, e); break;
-          case 2: tile<2>(xr, K, panel, p * kPanel, yr, e); break;
-          case 3: tile<3>(xr, K, panel, p * kPanel, yr, e); break;
-          case 4: tile<4>(xr, K, panel, p * kPanel, yr, e); break;
-          default: tile<5>(xr, K, panel, p * kPanel, yr, e); break;
-        }
-      }
+    const int64_t p = task / chunks, chunk = task % chunks;
+    const TW* panel = packed + p * K * kPanel;
+    const int64_t row_end = std::min(M, (chunk + 1) * per_chunk), col0 = p * kPanel;
+    int64_t r = chunk * per_chunk;
+    for (; r + kRows <= row_end; r += kRows) tile.template rows<kRows>(r, panel, col0, y);
+    switch (row_end - r) {  // the last 1..5 rows as one tile
+      case 0: break;
+      case 1: tile.template rows<1>(r, panel, col0, y); break;
+      case 2: tile.template rows<2>(r, panel, col0, y); break;
+      case 3: tile.template rows<3>(r, panel, col0, y); break;
+      case 4: tile.template rows<4>(r, panel, col0, y); break;
+      default: tile.template rows<5>(r, panel, col0, y); break;
     }
   });
 }
 
-template <typename TX>
-void dispatch_weight(const TX* x, int64_t M, int64_t K, const torch::Tensor& packed, float* y,
-                     const Epilogue& ep) {
+template <typename TX, typename TY>
+void dispatch_weight(const TX* x, int64_t M, int64_t K, const torch::Tensor& packed, TY* y,
+                     const Epilogue<TY>& ep) {
   const int64_t panels = packed.size(0);
   if (packed.scalar_type() == torch::kFloat32)
-    run(x, M, K, packed.data_ptr<float>(), panels, y, ep);
+    run<false>(x, M, K, packed.data_ptr<float>(), panels, y, ep);
   else
-    run(x, M, K, packed.data_ptr<c10::BFloat16>(), panels, y, ep);
+    run<false>(x, M, K, packed.data_ptr<c10::BFloat16>(), panels, y, ep);
 }
 
 }  // namespace
@@ -168,11 +222,15 @@ torch::Tensor huge_page_empty(at::IntArrayRef sizes, const torch::TensorOptions&
 // w [K, N] (float32 or bfloat16) -> panels [ceil(N / 64), K, 64], same dtype, zero-padded.
 // silu_mul: w holds [gate | up] (N = 2 I); panel j gets gate columns [32 j, 32 j + 32) then the
 // same up columns, so the fused epilogue finds both halves in one panel.
-torch::Tensor pack(torch::Tensor w, bool silu_mul) {
+// pairs (bfloat16 w, even K, a CPU with AVX512-BF16): panels [P, K / 2, 64, 2], each column's
+// weights for k = 2i, 2i + 1 side by side, as the bf16 dot-product instruction reads them.
+torch::Tensor pack(torch::Tensor w, bool silu_mul, bool pairs) {
   TORCH_CHECK(w.dim() == 2, "weight must be [in, out]");
   TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16,
               "weight must be float32 or bfloat16");
   const int64_t K = w.size(0), N = w.size(1);
+  TORCH_CHECK(!pairs || (kDotPairs && w.scalar_type() == torch::kBFloat16 && K % 2 == 0),
+              "pair packing needs bfloat16 weights, an even input size and AVX512-BF16");
   torch::Tensor src = w;
   if (silu_mul) {
     TORCH_CHECK(N % 2 == 0, "silu_mul needs [gate | up] columns");
@@ -187,102 +245,152 @@ torch::Tensor pack(torch::Tensor w, bool silu_mul) {
   const int64_t cols = src.size(1), panels = (cols + kPanel - 1) / kPanel;
   auto padded = torch::zeros({K, panels * kPanel}, w.options());
   padded.narrow(1, 0, cols).copy_(src);
+  if (pairs) {
+    auto out = huge_page_empty({panels, K / 2, kPanel, 2}, w.options());
+    out.copy_(padded.view({K / 2, 2, panels, kPanel}).permute({2, 0, 3, 1}));
+    return out;
+  }
   auto out = huge_page_empty({panels, K, kPanel}, w.options());
   out.copy_(padded.view({K, panels, kPanel}).permute({1, 0, 2}));
   return out;
 }
 
+bool dot_pairs_available() { return kDotPairs; }
+
+template <typename TY>
+void linear_into(const torch::Tensor& x, const torch::Tensor& packed, torch::Tensor& y,
+                 const Epilogue<TY>& ep) {
+  const int64_t M = x.size(0), K = x.size(1);
+  TY* yp = y.data_ptr<TY>();
+  if (packed.dim() == 4) {
+#if defined(__AVX512BF16__)
+    run<true>(x.data_ptr<c10::BFloat16>(), M, K, packed.data_ptr<c10::BFloat16>(), packed.size(0), yp, ep);
+#endif
+  } else if (x.scalar_type() == torch::kFloat32) {
+    dispatch_weight(x.data_ptr<float>(), M, K, packed, yp, ep);
+  } else {
+    dispatch_weight(x.data_ptr<c10::BFloat16>(), M, K, packed, yp, ep);
+  }
+}
+
 // x [M, K] float32 or bfloat16 contiguous; packed from `pack`; n_out output columns (N, or N / 2
-// with silu_mul); residual [M, n_out] float32 or empty. Returns [M, n_out] float32.
+// with silu_mul); residual [M, n_out] of the output's dtype, or none. The output has x's dtype
+// (pair-packed weights: x is rounded to bfloat16 first); accumulation is float32 either way.
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, bool silu_mul,
                      c10::optional<torch::Tensor> residual) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "input must be contiguous [rows, in]");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
-                  packed.size(1) == x.size(1),
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "input must be float32 or bfloat16");
+  const bool pairs = packed.dim() == 4;
+  TORCH_CHECK(packed.is_contiguous() &&
+                  ((!pairs && packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1)) ||
+                   (pairs && packed.size(2) == kPanel && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1))),
               "packed weight does not match the input size");
   TORCH_CHECK(n_out >= 1 && n_out <= packed.size(0) * kPanel / (silu_mul ? 2 : 1),
               "output columns out of range");
-  const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty({M, n_out}, x.options().dtype(torch::kFloat32));
-  Epilogue ep{silu_mul, nullptr, n_out};
-  if (residual.has_value() && residual->defined()) {
+  const auto out_dtype = x.scalar_type();
+  auto input = pairs ? x.to(torch::kBFloat16) : x;
+  auto y = torch::empty({x.size(0), n_out}, x.options().dtype(out_dtype));
+  const bool has_res = residual.has_value() && residual->defined();
+  if (has_res) {
     TORCH_CHECK(!silu_mul, "silu_mul and residual do not combine");
-    TORCH_CHECK(residual->scalar_type() == torch::kFloat32 && residual->is_contiguous() &&
-                    residual->size(0) == M && residual->size(1) == n_out,
-                "residual must be contiguous float32 [rows, out]");
-    ep.residual = residual->data_ptr<float>();
+    TORCH_CHECK(residual->scalar_type() == out_dtype && residual->is_contiguous() &&
+                    residual->size(0) == x.size(0) && residual->size(1) == n_out,
+                "residual must be contiguous [rows, out] of the input's dtype");
   }
-  if (M == 0) return y;
-  if (x.scalar_type() == torch::kFloat32) {
-    dispatch_weight(x.data_ptr<float>(), M, K, packed, y.data_ptr<float>(), ep);
+  if (x.size(0) == 0) return y;
+  if (out_dtype == torch::kFloat32) {
+    Epilogue<float> ep{silu_mul, has_res ? residual->data_ptr<float>() : nullptr, n_out};
+    linear_into(input, packed, y, ep);
   } else {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "input must be float32 or bfloat16");
-    dispatch_weight(x.data_ptr<c10::BFloat16>(), M, K, packed, y.data_ptr<float>(), ep);
+    Epilogue<c10::BFloat16> ep{silu_mul, has_res ? residual->data_ptr<c10::BFloat16>() : nullptr, n_out};
+    linear_into(input, packed, y, ep);
   }
   return y;
 }
 
-// RMSNorm of each row of x [T, H] float32: weight * (x * rsqrt(mean(x^2) + eps)). The sum of
-// squares is 16 lane-wise partial sums folded in a fixed tree (the same order for every row).
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
-              "input must be contiguous float32 [tokens, hidden]");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
-                  weight.scalar_type() == torch::kFloat32,
-              "weight must be float32 [hidden]");
-  const int64_t T = x.size(0), H = x.size(1);
-  auto out = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  mstar_cpu::parallel_tasks((T + 15) / 16, [&](int64_t task) {
-    for (int64_t t = task * 16; t < std::min(T, task * 16 + 16); ++t) {
-      const float* row = xp + t * H;
+// RMSNorm of each row of x [T, H] (float32 or bfloat16; weight of the same dtype), in float32:
+// weight * (x * rsqrt(mean(x^2) + eps)), the result in x's dtype (bfloat16: the normalised row is
+// rounded, then multiplied by the weight and rounded again, as the reference's bf16 module does).
+// The sum of squares is 16 lane-wise partial sums folded in a fixed tree (the same order for every
+// row).
+template <typename T>
+void rms_norm_rows(const T* xp, const T* wp, T* op, int64_t T_, int64_t H, float e) {
+  mstar_cpu::parallel_tasks((T_ + 15) / 16, [&](int64_t task) {
+    for (int64_t t = task * 16; t < std::min(T_, task * 16 + 16); ++t) {
+      const T* row = xp + t * H;
       float lanes[kVec] = {0};
       int64_t i = 0;
       for (; i + kVec <= H; i += kVec)
-        for (int64_t l = 0; l < kVec; ++l) lanes[l] += row[i + l] * row[i + l];
-      for (int64_t l = 0; i < H; ++i, ++l) lanes[l] += row[i] * row[i];
+        for (int64_t l = 0; l < kVec; ++l) lanes[l] += scalar(row[i + l]) * scalar(row[i + l]);
+      for (int64_t l = 0; i < H; ++i, ++l) lanes[l] += scalar(row[i]) * scalar(row[i]);
       for (int64_t w = kVec / 2; w >= 1; w /= 2)
         for (int64_t l = 0; l < w; ++l) lanes[l] += lanes[l + w];
       const float inv = 1.0f / std::sqrt(lanes[0] / static_cast<float>(H) + e);
-      float* o = op + t * H;
-      for (int64_t j = 0; j < H; ++j) o[j] = wp[j] * (row[j] * inv);
+      T* o = op + t * H;
+      for (int64_t j = 0; j < H; ++j) {
+        T normed;
+        put(scalar(row[j]) * inv, &normed);
+        put(scalar(wp[j]) * scalar(normed), o + j);
+      }
     }
   });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "input must be contiguous float32 or bfloat16 [tokens, hidden]");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be [hidden] of the input's dtype");
+  auto out = torch::empty_like(x);
+  const float e = static_cast<float>(eps);
+  if (x.scalar_type() == torch::kFloat32)
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1), e);
+  else
+    rms_norm_rows(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(),
+                  x.size(0), x.size(1), e);
   return out;
 }
 
 // The rotary embedding applied in place to heads [0, heads) of each row of y [T, >= heads * D]
 // (q and k heads side by side, as the packed q/k/v projection writes them): with a = y[i] and
-// b = y[i + D/2], y[i] = a cos[i] - b sin[i], y[i + D/2] = b cos[i + D/2] + a sin[i + D/2].
-void rotary_(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t D) {
-  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && y.scalar_type() == torch::kFloat32 &&
-                  y.size(1) >= heads * D && D % 2 == 0,
-              "rotary: y must be float32 [tokens, >= heads * head_dim] with unit column stride");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == y.size(0) &&
-                  cos.size(1) == D && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
-              "rotary: cos / sin must be contiguous float32 [tokens, head_dim]");
-  const int64_t T = y.size(0), stride = y.stride(0), half = D / 2;
-  float* yp = y.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  mstar_cpu::parallel_tasks((T + 15) / 16, [&](int64_t task) {
-    for (int64_t t = task * 16; t < std::min(T, task * 16 + 16); ++t) {
-      const float* c = cp + t * D;
-      const float* s = sp + t * D;
+// b = y[i + D/2], y[i] = a cos[i] - b sin[i], y[i + D/2] = b cos[i + D/2] + a sin[i + D/2]
+// (float32 arithmetic; y and the tables float32, or all bfloat16 with the results rounded).
+template <typename T>
+void rotary_rows(T* yp, const T* cp, const T* sp, int64_t T_, int64_t stride, int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  mstar_cpu::parallel_tasks((T_ + 15) / 16, [&](int64_t task) {
+    for (int64_t t = task * 16; t < std::min(T_, task * 16 + 16); ++t) {
+      const T* c = cp + t * D;
+      const T* s = sp + t * D;
       for (int64_t h = 0; h < heads; ++h) {
-        float* v = yp + t * stride + h * D;
+        T* v = yp + t * stride + h * D;
         for (int64_t i = 0; i < half; ++i) {
-          const float a = v[i], b = v[i + half];
-          v[i] = a * c[i] - b * s[i];
-          v[i + half] = b * c[i + half] + a * s[i + half];
+          const float a = scalar(v[i]), b = scalar(v[i + half]);
+          put(a * scalar(c[i]) - b * scalar(s[i]), v + i);
+          put(b * scalar(c[i + half]) + a * scalar(s[i + half]), v + i + half);
         }
       }
     }
   });
+}
+
+void rotary_(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t D) {
+  const auto dt = y.scalar_type();
+  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && (dt == torch::kFloat32 || dt == torch::kBFloat16) &&
+                  y.size(1) >= heads * D && D % 2 == 0,
+              "rotary: y must be float32 or bfloat16 [tokens, >= heads * head_dim] with unit column stride");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == y.size(0) &&
+                  cos.size(1) == D && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == dt && sin.scalar_type() == dt,
+              "rotary: cos / sin must be contiguous [tokens, head_dim] of y's dtype");
+  if (dt == torch::kFloat32)
+    rotary_rows(y.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), y.size(0), y.stride(0), heads, D);
+  else
+    rotary_rows(y.data_ptr<c10::BFloat16>(), cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(),
+                y.size(0), y.stride(0), heads, D);
 }
 
 // The index of each row's maximum (the first one on ties; the first NaN if there is one, as
@@ -335,6 +443,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "index of each row's maximum (torch.argmax semantics)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a float32 matrix");
   m.def("rotary_", &rotary_, "rotary embedding, in place, over the first heads of each row");
-  m.def("pack", &pack, "pack a [in, out] weight into column panels");
+  m.def("pack", &pack, "pack a [in, out] weight into column panels", py::arg("w"), py::arg("silu_mul"),
+        py::arg("pairs") = false);
+  m.def("dot_pairs_available", &dot_pairs_available, "the bf16 dot-product path was compiled in");
   m.def("linear", &linear, "x @ W over a packed weight, with optional fused epilogues");
 }

@@ -7,7 +7,8 @@
 // spinning altogether, so every region pays a wake-up: measured ~25% of a batch-1 decode step of
 // the benchmark model on a 2-core machine. These workers spin between calls for a bounded time
 // (``MSTAR_SPIN_US``, default 2 ms) and then sleep on a condition variable, so a busy stream of calls never sleeps
-// and an idle process burns no CPU.
+// and an idle process burns no CPU; while spinning they yield the core to any other runnable
+// thread (an OpenMP region of a torch op, another worker process).
 //
 // Tasks are taken from a shared counter; a task runs whole on one thread, so which thread runs
 // it never changes its result. One call runs at a time (callers from other threads wait). A
@@ -85,7 +86,8 @@ class SpinPool {
       int spins = 0;
       while (generation_.load(std::memory_order_acquire) == seen) {
         pause();
-        if (++spins % 1024 == 0 &&
+        if (++spins % 64 == 0) std::this_thread::yield();  // a runnable thread here goes first
+        if (spins % 1024 == 0 &&
             std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_)) {
           std::unique_lock<std::mutex> lk(mu_);
           cv_.wait(lk, [&] { return generation_.load(std::memory_order_acquire) != seen; });

@@ -226,7 +226,7 @@ def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = No
 
     The module is created without initialising its parameters (on the meta device) and then
     materialised, so building a large model costs one copy of its weights. With ``prepack=True``
-    (``None``: when ``MSTAR_PREPACK=1``) the projections are then prepacked for oneDNN
+    (``None``: unless ``MSTAR_PREPACK=0``) the projections are then prepacked
     (``mstar.layers.prepack``), which keeps a second copy of those weights.
     """
     from mstar.models.llama.nodes import DEFAULT_SAMPLING, LlamaCausalLM

@@ -44,8 +44,8 @@ class LlamaLM(LazyTokenizer, ModelDef):
     ``load_format``: "auto"/"safetensors" (read the checkpoint) or "dummy" (seeded random weights;
     the config still comes from ``model_path`` or ``config``); ``dtype``: float32 / bfloat16 /
     float16; ``config``: a ``LlamaConfig`` or an HF config dict, instead of model_path/config.json;
-    ``prepack``: prepack the projections for oneDNN at build time (``mstar.layers.prepack``;
-    default ``None``: only with ``MSTAR_PREPACK=1``).
+    ``prepack``: prepack the projections at build time (``mstar.layers.prepack``; default ``None``:
+    yes, with the compiled panel kernel where it builds, unless ``MSTAR_PREPACK=0``).
     """
 
     name = "llama"

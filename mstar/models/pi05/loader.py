@@ -174,7 +174,7 @@ def build_components(cfg: Pi05Config, need: Iterable[str], *, model_path: str | 
                      dtype: torch.dtype, seed: int, prepack: bool | None = False) -> dict[str, torch.nn.Module]:
     """The weight-holding components asked for: ``VISION`` (``Pi05Vision``) and ``LLM``
     (``Pi05LLMNode``). Dummy weights are seeded per component, so every rank builds the same.
-    ``prepack`` (None: ``MSTAR_PREPACK=1``): the LLM module's projections are then oneDNN-prepacked
+    ``prepack`` (None: unless ``MSTAR_PREPACK=0``): the LLM module's projections are then prepacked
     once loaded (``mstar.layers.prepack``: ~1e-5 relative from the plain path, a second copy)."""
     file = Path(model_path) / "model.safetensors" if model_path is not None else None
     out: dict[str, torch.nn.Module] = {}

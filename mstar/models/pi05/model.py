@@ -95,7 +95,7 @@ class Pi05Model(ModelDef):
                  dtype: str | torch.dtype = "float32", config: Pi05Config | None = None, seed: int = 0,
                  prepack: bool | None = None) -> None:
         check_load_format(load_format)
-        self.prepack = prepack  # oneDNN-prepacked projections (None: MSTAR_PREPACK=1; off by default)
+        self.prepack = prepack  # prepacked projections (None: yes, unless MSTAR_PREPACK=0)
         if load_format != "dummy" and model_path is None:
             raise ValueError("pi05 needs --model-path (a lerobot pi05 checkpoint directory); or serve pi05-tiny")
         self.model_path = str(model_path) if model_path is not None else None

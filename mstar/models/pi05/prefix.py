@@ -44,8 +44,8 @@ class GemmaRMSNorm(nn.Module):
 
 
 class _Projections(nn.Module):
-    """A module whose children are bias-free projections, optionally oneDNN-prepacked (``prepack()``,
-    called through ``mstar.layers.prepack.prepack_linears``; off by default). A prepacked copy is
+    """A module whose children are bias-free projections, optionally prepacked (``prepack()``,
+    called through ``mstar.layers.prepack.prepack_linears``). A prepacked copy is
     used only while the weight it was packed from is unchanged; otherwise the plain ``nn.Linear``."""
 
     prepacked: dict[str, PrepackedLinear] | None = None
