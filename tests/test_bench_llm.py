@@ -94,7 +94,7 @@ def test_table_and_goals():
            "token 1) |" in table
     assert "| batch 1 (4 requests in turn) | mstar | 400.0 (390.0–410.0) | 9.00 (8.50–9.50) | — | — |" in table
     goals = lb.goal_lines(res)
-    assert goals[0].endswith("goal >= 1.0x: **met**") and goals[1].endswith("goal >= 1.5x: **not met**")
+    assert goals[0].endswith("goal >= 1.5x: **not met**") and goals[1].endswith("goal >= 1.5x: **not met**")
     data = lb.to_json(res)
     json.dumps(data)
     assert data["stats"][1]["agreement"]["fraction"] == 0.0

@@ -7,8 +7,9 @@
 * **decode step**: one decode step of the ``compare llm`` model (hidden 512, 8 layers, 8:4 heads,
   vocab 32000, fp32, random weights) at batch 1 and 16 after prompts of 32-256 tokens: backbone,
   LM head and argmax, called directly (no runtime), for three configurations of the same weights:
-  PyTorch attention + plain matmuls (before), compiled attention, compiled attention + prepacked
-  linears (after).
+  PyTorch attention + plain matmuls (before), compiled attention + plain matmuls, and the default
+  (after: compiled attention, panel linears with fused SiLU-mul / residual adds, compiled RMSNorm
+  and rotary; ``MSTAR_PREPACK=onednn`` makes it oneDNN's linears instead).
 
 Configurations alternate inside every repeat; figures are best-of-N and median, in ms.
 """
@@ -148,7 +149,7 @@ def decode_step_probe(batch: int, repeats: int) -> dict[str, tuple[float, float]
     fns = {
         "before: PyTorch attention, plain matmuls": lambda: with_backend(plain, torch_backend),
         "compiled attention, plain matmuls": lambda: with_backend(plain, compiled),
-        "after: compiled attention, prepacked linears": lambda: with_backend(packed, compiled),
+        "after: compiled attention, prepacked linears, norm, rotary": lambda: with_backend(packed, compiled),
     }
     return _alternate(fns, repeats)
 
