@@ -311,15 +311,6 @@ def test_batch_invariance():
         assert torch.equal(a, b)
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def intra_op_threads(request):
-    """Run under a given intra-op thread count (kernels may split work differently with more threads)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _row_meta(rows, mode=CAUSAL):
     """Metadata for a sub-batch of rows (query_len, block table, context_len, slots) already reserved."""
     return AttentionMetadata.build([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
@@ -344,11 +335,11 @@ def _decode_batch(layout, lens, fragment):
 
 
 @pytest.mark.parametrize("layout", [(8, 4, 64, 16), (3, 1, 5, 2)], ids=["gqa-8-4-64", "mqa-3-1-5"])
-def test_decode_rows_batch_invariant_any_batch(intra_op_threads, layout):
+def test_decode_rows_batch_invariant_any_batch(threads, layout):
     """A decode row's output is bitwise the same alone and in batches of 1..16 rows at any position,
     with contexts of 30..400 tokens, next to other modes, and whether its blocks are scattered or
     consecutive (a view of the cache, unaligned for 3 x 5 heads); and it is right (close to dense)."""
-    rng = random.Random(intra_op_threads)
+    rng = random.Random(threads)
     block_size = layout[3]
     lens = [n + (n % block_size == 0) for n in (rng.randint(29, 399) for _ in range(16))]  # the step
     # token fits in the last block, so the unfragmented pool below keeps every row's blocks consecutive
@@ -381,7 +372,7 @@ def test_decode_rows_batch_invariant_any_batch(intra_op_threads, layout):
 
 
 @pytest.mark.parametrize("mode", [CAUSAL, BLOCK, READ])
-def test_sequence_batch_invariant_at_any_offset(intra_op_threads, mode):
+def test_sequence_batch_invariant_at_any_offset(threads, mode):
     """A prefill chunk / frame / read-only query gives the same bits whatever precedes it in the batch.
     With 3 heads x 5 dims (60 bytes per token) its rows then start at other, unaligned offsets of q."""
     for n in (2, 3, 7):

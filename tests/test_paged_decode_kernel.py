@@ -24,15 +24,6 @@ def ext():
     return module
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    """Pin the intra-op thread count: the claims below hold at each count, and across them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _random_rows(ctx_lens, layout, scattered, seed=0, dtype=torch.float32):
     """A cache holding ``len(ctx_lens)`` decode rows' keys, their block tables and queries."""
     q_heads, kv_heads, head_dim, block_size = layout

@@ -5,9 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar.layers.llama import RMSNorm
 from mstar.layers.cpu_ops import ops
-from mstar.layers.prepack import PrepackedLinear, onednn_available, prepack_available, prepack_linears, prepack_mode
+from mstar.layers.llama import RMSNorm
+from mstar.layers.prepack import (
+    PrepackedLinear,
+    onednn_available,
+    prepack_available,
+    prepack_linears,
+    prepack_mode,
+)
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.loader import build_llama_model
 from mstar.models.llama.model import LlamaTiny

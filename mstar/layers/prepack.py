@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
