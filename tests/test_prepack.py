@@ -102,3 +102,16 @@ def test_bfloat16_model_stays_within_bf16_tolerance_of_float32():
         assert bf16.model.layers[0].mlp.prepacked[0].packed.dtype == torch.bfloat16
     for a, b in zip(_logits(f32), _logits(bf16)):
         assert (a - b.float()).abs().max().item() < 0.05 * a.abs().max().item()
+
+
+def test_serve_dtype_option_reaches_the_model():
+    from mstar.cli.main import build_parser
+    from mstar.cli.serve_cmd import model_kwargs
+    from mstar.model import resolve_model
+
+    args = build_parser().parse_args(["serve", "llama-tiny", "--dtype", "bfloat16"])
+    target = type(resolve_model("llama-tiny"))
+    kwargs = model_kwargs(target, args)
+    assert kwargs == {"dtype": "bfloat16"}
+    assert resolve_model("llama-tiny", **kwargs).dtype == torch.bfloat16
+    assert model_kwargs(target, build_parser().parse_args(["serve", "llama-tiny"])) == {}
