@@ -177,3 +177,32 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
     assert len(warnings) == 1 and "no compiler" in warnings[0].getMessage()
     assert "more lines" not in warnings[0].getMessage()
     assert torch.equal(out, paged_attention(q, kv, kv, k_cache, v_cache, _meta(tables, ctx_lens)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_decode_step_equals_store_then_kernel(ext, threads, dtype):
+    """A batch of decode rows only takes one call per layer (store the new K/V, then attend): the
+    same caches and the same output bits as ``paged_attention``'s store followed by the kernel,
+    with q/k/v as strided views of one packed projection output, as the Llama blocks pass them."""
+    ctx_lens = [1, 5, 16, 17, 40, 129]
+    hq, hkv, d, bs = 8, 4, 16, 16
+    _, _, k_cache, v_cache, tables = _random_rows(ctx_lens, (hq, hkv, d, bs), True, seed=3, dtype=dtype)
+    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, ctx_lens)]
+    y = torch.randn(len(ctx_lens), (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(4)).to(dtype)
+    q = y[:, :hq * d].view(-1, hq, d)
+    k = y[:, hq * d:(hq + hkv) * d].view(-1, hkv, d)
+    v = y[:, (hq + hkv) * d:].view(-1, hkv, d)
+
+    def meta():
+        return AttentionMetadata.build([1] * len(ctx_lens), tables, ctx_lens, [CAUSAL] * len(ctx_lens), slots)
+
+    kc, vc = k_cache.clone(), v_cache.clone()
+    fused = CompiledPagedBackend().forward(q, k, v, kc, vc, meta())
+    kr, vr = k_cache.clone(), v_cache.clone()
+    ref = paged_attention(q, k, v, kr, vr, meta(), decode=paged_decode)
+    assert fused.dtype == dtype and torch.equal(fused, ref)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr) and not torch.equal(kc, k_cache)
+    bad = AttentionMetadata.build([1] * len(ctx_lens), tables, ctx_lens, [CAUSAL] * len(ctx_lens),
+                                  [*slots[:-1], 10 ** 9])
+    with pytest.raises((RuntimeError, ValueError)):
+        CompiledPagedBackend().forward(q, k, v, kc, vc, bad)

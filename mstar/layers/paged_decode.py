@@ -15,13 +15,14 @@ warning line in the first case).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from mstar.layers.attention_backends import AttentionBackend
 from mstar.layers.cpu_ops import _EXTENSION, build, ops  # noqa: F401 - _EXTENSION: for tests
-from mstar.layers.paged_attention import DecodeRows, attend_decode_rows, paged_attention
+from mstar.layers.paged_attention import DecodeRows, _batch_plan, attend_decode_rows, paged_attention
 
 __all__ = ["CompiledPagedBackend", "build", "kernel", "paged_decode"]
 
@@ -62,10 +63,38 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return ext.paged_decode(queries, k_cache, v_cache, tables, ctx).to(q.dtype)
 
 
+def _rows_ok(x: torch.Tensor) -> bool:
+    """``[T, H, D]`` with contiguous rows (a row may sit inside a wider packed projection output)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def _fused_step(ext: Any, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor | None:
+    """The whole layer's attention in one kernel call (store the new K/V, then decode) when every
+    row of the batch is a one-token causal append on a CPU cache; None otherwise."""
+    if not (q.device.type == "cpu" and q.dtype in _DTYPES and k.dtype == v.dtype == q.dtype
+            and k_cache.dtype in _DTYPES and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and k.shape == v.shape and k.shape[0] == q.shape[0]
+            and _rows_ok(q) and _rows_ok(k) and _rows_ok(v)):
+        return None
+    plan = _batch_plan(meta, q, k, v, k_cache)
+    if not plan.direct or plan.write_rows is not None or plan.write_slots is None:
+        return None
+    tables, ctx = _tables(plan.decode, q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return ext.decode_step(q, k, v, k_cache, v_cache, plan.write_slots, tables, ctx, scale)
+
+
 class CompiledPagedBackend(AttentionBackend):
-    """Paged attention with decode rows through the compiled CPU kernel (module docstring)."""
+    """Paged attention with decode rows through the compiled CPU kernel (module docstring). A batch
+    of decode rows only (every decode step) takes one kernel call per layer for storing its K/V and
+    attending (``decode_step``: the same stores and the same arithmetic as the two steps apart)."""
 
     name = "compiled"
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale=None):
+        ext = kernel()
+        if ext is not None and q.dim() == 3:
+            out = _fused_step(ext, q, k, v, k_cache, v_cache, meta, scale)
+            if out is not None:
+                return out
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale, decode=paged_decode)

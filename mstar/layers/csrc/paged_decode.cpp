@@ -14,6 +14,7 @@
 #include "parallel.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -226,4 +227,93 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     attend_rows<c10::BFloat16>(q, k_cache, v_cache, tables, ctx, out);
   }
   return out;
+}
+
+namespace {
+
+// rows [T, H, D] (unit stride inside a row) -> cache rows at `slots`, converted to the cache dtype
+// (bfloat16: rounded to nearest even, as Tensor.to does).
+template <typename TS, typename TC>
+void store_rows(const torch::Tensor& rows, torch::Tensor& cache, const int64_t* slots) {
+  const int64_t T = rows.size(0), n = rows.size(1) * rows.size(2), stride = rows.stride(0);
+  const TS* src = rows.data_ptr<TS>();
+  TC* dst = cache.data_ptr<TC>();
+  for (int64_t t = 0; t < T; ++t) {
+    const TS* s = src + t * stride;
+    TC* d = dst + slots[t] * n;
+    if constexpr (std::is_same_v<TS, TC>) {
+      std::memcpy(d, s, sizeof(TC) * n);
+    } else {
+      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<TC>(static_cast<float>(s[i]));
+    }
+  }
+}
+
+template <typename TS>
+void store_both(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                const int64_t* slots) {
+  if (k_cache.scalar_type() == torch::kFloat32) {
+    store_rows<TS, float>(k, k_cache, slots);
+    store_rows<TS, float>(v, v_cache, slots);
+  } else {
+    store_rows<TS, c10::BFloat16>(k, k_cache, slots);
+    store_rows<TS, c10::BFloat16>(v, v_cache, slots);
+  }
+}
+
+// float32 queries [T, Hq, D], contiguous: q * scale element by element (as torch.mul).
+template <typename TS>
+torch::Tensor scaled_queries(const torch::Tensor& q, float scale) {
+  const int64_t T = q.size(0), n = q.size(1) * q.size(2), stride = q.stride(0);
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(torch::kFloat32));
+  const TS* src = q.data_ptr<TS>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < n; ++i) dst[t * n + i] = static_cast<float>(src[t * stride + i]) * scale;
+  return out;
+}
+
+void check_rows(const torch::Tensor& x, const char* what) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), what,
+              " must be [tokens, heads, head_dim] with contiguous rows");
+}
+
+}  // namespace
+
+// One decode step of a batch whose rows are all single-token causal appends: the new k / v rows
+// are stored at `slots` (int64 [T], all >= 0), then every row attends over its cache as
+// `paged_decode` (its queries scaled first). q, k, v: float32 or bfloat16 (one dtype; rows may be
+// strided views of a packed projection's output). Returns [T, Hq, D] in q's dtype.
+torch::Tensor decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                          torch::Tensor v_cache, torch::Tensor slots, torch::Tensor tables, torch::Tensor ctx,
+                          double scale) {
+  check_rows(q, "q");
+  check_rows(k, "k");
+  check_rows(v, "v");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kBFloat16) && k.scalar_type() == dt &&
+                  v.scalar_type() == dt,
+              "q, k, v must share one dtype, float32 or bfloat16");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k_cache.dim() == 4 &&
+                  k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
+              "k / v must be [tokens, kv_heads, head_dim] of the cache's heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.dtype() == v_cache.dtype() &&
+                  (k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16),
+              "caches must be contiguous [blocks, block_size, kv_heads, head_dim], float32 or bfloat16");
+  TORCH_CHECK(slots.dim() == 1 && slots.numel() == q.size(0) && slots.scalar_type() == torch::kInt64 &&
+                  slots.is_contiguous(),
+              "slots must be int64 [tokens]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "slot ", sp[t], " is outside the cache");
+  if (dt == torch::kFloat32)
+    store_both<float>(k, v, k_cache, v_cache, sp);
+  else
+    store_both<c10::BFloat16>(k, v, k_cache, v_cache, sp);
+  const float s = static_cast<float>(scale);
+  auto queries = dt == torch::kFloat32 ? scaled_queries<float>(q, s) : scaled_queries<c10::BFloat16>(q, s);
+  auto out = paged_decode(queries, k_cache, v_cache, tables, ctx);
+  return dt == torch::kFloat32 ? out : out.to(dt);
 }
