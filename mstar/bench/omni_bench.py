@@ -37,8 +37,7 @@ from typing import Any
 
 import torch
 
-from mstar.bench.orpheus_bench import percentile
-from mstar.bench.stats import spread, spread_cell
+from mstar.bench.stats import AudioRun, AudioTiming, percentile, spread, spread_cell
 from mstar.models.llama.tokenizer import ByteTokenizer
 from mstar.models.qwen3_omni.config import TINY_HF_CONFIG
 from mstar.models.qwen3_omni.prompt import AUDIO_SYSTEM_PROMPT, ChatTurn, OmniTokenIds, chat_token_ids
@@ -46,7 +45,6 @@ from mstar.runtime.api import Runtime
 
 SYSTEMS = ("mstar", "hf-sequential", "hf-batched")
 BASELINES = SYSTEMS[1:]
-SAMPLE_RATE = 24000
 VOICE = "ethan"
 TEXTS = (
     "Please call Stella and ask her to bring these things with her from the store.",
@@ -107,30 +105,12 @@ def describe_config(cfg: dict[str, Any]) -> str:
 
 # -- measurements -----------------------------------------------------------------------------------
 @dataclass
-class RequestResult:
-    ttfa_s: float  # first audio - submit
-    end_s: float  # end of the request - submit
-    audio_samples: int
+class RequestResult(AudioTiming):
     text: list[int] = field(default_factory=list)
     codes: torch.Tensor | None = None  # [frames, 16] where the system exposes them
 
-    @property
-    def audio_s(self) -> float:
-        return self.audio_samples / SAMPLE_RATE
 
-    @property
-    def rtf(self) -> float:
-        return self.end_s / self.audio_s if self.audio_samples else float("inf")
-
-
-@dataclass
-class SystemRun:
-    wall_s: float
-    requests: list[RequestResult]
-
-    @property
-    def audio_s(self) -> float:
-        return sum(r.audio_s for r in self.requests)
+SystemRun = AudioRun
 
 
 @dataclass

@@ -29,7 +29,6 @@ RTF of a request = (end - submit) / its audio s. With the tiny SNAC (16 samples 
 from __future__ import annotations
 
 import asyncio
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 
+from mstar.bench.stats import AudioRun, AudioTiming, percentile
 from mstar.models.orpheus.codec import (
     AUDIO_TOKEN_BASE,
     CODE_SIZE,
@@ -51,7 +51,6 @@ from mstar.models.orpheus.model import OrpheusTiny
 from mstar.runtime.api import Runtime
 
 SYSTEMS = ("mstar", "hf-sequential", "hf-static-batch")
-SAMPLE_RATE = 24000
 TEXTS = (
     "Hello there, how are you today?",
     "The quick brown fox jumps over the lazy dog.",
@@ -72,37 +71,11 @@ def request_texts(n: int) -> list[tuple[str, str]]:
 
 # -- measurements -----------------------------------------------------------------------------------
 @dataclass
-class RequestTiming:
-    ttfa_s: float  # first audio - submit
-    end_s: float  # end of the request - submit
-    audio_samples: int
+class RequestTiming(AudioTiming):
     tokens: int
 
-    @property
-    def audio_s(self) -> float:
-        return self.audio_samples / SAMPLE_RATE
 
-    @property
-    def rtf(self) -> float:
-        return self.end_s / self.audio_s if self.audio_samples else math.inf
-
-
-@dataclass
-class SystemRun:
-    wall_s: float
-    requests: list[RequestTiming]
-
-    @property
-    def audio_s(self) -> float:
-        return sum(r.audio_s for r in self.requests)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolation percentile (``q`` in [0, 100]) of a non-empty list."""
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+SystemRun = AudioRun
 
 
 @dataclass
