@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 
 import httpx
 import uvicorn
 
+from mstar.bench.net import free_port
 from mstar.runtime.api import Runtime
 from mstar.server.app import create_app
 from mstar.server.serving import ServingEngine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -7,12 +7,12 @@ the paged KV cache), shard it and compute again; rank 0 writes both for the chec
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from mstar.bench.net import free_port
 from mstar.layers.paged_attention import AttentionMetadata, QueryMode
 from mstar.layers.tensor_parallel import TPGroup, apply_tp, head_shard
 from mstar.model.submodule import EngineInputs
@@ -77,16 +77,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tp2_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=2, start_method="spawn")
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

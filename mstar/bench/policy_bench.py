@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mstar.bench.net import free_port
 from mstar.models.pi05 import inputs as pi
 from mstar.models.pi05.config import GemmaConfig, Pi05Config, VisionConfig
 
@@ -290,13 +291,9 @@ class _serving:
     """The app on a free loopback port in a background thread (as ``mstar serve`` runs it)."""
 
     def __init__(self, app) -> None:
-        import socket
-
         import uvicorn
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
 
     def __enter__(self) -> str:

@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import threading
 import time
 from collections import Counter
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from mstar.bench.net import free_port
 
 KINDS = ("chat", "chat-stream", "speech", "generate", "hostile", "disconnect", "abort")
 ROUTE_OF_KIND = {"chat": "chat", "chat-stream": "chat", "speech": "speech", "generate": "generate",
@@ -350,12 +351,6 @@ def run_soak(url: str, model: str, requests: int, concurrency: int, *, kinds: li
 # -- an in-process server -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serving(model: Any, name: str, *, max_queue: int = 256, start_timeout: float = 60.0,
             **runtime_kwargs: Any) -> Iterator[tuple[str, Any]]:
@@ -371,7 +366,7 @@ def serving(model: Any, name: str, *, max_queue: int = 256, start_timeout: float
     try:
         engine = ServingEngine(runtime, name, max_queue)
         app = create_app(engine)
-        port = _free_port()
+        port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, name="mstar-soak-server", daemon=True)
         thread.start()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from mstar.bench.net import free_port
 from mstar.bench.stats import spread, spread_cell
 
 __all__ = ["format_runtime_table", "format_table", "main", "run", "run_runtime_bench", "run_tp_bench"]
@@ -119,18 +119,12 @@ def _rank_main(rank: int, port: int, out: str, shape: str, batch: int, context: 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_tp_bench(shape: str = "bench", batch: int = 16, context: int = 128, repeats: int = 20) -> dict:
     """Spawn the two ranks; rank 0's figures (ms lists) plus the layer count."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="mstar-tp-bench-") as out:
-        mp.start_processes(_rank_main, args=(_free_port(), out, shape, batch, context, repeats), nprocs=2,
+        mp.start_processes(_rank_main, args=(free_port(), out, shape, batch, context, repeats), nprocs=2,
                            start_method="spawn")
         res = torch.load(Path(out) / "rank0.pt")
     return {**res, "shape": shape, "batch": batch, "context": context, "repeats": repeats}
