@@ -30,6 +30,23 @@ ROUTE_PATHS = {
 }
 
 
+def text_sampling_params(body: Mapping[str, Any], fields: Mapping[str, str]) -> dict[str, Any]:
+    """A text model's runtime params from an OpenAI request body: ``{"sampling": ..., "max_tokens":
+    ...}`` with the body's ``fields`` (OpenAI name -> SamplingParams name) that are set, its
+    ``stop_token_ids``, and ``max_completion_tokens`` (else ``max_tokens``). ``stop`` strings are
+    refused (ValueError)."""
+    if body.get("stop"):
+        raise ValueError("'stop' strings are not supported; use stop_token_ids")
+    sampling = {ours: body[theirs] for theirs, ours in fields.items() if body.get(theirs) is not None}
+    if body.get("stop_token_ids"):
+        sampling["stop_token_ids"] = list(body["stop_token_ids"])
+    params: dict[str, Any] = {"sampling": sampling}
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_tokens is not None:
+        params["max_tokens"] = int(max_tokens)
+    return params
+
+
 @dataclass(frozen=True)
 class TextDelta:
     text: str

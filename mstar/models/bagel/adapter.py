@@ -30,6 +30,7 @@ from mstar.model.adapter import (
     ImageOut,
     ItemDecoder,
     TextStreamDecoder,
+    text_sampling_params,
 )
 from mstar.model.validation import check_int
 
@@ -96,15 +97,7 @@ class BagelAdapter(ApiAdapter):
             if body.get("seed") is not None:
                 params["seed"] = body["seed"]
         else:
-            if body.get("stop"):
-                raise ValueError("'stop' strings are not supported; use stop_token_ids")
-            sampling = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
-            if body.get("stop_token_ids"):
-                sampling["stop_token_ids"] = list(body["stop_token_ids"])
-            params.update(target="text", sampling=sampling)
-            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-            if max_tokens is not None:
-                params["max_tokens"] = int(max_tokens)
+            params.update(target="text", **text_sampling_params(body, {k: k for k in _SAMPLING_FIELDS}))
         inputs: dict[str, list] = {}
         if texts:
             inputs["text_ids"] = texts

@@ -9,7 +9,14 @@ from typing import Any
 
 import torch
 
-from mstar.model.adapter import CHAT, GENERATE, ApiAdapter, ApiRequest, TextStreamDecoder
+from mstar.model.adapter import (
+    CHAT,
+    GENERATE,
+    ApiAdapter,
+    ApiRequest,
+    TextStreamDecoder,
+    text_sampling_params,
+)
 
 # OpenAI request fields -> our sampling fields (None values are left to the model's defaults)
 _SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
@@ -78,16 +85,7 @@ class LlamaChatAdapter(ApiAdapter):
             raise ValueError(f"{self.model.name} is a text model: image and audio inputs are not supported")
         prompt, has_specials = self.template.render(body["messages"])
         ids = self.model.tokenizer.encode(prompt, add_special_tokens=not has_specials)
-        sampling = {ours: body[theirs] for theirs, ours in _SAMPLING_FIELDS.items() if body.get(theirs) is not None}
-        stop = body.get("stop")
-        if stop:
-            raise ValueError("'stop' strings are not supported yet; use stop_token_ids")
-        if body.get("stop_token_ids"):
-            sampling["stop_token_ids"] = list(body["stop_token_ids"])
-        params: dict[str, Any] = {"sampling": sampling}
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        if max_tokens is not None:
-            params["max_tokens"] = int(max_tokens)
+        params = text_sampling_params(body, _SAMPLING_FIELDS)
         inputs = {"input_ids": [torch.tensor(ids, dtype=torch.long)]}
         self.model.validate_request(inputs, params)  # context-length and vocabulary checks -> 400
         return ApiRequest(inputs, params, prompt_tokens=len(ids))

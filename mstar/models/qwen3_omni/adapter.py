@@ -49,6 +49,7 @@ from mstar.model.adapter import (
     ItemDecoder,
     TextDelta,
     TextStreamDecoder,
+    text_sampling_params,
 )
 from mstar.models.qwen3_omni.code2wav import SAMPLE_RATE, to_pcm16
 from mstar.models.qwen3_omni.encoders import AudioInput, ImageInput, audio_input, image_input
@@ -129,8 +130,6 @@ class Qwen3OmniAdapter(ApiAdapter):
     # -- requests ----------------------------------------------------------------------------------
 
     def chat_request(self, body, images, audio):
-        if body.get("stop"):
-            raise ValueError("'stop' strings are not supported; use stop_token_ids")
         media = _Media(images=[image_input(p) for p in images], audio=[audio_input(p, r) for p, r in audio])
         speech = self._speech_params(body) if "audio" in (body.get("modalities") or ()) else None
         turns = _turns(body["messages"], media)
@@ -165,14 +164,7 @@ class Qwen3OmniAdapter(ApiAdapter):
         return ApiRequest(inputs, params, prompt_tokens=len(ids))
 
     def _thinker_params(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        sampling = _pick(body, _SAMPLING)
-        if body.get("stop_token_ids"):
-            sampling["stop_token_ids"] = list(body["stop_token_ids"])
-        params: dict[str, Any] = {"sampling": sampling}
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        if max_tokens is not None:
-            params["max_tokens"] = int(max_tokens)
-        return params
+        return text_sampling_params(body, {k: k for k in _SAMPLING})
 
     def _speech_params(self, body: Mapping[str, Any]) -> dict[str, Any]:
         audio = body.get("audio") or {}
