@@ -9,13 +9,12 @@ says the serving side is gone. Peers are reached once the conductor's ``AddressB
 from __future__ import annotations
 
 import tempfile
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mstar.runtime.address_book import AddressBook, Endpoint
-from mstar.runtime.messages import CONDUCTOR, WorkerStatus
+from mstar.runtime.messages import CONDUCTOR
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ def serve_rank(rank: int, model: Any, placement: Any, device: str, join: MeshJoi
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from mstar.runtime.mesh_transport import MeshTransport
-    from mstar.runtime.process import serve
+    from mstar.runtime.process import run_rank
     from mstar.runtime.routing import Routing
     from mstar.runtime.worker import Worker
 
@@ -44,15 +43,5 @@ def serve_rank(rank: int, model: Any, placement: Any, device: str, join: MeshJoi
     transport = MeshTransport(run_dir, rank, join.node_id, join.host, join.run_id, join.force_tcp)
     transport.install(AddressBook({CONDUCTOR: join.conductor}))
     transport.send(CONDUCTOR, transport.hello())
-    try:
-        worker = Worker(rank, model, Routing(model.graph, placement), transport, device)
-    except Exception:  # noqa: BLE001 - report why this rank could not start
-        transport.send(CONDUCTOR, WorkerStatus(rank, False, traceback.format_exc()))
-        transport.close(linger_ms=5000)  # the reason must reach the conductor before this rank ends
-        return
-    transport.send(CONDUCTOR, WorkerStatus(rank, True))
-    try:
-        serve(worker, transport, orphaned)
-    finally:
-        transport.sweep_own_shm()
-        transport.close()
+    run_rank(rank, lambda: Worker(rank, model, Routing(model.graph, placement), transport, device), transport,
+             orphaned, cleanup=transport.sweep_own_shm)

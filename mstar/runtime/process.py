@@ -27,17 +27,31 @@ def worker_main(rank: int, model: Any, placement: Any, run_dir: str, device: str
     from mstar.runtime.worker import Worker
 
     transport = ZmqTransport(run_dir, rank)
-    try:
+
+    def make_worker() -> Worker:
         tp = connect(model, placement, rank, dist_address, device)  # None without tensor parallelism
-        worker = Worker(rank, model, Routing(model.graph, placement), transport, device, tp)
+        return Worker(rank, model, Routing(model.graph, placement), transport, device, tp)
+
+    run_rank(rank, make_worker, transport, lambda: os.getppid() != parent_pid)  # the serving process died
+
+
+def run_rank(rank: int, make_worker: Callable[[], Any], transport: Any, orphaned: Callable[[], bool],
+             cleanup: Callable[[], None] | None = None) -> None:
+    """A rank's life: build its worker and report whether that worked (with the traceback if not),
+    then ``serve`` until shutdown; after serving, ``cleanup()`` runs, and the transport is closed
+    at the end either way."""
+    try:
+        worker = make_worker()
     except Exception:  # noqa: BLE001 - report why this rank could not start
         transport.send(CONDUCTOR, WorkerStatus(rank, False, traceback.format_exc()))
-        transport.close(linger_ms=5000)  # the reason must reach the parent before this process exits
+        transport.close(linger_ms=5000)  # the reason must reach the conductor before this rank ends
         return
     transport.send(CONDUCTOR, WorkerStatus(rank, True))
     try:
-        serve(worker, transport, lambda: os.getppid() != parent_pid)  # the serving process died: do not linger
+        serve(worker, transport, orphaned)
     finally:
+        if cleanup is not None:
+            cleanup()
         transport.close()
 
 
