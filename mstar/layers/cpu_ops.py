@@ -1,7 +1,7 @@
 """The compiled CPU kernels (``csrc/``): panel linears, RMSNorm, the in-place rotary embedding
 (``cpu_ops.cpp``) and decode attention over the paged cache (``paged_decode.cpp``, used through
-``mstar.layers.paged_decode``), one extension sharing one thread pool (``parallel.h``: workers that
-spin briefly between calls instead of sleeping on a futex after every OpenMP region).
+``mstar.layers.paged_decode``), one extension whose kernels run their tasks on torch's own OpenMP threads (``parallel.h``: one
+pool for torch's operators and these kernels).
 
 * ``pack(w_in_out, silu_mul)`` lays a ``[in, out]`` weight out once as column panels of 64 (each
   panel ``[in, 64]`` contiguous); ``linear(x, packed, n_out, silu_mul, residual)`` multiplies by it,

@@ -39,6 +39,7 @@ from mstar.runtime.drivers import InlineDriver, ProcessDriver, RestartPolicy
 from mstar.runtime.engine import StatelessEngine
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.messages import Emit
+from mstar.runtime.openmp import release_thread_pool
 from mstar.runtime.routing import Routing
 from mstar.runtime.tensor_parallel import check_tp_placement, tp_rank_tuples
 
@@ -239,6 +240,7 @@ class Runtime:
         self._driver.start()
         self._conductor = Conductor(self.model, self.routing, self._driver.transport)
         self._stop = False
+        release_thread_pool()  # this thread's OpenMP workers would throttle the runtime's (openmp.py)
         self._thread = threading.Thread(target=self._drive, name="mstar-runtime", daemon=True)
         self._thread.start()
         # a runtime still running when the interpreter exits is shut down first: a daemon thread
@@ -293,6 +295,7 @@ class Runtime:
         reason = self.unhealthy_reason
         if reason:
             raise RuntimeError(f"runtime is unhealthy: {reason}")
+        release_thread_pool()  # torch work the caller ran since start() left a pool (openmp.py)
         params = dict(params or {})
         norm = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in inputs.items()}
         self.model.validate_request(norm, params)
@@ -375,12 +378,16 @@ class Runtime:
     def _drive(self) -> None:
         """Run commands from callers -> move messages and run work -> watch the workers; repeat."""
         conductor, driver = self._conductor, self._driver
+        busy = False
         try:
             while not self._stop:
                 did = not self._commands.empty() and self._run_commands()
                 did = driver.pump(conductor, did) or did
                 if driver.lost is not None:  # a rank is down: other ranks may hold state of any request
                     self._fail_all(FailureKind.WORKER_LOST, driver.lost)
+                if busy and not did:  # going idle: other threads' torch work must not wake ours (openmp.py)
+                    release_thread_pool()
+                busy = did
                 if not did:
                     driver.idle()
             # shutting down: whatever is still in flight ends as aborted, so no caller waits forever

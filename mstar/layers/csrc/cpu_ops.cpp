@@ -434,7 +434,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
-// csrc/paged_decode.cpp (compiled into this extension, sharing its thread pool)
+// csrc/paged_decode.cpp (compiled into this extension)
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor ctx);
 torch::Tensor decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
