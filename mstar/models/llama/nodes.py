@@ -23,7 +23,7 @@ from mstar.layers.attention_backends import AttentionBackend
 from mstar.layers.llama import LlamaBackbone, pack_linears
 from mstar.layers.prepack import PrepackedLinear, can_prepack
 from mstar.layers.sampling import SamplingParams, request_sampling, sample
-from mstar.model.decode import generation_done, stop_token_set
+from mstar.model.decode import ParamsMemo, generation_done, stop_token_set
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
 from mstar.models.llama.config import LlamaConfig
 
@@ -49,9 +49,8 @@ class LlamaCausalLM(NodeSubmodule):
         self.eos_token_ids = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.default_sampling = dict(default_sampling)
         self.prepacked: PrepackedLinear | None = None  # the LM head, prepacked
-        # a request's params -> (those params, its SamplingParams, its stop ids): built once, not at
-        # every step (the same params object comes with each of a request's steps)
-        self._sampling_cache: dict[int, tuple[Mapping[str, Any], SamplingParams, frozenset[int]]] = {}
+        # a request's SamplingParams and stop ids: built once, not at every step
+        self._sampling_memo: ParamsMemo[tuple[SamplingParams, frozenset[int]]] = ParamsMemo(self._build_sampling)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -100,16 +99,12 @@ class LlamaCausalLM(NodeSubmodule):
         return logits
 
     def _sampling(self, params: Mapping[str, Any]) -> tuple[SamplingParams, frozenset[int]]:
-        """The request's sampling parameters and stop ids (cached per params object)."""
-        hit = self._sampling_cache.get(id(params))
-        if hit is not None and hit[0] is params:
-            return hit[1], hit[2]
+        """The request's sampling parameters and stop ids (built once per params object)."""
+        return self._sampling_memo(params)
+
+    def _build_sampling(self, params: Mapping[str, Any]) -> tuple[SamplingParams, frozenset[int]]:
         sp = request_sampling(params, self.default_sampling)
-        stop = stop_token_set(sp, self.eos_token_ids)
-        if len(self._sampling_cache) >= 4096:  # finished requests' entries: dropped all at once
-            self._sampling_cache.clear()
-        self._sampling_cache[id(params)] = (params, sp, stop)  # holding params keeps its id unique
-        return sp, stop
+        return sp, stop_token_set(sp, self.eos_token_ids)
 
     # -- runtime interface -----------------------------------------------------------------------
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mstar.layers.sampling import SamplingParams, request_sampling, sample
-from mstar.model.decode import generation_done, stop_token_set
+from mstar.model.decode import ParamsMemo, generation_done, stop_token_set
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
 from mstar.models.qwen3_omni.code2wav import ChunkRequest, Code2Wav
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
@@ -101,10 +101,15 @@ class ThinkerNode(NodeSubmodule):
         self.eos_ids = (cfg.tokens.im_end,)
         self.tokens = cfg.tokens
         self.vision = vision_layout(cfg)
+        self._sampling = ParamsMemo(self._build_sampling)
+
+    def _build_sampling(self, params: Mapping[str, Any]) -> tuple[SamplingParams, frozenset[int]]:
+        sp = request_sampling(params, THINKER_SAMPLING)
+        return sp, stop_token_set(sp, self.eos_ids)
 
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
-        sp = request_sampling(fwd_info.params, THINKER_SAMPLING)
+        sp, stop_ids = self._sampling(fwd_info.params)
         penalised = sp.repetition_penalty != 1.0
         if "input_ids" in inputs:
             ids, step = inputs["input_ids"][0].reshape(-1).to(torch.long), 0
@@ -117,7 +122,7 @@ class ThinkerNode(NodeSubmodule):
         if ids.numel() == 0:
             raise ValueError("the Thinker got no tokens")
         return NodeInputs(tensor_inputs={"ids": ids}, num_tokens=ids.numel(),
-                          extras={"sampling": sp, "step": step, "stop_ids": stop_token_set(sp, self.eos_ids),
+                          extras={"sampling": sp, "step": step, "stop_ids": stop_ids,
                                   "stream": not graph_walk.endswith("_text"), "req": req, "seen": seen})
 
     def _prefill_request(self, ids: torch.Tensor, inputs: Mapping[str, list]) -> _ThinkerRequest:
@@ -277,6 +282,7 @@ class TalkerNode(NodeSubmodule):
         self.vision = vision_layout(cfg)
         # the thinker's input embeddings of tts_bos, tts_eos, tts_pad [3, Ht] (projected in each forward)
         self.register_buffer("tts_rows", tts_rows.detach().clone(), persistent=False)
+        self._sampling = ParamsMemo(talker_sampling)
 
     # -- inputs ---------------------------------------------------------------------------------------
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
@@ -296,7 +302,7 @@ class TalkerNode(NodeSubmodule):
         position = torch.full((3, 1), fwd_info.cache_len + int(inputs["talker_delta"][0]))
         req = _DecodeRequest(inputs["codec_sum"][0].reshape(1, -1), row, tts, position)
         seen = inputs["talker_seen"][0].reshape(-1).to(torch.long)
-        return NodeInputs(num_tokens=1, extras={"req": req, "sampling": talker_sampling(fwd_info.params),
+        return NodeInputs(num_tokens=1, extras={"req": req, "sampling": self._sampling(fwd_info.params),
                                                 "seen": seen, "step": step})
 
     def _prefill_request(self, prompt: torch.Tensor, items: list, grids: torch.Tensor | None,
@@ -403,28 +409,32 @@ class CodePredictorNode(NodeSubmodule):
     def __init__(self, predictor: CodePredictor) -> None:
         super().__init__()
         self.predictor = predictor
+        self._sampling = ParamsMemo(predictor_sampling)
 
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
         frame, j = fwd_info.iteration[-2], fwd_info.iteration[-1]
         return NodeInputs(extras={"j": j, "seed_step": frame * self.predictor.config.num_code_groups + j,
-                                  "sampling": predictor_sampling(fwd_info.params),
+                                  "sampling": self._sampling(fwd_info.params),
                                   "hidden": inputs["talker_hidden"][0], "code": inputs["code"][0].reshape(-1),
                                   "cache": inputs["cp_cache"][0], "sum": inputs["cp_sum"][0]})
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
         x = engine_inputs.extras
-        p = self.predictor
-        rows = [torch.cat([h, s]) if j == 0 else p.embed(j - 1, c) for h, s, j, c in
-                zip(x["hidden"], x["sum"], x["j"], x["code"])]
-        logits, caches = p.step(rows, x["j"], x["cache"])
+        p, steps = self.predictor, x["j"]
+        later = [i for i, j in enumerate(steps) if j > 0]  # step 0 reads (talker hidden, code-0 embedding)
+        embedded = p.embed_steps([steps[i] - 1 for i in later], torch.cat([x["code"][i] for i in later])) \
+            if later else None
+        rows: list[torch.Tensor] = [None] * len(steps)  # type: ignore[list-item]
+        for k, i in enumerate(later):
+            rows[i] = embedded[k:k + 1]
+        for i, j in enumerate(steps):
+            if j == 0:
+                rows[i] = torch.cat([x["hidden"][i], x["sum"][i]])
+        logits, caches = p.step(rows, steps, x["cache"])
         codes = sample(logits, x["sampling"], None, x["seed_step"]).cpu()
-        out: dict[str, list] = {"code": [], "cp_cache": caches, "cp_sum": []}
-        for i, j in enumerate(x["j"]):
-            code = codes[i:i + 1].clone()
-            out["code"].append(code)
-            out["cp_sum"].append(x["sum"][i] + p.embed(j, code))
-        return out
+        sums = torch.cat(x["sum"]) + p.embed_steps(steps, codes)
+        return {"code": list(codes.view(-1, 1).unbind(0)), "cp_cache": caches, "cp_sum": list(sums.split(1))}
 
 
 class FrameAssembler(NodeSubmodule):

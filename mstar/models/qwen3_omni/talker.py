@@ -21,6 +21,8 @@ embeddings (``codec_embedding(c0) + sum_j code_predictor.codec_embedding[j](c_{j
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -93,38 +95,68 @@ def empty_frame_cache(cfg: CodePredictorConfig, dtype: torch.dtype = torch.float
     return torch.zeros(cfg.num_hidden_layers, 2, 0, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
 
 
-class _DenseAttention(QKNormAttention):
-    """The code predictor's attention over per-request dense caches (causal, GQA). ``past[i]`` is
-    request i's ``[2, n, Hkv, D]`` for this layer; the new K/V are appended into ``present[i]``.
-    Requests at the same step (same new and cached lengths: the usual case) attend in one call."""
+@dataclass
+class _FrameGroup:
+    """Requests of a code-predictor batch at the same point of their frames (the same new and cached
+    lengths: usually the whole batch): attended together, their caches stacked once per step."""
 
-    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, counts: list[int],
-               past: list[torch.Tensor], present: list[torch.Tensor | None]) -> torch.Tensor:
+    members: list[int]  # request indices, in batch order
+    rows: torch.Tensor | None  # their rows of the flat token batch; None = every row, in order
+    n: int  # new tokens per request
+    cached: int  # cached positions per request
+    old: torch.Tensor | None  # [b, layers, 2, cached, Hkv, D] (None when cached == 0)
+    new: list[torch.Tensor] = field(default_factory=list)  # per layer [b, 2, n, Hkv, D]
+
+    def caches(self) -> list[torch.Tensor]:
+        """Each member's grown cache ``[layers, 2, cached + n, Hkv, D]``."""
+        grown = torch.stack(self.new, dim=1)
+        if self.old is not None:
+            grown = torch.cat([self.old.to(grown), grown], dim=3)
+        return list(grown.unbind(0))
+
+
+def _frame_groups(counts: list[int], caches: list[torch.Tensor]) -> list[_FrameGroup]:
+    keys: dict[tuple[int, int], list[int]] = {}
+    for i, (n, c) in enumerate(zip(counts, caches)):
+        keys.setdefault((n, c.shape[2]), []).append(i)
+    if len(keys) == 1:
+        (n, cached), members = next(iter(keys.items()))
+        return [_FrameGroup(members, None, n, cached, torch.stack(caches) if cached else None)]
+    starts = [0]
+    for n in counts[:-1]:
+        starts.append(starts[-1] + n)
+    return [_FrameGroup(members, torch.tensor([starts[i] + k for i in members for k in range(n)]), n, cached,
+                        torch.stack([caches[i] for i in members]) if cached else None)
+            for (n, cached), members in keys.items()]
+
+
+class _DenseAttention(QKNormAttention):
+    """The code predictor's attention over per-request dense caches (causal, GQA), one call per
+    ``_FrameGroup``; the new K/V are appended to the group's ``new``."""
+
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[_FrameGroup],
+               layer: int) -> torch.Tensor:
         q, k, v = self.qkv(x, cos, sin)
-        starts = [0, *torch.tensor(counts).cumsum(0).tolist()[:-1]]
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, (n, old) in enumerate(zip(counts, past)):
-            groups.setdefault((n, old.shape[1]), []).append(i)
+        if len(groups) == 1 and groups[0].rows is None:
+            return self.o_proj(self._attend_group(groups[0], q, k, v, layer))
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        for (n, cached), members in groups.items():
-            rows = torch.cat([torch.arange(starts[i], starts[i] + n) for i in members])
-            new = torch.stack([k[rows], v[rows]]).view(2, len(members), n, self.num_kv_heads, self.head_dim)
-            old = torch.stack([past[i] for i in members], dim=1).to(new)
-            kv = torch.cat([old, new], dim=2)  # [2, b, total, Hkv, D]
-            for slot, i in enumerate(members):
-                present[i] = kv[:, slot]
-            out[rows] = self._attend(q[rows].view(len(members), n, self.num_heads, self.head_dim), kv, cached)
+        for g in groups:
+            out[g.rows] = self._attend_group(g, q[g.rows], k[g.rows], v[g.rows], layer)
         return self.o_proj(out)
 
-    def _attend(self, q: torch.Tensor, kv: torch.Tensor, cached: int) -> torch.Tensor:
-        """``q`` [b, n, Hq, D] over ``kv`` [2, b, cached + n, Hkv, D] (causal) -> [b * n, Hq * D]."""
-        b, n = q.shape[:2]
-        rep = self.num_heads // self.num_kv_heads
-        mask = torch.ones(n, cached + n, dtype=torch.bool, device=q.device).tril(cached)
-        keys = kv[0].repeat_interleave(rep, dim=2).transpose(1, 2)
-        values = kv[1].repeat_interleave(rep, dim=2).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                           scale=self.head_dim ** -0.5)
+    def _attend_group(self, g: _FrameGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      layer: int) -> torch.Tensor:
+        """The group's rows ``q`` [b * n, Hq, D] over its cache and new ``k``/``v`` -> [b * n, Hq * D]."""
+        b, n, d = len(g.members), g.n, self.head_dim
+        new = torch.stack([k.view(b, n, self.num_kv_heads, d), v.view(b, n, self.num_kv_heads, d)], dim=1)
+        g.new.append(new)
+        kv = new if g.old is None else torch.cat([g.old[:, layer].to(new), new], dim=2)  # [b, 2, total, Hkv, D]
+        mask = None
+        if n > 1:
+            mask = torch.ones(n, g.cached + n, dtype=torch.bool, device=q.device).tril(g.cached)
+        o = F.scaled_dot_product_attention(q.view(b, n, self.num_heads, d).transpose(1, 2),
+                                           kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2), attn_mask=mask,
+                                           scale=d ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)
         return o.transpose(1, 2).reshape(b * n, -1)
 
 
@@ -138,8 +170,8 @@ class _PredictorLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
-    def forward(self, x, cos, sin, counts, past, present):
-        h = x + self.self_attn.attend(self.input_layernorm(x), cos, sin, counts, past, present)
+    def forward(self, x, cos, sin, groups):
+        h = x + self.self_attn.attend(self.input_layernorm(x), cos, sin, groups, self.idx)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -163,10 +195,32 @@ class CodePredictor(nn.Module):
         self.lm_head = nn.ModuleList([nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
                                       for _ in range(cfg.num_code_groups - 1)])
         self.rotary = MRotary(cfg.head_dim, cfg.rope_theta)
+        self._rope_table: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def embed(self, step: int, codes: torch.Tensor) -> torch.Tensor:
         """``codec_embedding[step]`` of codes (the input after sampling code ``step + 1``)."""
         return self.model.codec_embedding[step](codes.to(self.lm_head[0].weight.device))
+
+    def embed_steps(self, steps: list[int], codes: torch.Tensor) -> torch.Tensor:
+        """Row i: ``codec_embedding[steps[i]](codes[i])`` -> ``[B, H]`` (one lookup per distinct step)."""
+        codes = codes.to(self.lm_head[0].weight.device)
+        if len(set(steps)) == 1:
+            return self.model.codec_embedding[steps[0]](codes)
+        out = self.model.codec_embedding[0].weight.new_empty(len(steps), self.config.hidden_size)
+        for j, rows in _rows_by(steps).items():
+            out[rows] = self.model.codec_embedding[j](codes[rows])
+        return out
+
+    def _rope(self, positions: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the positions (all within a frame: < num_code_groups + 1), from a table made once."""
+        if max(positions) > self.config.num_code_groups:
+            return self.rotary(torch.tensor(positions, device=self.lm_head[0].weight.device), dtype)
+        table = self._rope_table.get(dtype)
+        if table is None:
+            span = torch.arange(self.config.num_code_groups + 1, device=self.lm_head[0].weight.device)
+            table = self._rope_table[dtype] = self.rotary(span, dtype)
+        idx = torch.tensor(positions, device=table[0].device)
+        return table[0][idx], table[1][idx]
 
     def step(self, inputs: list[torch.Tensor], steps: list[int], caches: list[torch.Tensor]
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -174,17 +228,29 @@ class CodePredictor(nn.Module):
         then 1), is at step ``steps[i]`` and has the frame cache ``caches[i]`` (``empty_frame_cache``
         at step 0); the returned caches hold its new K/V too (the inputs are not modified)."""
         counts = [x.shape[0] for x in inputs]
-        positions = torch.cat([torch.arange(c.shape[2], c.shape[2] + n) for c, n in zip(caches, counts)])
         h = torch.cat(inputs)
-        cos, sin = self.rotary(positions.to(h.device), h.dtype)
-        per_layer: list[list[torch.Tensor]] = []
-        for i, layer in enumerate(self.model.layers):
-            present: list[torch.Tensor | None] = [None] * len(inputs)
-            h = layer(h, cos, sin, counts, [c[i] for c in caches], present)
-            per_layer.append(present)  # type: ignore[arg-type]
-        last = self.model.norm(h)[torch.tensor(counts).cumsum(0) - 1]
-        logits = last.new_empty(len(inputs), self.config.vocab_size)
-        for j in set(steps):  # one head per code group: the requests at step j together
-            rows = torch.tensor([i for i, s in enumerate(steps) if s == j])
-            logits[rows] = self.lm_head[j](last[rows])
-        return logits, [torch.stack([layer[r] for layer in per_layer]) for r in range(len(inputs))]
+        cos, sin = self._rope([c.shape[2] + k for c, n in zip(caches, counts) for k in range(n)], h.dtype)
+        groups = _frame_groups(counts, caches)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, groups)
+        ends = list(itertools.accumulate(counts))
+        last = self.model.norm(h[[e - 1 for e in ends]] if len(ends) != h.shape[0] else h)
+        if len(set(steps)) == 1:
+            logits = self.lm_head[steps[0]](last)
+        else:  # one head per code group: the requests at step j together
+            logits = last.new_empty(len(inputs), self.config.vocab_size)
+            for j, rows in _rows_by(steps).items():
+                logits[rows] = self.lm_head[j](last[rows])
+        new_caches: list[torch.Tensor | None] = [None] * len(inputs)
+        for g in groups:
+            for i, cache in zip(g.members, g.caches()):
+                new_caches[i] = cache
+        return logits, new_caches  # type: ignore[return-value]
+
+
+def _rows_by(keys: list[int]) -> dict[int, list[int]]:
+    """Row indices per distinct key, in order."""
+    out: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        out.setdefault(k, []).append(i)
+    return out
