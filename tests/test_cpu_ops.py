@@ -163,3 +163,24 @@ def test_bfloat16_rms_norm_and_rotary(ext):
     ref_qk = apply_rotary(y[:, :32].float().view(9, 2, 16), cos.float(), sin.float())
     ext.rotary_(y, cos, sin, 2, 16)
     torch.testing.assert_close(y[:, :32].float().view(9, 2, 16), ref_qk, atol=1e-2, rtol=1e-2)
+
+
+def test_snake_beta_matches_pytorch(ext, threads):
+    """Code2Wav's activation: the fused pass equals the PyTorch formula to float rounding, tails
+    (time not a multiple of 16) and inputs beyond the polynomial's range (std::sin) included."""
+    x = _rand(2, 5, 1000 + 7, seed=11) * 4
+    x[1, 2, 100:120] = 3e5  # a whole vector beyond the polynomial's range
+    alpha, inv_beta = _rand(5, seed=12).exp(), 1.0 / (_rand(5, seed=13).exp() + 1e-9)
+    ref = x.double() + inv_beta.double()[None, :, None] * torch.sin(x.double() * alpha.double()[None, :, None]) ** 2
+    y = ext.snake_beta(x, alpha, inv_beta)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, atol=2e-6, rtol=1e-6)
+    u = torch.linspace(-3.0e4, 3.0e4, 200_003).view(1, 1, -1)  # the range reduction over many periods
+    s2 = ext.snake_beta(u, torch.ones(1), torch.ones(1)).double() - u.double()
+    assert (s2 - torch.sin(u.double()) ** 2).abs().max() <= 2 * 2.0 ** -9  # 2 ulp of 3e4
+    nan = ext.snake_beta(torch.full((1, 1, 20), float("nan")), torch.ones(1), torch.ones(1))
+    assert nan.isnan().all()
+    with pytest.raises(RuntimeError, match="snake_beta"):
+        ext.snake_beta(x[:, :, ::2], alpha, inv_beta)
+    with pytest.raises(RuntimeError, match="snake_beta"):
+        ext.snake_beta(x, alpha[:3], inv_beta)

@@ -118,6 +118,37 @@ def test_code2wav_full_decode_equals_transformers(hf, code2wav, frames):
     assert torch.equal(ours, ref)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["compiled", "torch"])
+def test_code2wav_fast_modules_equal_transformers_modules(hf, monkeypatch, kernel):
+    """The swapped kernel-1 convolutions and SnakeBeta activations (compiled, and their PyTorch path)
+    against transformers' own modules, on weights with audible magnitudes (the tiny checkpoint's
+    waveform is ~1e-6, where both round alike)."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+    import mstar.models.qwen3_omni.code2wav as c2w
+
+    if not kernel:
+        monkeypatch.setattr(c2w.cpu_ops, "ops", lambda: None)
+    torch.manual_seed(5)
+    ref = Qwen3OmniMoeCode2Wav(hf.config.code2wav_config).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(("alpha", "beta")):
+                p.normal_(0.0, 0.3)
+            elif p.dim() > 1:
+                p.normal_(0.0, 0.5 / p[0].numel() ** 0.5)
+    ours = Code2Wav(hf.config.code2wav_config)
+    ours.model.load_state_dict(ref.state_dict())
+    swapped = {type(m).__name__ for m in ours.model.modules()}
+    assert {"_PointwiseConv1d", "_SnakeBeta"} <= swapped and "Qwen3OmniMoeSnakeBeta" not in swapped
+    codes = _codes(9, seed=3)
+    with torch.no_grad():
+        want = ref(codes)[:, 0]
+    got = ours.decode(codes)
+    assert 1e-3 < want.abs().max() < 1  # far above rounding noise; not clamped
+    assert _relative(got, want) < 1e-5
+
+
 def test_code2wav_stream_has_exact_length_and_matches_full_decode(code2wav):
     codes = _codes(60, seed=1)[0]
     full = code2wav.decode(codes[None])[0]
