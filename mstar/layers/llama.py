@@ -146,9 +146,12 @@ class RMSNorm(nn.Module):
         return self.compiled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.compiled and x.dtype in _COMPILED_DTYPES and self.weight.dtype == x.dtype
-                and x.dim() == 2 and x.device.type == "cpu" and x.is_contiguous()):
-            return ops().rms_norm(x, self.weight, self.eps)
+        if self.compiled and x.dtype in _COMPILED_DTYPES and self.weight.dtype == x.dtype and x.device.type == "cpu":
+            if x.dim() == 2 and x.is_contiguous():
+                return ops().rms_norm(x, self.weight, self.eps)
+            # e.g. per-head q/k norms [T, heads, D]: one copy into rows, then the kernel
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            return ops().rms_norm(rows, self.weight, self.eps).view(x.shape)
         if x.dtype == torch.float32:  # the same arithmetic without the (no-op) casts' dispatch cost
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         in_dtype = x.dtype

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from mstar.layers.llama import RMSNorm
+from mstar.layers.prepack import prepack_linears, prepack_requested
 from mstar.model.checkpoint import CheckpointError, check_load_format, load_into
 from mstar.models.llama.loader import checkpoint_files
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
@@ -125,6 +126,8 @@ def _build(module: nn.Module, model_path: str | Path | None, load_format: str, p
             raise ValueError("a Qwen3-Omni checkpoint needs a model path (or load_format='dummy')")
         state = fuse_expert_weights(read_prefixed(model_path, prefix, skip))
         load_into(module, state, what=f"{model_path} ({prefix}*)")
+    if prepack_requested():  # projections, heads and norms through the compiled kernels (mstar.layers.prepack)
+        prepack_linears(module)
     return module.eval()
 
 

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.layers.prepack import PrepackableLinear, PrepackedGroup
+
 __all__ = ["Experts", "SparseMoeBlock", "SwiGLU", "route"]
 
 
@@ -29,11 +31,21 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         kw = {"bias": False, "dtype": dtype}
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        self.gate_proj = PrepackableLinear(hidden_size, intermediate_size, **kw)
+        self.up_proj = PrepackableLinear(hidden_size, intermediate_size, **kw)
+        self.down_proj = PrepackableLinear(intermediate_size, hidden_size, **kw)
+
+        self.prepacked: PrepackedGroup | None = None  # gate/up with SiLU-mul in one multiply (``prepack``)
+
+    def prepack(self) -> bool:
+        """gate/up as one prepacked multiply with the SiLU-mul fused (``mstar.layers.prepack``)."""
+        self.prepacked = PrepackedGroup.build([self.gate_proj, self.up_proj], silu_mul=True)
+        return self.prepacked is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pre = self.prepacked
+        if pre is not None and x.dtype == self.gate_proj.weight.dtype and x.device.type == "cpu" and pre.fresh():
+            return self.down_proj(pre(x))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -87,11 +99,11 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
+        self.gate = PrepackableLinear(hidden_size, num_experts, bias=False, dtype=dtype)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, dtype=dtype)
         if shared_intermediate_size > 0:
             self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size, dtype=dtype)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype)
+            self.shared_expert_gate = PrepackableLinear(hidden_size, 1, bias=False, dtype=dtype)
         else:
             self.shared_expert = None
 

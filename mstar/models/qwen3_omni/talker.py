@@ -31,6 +31,7 @@ from torch import nn
 
 from mstar.layers.attention_backends import AttentionBackend
 from mstar.layers.llama import RMSNorm
+from mstar.layers.prepack import PrepackableLinear
 from mstar.models.qwen3_omni.config import CodePredictorConfig, TalkerConfig
 from mstar.models.qwen3_omni.moe import SwiGLU
 from mstar.models.qwen3_omni.thinker import DecoderOutput, MoeDecoder, MRotary, QKNormAttention
@@ -41,8 +42,8 @@ __all__ = ["CodePredictor", "ResizeMLP", "TalkerLM", "empty_frame_cache", "suppr
 class ResizeMLP(nn.Module):
     def __init__(self, in_size: int, mid_size: int, out_size: int, *, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(in_size, mid_size, bias=True, dtype=dtype)
-        self.linear_fc2 = nn.Linear(mid_size, out_size, bias=True, dtype=dtype)
+        self.linear_fc1 = PrepackableLinear(in_size, mid_size, bias=True, dtype=dtype)
+        self.linear_fc2 = PrepackableLinear(mid_size, out_size, bias=True, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.silu(self.linear_fc1(x)))
@@ -70,7 +71,7 @@ class TalkerLM(nn.Module):
         text = cfg.text
         self.config = cfg
         self.model = _TalkerBody(cfg, dtype=dtype, backend=backend)
-        self.codec_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype)
+        self.codec_head = PrepackableLinear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype)
         sizes = (cfg.thinker_hidden_size, text.intermediate_size, text.hidden_size)
         self.text_projection = ResizeMLP(*sizes, dtype=dtype)
         self.hidden_projection = ResizeMLP(*sizes, dtype=dtype)
@@ -192,7 +193,7 @@ class CodePredictor(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _PredictorBody(cfg, dtype)
-        self.lm_head = nn.ModuleList([nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = nn.ModuleList([PrepackableLinear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
                                       for _ in range(cfg.num_code_groups - 1)])
         self.rotary = MRotary(cfg.head_dim, cfg.rope_theta)
         self._rope_table: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}

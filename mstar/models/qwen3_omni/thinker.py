@@ -32,8 +32,10 @@ import torch
 from torch import nn
 
 from mstar.layers.attention_backends import AttentionBackend, default_backend
-from mstar.layers.llama import RMSNorm
+from mstar.layers.cpu_ops import ops
+from mstar.layers.llama import RMSNorm, y_rotatable
 from mstar.layers.paged_attention import paged_attention
+from mstar.layers.prepack import PrepackableLinear, PrepackedGroup
 from mstar.layers.rotary import apply_rotary, compute_inv_freq
 from mstar.models.qwen3_omni.config import MoeTextConfig
 from mstar.models.qwen3_omni.moe import SparseMoeBlock, SwiGLU
@@ -106,16 +108,32 @@ class QKNormAttention(nn.Module):
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.backend = backend
         kw = {"bias": False, "dtype": dtype}
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, **kw)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, **kw)
+        self.q_proj = PrepackableLinear(hidden_size, num_heads * head_dim, **kw)
+        self.k_proj = PrepackableLinear(hidden_size, num_kv_heads * head_dim, **kw)
+        self.v_proj = PrepackableLinear(hidden_size, num_kv_heads * head_dim, **kw)
+        self.o_proj = PrepackableLinear(num_heads * head_dim, hidden_size, **kw)
         self.q_norm = RMSNorm(head_dim, eps, dtype=dtype)
         self.k_norm = RMSNorm(head_dim, eps, dtype=dtype)
+        self.prepacked: PrepackedGroup | None = None  # q/k/v in one multiply (``prepack``)
+
+    def prepack(self) -> bool:
+        """q/k/v as one prepacked multiply (``mstar.layers.prepack``); o is a ``PrepackableLinear``."""
+        self.prepacked = PrepackedGroup.build([self.q_proj, self.k_proj, self.v_proj])
+        return self.prepacked is not None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotated q ``[T, Hq, D]``, k ``[T, Hkv, D]`` and v ``[T, Hkv, D]``."""
         t = x.shape[0]
+        pre = self.prepacked
+        if pre is not None and pre.fresh() and x.dtype == self.q_proj.weight.dtype and y_rotatable(x, cos, sin):
+            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            y = pre(x)  # [T, nq + 2 nkv]: normed into fresh q and k rows, rotated in place by the kernel
+            q = self.q_norm(y[:, :nq].view(t, self.num_heads, self.head_dim)).view(t, nq)
+            k = self.k_norm(y[:, nq:nq + nkv].view(t, self.num_kv_heads, self.head_dim)).view(t, nkv)
+            ops().rotary_(q, cos, sin, self.num_heads, self.head_dim)
+            ops().rotary_(k, cos, sin, self.num_kv_heads, self.head_dim)
+            return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                    y[:, nq + nkv:].view(t, self.num_kv_heads, self.head_dim))
         q = apply_rotary(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
         k = apply_rotary(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)), cos, sin)
         return q, k, self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -212,7 +230,7 @@ class ThinkerLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _ThinkerBody(cfg, dtype=dtype, backend=backend)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = PrepackableLinear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids.to(self.lm_head.weight.device))

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.layers.prepack import PrepackableLinear
 from mstar.models.vjepa2.config import swiglu_hidden
 from mstar.models.vjepa2.frame_cache import BlockAttention, KVLayer
 from mstar.models.vjepa2.rope import rotate
@@ -24,8 +25,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = PrepackableLinear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = PrepackableLinear(dim, dim)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # fused qkv: output channels are [3, heads, head_dim]
@@ -49,9 +50,9 @@ class Attention(nn.Module):
 class GeluMLP(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
+        self.fc1 = PrepackableLinear(dim, hidden)
         self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden, dim)
+        self.fc2 = PrepackableLinear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -61,9 +62,9 @@ class SwiGLUMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, wide_silu: bool) -> None:
         super().__init__()
         inner = swiglu_hidden(hidden, wide_silu)
-        self.fc1 = nn.Linear(dim, inner)
-        self.fc2 = nn.Linear(dim, inner)
-        self.fc3 = nn.Linear(inner, dim)
+        self.fc1 = PrepackableLinear(dim, inner)
+        self.fc2 = PrepackableLinear(dim, inner)
+        self.fc3 = PrepackableLinear(inner, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc3(F.silu(self.fc1(x)) * self.fc2(x))

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from mstar.graph import WalkGraph
+from mstar.layers.prepack import prepack_linears, prepack_requested
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.model.checkpoint import check_load_format, reject_checkpoint
 from mstar.model.validation import check_int
@@ -138,6 +139,9 @@ class VJepa2AC(ModelDef):
             encoder, predictor = dummy_vjepa2(self.seed, self.encoder_config, self.predictor_config)
         else:
             encoder, predictor = build_vjepa2_ac(self.model_path, self.encoder_config, self.predictor_config)
+        if prepack_requested():  # the projections through the panel kernel (mstar.layers.prepack)
+            prepack_linears(encoder)
+            prepack_linears(predictor)
         mods = {"encoder": EncoderNode(encoder.eval()), "predictor": PredictorNode(predictor.eval()),
                 "cem_sampler": CemSampler(), "cem_update": CemUpdate()}
         unknown = [n for n in names if n not in mods]

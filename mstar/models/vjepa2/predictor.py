@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mstar.layers.prepack import PrepackableLinear
 from mstar.models.vjepa2.blocks import Block
 from mstar.models.vjepa2.config import PredictorConfig
 from mstar.models.vjepa2.frame_cache import BlockAttention, FrameKVCache, block_append_attention
@@ -30,17 +31,17 @@ class ACPredictor(nn.Module):
         self.cfg = cfg
         self.block_attention = block_attention
         d = cfg.predictor_embed_dim
-        self.predictor_embed = nn.Linear(cfg.embed_dim, d)
-        self.action_encoder = nn.Linear(cfg.action_dim, d)
-        self.state_encoder = nn.Linear(cfg.action_dim, d)
+        self.predictor_embed = PrepackableLinear(cfg.embed_dim, d)
+        self.action_encoder = PrepackableLinear(cfg.action_dim, d)
+        self.state_encoder = PrepackableLinear(cfg.action_dim, d)
         # present in every checkpoint, used only with use_extrinsics
-        self.extrinsics_encoder = nn.Linear(cfg.action_dim - 1, d)
+        self.extrinsics_encoder = PrepackableLinear(cfg.action_dim - 1, d)
         self.predictor_blocks = nn.ModuleList(
             Block(d, cfg.num_heads, cfg.mlp_hidden, cfg.qkv_bias, cfg.use_silu, cfg.wide_silu, cfg.layernorm_eps)
             for _ in range(cfg.depth)
         )
         self.predictor_norm = nn.LayerNorm(d, eps=cfg.layernorm_eps)
-        self.predictor_proj = nn.Linear(d, cfg.embed_dim)
+        self.predictor_proj = PrepackableLinear(d, cfg.embed_dim)
 
     # -- positions ------------------------------------------------------------------------------------
     def _frame_rope(self, frame_index: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
