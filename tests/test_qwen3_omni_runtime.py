@@ -126,6 +126,36 @@ def test_long_speech_streams_exact_length(omni, runtime):
     assert torch.equal(codes, ref_codes)
     assert wav.numel() == ref_wav.numel() == 1920 * 60 - 555
     assert (wav - ref_wav).abs().max() <= 1e-4 and (wav - ref_wav).norm() <= 1e-5 * ref_wav.norm()
+    assert runtime.local_module("Code2Wav")._states == {}  # the vocoder state went with the request
+
+
+def test_code2wav_chunks_without_their_state_decode_exactly(omni, runtime, monkeypatch):
+    """A later chunk whose vocoder state is gone (a restarted rank) takes the stateless decode over
+    its left context: the same waveform; with the state, each chunk convolves only its new frames."""
+    model, _ = omni
+    node = runtime.local_module("Code2Wav")
+    ids = PROMPTS[1]
+    params = audio_params(6, 61, ignore_eos=True)
+    seen: dict[str, list] = {"next": [], "stateless": []}
+    decode_next, decode_chunks = node.code2wav.decode_next, node.code2wav.decode_chunks
+    monkeypatch.setattr(node.code2wav, "decode_next",
+                        lambda *a: seen["next"].append(a[1]) or decode_next(*a))
+    monkeypatch.setattr(node.code2wav, "decode_chunks",
+                        lambda chunks: seen["stateless"].append(len(chunks)) or decode_chunks(chunks))
+    _, _, with_state = ours(runtime.generate({"input_ids": ids}, params)[0])
+    assert len(seen["next"]) >= 4 and not seen["stateless"]
+    forward = node.forward
+
+    def forgetful(*a, **kw):
+        node._states.clear()
+        return forward(*a, **kw)
+
+    monkeypatch.setattr(node, "forward", forgetful)
+    seen["next"].clear()
+    _, _, without = ours(runtime.generate({"input_ids": ids}, params)[0])
+    assert seen["next"] == [0] and len(seen["stateless"]) >= 3  # only the first chunk had no context
+    assert without.numel() == with_state.numel() == 1920 * 60 - 555
+    assert (without - with_state).abs().max() <= 1e-5
 
 
 def test_text_only_skips_talker_and_code2wav(runtime):

@@ -139,3 +139,8 @@ class NodeSubmodule(torch.nn.Module):
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs,
                 **tensors: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         raise NotImplementedError
+
+    def release(self, request_id: str) -> None:
+        """Drop what this node keeps for a request between its forwards (a streaming decoder's state):
+        the runtime calls it on every rank when the request ends, fails or is aborted. Nodes that
+        keep nothing (the default) need not override it."""

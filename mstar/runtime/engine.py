@@ -216,7 +216,9 @@ class StatelessEngine:
         return self._call(batch, ei, tensors)
 
     def free_request(self, request_id: str) -> None:
-        pass
+        release = getattr(self.module, "release", None)  # a NodeSubmodule; duck-typed modules may lack it
+        if release is not None:
+            release(request_id)
 
     def export_request(self, request_id: str, free: bool = True) -> dict[str, Any]:
         """This request's state (removed from here unless ``free`` is False); stateless engines hold none."""
@@ -376,6 +378,9 @@ class KVCacheEngine(StatelessEngine):
     def free_request(self, request_id: str) -> None:
         self.manager.free_request(request_id)
         self._swapped.pop(request_id, None)
+        release = getattr(self.module, "release", None)  # a NodeSubmodule; duck-typed modules may lack it
+        if release is not None:
+            release(request_id)
 
     # -- preemption: a request's blocks to host memory and back ------------------------------------
     def holders(self) -> list[str]:

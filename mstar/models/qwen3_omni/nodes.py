@@ -31,7 +31,7 @@ import torch
 from mstar.layers.sampling import SamplingParams, request_sampling, sample
 from mstar.model.decode import ParamsMemo, generation_done, stop_token_set
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
-from mstar.models.qwen3_omni.code2wav import ChunkRequest, Code2Wav
+from mstar.models.qwen3_omni.code2wav import ChunkRequest, Code2Wav, VocoderState
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
 from mstar.models.qwen3_omni.prompt import OmniTokenIds, assistant_start, multimodal_mask, user_positions
 from mstar.models.qwen3_omni.talker import CodePredictor, TalkerLM, empty_frame_cache
@@ -459,11 +459,18 @@ class FrameAssembler(NodeSubmodule):
 
 class Code2WavNode(NodeSubmodule):
     """One ``codec_frames`` chunk per request -> ``audio``: float32 samples ``[wave_length(new_end) -
-    wave_length(new_start)]`` (Code2Wav's stitching rule), empty for a chunk without frames."""
+    wave_length(new_start)]`` (Code2Wav's stitching rule), empty for a chunk without frames.
+
+    A request's vocoder state (``VocoderState``: the convolutions' input tails) is kept here from
+    chunk to chunk, so each chunk convolves only its new frames (the pre-transformer still reads the
+    chunk's left context); it is dropped when the request ends (``release``). A later chunk whose
+    state is missing (this rank restarted) takes the stateless decode, exact with the left context
+    the graph gives."""
 
     def __init__(self, code2wav: Code2Wav) -> None:
         super().__init__()
         self.code2wav = code2wav
+        self._states: dict[str, VocoderState] = {}
 
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
@@ -473,14 +480,33 @@ class Code2WavNode(NodeSubmodule):
         frames = [f.reshape(-1) for f in items if f.numel()]  # the talker's last item is empty
         new = sum(1 for f in items[context:] if f.numel())
         if new == 0:
-            return NodeInputs(extras={"chunk": None})
-        return NodeInputs(extras={"chunk": ChunkRequest(torch.stack(frames, dim=1), len(frames) - new)})
+            return NodeInputs(extras={"chunk": None, "rid": fwd_info.request_id, "new_start": 0})
+        return NodeInputs(extras={"chunk": ChunkRequest(torch.stack(frames, dim=1), len(frames) - new),
+                                  "rid": fwd_info.request_id, "new_start": int(chunk["new_start"])})
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
         # one decode per chunk, not one per group of equal-length chunks: a batched convolution rounds
         # a row differently from the same row alone (~1e-13 here), and a request's audio must not
-        # depend on which requests share its step (concurrency, placements). A chunk of 25-50 frames is
-        # already a large convolution: on a CPU thread, 16 tiny-config chunks of 50 frames take 0.6 s
-        # one by one and 1.6 s as one batch
-        return {"audio": [self.code2wav.decode_chunks([c])[0] if c is not None else torch.zeros(0)
-                          for c in engine_inputs.extras["chunk"]]}
+        # depend on which requests share its step (concurrency, placements)
+        x = engine_inputs.extras
+        audio: list[torch.Tensor] = []
+        staged: dict[str, VocoderState | None] = {}
+        for chunk, rid, start in zip(x["chunk"], x["rid"], x["new_start"]):
+            if chunk is None:
+                audio.append(torch.zeros(0))
+                continue
+            state = self._states.get(rid) if start > 0 else None
+            if start == 0 or (state is not None and state.frames == start):
+                wave, staged[rid] = self.code2wav.decode_next(chunk.codes, chunk.left_context, state)
+            else:
+                wave, staged[rid] = self.code2wav.decode_chunks([chunk])[0], None
+            audio.append(wave)
+        for rid, state in staged.items():  # kept only once every chunk of the batch decoded
+            if state is None:
+                self._states.pop(rid, None)
+            else:
+                self._states[rid] = state
+        return {"audio": audio}
+
+    def release(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
