@@ -139,19 +139,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
         self.eps = eps
         self.compiled = False  # through the compiled kernel (``prepack``)
+        self._kernel: Any = None
 
     def prepack(self) -> bool:
         """Use the compiled RMSNorm (``mstar.layers.cpu_ops``) for float32 CPU inputs from now on."""
-        self.compiled = ops() is not None
+        self._kernel = ops()  # looked up once: ops() reads the environment at every call
+        self.compiled = self._kernel is not None
         return self.compiled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compiled and x.dtype in _COMPILED_DTYPES and self.weight.dtype == x.dtype and x.device.type == "cpu":
             if x.dim() == 2 and x.is_contiguous():
-                return ops().rms_norm(x, self.weight, self.eps)
+                return self._kernel.rms_norm(x, self.weight, self.eps)
             # e.g. per-head q/k norms [T, heads, D]: one copy into rows, then the kernel
             rows = x.reshape(-1, x.shape[-1]).contiguous()
-            return ops().rms_norm(rows, self.weight, self.eps).view(x.shape)
+            return self._kernel.rms_norm(rows, self.weight, self.eps).view(x.shape)
         if x.dtype == torch.float32:  # the same arithmetic without the (no-op) casts' dispatch cost
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         in_dtype = x.dtype

@@ -93,12 +93,13 @@ class PrepackedLinear:
         with torch.no_grad():
             w = source.detach()
             if self.mode == "panel":
+                self._kernel = ops()  # the build the weight was packed for (looked up once, not per call)
                 in_out_w = (w if in_out else w.t()).contiguous()
                 self.n_out = in_out_w.shape[1] // (2 if silu_mul else 1)
                 # bfloat16 weights multiply through the CPU's bf16 dot products where it has them
                 pairs = (w.dtype == torch.bfloat16 and in_out_w.shape[0] % 2 == 0
-                         and ops().dot_pairs_available())
-                self.packed = ops().pack(in_out_w, silu_mul, pairs)
+                         and self._kernel.dot_pairs_available())
+                self.packed = self._kernel.pack(in_out_w, silu_mul, pairs)
             else:
                 out_in = (w.t() if in_out else w).contiguous()
                 self.n_out = out_in.shape[0]
@@ -114,7 +115,7 @@ class PrepackedLinear:
             x = x.reshape(-1, shape[-1]).contiguous()
         if self.mode == "panel":  # the output has x's dtype
             fuse = residual is not None and residual.dtype == x.dtype and residual.is_contiguous()
-            y = ops().linear(x, self.packed, self.n_out, self.silu_mul,
+            y = self._kernel.linear(x, self.packed, self.n_out, self.silu_mul,
                              residual.reshape(-1, self.n_out) if fuse else None)
             if residual is not None and not fuse:
                 y = y + residual.reshape(y.shape)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.prepack import PrepackableLinear, PrepackedGroup
+from mstar.layers.prepack import PrepackableLinear, PrepackedGroup, PrepackedLinear, can_prepack
 
 __all__ = ["Experts", "SparseMoeBlock", "SwiGLU", "route"]
 
@@ -69,9 +69,30 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype))
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size, dtype=dtype))
 
+        self.prepacked: list[tuple[PrepackedLinear, PrepackedLinear]] | None = None  # per expert (``prepack``)
+        self._packed_from: tuple = ()
+
+    def prepack(self) -> bool:
+        """Each expert's gate/up (SiLU-mul fused) and down projections prepacked (``mstar.layers.prepack``)."""
+        if not can_prepack(self.gate_up_proj, self.down_proj):
+            return False
+        self.prepacked = [(PrepackedLinear(self.gate_up_proj[e], silu_mul=True), PrepackedLinear(self.down_proj[e]))
+                          for e in range(self.num_experts)]
+        self._packed_from = ((self.gate_up_proj, self.gate_up_proj._version),
+                             (self.down_proj, self.down_proj._version))
+        return True
+
+    def _fresh(self) -> list[tuple[PrepackedLinear, PrepackedLinear]] | None:
+        """The prepacked experts, if both fused parameters are the ones packed, unchanged since."""
+        if self.prepacked is None or any(p is not w or p._version != v for p, (w, v) in
+                                         zip((self.gate_up_proj, self.down_proj), self._packed_from)):
+            return None
+        return self.prepacked
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x`` [T, H]; ``weights`` / ``experts`` [T, k] from ``route``. Tokens are grouped by expert:
         one matrix multiply per expert hit, results scaled and summed back per token."""
+        pre = self._fresh() if x.dtype == self.gate_up_proj.dtype and x.device.type == "cpu" else None
         out = torch.zeros_like(x)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -83,8 +104,11 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             rows = token_of[start:start + n]
-            g, u = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(g) * u, self.down_proj[e]) * weight_of[start:start + n, None]
+            if pre is not None:
+                y = pre[e][1](pre[e][0](x[rows])) * weight_of[start:start + n, None]
+            else:
+                g, u = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(g) * u, self.down_proj[e]) * weight_of[start:start + n, None]
             out.index_add_(0, rows, y.to(out.dtype))
             start += n
         return out
