@@ -115,7 +115,7 @@ def test_code2wav_full_decode_equals_transformers(hf, code2wav, frames):
         ref = hf.code2wav.chunked_decode(codes, chunk_size=300, left_context_size=25)[0, 0]
     ours = code2wav.decode(codes)[0]
     assert ours.shape[0] == code2wav.wave_length(frames) == 1920 * frames - 555
-    assert torch.equal(ours, ref)
+    assert _relative(ours, ref) < 1e-5  # the swapped modules sum in another order (fast_modules test)
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["compiled", "torch"])
@@ -140,7 +140,8 @@ def test_code2wav_fast_modules_equal_transformers_modules(hf, monkeypatch, kerne
     ours = Code2Wav(hf.config.code2wav_config)
     ours.model.load_state_dict(ref.state_dict())
     swapped = {type(m).__name__ for m in ours.model.modules()}
-    assert {"_PointwiseConv1d", "_SnakeBeta"} <= swapped and "Qwen3OmniMoeSnakeBeta" not in swapped
+    assert {"_PointwiseConv1d", "_SingleOutputConv1d", "_SnakeBeta"} <= swapped
+    assert "Qwen3OmniMoeSnakeBeta" not in swapped
     codes = _codes(9, seed=3)
     with torch.no_grad():
         want = ref(codes)[:, 0]
