@@ -216,6 +216,7 @@ class StatelessEngine:
         return self._call(batch, ei, tensors)
 
     def free_request(self, request_id: str) -> None:
+        """Drop the request's state here: the node's (``NodeSubmodule.release``); KV engines add their blocks."""
         release = getattr(self.module, "release", None)  # a NodeSubmodule; duck-typed modules may lack it
         if release is not None:
             release(request_id)
@@ -378,9 +379,7 @@ class KVCacheEngine(StatelessEngine):
     def free_request(self, request_id: str) -> None:
         self.manager.free_request(request_id)
         self._swapped.pop(request_id, None)
-        release = getattr(self.module, "release", None)  # a NodeSubmodule; duck-typed modules may lack it
-        if release is not None:
-            release(request_id)
+        super().free_request(request_id)  # the node's own per-request state
 
     # -- preemption: a request's blocks to host memory and back ------------------------------------
     def holders(self) -> list[str]:
