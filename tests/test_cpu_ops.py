@@ -184,3 +184,30 @@ def test_snake_beta_matches_pytorch(ext, threads):
         ext.snake_beta(x[:, :, ::2], alpha, inv_beta)
     with pytest.raises(RuntimeError, match="snake_beta"):
         ext.snake_beta(x, alpha[:3], inv_beta)
+
+
+@pytest.mark.parametrize("c_in,c_out,dilation", [(8, 8, 1), (8, 8, 9), (16, 16, 3), (8, 1, 1), (96, 1, 1), (5, 8, 2)])
+def test_narrow_conv1d_matches_conv1d(ext, threads, c_in, c_out, dilation):
+    """Code2Wav's few-channel convolutions: against F.conv1d (float64), tails included (steps not a
+    multiple of 16), and a row's bits the same alone and in a batch."""
+    steps, k = 4096 * 2 + 21, 7
+    x = _rand(3, c_in, steps + (k - 1) * dilation, seed=21)
+    w, b = _rand(c_out, c_in, k, seed=22) / (c_in * k) ** 0.5, _rand(c_out, seed=23)
+    y = ext.narrow_conv1d(x, w, b, dilation)
+    ref = F.conv1d(x.double(), w.double(), b.double(), dilation=dilation)
+    assert y.shape == (3, c_out, steps)
+    tol = 1e-7 * c_in * k  # float32 sums of c_in * k terms
+    torch.testing.assert_close(y.double(), ref, atol=tol, rtol=1e-6)
+    assert torch.equal(ext.narrow_conv1d(x[1:2].contiguous(), w, b, dilation), y[1:2])
+    torch.testing.assert_close(ext.narrow_conv1d(x, w, None, dilation).double(), ref - b.double()[:, None],
+                               atol=tol, rtol=1e-6)
+
+
+def test_narrow_conv1d_rejects_bad_shapes(ext):
+    x = _rand(1, 8, 100, seed=24)
+    with pytest.raises(RuntimeError, match="narrow_conv1d"):
+        ext.narrow_conv1d(x, _rand(4, 8, 7), None, 1)  # 4 outputs: not a compiled width
+    with pytest.raises(RuntimeError, match="narrow_conv1d"):
+        ext.narrow_conv1d(x, _rand(8, 7, 7), None, 1)  # input channels differ
+    with pytest.raises(RuntimeError, match="narrow_conv1d"):
+        ext.narrow_conv1d(x[:, :, :5].contiguous(), _rand(8, 8, 7), None, 1)  # shorter than the kernel

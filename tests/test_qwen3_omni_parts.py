@@ -140,7 +140,7 @@ def test_code2wav_fast_modules_equal_transformers_modules(hf, monkeypatch, kerne
     ours = Code2Wav(hf.config.code2wav_config)
     ours.model.load_state_dict(ref.state_dict())
     swapped = {type(m).__name__ for m in ours.model.modules()}
-    assert {"_PointwiseConv1d", "_SingleOutputConv1d", "_SnakeBeta"} <= swapped
+    assert {"_PointwiseConv1d", "_NarrowConv1d", "_SnakeBeta"} <= swapped
     assert "Qwen3OmniMoeSnakeBeta" not in swapped
     codes = _codes(9, seed=3)
     with torch.no_grad():

@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -500,6 +501,71 @@ torch::Tensor snake_beta(torch::Tensor x, torch::Tensor alpha, torch::Tensor inv
   return y;
 }
 
+// ---- narrow convolutions ----------------------------------------------------------------------
+// y[b, o, t] = bias[o] + sum_{i, j} w[o, i, j] * x[b, i, t + j * dilation] over an already padded
+// x [B, C_in, T + (K - 1) * dilation] (float32, contiguous), stride 1, no groups, C_out 1, 8 or 16.
+// For the few-channel convolutions of a vocoder's last stages (oneDNN reorders such tensors into its
+// blocked layout and back at every call): 16 time steps per vector, every output channel's
+// accumulator in registers, the terms added in (i, j) order, so a row's result never depends on
+// the batch or the thread count. Tasks: (batch row, block of 4096 steps).
+
+// One task: output steps [t0, t1) of one batch row; CO known at compile time keeps every output
+// channel's accumulator in a register. wt: weights as [in][kernel][out].
+template <int CO>
+void narrow_conv_rows(const float* xr, const float* wt, const float* b, float* yr, int64_t CI, int64_t K,
+                      int64_t L, int64_t T, int64_t dilation, int64_t t0, int64_t t1) {
+  int64_t t = t0;
+  for (; t + kVec <= t1; t += kVec) {
+    vf16 acc[CO];
+    for (int o = 0; o < CO; ++o) acc[o] = vf16{} + b[o];
+    for (int64_t i = 0; i < CI; ++i)
+      for (int64_t j = 0; j < K; ++j) {
+        const vf16 v = load(xr + i * L + t + j * dilation);
+        const float* wo = wt + (i * K + j) * CO;
+        for (int o = 0; o < CO; ++o) acc[o] += wo[o] * v;
+      }
+    for (int o = 0; o < CO; ++o) std::memcpy(yr + o * T + t, &acc[o], sizeof(vf16));
+  }
+  for (; t < t1; ++t)
+    for (int o = 0; o < CO; ++o) {
+      float a = b[o];
+      for (int64_t i = 0; i < CI; ++i)
+        for (int64_t j = 0; j < K; ++j) a += wt[(i * K + j) * CO + o] * xr[i * L + t + j * dilation];
+      yr[o * T + t] = a;
+    }
+}
+
+torch::Tensor narrow_conv1d(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t dilation) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
+              "narrow_conv1d: x must be contiguous float32 [batch, in, steps]");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kFloat32 && w.size(1) == x.size(1) &&
+                  (w.size(0) == 1 || w.size(0) == 8 || w.size(0) == 16) && dilation >= 1,
+              "narrow_conv1d: w must be float32 [out in (1, 8, 16), in, kernel] matching x");
+  const int64_t B = x.size(0), CI = x.size(1), CO = w.size(0), K = w.size(2);
+  const int64_t L = x.size(2), T = L - (K - 1) * dilation;
+  TORCH_CHECK(T >= 1, "narrow_conv1d: input shorter than the kernel's reach");
+  auto wt = w.permute({1, 2, 0}).contiguous();  // [in, kernel, out]
+  std::vector<float> b(CO, 0.0f);
+  if (bias.has_value()) {
+    auto bc = bias->contiguous();
+    TORCH_CHECK(bc.numel() == CO && bc.scalar_type() == torch::kFloat32, "narrow_conv1d: bias must be float32 [out]");
+    std::memcpy(b.data(), bc.data_ptr<float>(), CO * sizeof(float));
+  }
+  auto y = torch::empty({B, CO, T}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = wt.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t chunk = 4096, per_row = (T + chunk - 1) / chunk;
+  mstar_cpu::parallel_tasks(B * per_row, [&](int64_t task) {
+    const int64_t row = task / per_row, t0 = (task % per_row) * chunk, t1 = std::min(T, t0 + chunk);
+    const float* xr = xp + row * CI * L;
+    float* yr = yp + row * CO * T;
+    if (CO == 1) narrow_conv_rows<1>(xr, wp, b.data(), yr, CI, K, L, T, dilation, t0, t1);
+    else if (CO == 8) narrow_conv_rows<8>(xr, wp, b.data(), yr, CI, K, L, T, dilation, t0, t1);
+    else narrow_conv_rows<16>(xr, wp, b.data(), yr, CI, K, L, T, dilation, t0, t1);
+  });
+  return y;
+}
+
 // csrc/paged_decode.cpp (compiled into this extension)
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor ctx);
@@ -517,5 +583,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("pairs") = false);
   m.def("dot_pairs_available", &dot_pairs_available, "the bf16 dot-product path was compiled in");
   m.def("linear", &linear, "x @ W over a packed weight, with optional fused epilogues");
+  m.def("narrow_conv1d", &narrow_conv1d, "stride-1 convolution of a padded input with 1, 8 or 16 output channels",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("dilation") = 1);
   m.def("snake_beta", &snake_beta, "x + inv_beta * sin(alpha * x)^2 over [batch, channels, time]");
 }
