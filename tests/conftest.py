@@ -14,3 +14,15 @@ def threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    """The compiled CPU kernels (``mstar.layers.cpu_ops``: panel linears, norms, paged decode
+    attention, ...), built once per machine into its cache; the test skips where they cannot be."""
+    from mstar.layers.cpu_ops import ops
+
+    module = ops()
+    if module is None:
+        pytest.skip("the compiled CPU kernels are unavailable here (MSTAR_ATTENTION_KERNEL=torch, or no compiler)")
+    return module

@@ -14,14 +14,6 @@ from mstar.layers.prepack import prepack_mode
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary
 
 
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu_ops_mod.ops()
-    if module is None:
-        pytest.skip("the CPU ops extension is unavailable here (MSTAR_ATTENTION_KERNEL=torch, or no compiler)")
-    return module
-
-
 def _rand(*shape, seed=0, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 

@@ -15,15 +15,6 @@ from mstar.layers.paged_decode import CompiledPagedBackend, paged_decode
 from tests.test_paged_attention import CAUSAL, READ, TOL, Harness, _decode_batch, _row_meta, dense_attention
 
 
-@pytest.fixture(scope="module")
-def ext():
-    """The built extension (built once per machine into its cache directory, then loaded)."""
-    module = paged_decode_mod.kernel()
-    if module is None:
-        pytest.skip("the paged decode kernel is unavailable here (MSTAR_ATTENTION_KERNEL=torch, or no compiler)")
-    return module
-
-
 def _random_rows(ctx_lens, layout, scattered, seed=0, dtype=torch.float32):
     """A cache holding ``len(ctx_lens)`` decode rows' keys, their block tables and queries."""
     q_heads, kv_heads, head_dim, block_size = layout

@@ -1,4 +1,4 @@
-"""Qwen3-Omni served as the walks of ``graph.py`` with the nodes of ``nodes.py``.
+"""Qwen3-Omni served as the walks of ``graph.py`` with the nodes of ``nodes.py`` and ``codec_nodes.py``.
 
 ``Qwen3Omni`` (``qwen3-omni --model-path DIR``): a checkpoint directory in the hub layout
 (``loader.py``); ``Qwen3OmniTiny`` (``qwen3-omni-tiny``): the tiny configuration of ``config.py`` with
@@ -193,7 +193,7 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
 
     # -- modules -----------------------------------------------------------------------------------
     def build_submodules(self, node_names: Iterable[str]) -> dict[str, NodeSubmodule]:
-        from mstar.models.qwen3_omni import loader, nodes
+        from mstar.models.qwen3_omni import codec_nodes, loader, nodes
 
         cfg, path, fmt = self.config, self.model_path, self.load_format
         mods: dict[str, NodeSubmodule] = {}
@@ -204,16 +204,16 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
                 lm = loader.build_talker(cfg, path, fmt, self.dtype, self.seed + 1)
                 mods[node] = nodes.TalkerNode(lm, cfg, loader.tts_rows(cfg, path, fmt, self.seed))
             elif node == "code_predictor":
-                mods[node] = nodes.CodePredictorNode(loader.build_code_predictor(cfg, path, fmt, self.dtype,
+                mods[node] = codec_nodes.CodePredictorNode(loader.build_code_predictor(cfg, path, fmt, self.dtype,
                                                                                  self.seed + 2))
             elif node == "vision_encoder":
                 mods[node] = nodes.VisionEncoderNode(loader.build_vision_tower(cfg, path, fmt, self.seed + 5))
             elif node == "audio_encoder":
                 mods[node] = nodes.AudioEncoderNode(loader.build_audio_tower(cfg, path, fmt, self.seed + 4))
             elif node == "frame_assembler":
-                mods[node] = nodes.FrameAssembler()
+                mods[node] = codec_nodes.FrameAssembler()
             elif node == "Code2Wav":
-                mods[node] = nodes.Code2WavNode(loader.build_code2wav(cfg, path, fmt, self.seed + 3))
+                mods[node] = codec_nodes.Code2WavNode(loader.build_code2wav(cfg, path, fmt, self.seed + 3))
             else:
                 raise ValueError(f"qwen3-omni has no node {node!r}; nodes: {', '.join(_NODES)}")
         return mods

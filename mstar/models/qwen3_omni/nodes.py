@@ -10,11 +10,8 @@
   block and prefills the user turn + 8 assistant positions; each ``talker_decode`` iteration adds one
   position (``codec_sum`` of the previous frame + the next text: a streamed token's projection, then
   ``tts_eos`` once, then ``tts_pad``) and samples the frame's layer-0 code;
-* ``code_predictor`` (``CodePredictorNode``): one residual code per iteration of ``code_groups``;
-* ``frame_assembler`` (``FrameAssembler``): the frame's 16 codes -> ``Code2Wav`` stream, and the sum of
-  its code embeddings -> the Talker's next input;
-* ``Code2Wav`` (``Code2WavNode``): one stream chunk -> the float32 samples it adds to the waveform
-  (``audio``, 24 kHz mono in [-1, 1]; the streamed chunks concatenate to a full-length decode).
+* ``code_predictor``, ``frame_assembler``, ``Code2Wav``: the nodes after the Talker, over codec codes
+  and frames (``codec_nodes.py``).
 
 Per-request sampling comes from the request's params (``model.py``): ``sampling`` (thinker),
 ``talker_sampling``, ``code_predictor_sampling``; ``voice`` picks the speaker.
@@ -31,15 +28,14 @@ import torch
 from mstar.layers.sampling import SamplingParams, request_sampling, sample
 from mstar.model.decode import ParamsMemo, generation_done, stop_token_set
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
-from mstar.models.qwen3_omni.code2wav import ChunkRequest, Code2Wav, VocoderState
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
 from mstar.models.qwen3_omni.prompt import OmniTokenIds, assistant_start, multimodal_mask, user_positions
-from mstar.models.qwen3_omni.talker import CodePredictor, TalkerLM, empty_frame_cache
+from mstar.models.qwen3_omni.talker import TalkerLM, empty_frame_cache
 from mstar.models.qwen3_omni.thinker import ThinkerLM, mrope_positions
 
-__all__ = ["PREDICTOR_SAMPLING", "TALKER_SAMPLING", "THINKER_SAMPLING", "AudioEncoderNode", "Code2WavNode",
-           "CodePredictorNode", "FrameAssembler", "TalkerNode", "ThinkerNode", "VisionEncoderNode",
-           "omni_token_ids", "predictor_sampling", "talker_sampling", "vision_layout"]
+__all__ = ["PREDICTOR_SAMPLING", "TALKER_SAMPLING", "THINKER_SAMPLING", "AudioEncoderNode", "TalkerNode",
+           "ThinkerNode", "VisionEncoderNode", "omni_token_ids", "predictor_sampling", "talker_sampling",
+           "vision_layout"]
 
 THINKER_SAMPLING: Mapping[str, Any] = {"temperature": 0.0, "max_tokens": 256}
 TALKER_SAMPLING: Mapping[str, Any] = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05,
@@ -397,116 +393,3 @@ class TalkerNode(NodeSubmodule):
         out["code"].append(c0)
         out["cp_cache"].append(empty_frame_cache(self.cp_config, hidden.dtype))
         out["cp_sum"].append(self.lm.codec_embed(c0))
-
-
-# -- code predictor, frame assembly, Code2Wav -------------------------------------------------------------
-
-
-class CodePredictorNode(NodeSubmodule):
-    """Iteration j of ``code_groups``: code j+1 of the frame (``code``), the grown ``cp_cache`` and
-    ``cp_sum`` + the new code's embedding."""
-
-    def __init__(self, predictor: CodePredictor) -> None:
-        super().__init__()
-        self.predictor = predictor
-        self._sampling = ParamsMemo(predictor_sampling)
-
-    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
-                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
-        frame, j = fwd_info.iteration[-2], fwd_info.iteration[-1]
-        return NodeInputs(extras={"j": j, "seed_step": frame * self.predictor.config.num_code_groups + j,
-                                  "sampling": self._sampling(fwd_info.params),
-                                  "hidden": inputs["talker_hidden"][0], "code": inputs["code"][0].reshape(-1),
-                                  "cache": inputs["cp_cache"][0], "sum": inputs["cp_sum"][0]})
-
-    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
-        x = engine_inputs.extras
-        p, steps = self.predictor, x["j"]
-        later = [i for i, j in enumerate(steps) if j > 0]  # step 0 reads (talker hidden, code-0 embedding)
-        embedded = p.embed_steps([steps[i] - 1 for i in later], torch.cat([x["code"][i] for i in later])) \
-            if later else None
-        rows: list[torch.Tensor] = [None] * len(steps)  # type: ignore[list-item]
-        for k, i in enumerate(later):
-            rows[i] = embedded[k:k + 1]
-        for i, j in enumerate(steps):
-            if j == 0:
-                rows[i] = torch.cat([x["hidden"][i], x["sum"][i]])
-        logits, caches = p.step(rows, steps, x["cache"])
-        codes = sample(logits, x["sampling"], None, x["seed_step"]).cpu()
-        sums = torch.cat(x["sum"]) + p.embed_steps(steps, codes)
-        return {"code": list(codes.view(-1, 1).unbind(0)), "cp_cache": caches, "cp_sum": list(sums.split(1))}
-
-
-class FrameAssembler(NodeSubmodule):
-    """``code0`` + the 15 residual codes -> one ``[16]`` frame on the ``codec_frames`` stream and to the
-    client (``frame_codes``; an empty tensor on the last talker step, which has no frame), and
-    ``codec_sum`` (the Talker's next codec input)."""
-
-    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
-                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
-        codes = [inputs["code0"][0].reshape(-1)] + [c.reshape(-1) for c in inputs["code"]]  # code: one per step
-        return NodeInputs(extras={"frame": torch.cat(codes), "speak": bool(inputs["speak"][0]),
-                                  "sum": inputs["cp_sum"][0]})
-
-    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
-        x = engine_inputs.extras
-        frames = [f if s else f[:0] for f, s in zip(x["frame"], x["speak"])]
-        # the last step pushes an empty item rather than nothing: every push then carries an item, so
-        # a consumer that already saw the stream's end never receives a push (pushes and the end travel
-        # from different senders; an empty push could arrive after the end)
-        return {"codec_sum": list(x["sum"]), "frame_codes": frames, "codec_frames": [[f] for f in frames]}
-
-
-class Code2WavNode(NodeSubmodule):
-    """One ``codec_frames`` chunk per request -> ``audio``: float32 samples ``[wave_length(new_end) -
-    wave_length(new_start)]`` (Code2Wav's stitching rule), empty for a chunk without frames.
-
-    A request's vocoder state (``VocoderState``: the convolutions' input tails) is kept here from
-    chunk to chunk, so each chunk convolves only its new frames (the pre-transformer still reads the
-    chunk's left context); it is dropped when the request ends (``release``). A later chunk whose
-    state is missing (this rank restarted) takes the stateless decode, exact with the left context
-    the graph gives."""
-
-    def __init__(self, code2wav: Code2Wav) -> None:
-        super().__init__()
-        self.code2wav = code2wav
-        self._states: dict[str, VocoderState] = {}
-
-    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
-                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
-        items = inputs["codec_frames"]
-        chunk = fwd_info.stream_chunks.get("codec_frames") or {"start": 0, "new_start": 0}
-        context = int(chunk["new_start"]) - int(chunk["start"])
-        frames = [f.reshape(-1) for f in items if f.numel()]  # the talker's last item is empty
-        new = sum(1 for f in items[context:] if f.numel())
-        if new == 0:
-            return NodeInputs(extras={"chunk": None, "rid": fwd_info.request_id, "new_start": 0})
-        return NodeInputs(extras={"chunk": ChunkRequest(torch.stack(frames, dim=1), len(frames) - new),
-                                  "rid": fwd_info.request_id, "new_start": int(chunk["new_start"])})
-
-    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
-        # one decode per chunk, not one per group of equal-length chunks: a batched convolution rounds
-        # a row differently from the same row alone (~1e-13 here), and a request's audio must not
-        # depend on which requests share its step (concurrency, placements)
-        x = engine_inputs.extras
-        audio: list[torch.Tensor] = []
-        staged: dict[str, VocoderState | None] = {}
-        for chunk, rid, start in zip(x["chunk"], x["rid"], x["new_start"]):
-            if chunk is None:
-                audio.append(torch.zeros(0))
-                continue
-            state = self._states.get(rid) if start > 0 else None
-            if start == 0 or (state is not None and state.frames == start):
-                wave, staged[rid] = self.code2wav.decode_next(chunk.codes, chunk.left_context, state)
-            else:
-                wave, staged[rid] = self.code2wav.decode_chunks([chunk])[0], None
-            audio.append(wave)
-        for rid, state in staged.items():  # kept only once every chunk of the batch decoded
-            if state is None:
-                self._states.pop(rid, None)
-            else:
-                self._states[rid] = state
-        return {"audio": audio}
-
-    def release(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
