@@ -31,8 +31,8 @@ from torch import nn
 
 from mstar.layers.cpu_ops import ops
 
-__all__ = ["PrepackableLinear", "PrepackedGroup", "PrepackedLinear", "can_prepack", "onednn_available", "prepack_available", "prepack_linears", "prepack_mode",
-           "prepack_requested"]
+__all__ = ["PrepackableLinear", "PrepackedGroup", "PrepackedLinear", "can_prepack", "onednn_available",
+           "prepack_available", "prepack_linears", "prepack_mode", "prepack_requested", "unchanged", "versions"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,16 @@ class PrepackedLinear:
         return y.view(*shape[:-1], y.shape[-1]) if len(shape) != 2 else y
 
 
+def versions(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, int], ...]:
+    """What ``unchanged`` compares against: each tensor with its version counter now."""
+    return tuple((t, t._version) for t in tensors)
+
+
+def unchanged(snapshot: tuple[tuple[torch.Tensor, int], ...], *tensors: torch.Tensor) -> bool:
+    """``tensors`` are the very tensors of ``snapshot`` (``versions``), none written since."""
+    return len(snapshot) == len(tensors) and all(t is s and t._version == v for t, (s, v) in zip(tensors, snapshot))
+
+
 class PrepackableLinear(nn.Linear):
     """An ``nn.Linear`` (same parameters, same state-dict names) whose ``prepack()`` switches it to a
     prepacked copy of its weight, the bias added after the multiply. For families whose
@@ -164,7 +174,7 @@ class PrepackedGroup:
         if any(lin.bias is not None for lin in linears):
             raise ValueError("PrepackedGroup packs bias-free linears only")
         self.linears = list(linears)
-        self.weights = [(lin.weight, lin.weight._version) for lin in linears]
+        self.weights = versions(*(lin.weight for lin in linears))
         with torch.no_grad():
             self.linear = PrepackedLinear(torch.cat([lin.weight.detach() for lin in linears]), silu_mul=silu_mul)
 
@@ -176,7 +186,7 @@ class PrepackedGroup:
         return PrepackedGroup(linears, silu_mul=silu_mul)
 
     def fresh(self) -> bool:
-        return all(lin.weight is w and w._version == v for lin, (w, v) in zip(self.linears, self.weights))
+        return unchanged(self.weights, *(lin.weight for lin in self.linears))
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self.linear(x, residual)

@@ -20,7 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.prepack import PrepackableLinear, PrepackedGroup, PrepackedLinear, can_prepack
+from mstar.layers.prepack import (
+    PrepackableLinear,
+    PrepackedGroup,
+    PrepackedLinear,
+    can_prepack,
+    unchanged,
+    versions,
+)
 
 __all__ = ["Experts", "SparseMoeBlock", "SwiGLU", "route"]
 
@@ -78,14 +85,12 @@ class Experts(nn.Module):
             return False
         self.prepacked = [(PrepackedLinear(self.gate_up_proj[e], silu_mul=True), PrepackedLinear(self.down_proj[e]))
                           for e in range(self.num_experts)]
-        self._packed_from = ((self.gate_up_proj, self.gate_up_proj._version),
-                             (self.down_proj, self.down_proj._version))
+        self._packed_from = versions(self.gate_up_proj, self.down_proj)
         return True
 
     def _fresh(self) -> list[tuple[PrepackedLinear, PrepackedLinear]] | None:
         """The prepacked experts, if both fused parameters are the ones packed, unchanged since."""
-        if self.prepacked is None or any(p is not w or p._version != v for p, (w, v) in
-                                         zip((self.gate_up_proj, self.down_proj), self._packed_from)):
+        if self.prepacked is None or not unchanged(self._packed_from, self.gate_up_proj, self.down_proj):
             return None
         return self.prepacked
 
