@@ -114,6 +114,29 @@ def test_streamed_audio_equals_offline_sliding_window_decode():
         assert float((streamed == ref).float().mean()) > 0.99
 
 
+def test_candidate_logits_and_a_masked_full_head_draw_the_same_tokens():
+    """The benchmark's ``head="full"`` (every logit computed, the non-candidates masked, as a logits
+    processor of another engine does) samples exactly what the candidate-only head samples."""
+
+    from mstar.layers.prepack import prepack_mode, prepack_requested
+    from mstar.models.orpheus.model import OrpheusTiny
+
+    params = {"max_tokens": 49, "sampling": {"seed": 5, "ignore_eos": True}}  # Orpheus's sampling defaults
+    packs = prepack_requested() and prepack_mode(True) is not None
+    got = {}
+    for cand in (True, False):
+        with Runtime(OrpheusTiny(candidate_logits=cand)) as rt:
+            llm = rt.local_module("LLM")
+            assert llm.candidate_logits is cand
+            # the whole head's logits come from the prepacked head; the candidates from the plain weight
+            assert (llm.prepacked is not None) is (packs and not cand)
+            outs = rt.generate([{"input_ids": torch.tensor(p)} for p in PROMPTS], params)
+        assert all(o.finished for o in outs)
+        got[cand] = [[int(t) for t in o.tensors("token")] for o in outs]
+    assert got[True] == got[False]
+    assert all(len(t) == 49 and all(x >= AUDIO_TOKEN_BASE or x == STOP_TOKEN for x in t) for t in got[True])
+
+
 def test_speech_route_returns_valid_wav_streamed_and_not():
     with running_server(resolve_model("orpheus-tiny"), "orpheus-tiny") as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)

@@ -449,3 +449,32 @@ def test_partial_top_k_top_p_equals_full_sort(monkeypatch, scale):
     full = smp.apply_top_k_top_p(logits, top_k, top_p)
     assert torch.equal(torch.isinf(fast), torch.isinf(full))
     assert torch.equal(fast[~torch.isinf(fast)], full[~torch.isinf(full)])
+
+
+def test_mostly_masked_rows_filter_their_finite_part_alone() -> None:
+    """Rows with < 1/4 of their logits finite (constrained decoding) are filtered on those alone:
+    the same kept set as the per-row reference, and a row's result does not depend on its batch
+    (rows with other numbers of finite entries are grouped apart, never padded)."""
+    g = torch.Generator().manual_seed(4)
+    batch, vocab = 6, 4000
+    logits = torch.full((batch, vocab), float("-inf"))
+    counts = [300, 300, 120, 999, 300, 0]
+    for i, n in enumerate(counts):
+        cols = torch.randperm(vocab, generator=g)[:n]
+        logits[i, cols] = torch.randn(n, generator=g) * 3
+    ks = [0, 40, 0, 2000, 350, 0]  # 2000 and 350: between the row's finite count and V
+    ps = [0.8, 1.0, 0.5, 0.9, 0.7, 0.8]
+    out = apply_top_k_top_p(logits, ks, ps)
+    for i in range(batch):
+        ref = ref_top_p(ref_top_k(logits[i], ks[i]), ps[i])
+        assert torch.equal(torch.isinf(out[i]), torch.isinf(ref)), f"row {i}"
+        assert torch.equal(out[i][~torch.isinf(ref)], logits[i][~torch.isinf(ref)])
+        alone = apply_top_k_top_p(logits[i:i + 1], [ks[i]], [ps[i]])
+        assert torch.equal(alone[0], out[i])
+    params = [SamplingParams(temperature=0.7, top_k=k, top_p=p, repetition_penalty=1.2, seed=i)
+              for i, (k, p) in enumerate(zip(ks, ps))][:5]
+    seen = [[int(c) for c in torch.isfinite(logits[i]).nonzero()[:3, 0]] for i in range(5)]
+    together = sample(logits[:5], params, seen, [3] * 5)
+    for i in range(5):
+        assert int(together[i]) == one(logits[i], params[i], seen[i], 3)
+        assert math.isfinite(float(logits[i, together[i]]))

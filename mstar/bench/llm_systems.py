@@ -10,7 +10,7 @@ import os
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,13 +168,15 @@ class VllmSystem:
 
     def __init__(self, checkpoint: str | Path, venv: str | Path | None = None, max_prompt_len: int = 256,
                  max_tokens: int = 128,
-                 max_num_seqs: int = 16, log: Callable[[str], None] | None = None, dtype: str = "float32") -> None:
+                 max_num_seqs: int = 16, log: Callable[[str], None] | None = None, dtype: str = "float32",
+                 audio_constraint: bool = False) -> None:
         py = peer_python(venv)
         self.log_path = Path(checkpoint).parent / "vllm-peer.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             [str(py), str(PEER_SCRIPT), "--model", str(checkpoint), "--max-num-seqs", str(max_num_seqs),
-             "--max-model-len", str(max(512, max_prompt_len + max_tokens)), "--dtype", dtype],
+             "--max-model-len", str(max(512, max_prompt_len + max_tokens)), "--dtype", dtype]
+            + (["--audio-constraint"] if audio_constraint else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=vllm_env(),
             cwd=str(Path(checkpoint).parent))
         try:
@@ -210,6 +212,26 @@ class VllmSystem:
 
     def concurrent(self, prompts: list[list[int]], max_tokens: int) -> Run:
         return self._call("concurrent", prompts, max_tokens)
+
+    def stream(self, prompts: list[list[int]], max_tokens: int, sampling: dict[str, Any],
+               audio_codes: dict[str, int] | None = None) -> Iterator[tuple[int, list[int]]]:
+        """Every prompt at once through vLLM's engine; yields ``(prompt index, new token ids)`` as each
+        engine step's tokens arrive (``audio_codes``: the peer's ``AudioCodeConstraint``, which needs
+        ``audio_constraint=True``)."""
+        self.proc.stdin.write(json.dumps({"cmd": "stream", "prompts": prompts, "max_tokens": max_tokens,
+                                          "sampling": sampling, "audio_codes": audio_codes}) + "\n")
+        self.proc.stdin.flush()
+        done = False
+        try:
+            while not done:
+                ans = self._read()
+                done = "step" not in ans
+                if "error" in ans:
+                    raise RuntimeError(f"vLLM peer: {ans['error']}")
+                yield from ans.get("step", ())
+        finally:  # a consumer that stops early: read the rest, so the next command's answer is its own
+            while not done:
+                done = "step" not in self._read()
 
     def sequential(self, prompts: list[list[int]], max_tokens: int) -> Run:
         return self._call("sequential", prompts, max_tokens)

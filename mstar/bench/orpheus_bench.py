@@ -13,12 +13,25 @@ whose LLM weights are copied into a ``transformers.LlamaForCausalLM``, and its S
   TTFA (= its end) includes the k-1 before it.
 * ``hf-static-batch``: one HF ``generate`` over the C left-padded prompts, then one SNAC decode per
   request. Nobody hears anything before everything is done: TTFA = end = total time.
+* ``vllm-snac`` (``mstar bench compare tts``, needs ``make bench-peers``): the way orpheus-tts serves
+  the model -- the same LLM weights (saved by transformers) in vLLM's CPU engine, in its own
+  virtualenv and process, all C requests added at once; this process takes each engine step's tokens
+  as they arrive and runs orpheus-tts's client-side decoder on them: per request, each time its count
+  of audio tokens reaches a multiple of 7 that is >= 28, one SNAC decode of its last 28 tokens and
+  samples ``[S, 2S)`` out (the streaming rule mstar follows; no batching across requests, as there).
+  TTFA = the first such audio - the submission. Its sampling is the same constrained sampling
+  (``peers/vllm_audio_codes.py``, a vLLM logits processor), with vLLM's own seed.
 
 Every request generates exactly ``tokens`` new tokens on every system (EOS ignored), with the
-Orpheus sampling defaults (temperature 0.6, top_p 0.8, repetition_penalty 1.3, no top-k) and the
-same constrained audio decoding (only the stop token and the 4096 audio tokens valid at SNAC position
-``i % 7`` of the i-th generated token may be sampled), so both do the same work and produce valid
-codes. Sampling seeds differ between the systems: the tokens are not the same, only their number.
+Orpheus sampling defaults (temperature 0.6, top_p 0.8, repetition_penalty 1.3, no top-k; or, with
+``sampler="temperature"``, temperature 0.6 alone) and the same constrained audio decoding (only the
+stop token and the 4096 audio tokens valid at SNAC position ``i % 7`` of the i-th generated token may
+be sampled), so all produce valid codes. The HF and vLLM systems compute the whole head and mask its
+logits before their full-vocabulary samplers. mstar samples among the 4,097 candidates' logits,
+which it computes alone (``head="candidates"``, the default here) or takes from the whole head
+(``head="full"``, what ``compare tts`` runs: every system then does the head arithmetic of a
+real, unconstrained checkpoint; the samplers still differ). Sampling seeds differ between the
+systems: the tokens are not the same, only their number.
 
 Audio seconds are those each system produces (int16 samples / 24000): the streaming rule emits N-3
 frames where the baselines decode all N. Throughput = total audio s / wall s of the batch;
@@ -30,9 +43,11 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +57,7 @@ from mstar.models.orpheus.codec import (
     AUDIO_TOKEN_BASE,
     CODE_SIZE,
     TOKENS_PER_FRAME,
+    WINDOW_TOKENS,
     to_pcm16,
     tokens_to_codes,
 )
@@ -51,6 +67,9 @@ from mstar.models.orpheus.model import OrpheusTiny
 from mstar.runtime.api import Runtime
 
 SYSTEMS = ("mstar", "hf-sequential", "hf-static-batch")
+VLLM = "vllm-snac"
+HF_SYSTEMS = ("hf-sequential", "hf-static-batch")
+HEADS = ("candidates", "full")
 TEXTS = (
     "Hello there, how are you today?",
     "The quick brown fox jumps over the lazy dog.",
@@ -62,6 +81,11 @@ TEXTS = (
     "Thank you for calling, goodbye.",
 )
 SAMPLING = {k: DEFAULT_SAMPLING[k] for k in ("temperature", "top_p", "repetition_penalty")}
+# ``sampler`` of the benchmark: Orpheus's defaults, or temperature alone (no top-p, no repetition
+# penalty: what is left of a step when the sampler's full-vocabulary passes are taken away)
+SAMPLERS: dict[str, dict[str, float]] = {"orpheus": SAMPLING,
+                                         "temperature": {"temperature": SAMPLING["temperature"], "top_p": 1.0,
+                                                         "repetition_penalty": 1.0}}
 
 
 def request_texts(n: int) -> list[tuple[str, str]]:
@@ -112,8 +136,9 @@ class ConcurrencyResult:
     systems: dict[str, SystemSummary]
     throughput_ratio: dict[str, float]  # ours / baseline
     ttfa_ratio: dict[str, float]  # baseline p50 / ours p50
-    goal_throughput_3x: bool  # vs the better baseline
-    goal_ttfa_5x: bool  # vs the baseline with the lower TTFA
+    goal_throughput_3x: bool  # vs the better HF baseline
+    goal_ttfa_5x: bool  # vs the HF baseline with the lower TTFA
+    goal_vllm: bool | None = None  # >= 1.2x vllm-snac's throughput and a lower TTFA p50 (None: not run)
 
 
 @dataclass
@@ -127,14 +152,24 @@ class OrpheusBenchResult:
     threads: int
     samples_per_frame: int
     results: list[ConcurrencyResult]
+    sampler: str = "orpheus"
+    head: str = "candidates"
+    vllm_version: str | None = None
+    vllm_skipped: str | None = None
 
 
 # -- the shared model ---------------------------------------------------------------------------------
-def build_models(hidden: int, layers: int, head_dim: int, seed: int = 0):
-    """``(orpheus_model, hf_llama, snac)``: the HF model holds exactly our LLM node's weights."""
+def build_models(hidden: int, layers: int, head_dim: int, seed: int = 0, head: str = "candidates"):
+    """``(orpheus_model, hf_llama, snac)``: the HF model holds exactly our LLM node's weights.
+    ``head``: mstar's constrained sampling computes the 4,097 candidate logits alone (``candidates``)
+    or the whole head and takes them from it (``full``: the head arithmetic of the other systems and
+    of an unconstrained checkpoint)."""
     import transformers
 
-    model = OrpheusTiny(hidden_size=hidden, num_layers=layers, head_dim=head_dim, seed=seed)
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; known: {', '.join(HEADS)}")
+    model = OrpheusTiny(hidden_size=hidden, num_layers=layers, head_dim=head_dim, seed=seed,
+                        candidate_logits=head == "candidates")
     mods = model.build_submodules(["LLM", "snac_decoder"])
     ours = mods["LLM"]
     hf_cfg = transformers.LlamaConfig(**model.llm_config.to_hf_dict())
@@ -160,11 +195,12 @@ def _state_digest(module: torch.nn.Module) -> list[float]:
 
 
 # -- mstar --------------------------------------------------------------------------------------------
-def _params(tokens: int, seed: int) -> dict[str, Any]:
-    return {"max_tokens": tokens, "sampling": {**SAMPLING, "ignore_eos": True, "seed": seed}}
+def _params(tokens: int, seed: int, sampling: dict[str, float]) -> dict[str, Any]:
+    return {"max_tokens": tokens, "sampling": {**sampling, "ignore_eos": True, "seed": seed}}
 
 
-def run_mstar(rt: Runtime, prompts: list[list[int]], tokens: int, seed: int) -> SystemRun:
+def run_mstar(rt: Runtime, prompts: list[list[int]], tokens: int, seed: int,
+              sampling: dict[str, float] = SAMPLING) -> SystemRun:
     """Submit every request at once (one scheduling step), time the streamed items of each."""
 
     async def consume(handle, submitted: float) -> RequestTiming:
@@ -185,7 +221,7 @@ def run_mstar(rt: Runtime, prompts: list[list[int]], tokens: int, seed: int) -> 
             t0 = time.perf_counter()
             subs = []
             for i, p in enumerate(prompts):
-                subs.append((rt.submit({"input_ids": torch.tensor(p)}, _params(tokens, seed + i)),
+                subs.append((rt.submit({"input_ids": torch.tensor(p)}, _params(tokens, seed + i, sampling)),
                              time.perf_counter()))
         reqs = await asyncio.gather(*(consume(h, s) for h, s in subs))
         return SystemRun(time.perf_counter() - t0, list(reqs))
@@ -211,7 +247,8 @@ def audio_constraint(prompt_len: int):
     return AudioConstraint()
 
 
-def hf_generate(hf, prompts: list[list[int]], tokens: int, seed: int) -> list[list[int]]:
+def hf_generate(hf, prompts: list[list[int]], tokens: int, seed: int,
+                sampling: dict[str, float] = SAMPLING) -> list[list[int]]:
     """One ``generate`` over the (left-padded) prompts; the ``tokens`` new tokens of each."""
     from transformers import LogitsProcessorList
 
@@ -225,7 +262,7 @@ def hf_generate(hf, prompts: list[list[int]], tokens: int, seed: int) -> list[li
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=tokens,
                           min_new_tokens=tokens, logits_processor=LogitsProcessorList([audio_constraint(width)]),
-                          **SAMPLING)
+                          **sampling)
     return out[:, width:].tolist()
 
 
@@ -244,11 +281,11 @@ def decode_all(snac_model, generated: list[int], samples_per_frame: int) -> torc
 
 
 def run_hf_sequential(hf, snac_model, prompts: list[list[int]], tokens: int, seed: int,
-                      samples_per_frame: int) -> SystemRun:
+                      samples_per_frame: int, sampling: dict[str, float] = SAMPLING) -> SystemRun:
     t0 = time.perf_counter()
     reqs = []
     for i, p in enumerate(prompts):
-        [gen] = hf_generate(hf, [p], tokens, seed + i)
+        [gen] = hf_generate(hf, [p], tokens, seed + i, sampling)
         pcm = decode_all(snac_model, gen, samples_per_frame)
         done = time.perf_counter() - t0
         reqs.append(RequestTiming(done, done, int(pcm.numel()), len(gen)))
@@ -256,12 +293,82 @@ def run_hf_sequential(hf, snac_model, prompts: list[list[int]], tokens: int, see
 
 
 def run_hf_static(hf, snac_model, prompts: list[list[int]], tokens: int, seed: int,
-                  samples_per_frame: int) -> SystemRun:
+                  samples_per_frame: int, sampling: dict[str, float] = SAMPLING) -> SystemRun:
     t0 = time.perf_counter()
-    gens = hf_generate(hf, prompts, tokens, seed)
+    gens = hf_generate(hf, prompts, tokens, seed, sampling)
     pcms = [decode_all(snac_model, g, samples_per_frame) for g in gens]
     wall = time.perf_counter() - t0
     return SystemRun(wall, [RequestTiming(wall, wall, int(pcm.numel()), len(g)) for pcm, g in zip(pcms, gens)])
+
+
+# -- vLLM + SNAC, as orpheus-tts serves it ---------------------------------------------------------------
+class WindowDecoder:
+    """orpheus-tts's client-side decoder for one request: audio tokens in, PCM out every 7 tokens
+    from the 28th (one SNAC decode of the last 4 frames, their second frame's samples kept)."""
+
+    def __init__(self, snac_model, samples_per_frame: int) -> None:
+        self.snac, self.spf = snac_model, samples_per_frame
+        self.audio: list[int] = []
+        self.tokens = 0
+
+    def push(self, token: int) -> torch.Tensor | None:
+        self.tokens += 1
+        if token < AUDIO_TOKEN_BASE:  # the reference skips what is not an audio token
+            return None
+        self.audio.append(token)
+        n = len(self.audio)
+        if n % TOKENS_PER_FRAME or n < WINDOW_TOKENS:
+            return None
+        codes, valid = tokens_to_codes(self.audio[-WINDOW_TOKENS:], n - WINDOW_TOKENS)
+        if not valid:  # the reference drops the window
+            return None
+        with torch.inference_mode():
+            return to_pcm16(self.snac.decode(codes)[0, 0, self.spf:2 * self.spf])
+
+
+def audio_codes_spec() -> dict[str, int]:
+    """The peer's ``AudioCodeConstraint`` arguments: the constraint of ``OrpheusLM.sample_next``."""
+    return {"base": AUDIO_TOKEN_BASE, "size": CODE_SIZE, "frame": TOKENS_PER_FRAME, "stop": STOP_TOKEN}
+
+
+def run_vllm_snac(peer, snac_model, prompts: list[list[int]], tokens: int, samples_per_frame: int,
+                  sampling: dict[str, float] = SAMPLING) -> SystemRun:
+    """The client decodes on one thread: with two, its OpenMP workers spin on the cores vLLM's
+    engine is bound to (measured at 16 concurrent: 7.0 s with two threads, 3.6 s with one, 3.1-3.6 s
+    with no decoding at all)."""
+    decoders = [WindowDecoder(snac_model, samples_per_frame) for _ in prompts]
+    first: list[float | None] = [None] * len(prompts)
+    end = [0.0] * len(prompts)
+    samples = [0] * len(prompts)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t0 = time.perf_counter()
+        for i, ids in peer.stream(prompts, tokens, dict(sampling, top_k=0), audio_codes_spec()):
+            for t in ids:
+                pcm = decoders[i].push(int(t))
+                if pcm is not None and pcm.numel():
+                    samples[i] += int(pcm.numel())
+                    if first[i] is None:
+                        first[i] = time.perf_counter() - t0
+            end[i] = time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(threads)
+    return SystemRun(wall, [RequestTiming(f if f is not None else e, e, n, d.tokens)
+                            for f, e, n, d in zip(first, end, samples, decoders)])
+
+
+def start_vllm(hf, prompts: list[list[int]], tokens: int, max_seqs: int, workdir: Path, venv: str | None,
+               say: Callable[[str], None]):
+    """The HF model saved to ``workdir`` and served by the vLLM peer (PeerUnavailable if it can't be)."""
+    from mstar.bench.llm_systems import VllmSystem
+
+    ckpt = workdir / "orpheus-llm"
+    hf.save_pretrained(ckpt, safe_serialization=True)
+    say("starting vLLM CPU (its startup takes a minute or two)")
+    return VllmSystem(ckpt, venv, max_prompt_len=max(len(p) for p in prompts), max_tokens=tokens,
+                      max_num_seqs=max_seqs, log=say, audio_constraint=True)
 
 
 # -- driver ---------------------------------------------------------------------------------------------
@@ -276,51 +383,85 @@ def _check(system: str, run: SystemRun, tokens: int) -> SystemRun:
 
 def run_orpheus_bench(concurrency: list[int], tokens: int = 140, repeats: int = 1, hidden: int = 256,
                       layers: int = 4, head_dim: int = 64, workers: str = "inline", warmup: bool = True,
-                      seed: int = 0, log: Callable[[str], None] | None = None) -> OrpheusBenchResult:
+                      seed: int = 0, log: Callable[[str], None] | None = None,
+                      systems: Sequence[str] = SYSTEMS, peer_venv: str | None = None,
+                      sampler: str = "orpheus", head: str = "candidates") -> OrpheusBenchResult:
+    """Every system of ``systems`` (``SYSTEMS``, plus ``VLLM`` for the vLLM anchor; mstar and both HF
+    baselines always run) at every concurrency, in turn, ``repeats`` times."""
+    from mstar.bench.llm_systems import PeerUnavailable
+
     if not concurrency or min(concurrency) < 1 or repeats < 1:
         raise ValueError("every concurrency and repeats must be >= 1")
     if tokens < 4 * TOKENS_PER_FRAME:
         raise ValueError(f"tokens must be >= {4 * TOKENS_PER_FRAME} (4 frames) for the stream to emit audio")
+    unknown = set(systems) - {*SYSTEMS, VLLM}
+    if unknown:
+        raise ValueError(f"unknown systems {sorted(unknown)}; known: {', '.join((*SYSTEMS, VLLM))}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r}; known: {', '.join(SAMPLERS)}")
+    sp = SAMPLERS[sampler]
+    order = [*SYSTEMS, *([VLLM] if VLLM in systems else [])]
     say = log or (lambda _msg: None)
-    model, hf, snac_model, ours = build_models(hidden, layers, head_dim, seed)
+    model, hf, snac_model, ours = build_models(hidden, layers, head_dim, seed, head)
     spf = samples_per_frame(snac_model)
     results = []
-    with Runtime(model, workers=workers) as rt:
+    peer, vllm_version, vllm_skipped = None, None, None
+    with tempfile.TemporaryDirectory(prefix="mstar-orpheus-bench-") as tmp, Runtime(model, workers=workers) as rt:
         if workers == "inline":  # the runtime built its own modules: make sure they are the same weights
             served = rt.local_module("LLM")
             if _state_digest(served) != _state_digest(ours):
                 raise RuntimeError("the runtime's LLM weights differ from the baseline's")
         del ours
-        if warmup:
-            warm = [model.prompt_ids(t, v) for t, v in request_texts(2)]
-            wt = min(tokens, 5 * TOKENS_PER_FRAME)
-            run_mstar(rt, warm, wt, seed)
-            run_hf_sequential(hf, snac_model, warm[:1], wt, seed, spf)
-            run_hf_static(hf, snac_model, warm, wt, seed, spf)
-        for c in concurrency:
-            prompts = [model.prompt_ids(t, v) for t, v in request_texts(c)]
-            runs: dict[str, list[SystemRun]] = {s: [] for s in SYSTEMS}
-            for rep in range(repeats):
-                s0 = seed + 1000 * (rep + 1)
-                for system in SYSTEMS:
-                    say(f"concurrency {c} repeat {rep + 1}/{repeats}: {system}")
-                    if system == "mstar":
-                        run = run_mstar(rt, prompts, tokens, s0)
-                    elif system == "hf-sequential":
-                        run = run_hf_sequential(hf, snac_model, prompts, tokens, s0 + 500, spf)
-                    else:
-                        run = run_hf_static(hf, snac_model, prompts, tokens, s0 + 500, spf)
-                    runs[system].append(_check(system, run, tokens))
-                    say(f"  wall {run.wall_s:.2f} s")
-            summ = {s: SystemSummary.of(s, c, r) for s, r in runs.items()}
-            mine = summ["mstar"]
-            base = [s for s in SYSTEMS if s != "mstar"]
-            tput = {s: mine.throughput / summ[s].throughput for s in base}
-            ttfa = {s: summ[s].ttfa_p50_ms / mine.ttfa_p50_ms for s in base}
-            results.append(ConcurrencyResult(c, summ, tput, ttfa, goal_throughput_3x=min(tput.values()) >= 3.0,
-                                             goal_ttfa_5x=min(ttfa.values()) >= 5.0))
+        if VLLM in order:
+            every = [model.prompt_ids(t, v) for t, v in request_texts(max(concurrency))]
+            try:
+                peer = start_vllm(hf, every, tokens, max(concurrency), Path(tmp), peer_venv, say)
+                vllm_version = peer.version
+            except PeerUnavailable as e:
+                vllm_skipped = str(e)
+                say(vllm_skipped)
+                order.remove(VLLM)
+        try:
+            if warmup:
+                warm = [model.prompt_ids(t, v) for t, v in request_texts(2)]
+                wt = min(tokens, 5 * TOKENS_PER_FRAME)
+                run_mstar(rt, warm, wt, seed, sp)
+                run_hf_sequential(hf, snac_model, warm[:1], wt, seed, spf, sp)
+                run_hf_static(hf, snac_model, warm, wt, seed, spf, sp)
+                if peer is not None:
+                    run_vllm_snac(peer, snac_model, warm, wt, spf, sp)
+            for c in concurrency:
+                prompts = [model.prompt_ids(t, v) for t, v in request_texts(c)]
+                runs: dict[str, list[SystemRun]] = {s: [] for s in order}
+                for rep in range(repeats):
+                    s0 = seed + 1000 * (rep + 1)
+                    for system in order:
+                        say(f"concurrency {c} repeat {rep + 1}/{repeats}: {system}")
+                        if system == "mstar":
+                            run = run_mstar(rt, prompts, tokens, s0, sp)
+                        elif system == "hf-sequential":
+                            run = run_hf_sequential(hf, snac_model, prompts, tokens, s0 + 500, spf, sp)
+                        elif system == "hf-static-batch":
+                            run = run_hf_static(hf, snac_model, prompts, tokens, s0 + 500, spf, sp)
+                        else:
+                            run = run_vllm_snac(peer, snac_model, prompts, tokens, spf, sp)
+                        runs[system].append(_check(system, run, tokens))
+                        say(f"  wall {run.wall_s:.2f} s")
+                results.append(_compare(c, {s: SystemSummary.of(s, c, r) for s, r in runs.items()}))
+        finally:
+            if peer is not None:
+                peer.close()
     return OrpheusBenchResult(tokens, repeats, hidden, layers, head_dim, workers, torch.get_num_threads(), spf,
-                              results)
+                              results, sampler, head, vllm_version, vllm_skipped)
+
+
+def _compare(c: int, summ: dict[str, SystemSummary]) -> ConcurrencyResult:
+    mine = summ["mstar"]
+    tput = {s: mine.throughput / v.throughput for s, v in summ.items() if s != "mstar"}
+    ttfa = {s: v.ttfa_p50_ms / mine.ttfa_p50_ms for s, v in summ.items() if s != "mstar"}
+    goal_vllm = tput[VLLM] >= 1.2 and ttfa[VLLM] > 1.0 if VLLM in summ else None
+    return ConcurrencyResult(c, summ, tput, ttfa, goal_throughput_3x=min(tput[s] for s in HF_SYSTEMS) >= 3.0,
+                             goal_ttfa_5x=min(ttfa[s] for s in HF_SYSTEMS) >= 5.0, goal_vllm=goal_vllm)
 
 
 def to_json(res: OrpheusBenchResult) -> dict[str, Any]:
@@ -330,7 +471,9 @@ def to_json(res: OrpheusBenchResult) -> dict[str, Any]:
 def format_table(res: OrpheusBenchResult) -> str:
     lines = [f"tokens={res.tokens} repeats={res.repeats} hidden={res.hidden} layers={res.layers} "
              f"head_dim={res.head_dim} workers={res.workers} torch_threads={res.threads} "
-             f"SNAC samples/frame={res.samples_per_frame}"]
+             f"SNAC samples/frame={res.samples_per_frame} mstar head={res.head} sampler={res.sampler} "
+             f"{SAMPLERS[res.sampler]}"
+             + (f" vLLM={res.vllm_version}" if res.vllm_version else "")]
     for r in res.results:
         lines += [
             "",
@@ -346,7 +489,14 @@ def format_table(res: OrpheusBenchResult) -> str:
             lines.append(f"| {name} | {s.throughput:.5f} | {s.ttfa_p50_ms:.0f} | {s.ttfa_p95_ms:.0f} | "
                          f"{s.rtf_p50:.0f} | {s.wall_s:.2f} | {s.audio_s_per_request:.4f} | {tput} | {ttfa} |")
         lines.append("")
-        lines.append(f"goals: throughput >= 3x the better baseline: {'met' if r.goal_throughput_3x else 'NOT met'} "
-                     f"({min(r.throughput_ratio.values()):.2f}x); TTFA >= 5x lower than the baselines: "
-                     f"{'met' if r.goal_ttfa_5x else 'NOT met'} ({min(r.ttfa_ratio.values()):.2f}x)")
+        hf_tput = min(r.throughput_ratio[s] for s in HF_SYSTEMS)
+        hf_ttfa = min(r.ttfa_ratio[s] for s in HF_SYSTEMS)
+        lines.append(f"goals: throughput >= 3x the better HF baseline: {'met' if r.goal_throughput_3x else 'NOT met'} "
+                     f"({hf_tput:.2f}x); TTFA >= 5x lower than the HF baselines: "
+                     f"{'met' if r.goal_ttfa_5x else 'NOT met'} ({hf_ttfa:.2f}x)")
+        if r.goal_vllm is not None:
+            lines.append(f"vs {VLLM}: throughput >= 1.2x and a lower TTFA: {'met' if r.goal_vllm else 'NOT met'} "
+                         f"({r.throughput_ratio[VLLM]:.2f}x throughput, TTFA {r.ttfa_ratio[VLLM]:.2f}x lower)")
+    if res.vllm_skipped:
+        lines.append(res.vllm_skipped)
     return "\n".join(lines)

@@ -59,10 +59,10 @@ def suite_runtime(opts: argparse.Namespace) -> SuiteOutput:
 
 
 def suite_tts(opts: argparse.Namespace) -> SuiteOutput:
-    from mstar.bench.orpheus_bench import format_table, run_orpheus_bench
+    from mstar.bench.orpheus_bench import SYSTEMS, VLLM, format_table, run_orpheus_bench
 
-    res = run_orpheus_bench([1, 4, 16], tokens=140, log=_log)
-    return SuiteOutput("mstar bench orpheus --concurrency 1,4,16 --tokens 140", format_table(res))
+    res = run_orpheus_bench([1, 4, 16], tokens=140, log=_log, systems=(*SYSTEMS, VLLM), head="full")
+    return SuiteOutput("mstar bench compare tts", format_table(res))
 
 
 def suite_rollout(opts: argparse.Namespace) -> SuiteOutput:

@@ -60,6 +60,11 @@ def _add_orpheus(bsub) -> None:
     o.add_argument("--workers", choices=["inline", "process"], default="inline",
                    help="mstar runtime mode (default inline)")
     o.add_argument("--seed", type=int, default=0, help="weights and sampling seed (default 0)")
+    o.add_argument("--vllm", action="store_true",
+                   help="also run the same LLM weights in vLLM's CPU engine with orpheus-tts's client-side SNAC "
+                        "decoding (the .venv-peers virtualenv of `make bench-peers`; what `compare tts` runs)")
+    o.add_argument("--peer-venv", default=None, help="the vLLM virtualenv (default ./.venv-peers)")
+    _add_tts_options(o, head="candidates")
     o.add_argument("--out", default=None, help="also write the results as JSON to this file")
     o.set_defaults(func=run_orpheus)
 
@@ -84,6 +89,9 @@ def _add_compare(bsub) -> None:
                                     "image-understanding TTFT and tokens/s; policy: pi0.5 over the openpi "
                                     "websocket protocol at --clients concurrent clients vs. lerobot's "
                                     "sample_actions one request at a time (from .venv-ref-pi05, `make ref-pi05`); "
+                                    "tts: Orpheus (the `mstar bench orpheus` model, 140 tokens per request, at "
+                                    "--levels) vs. the same weights in vLLM's CPU engine + SNAC decoding as "
+                                    "orpheus-tts does it, and HF generate; "
                                     "omni: Qwen3-Omni text-to-speech (random weights saved by transformers, loaded "
                                     "by mstar) vs. transformers generate(return_audio=True) one request at a time "
                                     "and batched.")
@@ -127,12 +135,22 @@ def _add_compare(bsub) -> None:
                    help="llm: every system's weights, activations and KV cache (default float32)")
     x.add_argument("--out", default=None, help="llm / omni: also write the results as JSON to this file")
     _add_compare_omni(x)
+    _add_tts_options(x, head="full")
     x.set_defaults(func=run_compare)
+
+
+def _add_tts_options(p, head: str) -> None:
+    p.add_argument("--sampler", choices=["orpheus", "temperature"], default="orpheus",
+                   help="orpheus / tts: every system samples with Orpheus's defaults (temperature 0.6, top-p 0.8, "
+                        "repetition penalty 1.3; the default) or with temperature 0.6 alone")
+    p.add_argument("--head", choices=["candidates", "full"], default=head,
+                   help="orpheus / tts: mstar's constrained sampling computes only the 4,097 candidate logits, or "
+                        f"the whole head (as the other systems do) and takes them from it (default {head})")
 
 
 def _add_compare_omni(x) -> None:
     x.add_argument("--levels", type=_int_list("--levels"), default=[1, 4, 16],
-                   help="omni: comma-separated numbers of concurrent requests (default 1,4,16)")
+                   help="omni / tts: comma-separated numbers of concurrent requests (default 1,4,16)")
     x.add_argument("--text-tokens", type=int, default=12, help="omni: most thinker tokens per request (default 12)")
     x.add_argument("--talker-steps", type=int, default=61,
                    help="omni: talker steps per request, codec EOS suppressed: steps - 1 frames (default 61)")
@@ -176,11 +194,13 @@ def run_orpheus(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    from mstar.bench.orpheus_bench import format_table, run_orpheus_bench, to_json
+    from mstar.bench.orpheus_bench import SYSTEMS, VLLM, format_table, run_orpheus_bench, to_json
 
     res = run_orpheus_bench(args.concurrency, tokens=args.tokens, repeats=args.repeats, hidden=args.hidden,
                             layers=args.layers, head_dim=args.head_dim, workers=args.workers, seed=args.seed,
-                            log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                            log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                            systems=(*SYSTEMS, VLLM) if args.vllm else SYSTEMS, peer_venv=args.peer_venv,
+                            sampler=args.sampler, head=args.head)
     print(format_table(res))
     data = to_json(res)
     print(json.dumps(data))
@@ -216,7 +236,10 @@ def run_rollout(args: argparse.Namespace) -> int:
 
 def run_compare(args: argparse.Namespace) -> int:
     if args.suite == "tts":
-        raise ValueError("the tts comparison is `mstar bench orpheus` (mstar vs. HF generate + SNAC)")
+        args.concurrency, args.vllm = sorted(args.levels), True
+        args.repeats = args.repeats or 1
+        args.tokens, args.hidden, args.layers, args.head_dim, args.workers = 140, 256, 4, 64, "inline"
+        return run_orpheus(args)
     if args.suite == "llm":
         return run_compare_llm(args)
     if args.suite == "t2i":

@@ -72,7 +72,11 @@ class LlamaCausalLM(NodeSubmodule):
         layers), unless a subclass computes its logits in its own way (it would not use it)."""
         own = type(self).compute_logits is LlamaCausalLM.compute_logits and \
             type(self).sample_next is LlamaCausalLM.sample_next
-        if not own or not can_prepack(self.lm_head.weight):
+        return own and self.prepack_head()
+
+    def prepack_head(self) -> bool:
+        """Prepack the LM head for ``compute_logits`` (False if this build cannot)."""
+        if not can_prepack(self.lm_head.weight):
             return False
         self.prepacked = PrepackedLinear(self.lm_head.weight)
         return True

@@ -19,6 +19,7 @@ import torch
 
 from mstar.graph import WalkGraph
 from mstar.layers.llama import check_llama_architecture
+from mstar.layers.prepack import prepack_linears, prepack_requested
 from mstar.layers.sampling import request_sampling
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.model.checkpoint import check_load_format, reject_checkpoint
@@ -57,6 +58,7 @@ class OrpheusGraph(ModelDef):
 class OrpheusTTS(LazyTokenizer, ModelDef):
     name = "orpheus"
     constrain_audio = False
+    candidate_logits = True  # with constrain_audio: see OrpheusLM
 
     def __init__(self, model_path: str | Path | None = None, load_format: str = "auto", dtype: str = "float32",
                  snac_path: str | Path | None = None, llm_config: LlamaConfig | None = None, seed: int = 0) -> None:
@@ -124,11 +126,13 @@ class OrpheusTTS(LazyTokenizer, ModelDef):
         mods: dict[str, NodeSubmodule] = {}
         for node in node_names:
             if node == "LLM":
-                mods[node] = build_llama_model(self.llm_config, model_path=self.model_path,
-                                               load_format=self.load_format, dtype=self.dtype,
-                                               eos_token_ids=(STOP_TOKEN,), seed=self.seed,
-                                               default_sampling=DEFAULT_SAMPLING, module_cls=OrpheusLM)
-                mods[node].constrain_audio = self.constrain_audio
+                llm = build_llama_model(self.llm_config, model_path=self.model_path, load_format=self.load_format,
+                                        dtype=self.dtype, eos_token_ids=(STOP_TOKEN,), seed=self.seed,
+                                        default_sampling=DEFAULT_SAMPLING, module_cls=OrpheusLM, prepack=False)
+                llm.constrain_audio, llm.candidate_logits = self.constrain_audio, self.candidate_logits
+                if prepack_requested():  # after the switches: they decide whether the head is prepacked
+                    prepack_linears(llm)
+                mods[node] = llm
             elif node == "snac_decoder":
                 codec = (dummy_snac(self.seed) if self.load_format == "dummy" and not self.snac_path
                          else load_snac(self.snac_path, noise=False))
@@ -151,7 +155,7 @@ class OrpheusTiny(OrpheusTTS):
     constrain_audio = True
 
     def __init__(self, model_path: str | None = None, load_format: str = "dummy", hidden_size: int = 64,
-                 num_layers: int = 2, head_dim: int = 16, seed: int = 0) -> None:
+                 num_layers: int = 2, head_dim: int = 16, seed: int = 0, candidate_logits: bool = True) -> None:
         reject_checkpoint(self.name, OrpheusTTS.name, model_path, load_format)
         heads = max(1, hidden_size // head_dim)
         cfg = LlamaConfig.from_hf_dict({**TINY_LLM.to_hf_dict(), "hidden_size": hidden_size,
@@ -159,3 +163,4 @@ class OrpheusTiny(OrpheusTTS):
                                         "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2),
                                         "head_dim": head_dim}, source="orpheus-tiny")
         super().__init__(None, "dummy", "float32", None, cfg, seed)
+        self.candidate_logits = candidate_logits

@@ -37,32 +37,47 @@ class OrpheusLM(LlamaCausalLM):
     (the i-th generated token can only carry a code of SNAC position i % 7). Off for real
     checkpoints (the reference does not constrain); on for orpheus-tiny, whose random weights would
     otherwise produce invalid codes and hence silence.
+
+    ``candidate_logits`` (with ``constrain_audio``): compute only the 4,097 logits that can be
+    sampled (the default), or the whole head and then take those 4,097 from it (the head's
+    arithmetic of an unconstrained checkpoint, which engines constraining with a logits processor
+    pay; the benchmarks against them use it). Same seed, same tokens (up to the float rounding of
+    the two ways to the same logits).
     """
 
     constrain_audio = False
+    candidate_logits = True
 
     @property
     def vocab_parallel_head(self) -> bool:
-        """Constrained sampling reads rows of the head's weight: under tensor parallelism the
-        head then stays whole on every rank."""
-        return not self.constrain_audio
+        """Candidate logits read rows of the head's weight: under tensor parallelism the head then
+        stays whole on every rank."""
+        return not (self.constrain_audio and self.candidate_logits)
+
+    def prepack(self) -> bool:
+        """The head is prepacked when its logits come from ``compute_logits`` (all but the candidate
+        path, which multiplies slices of the plain weight)."""
+        return not (self.constrain_audio and self.candidate_logits) and self.prepack_head()
 
     def sample_next(self, last, engine_inputs):
         if not self.constrain_audio:
             return super().sample_next(last, engine_inputs)
-        # Only the stop token and the 4096 audio tokens of the next position can be sampled: compute
-        # just those logits (in vocabulary order, so the seeded draw equals a full-vocabulary
-        # sample with every other logit masked), sample among them, map back to token ids.
+        # Only the stop token and the 4096 audio tokens of the next position can be sampled: their
+        # logits (in vocabulary order, so the seeded draw equals a full-vocabulary sample with every
+        # other logit masked) are sampled among, then mapped back to token ids. With
+        # candidate_logits they alone are computed (the window is a contiguous slice of the head:
+        # one small matmul per row, no gather); else the whole head, then gathered.
         ei = engine_inputs
         weight = self.lm_head.weight
         cols, rows = [], []
+        full = None if self.candidate_logits else self.process_logits(self.compute_logits(last), ei)
         for r, step in enumerate(ei.extras["step"]):
             lo = AUDIO_TOKEN_BASE + (step % TOKENS_PER_FRAME) * CODE_SIZE
             cols.append(torch.cat([torch.tensor([STOP_TOKEN]), torch.arange(lo, lo + CODE_SIZE)]))
-            # the window is a contiguous slice of the head: no gather, one small matmul
-            rows.append(torch.cat([last[r:r + 1] @ weight[STOP_TOKEN:STOP_TOKEN + 1].T,
-                                   last[r:r + 1] @ weight[lo:lo + CODE_SIZE].T], dim=1))
-        logits = torch.cat(rows)
+            if full is None:
+                rows.append(torch.cat([last[r:r + 1] @ weight[STOP_TOKEN:STOP_TOKEN + 1].T,
+                                       last[r:r + 1] @ weight[lo:lo + CODE_SIZE].T], dim=1))
+        logits = torch.cat(rows) if full is None else full.gather(1, torch.stack(cols).to(full.device))
         seen = self.seen_lists(ei)
         if seen is not None:  # the penalty counts only tokens that are candidates here: map them
             seen = [[0 if t == STOP_TOKEN else 1 + t - int(c[1]) for t in s
