@@ -272,9 +272,22 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 @dataclass
 class _DecodeRow:
     ctx: int  # keys attended to
-    first: int  # the first block, when the row's blocks are consecutive (then ``blocks`` is None)
-    num_blocks: int
-    blocks: torch.Tensor | None  # int64 block ids, when they are not consecutive
+    ids: list[int]  # its block ids, in order
+    consecutive: bool  # ids[0], ids[0] + 1, ...: the cached keys are one slice of the cache
+    _blocks: torch.Tensor | None = None  # int64 ids for index_select (made on first use)
+
+    @property
+    def first(self) -> int:
+        return self.ids[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.ids)
+
+    def blocks(self, device: torch.device) -> torch.Tensor:
+        if self._blocks is None:
+            self._blocks = torch.tensor(self.ids, dtype=torch.int64, device=device)
+        return self._blocks
 
 
 @dataclass
@@ -316,9 +329,8 @@ def _decode_plan(meta: AttentionMetadata, cu: list[int], ctx: list[int], q: torc
     per_row = []
     for i in rows:
         ids = _table_row(meta.block_tables, i, -(-ctx[i] // block_size))
-        consecutive = ids == list(range(ids[0], ids[0] + len(ids)))
-        per_row.append(_DecodeRow(ctx[i], ids[0], len(ids), None if consecutive else torch.tensor(
-            ids, dtype=torch.int64, device=k_cache.device)))
+        per_row.append(_DecodeRow(ctx[i], ids, ids[-1] - ids[0] == len(ids) - 1
+                                  and ids == list(range(ids[0], ids[0] + len(ids)))))
     per_vector = _ALIGN_BYTES // math.gcd(_ALIGN_BYTES, _compute_dtype(q.dtype).itemsize)
     q_stride = -(-q.shape[1] * q.shape[2] // per_vector) * per_vector
     plan = DecodeRows(rows, torch.tensor([cu[i] for i in rows], dtype=torch.int64, device=q.device),
@@ -329,10 +341,10 @@ def _decode_plan(meta: AttentionMetadata, cu: list[int], ctx: list[int], q: torc
 
 def _row_keys(cache: torch.Tensor, row: _DecodeRow, dtype: torch.dtype) -> torch.Tensor:
     """A decode row's cached keys (or values) ``[ctx, kv_heads, head_dim]``: contiguous, aligned."""
-    if row.blocks is None:  # a view of the cache, unless it is misaligned
+    if row.consecutive:  # a view of the cache, unless it is misaligned
         keys = cache[row.first:row.first + row.num_blocks].flatten(0, 1)[:row.ctx]
     else:  # a fresh allocation
-        keys = cache.index_select(0, row.blocks).flatten(0, 1)[:row.ctx]
+        keys = cache.index_select(0, row.blocks(cache.device)).flatten(0, 1)[:row.ctx]
     return _own(keys.to(dtype))
 
 

@@ -39,11 +39,7 @@ def _tables(plan: DecodeRows, device: torch.device) -> tuple[torch.Tensor, torch
     lengths (memoized on the plan)."""
     if plan.kernel_tables is None:
         width = max(row.num_blocks for row in plan.per_row)
-        tables = torch.zeros(len(plan.per_row), width, dtype=torch.int64)
-        for j, row in enumerate(plan.per_row):
-            ids = (torch.arange(row.first, row.first + row.num_blocks) if row.blocks is None
-                   else row.blocks.cpu())
-            tables[j, :row.num_blocks] = ids
+        tables = torch.tensor([row.ids + [0] * (width - row.num_blocks) for row in plan.per_row], dtype=torch.int64)
         ctx = torch.tensor([row.ctx for row in plan.per_row], dtype=torch.int64)
         plan.kernel_tables = (tables.to(device), ctx.to(device))
     return plan.kernel_tables
