@@ -18,10 +18,11 @@ the row's position.  This holds because
 
 * every transformation above is row-wise (element-wise ops, per-row sort / softmax / cumsum),
 * the random draw uses the exponential-race (Gumbel-max) trick: the token is
-  ``argmax(scaled_logits - log(E))`` with ``E ~ Exp(1)`` i.i.d. over the full vocabulary, which selects
-  token ``j`` with probability ``softmax(scaled_logits)[j]`` without any normalisation, and
-* the noise ``E`` for a row is drawn from a fresh :class:`torch.Generator` seeded from
-  ``(seed, step_index)`` alone, always for the full vocabulary, regardless of masking.
+  ``argmax(scaled_logits - log(E))`` with ``E = -log(U) ~ Exp(1)`` i.i.d. over the tokens the filters
+  kept, which selects token ``j`` with probability ``softmax(scaled_logits)[j]`` without any
+  normalisation, and
+* the uniforms ``U`` for a row are drawn from a fresh :class:`torch.Generator` seeded from
+  ``(seed, step_index)`` alone, one per kept token, in vocabulary order.
 
 Rows without a seed draw from a process-wide generator (non-deterministic across processes).
 Seeded results are reproducible for a given device type; CPU and accelerator generators produce different
@@ -217,19 +218,20 @@ def _shared_generator(device: torch.device) -> torch.Generator:
     return gen
 
 
-def _exponential_noise(vocab: int, device: torch.device, seed: int | None, step: int) -> torch.Tensor:
-    """``-log(E)`` for ``E ~ Exp(1)`` of length ``vocab`` (standard Gumbel noise), float32 on ``device``."""
+def _gumbel_noise(n: int, device: torch.device, seed: int | None, step: int) -> torch.Tensor:
+    """``-log(E)`` with ``E = -log(U) ~ Exp(1)``, ``U ~ U[0, 1)``: ``n`` standard Gumbel samples, float32
+    on ``device``. Drawn from uniforms (``exponential_`` is 4-5x slower on CPU: 99 vs 22 us for 4,097
+    values). ``U = 0`` gives -inf (never drawn); ``U < 1`` keeps it finite, so a masked -inf logit
+    stays -inf, never NaN."""
     if seed is None:
         with _shared_lock:
             gen = _shared_generator(device)
-            e = torch.empty(vocab, dtype=torch.float32, device=gen.device).exponential_(generator=gen)
+            u = torch.rand(n, dtype=torch.float32, device=gen.device, generator=gen)
     else:
         gen = _new_generator(device)
         gen.manual_seed(row_seed(seed, step))
-        e = torch.empty(vocab, dtype=torch.float32, device=gen.device).exponential_(generator=gen)
-    # Guard against E == 0 (log -> -inf would turn a masked -inf logit into NaN).
-    e = e.clamp_min_(torch.finfo(torch.float32).tiny)
-    return e.log_().neg_().to(device)
+        u = torch.rand(n, dtype=torch.float32, device=gen.device, generator=gen)
+    return u.log_().neg_().log_().neg_().to(device)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -485,8 +487,8 @@ def sample(
             # vocabulary order): same distribution, and cheap when top-k / top-p keep a few tokens
             kept = finite[row].nonzero().squeeze(-1)
             if kept.numel() == 0 or kept.numel() == vocab:
-                out[i] = torch.argmax(xs[row] + _exponential_noise(vocab, device, p.seed, step_indices[i]))
+                out[i] = torch.argmax(xs[row] + _gumbel_noise(vocab, device, p.seed, step_indices[i]))
             else:
-                race = xs[row, kept] + _exponential_noise(kept.numel(), device, p.seed, step_indices[i])
+                race = xs[row, kept] + _gumbel_noise(kept.numel(), device, p.seed, step_indices[i])
                 out[i] = kept[torch.argmax(race)]
     return out
