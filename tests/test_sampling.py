@@ -478,3 +478,16 @@ def test_mostly_masked_rows_filter_their_finite_part_alone() -> None:
     for i in range(5):
         assert int(together[i]) == one(logits[i], params[i], seen[i], 3)
         assert math.isfinite(float(logits[i, together[i]]))
+
+
+def test_inverse_cdf_draw_edges() -> None:
+    """The one-uniform draw: a weight that underflows to 0 is never drawn, u = 0 takes the first
+    positive weight, u just below 1 the last, and the draw follows the cumulative weights."""
+    from mstar.layers.sampling import _draw
+
+    vals = torch.tensor([0.0, -800.0, 0.0])  # exp(-800) underflows even in float64
+    assert {_draw(vals, u / 1000) for u in range(1000)} == {0, 2}
+    assert _draw(vals, 0.0) == 0 and _draw(vals, 1 - 1e-16) == 2
+    probs = torch.tensor([0.1, 0.6, 0.3])
+    picks = [_draw(probs.log(), u) for u in (0.05, 0.099, 0.101, 0.69, 0.71, 0.99)]
+    assert picks == [0, 0, 1, 1, 2, 2]
