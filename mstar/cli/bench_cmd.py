@@ -119,7 +119,7 @@ def _add_compare(bsub) -> None:
                    help="llm: where the benchmark checkpoint is written once and reused "
                         "(default ~/.cache/mstar/bench)")
     x.add_argument("--peer-venv", default=None,
-                   help="llm / policy: the peer virtualenv (default ./.venv-peers / ./.venv-ref-pi05)")
+                   help="llm / tts / policy: the peer virtualenv (default ./.venv-peers / ./.venv-ref-pi05)")
     x.add_argument("--clients", type=_batches, default=[1, 8], help="policy: concurrent clients (default 1,8)")
     x.add_argument("--size", choices=["small", "medium", "both"], default="both",
                    help="policy: model size (default both; see mstar/bench/policy_bench.py)")
