@@ -79,7 +79,7 @@ def test_keep_audio_codes_masks_all_but_the_position_codes_and_stop():
 
 def test_window_decoder_emits_what_the_mstar_stream_emits():
     """orpheus-tts's client-side decoder (the vLLM peer's) on mstar's tokens = mstar's streamed audio."""
-    from mstar.bench.orpheus_bench import WindowDecoder
+    from mstar.bench.orpheus_systems import WindowDecoder
     from mstar.models.orpheus.model import OrpheusTiny
     from mstar.runtime.api import Runtime
 
@@ -144,7 +144,7 @@ def fake_peer(tmp_path, monkeypatch):
 
 
 def test_vllm_stream_protocol_and_an_early_stop(fake_peer):
-    from mstar.bench.orpheus_bench import audio_codes_spec
+    from mstar.bench.orpheus_systems import audio_codes_spec
 
     gen = fake_peer.stream([[1], [2]], 5, {"temperature": 0.6}, audio_codes_spec())
     assert next(gen)[0] == 0
@@ -154,7 +154,7 @@ def test_vllm_stream_protocol_and_an_early_stop(fake_peer):
 
 
 def test_run_vllm_snac_times_and_counts_each_request(fake_peer):
-    from mstar.bench.orpheus_bench import run_vllm_snac
+    from mstar.bench.orpheus_systems import run_vllm_snac
     from mstar.models.orpheus.loader import dummy_snac
 
     snac_model = dummy_snac()

@@ -437,7 +437,7 @@ def test_sample_argument_checks() -> None:
 
 @pytest.mark.parametrize("scale", [0.5, 3.0, 10.0])
 def test_partial_top_k_top_p_equals_full_sort(monkeypatch, scale):
-    import mstar.layers.sampling as smp
+    import mstar.layers.logit_filters as smp
 
     g = torch.Generator().manual_seed(int(scale * 10))
     logits = torch.randn(6, 3000, generator=g) * scale

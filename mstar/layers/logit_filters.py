@@ -1,0 +1,179 @@
+"""The logit filters of :mod:`mstar.layers.sampling`, in the order ``sample`` applies them (after
+the repetition penalty): repetition penalty, temperature, top-k / top-p. All are row-wise, and all
+return new float32 tensors: a row's result never depends on the other rows of its batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["apply_repetition_penalty", "apply_temperature", "apply_top_k_top_p"]
+
+
+def _per_row(
+    values: Sequence[float] | Sequence[int] | torch.Tensor,
+    batch: int,
+    name: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    t = torch.as_tensor(values, dtype=dtype, device=device).reshape(-1)
+    if t.numel() != batch:
+        raise ValueError(f"{name} has {t.numel()} entries for a batch of {batch}")
+    return t
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor,
+    seen_tokens: Sequence[Sequence[int]] | None,
+    penalties: Sequence[float] | torch.Tensor,
+) -> torch.Tensor:
+    """HF repetition penalty, per row: for each distinct token in ``seen_tokens[i]``, a logit ``> 0`` is
+    divided by ``penalties[i]`` and any other logit multiplied by it.
+
+    ``logits`` is ``[B, V]``; returns a new float32 tensor.  Token ids outside ``[0, V)`` raise ValueError.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [batch, vocab], got shape {tuple(logits.shape)}")
+    out = logits.to(torch.float32, copy=True)
+    batch, vocab = out.shape
+    pen = _per_row(penalties, batch, "penalties", torch.float32, torch.device("cpu"))
+    if not bool((pen > 0).all()):
+        raise ValueError("repetition penalties must be > 0")
+    if seen_tokens is None:
+        return out
+    if len(seen_tokens) != batch:
+        raise ValueError(f"seen_tokens has {len(seen_tokens)} entries for a batch of {batch}")
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, toks in enumerate(seen_tokens):
+        if pen[i].item() == 1.0 or toks is None or len(toks) == 0:
+            continue
+        uniq = set(int(t) for t in toks)
+        lo, hi = min(uniq), max(uniq)
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"seen token id out of range [0, {vocab}) in row {i}: {lo if lo < 0 else hi}")
+        rows.extend([i] * len(uniq))
+        cols.extend(sorted(uniq))
+    if not rows:
+        return out
+    r = torch.tensor(rows, dtype=torch.long, device=out.device)
+    c = torch.tensor(cols, dtype=torch.long, device=out.device)
+    p = pen.to(out.device)[r]
+    vals = out[r, c]
+    out[r, c] = torch.where(vals > 0, vals / p, vals * p)
+    return out
+
+
+def apply_temperature(logits: torch.Tensor, temperatures: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """Divide each row by its temperature; rows with temperature 0 (greedy) are left unchanged."""
+    out = logits.to(torch.float32)
+    temps = _per_row(temperatures, out.shape[0], "temperatures", torch.float32, out.device)
+    temps = torch.where(temps > 0, temps, torch.ones_like(temps))
+    return out / temps[:, None]
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: Sequence[int] | torch.Tensor,
+    top_p: Sequence[float] | torch.Tensor,
+) -> torch.Tensor:
+    """Mask (set to ``-inf``) logits outside each row's top-k and then its nucleus (top-p).
+
+    * top-k keeps every logit ``>=`` the k-th largest (ties kept, as in HF); ``k <= 0`` or ``k >= V``
+      disables it.
+    * top-p then keeps, in descending order, each token whose preceding probability mass (of the top-k
+      filtered distribution) is ``< p``: the smallest prefix reaching mass ``p``; at least one token is
+      always kept.  ``p >= 1`` disables it.
+
+    ``logits`` is ``[B, V]``; returns a new float32 tensor.  A single descending sort serves both filters.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [batch, vocab], got shape {tuple(logits.shape)}")
+    out = logits.to(torch.float32, copy=True)
+    batch, vocab = out.shape
+    ks = _per_row(top_k, batch, "top_k", torch.long, out.device)
+    ps = _per_row(top_p, batch, "top_p", torch.float32, out.device)
+    use_k = (ks > 0) & (ks < vocab)
+    use_p = ps < 1.0
+    if batch == 0 or vocab == 0 or not bool((use_k | use_p).any()):
+        return out
+
+    finite = torch.isfinite(out)
+    counts = finite.sum(dim=-1)
+    if int(counts.max()) * 4 < vocab:
+        return _top_k_top_p_compacted(out, finite, counts, ks, ps)
+    fast = _top_k_top_p_partial(out, ks, ps, use_k, use_p)
+    if fast is not None:
+        return fast
+    sorted_vals, sorted_idx = torch.sort(out, dim=-1, descending=True)
+    # top-k: threshold at the k-th largest value (ties with it survive).
+    kth = sorted_vals.gather(-1, (ks.clamp(1, vocab) - 1)[:, None])
+    neg_inf = torch.tensor(float("-inf"), dtype=out.dtype, device=out.device)
+    kth = torch.where(use_k[:, None], kth, neg_inf)
+    sorted_vals = sorted_vals.masked_fill(sorted_vals < kth, float("-inf"))
+    # top-p on the (already top-k filtered) distribution.
+    probs = torch.softmax(sorted_vals, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop = (mass_before >= ps[:, None]) & use_p[:, None]
+    drop[:, 0] = False
+    sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
+    return out.scatter(-1, sorted_idx, sorted_vals)
+
+
+def _top_k_top_p_compacted(out: torch.Tensor, finite: torch.Tensor, counts: torch.Tensor, ks: torch.Tensor,
+                           ps: torch.Tensor) -> torch.Tensor:
+    """The filters of rows whose logits are mostly masked already (constrained decoding: e.g. 4,097
+    of 156,940 finite), run on their finite entries only: a [rows, n] problem instead of [rows, V].
+    Rows are grouped by their number of finite entries, so that a row's sub-problem is exactly its
+    own finite logits in vocabulary order, whatever the batch (no padding). Masked logits stay
+    masked whatever k or p is (a k between n and V keeps all n, as on the full row)."""
+    res = torch.full_like(out, float("-inf"))
+    for n in torch.unique(counts).tolist():
+        if n == 0:
+            continue
+        rows = (counts == n).nonzero().squeeze(-1)
+        cols = finite[rows].nonzero()[:, 1].view(rows.numel(), n)  # row-major: ascending per row
+        r = rows[:, None]
+        res[r, cols] = apply_top_k_top_p(out[r, cols], ks[rows], ps[rows])
+    return res
+
+
+_PARTIAL_K = 256
+
+
+def _top_k_top_p_partial(out: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, use_k: torch.Tensor,
+                         use_p: torch.Tensor) -> torch.Tensor | None:
+    """The same filtering from the ``_PARTIAL_K`` largest logits only, when that is provably exact
+    for every row (its kept set lies inside them); None otherwise. A full sort of a 150k-token
+    vocabulary costs ~20 ms per row on a CPU; ``topk`` of 256 a fraction of that.
+
+    Exact when, per row: top-k is on with k < K and the k-th value is strictly above the K-th (no
+    ties reach past K); or top-k is off and the K largest already hold probability mass >= p (so
+    the nucleus ends inside them); or neither filter is on (the row is left unchanged).
+    """
+    batch, vocab = out.shape
+    k_cap = min(_PARTIAL_K, vocab)
+    if k_cap >= vocab:
+        return None
+    top_vals, top_idx = torch.topk(out, k_cap, dim=-1)  # sorted, descending
+    kk = ks.clamp(1, k_cap)
+    kth = top_vals.gather(-1, (kk - 1)[:, None])
+    k_ok = use_k & (ks < k_cap) & (kth[:, 0] > top_vals[:, -1])
+    full_lse = torch.logsumexp(out, dim=-1)
+    p_ok = use_p & ~use_k & (torch.exp(torch.logsumexp(top_vals, dim=-1) - full_lse) >= ps)
+    active = use_k | use_p
+    if not bool((k_ok | p_ok | ~active).all()):
+        return None
+    vals = top_vals.masked_fill(use_k[:, None] & (top_vals < kth), float("-inf"))
+    # probabilities under the row's filtered distribution: top-k rows normalise over their kept set
+    # (inside the K), the others over the whole vocabulary
+    lse = torch.where(use_k, torch.logsumexp(vals, dim=-1), full_lse)
+    probs = torch.exp(vals - lse[:, None])
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop = (mass_before >= ps[:, None]) & use_p[:, None]
+    drop[:, 0] = False
+    vals = vals.masked_fill(drop, float("-inf"))
+    filtered = torch.full_like(out, float("-inf")).scatter(-1, top_idx, vals)
+    return torch.where(active[:, None], filtered, out)
