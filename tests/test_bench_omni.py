@@ -67,6 +67,9 @@ def test_table_has_every_row_and_goal(result):
     for text, ok in goals:
         assert f"goal {'met' if ok else 'NOT met'}: {text}" in table
     assert ("mstar profile at concurrency 2" in table) == (not all(ok for _, ok in goals))
+    hit, looked = result.prefix_tokens  # every measured prompt starts with the shared system turn
+    assert 0 < hit < looked and looked == sum(len(p) for c in (1, 2) for p in omni_bench.prompts(c))
+    assert f"the Thinker reused {hit} of {looked} prompt tokens" in table
     data = omni_bench.to_json(result)
     assert [g["met"] for g in data["goals"]] == [ok for _, ok in goals]
 
@@ -102,6 +105,8 @@ def test_cli_parses_the_omni_suite():
     bench_cmd.add_parser(parser.add_subparsers(dest="cmd"))
     args = parser.parse_args(["bench", "compare", "omni", "--levels", "1,4", "--talker-steps", "9", "--sample"])
     assert args.suite == "omni" and args.levels == [1, 4] and args.talker_steps == 9 and args.sample
+    assert args.prefix_caching
+    assert not parser.parse_args(["bench", "compare", "omni", "--no-prefix-caching"]).prefix_caching
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "compare", "omni", "--levels", "0"])
     args = parser.parse_args(["bench", "compare", "omni", "--hidden", "48"])
@@ -114,9 +119,10 @@ def test_sampled_talker_has_no_parity_line(monkeypatch):
     suppressed), codes are not compared."""
     monkeypatch.setenv("MSTAR_ATTENTION_KERNEL", "torch")
     res = omni_bench.run_omni_bench([1], text_tokens=3, talker_steps=4, repeats=1, sample=True,
-                                    config=dict(TINY_HF_CONFIG), profile=False)
+                                    config=dict(TINY_HF_CONFIG), profile=False, prefix_caching=False)
     (r,) = res.results
     assert r.parity is None and res.sampled and not res.profile
+    assert res.prefix_tokens == (0, 0) and "mstar prefix cache: off" in omni_bench.format_table(res)
     assert all(s.audio_s_per_request == pytest.approx((1920 * 3 - 555) / 24000) for s in r.systems.values())
     table = omni_bench.format_table(res)
     assert "talker sampled (temperature 0.9, top-k 50)" in table and "parity" not in table

@@ -346,3 +346,43 @@ def test_one_token_answer_still_speaks(runtime):
     text, codes, wav = ours(out)
     assert len(text) == 1 and 1 <= codes.shape[0] <= 5 and wav.numel() == 1920 * codes.shape[0] - 555
     assert kv_blocks_in_use(runtime) == 0
+
+
+def _thinker_prefix_hits(rt) -> int:
+    return sum(r["kv"]["Thinker"]["prefix_hit_tokens"] for r in rt.stats()["ranks"] if "Thinker" in r["kv"])
+
+
+def test_thinker_reuses_the_shared_prompt_prefix(omni):
+    """Prompts starting alike (the system turn) reuse the Thinker's cached KV blocks of those tokens;
+    the Talker still gets every prompt position's input embedding. Blocks stop before a prompt's first
+    media placeholder: the same ids with another image must not reuse the first image's KV. Outputs
+    equal those of a runtime without prefix caching."""
+    import dataclasses
+    from pathlib import Path
+
+    from mstar.models.qwen3_omni.encoders import image_input
+    from mstar.placement import Placement
+
+    base = Placement.load(Path(__file__).parents[1] / "examples" / "placements" / "qwen3_omni_single.yaml")
+    placement = dataclasses.replace(base, limits=dataclasses.replace(base.limits, kv_block_size=4))
+    images = []
+    for seed in (5, 6):
+        torch.manual_seed(seed)
+        images.append(image_input(torch.randint(0, 256, (64, 96, 3), dtype=torch.uint8)))
+    ids = chat(VISION_START, *[IMAGE] * images[0].num_tokens, VISION_END, 9707, 11)
+    work = [({"input_ids": p}, audio_params(6, 12)) for p in PROMPTS] + [({"input_ids": PROMPTS[0]}, {"max_tokens": 6})]
+    work += [({"input_ids": ids, "pixel_values": im.pixel_values, "image_grid_thw": im.grid_thw[None]},
+              audio_params(6, 12)) for im in images]
+    outputs = []
+    for caching in (False, True):
+        with Runtime(Qwen3Omni(omni[1]), placement, prefix_caching=caching) as rt:
+            outputs.append([ours(rt.generate(inputs, params)[0]) for inputs, params in work])
+            hits = _thinker_prefix_hits(rt)
+            assert kv_blocks_in_use(rt) == 0
+        # each prompt after the first reuses the 2 blocks of its 10-token system turn + user header
+        # (the image prompts' third block holds a placeholder); the repeated prompt 4 of its 5 full
+        # blocks (one token must run)
+        assert hits == (8 * 4 + 16 if caching else 0)
+    for (text, codes, wav), (t2, c2, w2) in zip(*outputs):
+        assert t2 == text and torch.equal(c2, codes) and torch.equal(w2, wav)
+    assert outputs[1][-1][0] != outputs[1][-2][0] or not torch.equal(outputs[1][-1][1], outputs[1][-2][1])

@@ -176,6 +176,8 @@ class OmniBenchResult:
     threads: int
     results: list[ConcurrencyResult]
     profile: str = ""
+    prefix_caching: bool = True
+    prefix_tokens: tuple[int, int] = (0, 0)  # mstar Thinker prompt tokens (reused from the cache, looked up)
 
 
 # -- mstar ------------------------------------------------------------------------------------------
@@ -344,8 +346,11 @@ def _measure(work: Workload, rt: Runtime, hf, c: int, repeats: int, say) -> Conc
 
 def run_omni_bench(concurrency: list[int], text_tokens: int = 12, talker_steps: int = 61, repeats: int = 2,
                    sample: bool = False, seed: int = 0, config: dict[str, Any] | None = None,
-                   profile: bool = True, log: Callable[[str], None] | None = None) -> OmniBenchResult:
-    """Build the shared checkpoint, warm every system up, measure each concurrency."""
+                   profile: bool = True, prefix_caching: bool = True,
+                   log: Callable[[str], None] | None = None) -> OmniBenchResult:
+    """Build the shared checkpoint, warm every system up, measure each concurrency. ``prefix_caching``:
+    mstar's Thinker reuses the KV blocks of the prompts' shared system turn (the runtime's default;
+    transformers has no such cache); its reuse over the measured runs is reported."""
     from mstar.models.qwen3_omni.model import Qwen3Omni
 
     if not concurrency or min(concurrency) < 1 or repeats < 1:
@@ -360,16 +365,26 @@ def run_omni_bench(concurrency: list[int], text_tokens: int = 12, talker_steps: 
     with tempfile.TemporaryDirectory() as path:
         hf.save_pretrained(path)
         say(f"checkpoint saved ({sum(p.numel() for p in hf.parameters()) / 1e6:.1f} M parameters)")
-        with Runtime(Qwen3Omni(path)) as rt:
+        with Runtime(Qwen3Omni(path), prefix_caching=prefix_caching) as rt:
             warm = Workload(text_tokens, min(talker_steps, 4), sample, seed)
             for system in SYSTEMS:
                 warm.run(system, rt, hf, prompts(2), 0)
+            before = thinker_prefix_tokens(rt)
             res = OmniBenchResult(describe_config(cfg), text_tokens, talker_steps, sample, repeats,
                                   torch.get_num_threads(),
-                                  [_measure(work, rt, hf, c, repeats, say) for c in concurrency])
+                                  [_measure(work, rt, hf, c, repeats, say) for c in concurrency],
+                                  prefix_caching=prefix_caching)
+            after = thinker_prefix_tokens(rt)
+            res.prefix_tokens = (after[0] - before[0], after[1] - before[1])
             if profile and not all(ok for _, ok in goals(res)):
                 res.profile = profile_mstar(rt, work, max(concurrency))
     return res
+
+
+def thinker_prefix_tokens(rt: Runtime) -> tuple[int, int]:
+    """(prompt tokens the Thinker reused from its prefix cache, prompt tokens it looked up) so far."""
+    kvs = [r["kv"]["Thinker"] for r in rt.stats()["ranks"] if "Thinker" in r["kv"]]
+    return sum(kv["prefix_hit_tokens"] for kv in kvs), sum(kv["prefix_query_tokens"] for kv in kvs)
 
 
 PROFILED = ("Thinker", "Talker", "code_predictor", "frame_assembler", "Code2Wav")
@@ -443,6 +458,10 @@ def format_table(res: OmniBenchResult) -> str:
             lines.append(f"parity at {r.concurrency} (greedy, mstar vs hf-sequential): text {p.text_equal}/"
                          f"{p.requests}, frame codes {p.codes_equal}/{p.requests}, audio length (also "
                          f"hf-batched) {p.length_equal}/{p.requests}")
+    hit, looked = res.prefix_tokens
+    lines.append(f"mstar prefix cache: the Thinker reused {hit} of {looked} prompt tokens "
+                 f"({100 * hit / max(looked, 1):.0f}%: the shared system prompt's full blocks)" if res.prefix_caching
+                 else "mstar prefix cache: off (--no-prefix-caching)")
     lines += [f"goal {'met' if ok else 'NOT met'}: {text}" for text, ok in goals(res)]
     if res.profile:
         lines.append(res.profile)

@@ -160,6 +160,9 @@ def _add_compare_omni(x) -> None:
     x.add_argument("--hidden", type=int, default=128, help="omni: hidden size (default 128)")
     x.add_argument("--layers", type=int, default=4, help="omni: thinker and talker layers (default 4)")
     x.add_argument("--experts", type=int, default=8, help="omni: experts per MoE layer, top-2 (default 8)")
+    x.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="omni: mstar without its prefix cache (by default the Thinker reuses the KV of the "
+                        "system prompt every request shares)")
 
 
 def _add_serve(bsub) -> None:
@@ -300,7 +303,7 @@ def run_compare_omni(args: argparse.Namespace) -> int:
     cfg = bench_hf_config(args.hidden, args.layers, args.experts)
     res = run_omni_bench(sorted(args.levels), text_tokens=args.text_tokens, talker_steps=args.talker_steps,
                          repeats=args.repeats or 2, sample=args.sample, seed=args.seed, config=cfg,
-                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                         prefix_caching=args.prefix_caching, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_table(res))
     if args.out:
         with open(args.out, "w") as f:

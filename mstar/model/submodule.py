@@ -64,7 +64,7 @@ class NodeInputs:
     cache_name: str | None = None
     fork_from: tuple[str, int | None] | None = None
     sequences: list[KVSequence] | None = None  # several sequences instead of the single one above
-    prefix_ids: torch.Tensor | None = None  # int64 [num_tokens]: these tokens may reuse cached blocks
+    prefix_ids: torch.Tensor | None = None  # int64 [<= num_tokens]: leading tokens that may reuse cached blocks
     token_inputs: tuple[str, ...] = ()  # tensor inputs with one row per new token (trimmed on reuse)
 
 

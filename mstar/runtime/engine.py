@@ -10,9 +10,10 @@ the worker queues it again. ``swap_out`` / ``swap_in`` move a request's blocks t
 back (sharing between its own caches kept), which is how the worker preempts a request under KV
 pressure; the request's items swap it back in when they are next admitted.
 
-Prefix caching (``prefix_caching=True``): an item that declares ``NodeInputs.prefix_ids`` for an
-empty cache starts it with the cached blocks of its longest cached full-block prefix and computes
-only the rest; after its forward succeeds its full blocks are registered under their content
+Prefix caching (``prefix_caching=True``): an item that declares ``NodeInputs.prefix_ids`` (its
+leading tokens whose KV depends on the ids alone: all of a text prompt, the part of a multimodal one
+before its first media placeholder) for an empty cache starts it with the cached blocks of the
+longest cached full-block prefix of those and computes only the rest; after its forward succeeds its full blocks are registered under their content
 hashes, so later requests with the same leading tokens reuse them (``BlockPool`` keeps released
 registered blocks until the space is needed, least recently released first).
 """
@@ -311,10 +312,10 @@ class KVCacheEngine(StatelessEngine):
                 or ni.fork_from is not None or QueryMode(ni.mode) is not QueryMode.CAUSAL_APPEND):
             return p
         name, n = ni.cache_name or p.item.node, ni.num_tokens
-        if self.manager.num_tokens(rid, name) or ni.prefix_ids.numel() != n:
+        if self.manager.num_tokens(rid, name) or ni.prefix_ids.numel() > n:
             return p
         bs = self.manager.block_size
-        hashes = prefix_hashes(ni.prefix_ids.tolist(), bs)
+        hashes = prefix_hashes(ni.prefix_ids.tolist(), bs)  # the full blocks of the shareable leading tokens
         reused = self.manager.adopt_prefix(rid, name, hashes[:(n - 1) // bs])  # keep >= 1 token to run
         self._appended.append((rid, name, 0))
         run = p

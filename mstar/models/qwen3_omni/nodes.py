@@ -79,6 +79,7 @@ class _ThinkerRequest:
     deepstack: tuple[torch.Tensor, torch.Tensor] | None  # (image rows, [layers, n, H]) added after layers
     positions: torch.Tensor  # [3, n] M-RoPE position ids of the new tokens
     delta: int  # M-RoPE position - cache offset of every token after the prompt
+    prompt: torch.Tensor | None = None  # a prefill's whole prompt (its leading tokens may come cached)
 
 
 class ThinkerNode(NodeSubmodule):
@@ -119,7 +120,17 @@ class ThinkerNode(NodeSubmodule):
             raise ValueError("the Thinker got no tokens")
         return NodeInputs(tensor_inputs={"ids": ids}, num_tokens=ids.numel(),
                           extras={"sampling": sp, "step": step, "stop_ids": stop_ids,
-                                  "stream": not graph_walk.endswith("_text"), "req": req, "seen": seen})
+                                  "stream": not graph_walk.endswith("_text"), "req": req, "seen": seen},
+                          prefix_ids=self._reusable(ids) if step == 0 else None, token_inputs=("ids",))
+
+    def _reusable(self, ids: torch.Tensor) -> torch.Tensor:
+        """The prompt's tokens before its first audio / image / video placeholder: their KV depends on
+        the ids alone (sequential positions), so a later prompt that starts the same (the system
+        prompt) may reuse their cached blocks; a placeholder's KV depends on its media, so nothing
+        from the first one on is shared."""
+        t = self.tokens
+        media = ((ids == t.audio) | (ids == t.image) | (ids == t.video)).nonzero()
+        return ids[:int(media[0])] if media.numel() else ids
 
     def _prefill_request(self, ids: torch.Tensor, inputs: Mapping[str, list]) -> _ThinkerRequest:
         media, deepstack, grids = [], None, None
@@ -134,19 +145,24 @@ class ThinkerNode(NodeSubmodule):
             grids = inputs["image_grid_thw"][0].reshape(-1, 3)
             deepstack = (media[-1][0], inputs["deepstack"][0])
         positions, delta = mrope_positions(ids, grids, self.tokens.image, *self.vision)
-        return _ThinkerRequest(media, deepstack, positions, delta)
+        return _ThinkerRequest(media, deepstack, positions, delta, ids)
+
+    @staticmethod
+    def _cached(ei: EngineInputs) -> list[int]:
+        """Per request, the leading prompt tokens whose KV came from the prefix cache (not computed)."""
+        return [req.positions.shape[1] - n for req, n in zip(ei.extras["req"], ei.num_tokens)]
 
     def _embed(self, ids: torch.Tensor, ei: EngineInputs) -> torch.Tensor:
         embeds = self.lm.embed(ids)
-        for start, req in zip(_starts(ei), ei.extras["req"]):
-            for rows, values in req.media:
-                embeds = embeds.index_copy(0, rows.to(embeds.device) + start, values.to(embeds))
+        for start, skip, req in zip(_starts(ei), self._cached(ei), ei.extras["req"]):
+            for rows, values in req.media:  # placeholders are never cached (``_reusable``)
+                embeds = embeds.index_copy(0, rows.to(embeds.device) + start - skip, values.to(embeds))
         return embeds
 
-    @staticmethod
-    def _deepstack(ei: EngineInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _deepstack(self, ei: EngineInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per deepstack layer, (batch rows, features) of every request with images."""
-        parts = [(rows + start, feats) for start, req in zip(_starts(ei), ei.extras["req"])
+        parts = [(rows + start - skip, feats) for start, skip, req in zip(_starts(ei), self._cached(ei),
+                                                                         ei.extras["req"])
                  if req.deepstack is not None for rows, feats in [req.deepstack]]
         if not parts:
             return []
@@ -158,7 +174,8 @@ class ThinkerNode(NodeSubmodule):
         ei = engine_inputs
         streams = any(ei.extras["stream"])
         embeds = self._embed(ids, ei)
-        positions = torch.cat([r.positions for r in ei.extras["req"]], dim=1)
+        positions = torch.cat([r.positions[:, r.positions.shape[1] - n:]
+                               for r, n in zip(ei.extras["req"], ei.num_tokens)], dim=1)
         out = self.lm(embeds, ei, capture=self.accept_layer if streams else None, mrope_positions=positions,
                       deepstack=self._deepstack(ei))
         last = out.hidden[ei.last_token_rows().to(out.hidden.device)]
@@ -166,6 +183,7 @@ class ThinkerNode(NodeSubmodule):
         seen_lists = None if all(s is None for s in seen) else [[] if s is None else s.tolist() for s in seen]
         tokens = sample(self.lm.lm_head(last), ei.extras["sampling"], seen_lists, ei.extras["step"]).cpu()
         states = torch.stack([embeds, out.captured], dim=1).cpu() if streams else None
+        cached = self._cached(ei)
         result: dict[str, list] = {"token": [], "text": [], "stop": [], "thinker_states": [], "rope_delta": [],
                                    "seen": []}
         for i, (start, n) in enumerate(zip(_starts(ei), ei.num_tokens)):
@@ -179,8 +197,18 @@ class ThinkerNode(NodeSubmodule):
             # prompt + generated tokens, for the repetition penalty (empty when the request has none)
             result["seen"].append(torch.zeros(0, dtype=torch.long) if seen[i] is None
                                   else torch.cat([seen[i], tok]))
-            result["thinker_states"].append([states[start:start + n]] if ei.extras["stream"][i] else [])
+            result["thinker_states"].append([self._states(states[start:start + n], ei.extras["req"][i], cached[i])]
+                                            if ei.extras["stream"][i] else [])
         return result
+
+    def _states(self, computed: torch.Tensor, req: _ThinkerRequest, cached: int) -> torch.Tensor:
+        """A prefill's ``[prompt, 2, H]`` states: its cached leading positions get their input
+        embeddings (text: the embedding table) and zeros for the accepted layer's hidden state, which
+        was not computed; the Talker reads hidden states only at media placeholders, never cached."""
+        if not cached:
+            return computed
+        head = self.lm.embed(req.prompt[:cached].to(self.lm.lm_head.weight.device)).to(computed)
+        return torch.cat([torch.stack([head, torch.zeros_like(head)], dim=1), computed])
 
 
 def _starts(ei: EngineInputs) -> list[int]:
