@@ -242,6 +242,11 @@ def test_from_dict_defaults_and_runtime_limits(graph):
     # partial runtime section keeps the other defaults
     p = Placement.from_dict({"runtime": {"max_queue": 7}, **groups({"node_names": ["LLM"], "ranks": [0]})})
     assert p.limits == RuntimeLimits(max_queue=7)
+    assert (p.limits.scheduling, p.limits.scheduling_max_wait_ms) == ("downstream_first", 20.0)
+    p = Placement.from_dict({"runtime": {"scheduling": "fcfs", "scheduling_max_wait_ms": 0},
+                             **groups({"node_names": ["LLM"], "ranks": [0]})})
+    assert p.limits == RuntimeLimits(scheduling="fcfs", scheduling_max_wait_ms=0.0)
+    assert Placement.from_dict(p.to_dict()).limits == p.limits
 
 
 def test_to_dict_round_trip_and_pickle(tmp_path, graph):
@@ -295,6 +300,12 @@ def test_check_model(tmp_path):
      ["max_queue must be a positive int"]),
     ("node_groups: [{node_names: [LLM], ranks: [0]}]\nruntime: {max_batch_size: -3}\n",
      ["max_batch_size must be a positive int"]),
+    ("node_groups: [{node_names: [LLM], ranks: [0]}]\nruntime: {scheduling: lifo}\n",
+     ["runtime.scheduling must be one of downstream_first, fcfs, got 'lifo'"]),
+    ("node_groups: [{node_names: [LLM], ranks: [0]}]\nruntime: {scheduling_max_wait_ms: -1}\n",
+     ["runtime.scheduling_max_wait_ms must be a number >= 0, got -1"]),
+    ("node_groups: [{node_names: [LLM], ranks: [0]}]\nruntime: {scheduling_max_wait_ms: true}\n",
+     ["scheduling_max_wait_ms must be a number >= 0"]),
     ("node_groups: [: bad\n", ["invalid YAML"]),
 ])
 def test_top_level_errors(tmp_path, text, expected):

@@ -1,8 +1,11 @@
 """One Worker driven by hand through its messages; its transport only records what it sends."""
 
+import dataclasses
+
+import pytest
 import torch
 
-from mstar.placement import Placement
+from mstar.placement import Placement, RuntimeLimits
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.keys import StreamKey, WalkKey, decode_counts
 from mstar.runtime.messages import (
@@ -20,9 +23,11 @@ from tests.test_conductor import Outbox
 from tests.toy_models import STREAM_STEPS, ToyStream
 
 
-def worker():
+def worker(**limits):
     model = ToyStream()
     placement = Placement.single_rank(model.graph, model=model.name).validate(model.graph)
+    if limits:
+        placement = dataclasses.replace(placement, limits=RuntimeLimits(**limits))
     box = Outbox()
     return Worker(0, model, Routing(model.graph, placement), box), box
 
@@ -41,6 +46,23 @@ def test_queue_choice_is_first_come_first_served_across_modules():
     base, batch = w.next_batch()
     assert base == "counter" and [i.request_id for i in batch] == ["b", "c"]
     assert w.next_batch() is None
+
+
+@pytest.mark.parametrize("scheduling", ["downstream_first", "fcfs"])
+def test_downstream_first_runs_the_consumer_partition_unless_an_item_is_overdue(scheduling):
+    """``counter`` (partition ``prod``) queued before ``summer`` (``cons``, fed by ``prod``'s stream):
+    FCFS runs ``counter`` first; downstream_first runs ``summer`` first, unless ``counter``'s item
+    waited longer than ``scheduling_max_wait_ms``."""
+    w, _ = worker(scheduling=scheduling, scheduling_max_wait_ms=50)
+    w.handle(exec_node("counter", "b"))
+    w.handle(exec_node("summer", "a", "cons", "window"))
+    first = "summer" if scheduling == "downstream_first" else "counter"
+    assert w.next_batch()[0] == first
+    assert w.next_batch()[0] != first and w.next_batch() is None
+    w.handle(exec_node("counter", "b"))
+    w.handle(exec_node("summer", "a", "cons", "window"))
+    w.queues["counter"][0].queued_at -= 0.051  # overdue: FCFS among the overdue, whatever the policy
+    assert w.next_batch()[0] == "counter"
 
 
 def test_batches_respect_the_module_limit():

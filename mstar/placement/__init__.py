@@ -19,6 +19,9 @@ only for some walks::
       max_queue: 1024
       # kv_cache_memory_gib: 4        # size every KV pool from memory instead (kv_cache_blocks, if
                                       # also given, wins)
+      prefix_caching: true
+      scheduling: downstream_first    # or fcfs (RuntimeLimits)
+      scheduling_max_wait_ms: 20      # an item waiting longer goes first, whatever its partition
 
 Group keys: ``node_names`` and ``ranks`` (required), ``graph_walks`` (restrict the group to these
 walks), ``tp_size`` (default 1) and ``max_batch_size`` (override of ``runtime.max_batch_size``).

@@ -10,7 +10,8 @@ from typing import Any
 TOP_LEVEL_KEYS = ("model", "name", "nodes", "node_groups", "runtime")
 GROUP_KEYS = ("node_names", "ranks", "graph_walks", "tp_size", "max_batch_size")
 RUNTIME_KEYS = ("max_batch_size", "kv_cache_blocks", "kv_block_size", "max_queue", "kv_cache_memory_gib",
-                "prefix_caching")
+                "prefix_caching", "scheduling", "scheduling_max_wait_ms")
+SCHEDULING_POLICIES = ("downstream_first", "fcfs")
 
 DEFAULT_RANK = 0
 """Rank that runs every node no group mentions."""
@@ -39,7 +40,14 @@ class RuntimeLimits:
     ``kv_cache_blocks``: as many blocks as that many GiB hold (K and V, every layer, the module's
     dtype). A placement file that also gives ``kv_cache_blocks`` keeps that explicit count.
     ``prefix_caching`` (a bool, default on): KV nodes that declare reusable prompts (the Llama-family
-    LMs) reuse the cached blocks of an earlier request's identical leading tokens.
+    LMs, the Qwen3-Omni Thinker) reuse the cached blocks of an earlier request's identical leading
+    tokens.
+    ``scheduling``: which module a rank runs next. ``fcfs``: the one whose oldest queued item came
+    first. ``downstream_first`` (default): the module of the partition furthest down the streams
+    (Code2Wav before Talker before Thinker), so a stream's consumer turns what it has into output
+    before its producer runs ahead; an item that waited more than ``scheduling_max_wait_ms``
+    (default 20) goes first whatever its partition (oldest first), so a producer's new prompts
+    and other requests are never starved. Models without streams have one partition: FCFS.
     """
 
     max_batch_size: int = 32
@@ -48,11 +56,20 @@ class RuntimeLimits:
     max_queue: int = 1024
     kv_cache_memory_gib: float | None = None
     prefix_caching: bool = True
+    scheduling: str = "downstream_first"
+    scheduling_max_wait_ms: float = 20.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "prefix_caching":
+            if f.name == "scheduling":
+                if v not in SCHEDULING_POLICIES:
+                    raise PlacementError(f"runtime.scheduling must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                                         f"got {v!r}")
+            elif f.name == "scheduling_max_wait_ms":
+                if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
+                    raise PlacementError(f"runtime.scheduling_max_wait_ms must be a number >= 0, got {v!r}")
+            elif f.name == "prefix_caching":
                 if not isinstance(v, bool):
                     raise PlacementError(f"runtime.prefix_caching must be true or false, got {v!r}")
             elif f.name == "kv_cache_memory_gib":

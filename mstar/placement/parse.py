@@ -83,7 +83,11 @@ def _parse_runtime(raw: object, source: str) -> RuntimeLimits:
                              f"valid keys: {', '.join(RUNTIME_KEYS)}")
     memory = raw.get("kv_cache_memory_gib")
     values: dict[str, object] = {k: _pos_int(v, k, where) for k, v in raw.items()
-                                 if k not in ("kv_cache_memory_gib", "prefix_caching")}
+                                 if k not in ("kv_cache_memory_gib", "prefix_caching", "scheduling",
+                                              "scheduling_max_wait_ms")}
+    for key in ("scheduling", "scheduling_max_wait_ms"):  # checked by RuntimeLimits
+        if key in raw:
+            values[key] = raw[key]
     if "prefix_caching" in raw:
         if not isinstance(raw["prefix_caching"], bool):
             raise PlacementError(f"{where}: prefix_caching must be true or false, got {raw['prefix_caching']!r}")
@@ -92,7 +96,10 @@ def _parse_runtime(raw: object, source: str) -> RuntimeLimits:
         if isinstance(memory, bool) or not isinstance(memory, int | float) or not memory > 0:
             raise PlacementError(f"{where}: kv_cache_memory_gib must be a positive number, got {memory!r}")
         values["kv_cache_memory_gib"] = float(memory)
-    return RuntimeLimits(**values)
+    try:
+        return RuntimeLimits(**values)
+    except PlacementError as e:  # its own checks (scheduling): name the file
+        raise PlacementError(f"{source}: {e}") from None
 
 
 def _check_groups(groups: Iterable[NodeGroup], source: str) -> None:

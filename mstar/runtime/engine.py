@@ -50,6 +50,7 @@ class WorkItem:
     chunks: dict[str, Any]
     params: Mapping[str, Any]
     home: int
+    queued_at: float = 0.0  # time.monotonic() when it joined its module's queue on this worker
 
     @property
     def walk_key(self) -> WalkKey:

@@ -29,6 +29,26 @@ class Routing:
         self.producers: dict[str, set[str]] = {p: set() for p in graph.partitions}
         for c in graph.topology.connections:
             self.producers[c.to_partition].add(c.from_partition)
+        self.stage: dict[str, int] = {}  # partition -> streams above it (0: a root partition)
+        for part in graph.partitions:
+            self._stage_of(part, ())
+
+    def _stage_of(self, part: str, path: tuple[str, ...]) -> int:
+        if part not in self.stage:
+            above = [self._stage_of(p, path + (part,)) for p in self.producers[part] if p not in path]
+            self.stage[part] = 1 + max(above, default=-1)
+        return self.stage[part]
+
+    def module_stages(self, model, nodes) -> dict[str, int]:
+        """Per module of ``nodes``: the deepest stage of a partition whose walks run one of them."""
+        out: dict[str, int] = {}
+        for part in self.graph.partitions:
+            for walk in self.graph.walks_of(part):
+                for node in self.graph.plans[walk].nodes:
+                    if node in nodes:
+                        base = model.module_of(node)
+                        out[base] = max(out.get(base, 0), self.stage[part])
+        return out
 
     def rank_of(self, node: str, walk: str) -> int:
         return self._ranks[(node, walk)]
