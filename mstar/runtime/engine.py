@@ -13,9 +13,10 @@ pressure; the request's items swap it back in when they are next admitted.
 Prefix caching (``prefix_caching=True``): an item that declares ``NodeInputs.prefix_ids`` (its
 leading tokens whose KV depends on the ids alone: all of a text prompt, the part of a multimodal one
 before its first media placeholder) for an empty cache starts it with the cached blocks of the
-longest cached full-block prefix of those and computes only the rest; after its forward succeeds its full blocks are registered under their content
-hashes, so later requests with the same leading tokens reuse them (``BlockPool`` keeps released
-registered blocks until the space is needed, least recently released first).
+longest cached full-block prefix of those and computes only the rest; after its forward succeeds
+the full blocks of those tokens are registered under their content hashes, so later requests with
+the same leading tokens reuse them (``BlockPool`` keeps released registered blocks until the space
+is needed, least recently released first).
 """
 
 from __future__ import annotations

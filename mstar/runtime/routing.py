@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from typing import Any
+
 from mstar.graph import InputKind, WalkGraph
 from mstar.placement import Placement
 
@@ -39,7 +42,7 @@ class Routing:
             self.stage[part] = 1 + max(above, default=-1)
         return self.stage[part]
 
-    def module_stages(self, model, nodes) -> dict[str, int]:
+    def module_stages(self, model: Any, nodes: Collection[str]) -> dict[str, int]:
         """Per module of ``nodes``: the deepest stage of a partition whose walks run one of them."""
         out: dict[str, int] = {}
         for part in self.graph.partitions:
