@@ -53,7 +53,7 @@ def test_downstream_first_runs_the_consumer_partition_unless_an_item_is_overdue(
     """``counter`` (partition ``prod``) queued before ``summer`` (``cons``, fed by ``prod``'s stream):
     FCFS runs ``counter`` first; downstream_first runs ``summer`` first, unless ``counter``'s item
     waited longer than ``scheduling_max_wait_ms``."""
-    w, _ = worker(scheduling=scheduling, scheduling_max_wait_ms=50)
+    w, _ = worker(scheduling=scheduling, scheduling_max_wait_ms=60_000)  # none overdue unless made so
     w.handle(exec_node("counter", "b"))
     w.handle(exec_node("summer", "a", "cons", "window"))
     first = "summer" if scheduling == "downstream_first" else "counter"
@@ -61,7 +61,7 @@ def test_downstream_first_runs_the_consumer_partition_unless_an_item_is_overdue(
     assert w.next_batch()[0] != first and w.next_batch() is None
     w.handle(exec_node("counter", "b"))
     w.handle(exec_node("summer", "a", "cons", "window"))
-    w.queues["counter"][0].queued_at -= 0.051  # overdue: FCFS among the overdue, whatever the policy
+    w.queues["counter"][0].queued_at -= 61.0  # overdue: FCFS among the overdue, whatever the policy
     assert w.next_batch()[0] == "counter"
 
 
