@@ -22,66 +22,18 @@ is needed, least recently released first).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from mstar.layers.paged_attention import AttentionMetadata, QueryMode, copy_blocks
-from mstar.model.submodule import EngineInputs, ForwardInfo, KVSequence, NodeInputs, NodeSubmodule
-from mstar.runtime.failures import FailureKind, describe
-from mstar.runtime.keys import WalkKey
+from mstar.model.submodule import EngineInputs, ForwardInfo, KVSequence, NodeSubmodule
 from mstar.runtime.kv.block_pool import BlockPool, KVCacheManager, OutOfBlocks, prefix_hashes
 from mstar.runtime.kv.sizing import as_blocks, cdiv
+from mstar.runtime.work_items import DEFERRED, ItemError, Prepared, WorkItem
 
-
-@dataclass(slots=True)
-class WorkItem:
-    """One node instance of one request, ready to run."""
-
-    seq: int  # arrival order on this worker (FCFS)
-    request_id: str
-    partition: str
-    walk: str
-    walk_seq: int
-    node: str
-    iteration: tuple[int, ...]
-    inputs: dict[str, list[torch.Tensor]]
-    chunks: dict[str, Any]
-    params: Mapping[str, Any]
-    home: int
-    queued_at: float = 0.0  # time.monotonic() when it joined its module's queue on this worker
-
-    @property
-    def walk_key(self) -> WalkKey:
-        return WalkKey(self.request_id, self.partition, self.walk_seq)
-
-
-@dataclass(slots=True)
-class Prepared:
-    """A work item and what its module's ``prepare_inputs`` made of it."""
-
-    item: WorkItem
-    inputs: NodeInputs
-    info: ForwardInfo
-
-    def sequences(self) -> list[KVSequence]:
-        """The cache sequences this item brings (one, unless the module listed several)."""
-        ni = self.inputs
-        if ni.sequences is not None:
-            return ni.sequences
-        return [KVSequence(ni.cache_name or self.item.node, ni.num_tokens, ni.mode, ni.fork_from)]
-
-
-class _Deferred:
-    """The result of an item that could not get its KV blocks now: run it again later."""
-
-    def __repr__(self) -> str:
-        return "DEFERRED"
-
-
-DEFERRED = _Deferred()
+__all__ = ["DEFERRED", "ItemError", "KVCacheEngine", "Prepared", "StatelessEngine", "WorkItem"]
 
 
 @dataclass
@@ -128,15 +80,6 @@ class _Swapped:
     @property
     def num_blocks(self) -> int:
         return self.k[0].shape[0] if self.k else 0
-
-
-class ItemError(Exception):
-    """One item of a batch failed; ``kind`` classifies the original error."""
-
-    def __init__(self, item: WorkItem, error: BaseException):
-        super().__init__(f"node {item.node!r} (walk {item.walk!r}) failed: {describe(error)}")
-        self.item = item
-        self.kind = FailureKind.of(error)
 
 
 def _as_value(x: Any) -> list[torch.Tensor]:

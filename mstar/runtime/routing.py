@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import Any
-
 from mstar.graph import InputKind, WalkGraph
 from mstar.placement import Placement
 
@@ -41,17 +38,6 @@ class Routing:
             above = [self._stage_of(p, path + (part,)) for p in self.producers[part] if p not in path]
             self.stage[part] = 1 + max(above, default=-1)
         return self.stage[part]
-
-    def module_stages(self, model: Any, nodes: Collection[str]) -> dict[str, int]:
-        """Per module of ``nodes``: the deepest stage of a partition whose walks run one of them."""
-        out: dict[str, int] = {}
-        for part in self.graph.partitions:
-            for walk in self.graph.walks_of(part):
-                for node in self.graph.plans[walk].nodes:
-                    if node in nodes:
-                        base = model.module_of(node)
-                        out[base] = max(out.get(base, 0), self.stage[part])
-        return out
 
     def rank_of(self, node: str, walk: str) -> int:
         return self._ranks[(node, walk)]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 import traceback
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from mstar.runtime.messages import (
     WalkDone,
 )
 from mstar.runtime.routing import Routing
+from mstar.runtime.scheduling import ModuleScheduler, module_stages
 from mstar.runtime.streams import StreamBuffer
 from mstar.runtime.tensor_parallel import (
     StatsBarrier,
@@ -122,13 +122,8 @@ class Worker:
                           StatsRequest: self._stats_request, Shutdown: self._shutdown, TPCall: self._tp_call,
                           TPStatsBarrier: self._tp_stats_barrier, TPShard: self._tp_shard}
         self._stats_barrier = StatsBarrier()
-        limits = routing.placement.limits
-        stages = routing.module_stages(model, set(nodes))
-        # downstream_first: a module's priority = its partition's stage (FCFS when every module has one)
-        self._stage = {b: stages.get(b, 0) for b in self.engines} if limits.scheduling == "downstream_first" \
-            else {b: 0 for b in self.engines}
-        self._staged = len(set(self._stage.values())) > 1
-        self._max_wait = limits.scheduling_max_wait_ms / 1e3
+        stages = module_stages(routing, model, set(nodes))
+        self.scheduler = ModuleScheduler(routing.placement.limits, {b: stages.get(b, 0) for b in self.engines})
         self._tp_follower = TPFollower(self.engines, transport, tp) if self.following else None
 
     def _build_engines(self, nodes: list[str], device: str) -> None:
@@ -310,7 +305,7 @@ class Worker:
         q = self._queue_of.get(item.node)
         if q is None:
             raise RuntimeError(f"worker {self.rank} got node {item.node!r}, which is not placed on it")
-        item.queued_at = time.monotonic()
+        self.scheduler.stamp(item)
         q.append(item)
 
     def _node_done(self, key: WalkKey, node: str, vec: tuple, outputs: dict) -> None:
@@ -345,19 +340,11 @@ class Worker:
 
     # -- execution -----------------------------------------------------------------------------
     def next_batch(self) -> tuple[str, list[WorkItem]] | None:
-        """The next module to run and its items, up to its batch limit (modules stalled for KV blocks
-        skipped). FCFS across queues (the module whose oldest item came first), except under
-        ``downstream_first`` scheduling with streams: the deepest stage's module first, unless some
-        item waited longer than ``scheduling_max_wait_ms`` (then FCFS among those)."""
-        heads = [(q[0].seq, base) for base, q in self.queues.items() if q and base not in self._stalled]
-        if not heads:
+        """The next module to run (``ModuleScheduler``; modules stalled for KV blocks skipped) and its
+        items, up to its batch limit."""
+        base = self.scheduler.pick(self.queues, self._stalled)
+        if base is None:
             return None
-        if self._staged and len(heads) > 1:
-            due = time.monotonic() - self._max_wait
-            overdue = [h for h in heads if self.queues[h[1]][0].queued_at < due]
-            base = min(overdue)[1] if overdue else min(heads, key=lambda h: (-self._stage[h[1]], h[0]))[1]
-        else:
-            base = min(heads)[1]
         q = self.queues[base]
         return base, [q.popleft() for _ in range(min(len(q), self.max_batch[base]))]
 

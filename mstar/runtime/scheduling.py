@@ -1,0 +1,59 @@
+"""Which of a rank's modules runs next (``runtime.scheduling`` in the placement).
+
+``fcfs``: the module whose oldest queued item came first. ``downstream_first``: the module of the
+deepest stream stage (``Routing.stage``; a module takes the deepest stage of the partitions it runs
+in), ties FCFS, unless some queued item has waited longer than ``scheduling_max_wait_ms``: then FCFS
+among those overdue items, so a producer's new prompts and other requests are never starved by a
+consumer that always has work. With one stage on the rank (no streams) both policies are FCFS.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from mstar.placement import RuntimeLimits
+from mstar.runtime.routing import Routing
+from mstar.runtime.work_items import WorkItem
+
+__all__ = ["ModuleScheduler", "module_stages"]
+
+
+def module_stages(routing: Routing, model: Any, nodes: Collection[str]) -> dict[str, int]:
+    """Per module of ``nodes``: the deepest stage of a partition whose walks run one of them."""
+    graph, out = routing.graph, {}
+    for part in graph.partitions:
+        for walk in graph.walks_of(part):
+            for node in graph.plans[walk].nodes:
+                if node in nodes:
+                    base = model.module_of(node)
+                    out[base] = max(out.get(base, 0), routing.stage[part])
+    return out
+
+
+class ModuleScheduler:
+    """The rank's choice of module; ``stamp`` each item as it joins a queue."""
+
+    def __init__(self, limits: RuntimeLimits, stages: Mapping[str, int]) -> None:
+        self.stage = dict(stages) if limits.scheduling == "downstream_first" else {b: 0 for b in stages}
+        self.staged = len(set(self.stage.values())) > 1
+        self.max_wait = limits.scheduling_max_wait_ms / 1e3
+
+    @staticmethod
+    def stamp(item: WorkItem) -> None:
+        item.queued_at = time.monotonic()
+
+    def pick(self, queues: Mapping[str, deque[WorkItem]], skip: Collection[str]) -> str | None:
+        """The module to run next among the non-empty queues not in ``skip``; None when there is none."""
+        heads = [(q[0].seq, base) for base, q in queues.items() if q and base not in skip]
+        if not heads:
+            return None
+        if not self.staged or len(heads) == 1:
+            return min(heads)[1]
+        due = time.monotonic() - self.max_wait
+        overdue = [h for h in heads if queues[h[1]][0].queued_at < due]
+        if overdue:
+            return min(overdue)[1]
+        return min(heads, key=lambda h: (-self.stage[h[1]], h[0]))[1]
