@@ -139,3 +139,21 @@ def test_hf_weights_do_not_depend_on_what_memory_held():
     second = omni_bench.build_hf(dict(TINY_HF_CONFIG), 0).state_dict()
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) and torch.isfinite(first[k]).all() for k in first)
+
+
+def test_audio_clock_times_the_first_non_empty_chunk():
+    import time
+
+    from mstar.bench.stats import AudioClock
+
+    clock = AudioClock(time.perf_counter())
+    clock.add([torch.zeros(0)])  # an empty item is not audio
+    assert clock.first is None and clock.samples == 0
+    clock.add([torch.zeros(3), torch.zeros(2)])
+    first = clock.first
+    clock.add([torch.zeros(4)])
+    ttfa, end = clock.times()
+    assert clock.first == first and clock.samples == 9 and 0 <= ttfa <= end
+    silent = AudioClock(time.perf_counter())
+    ttfa, end = silent.times()
+    assert ttfa == end  # no audio: first audio = the end

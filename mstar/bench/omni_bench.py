@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from mstar.bench.stats import AudioRun, AudioTiming, percentile, spread, spread_cell
+from mstar.bench.stats import AudioClock, AudioRun, AudioTiming, percentile, spread, spread_cell
 from mstar.models.llama.tokenizer import ByteTokenizer
 from mstar.models.qwen3_omni.config import TINY_HF_CONFIG
 from mstar.models.qwen3_omni.prompt import AUDIO_SYSTEM_PROMPT, ChatTurn, OmniTokenIds, chat_token_ids
@@ -191,23 +191,20 @@ def run_mstar(rt: Runtime, batch: list[list[int]], params: list[dict[str, Any]])
     """Submit every request in one step; time each one's streamed items."""
 
     async def consume(handle, submitted: float) -> RequestResult:
-        first, samples, text, frames = None, 0, [], []
+        clock, text, frames = AudioClock(submitted), [], []
         async for item in handle:
             if item.name == "audio":
-                n = sum(int(v.numel()) for v in item.value)
-                if n and first is None:
-                    first = time.perf_counter()
-                samples += n
+                clock.add(item.value)
             elif item.name == "text":
                 text += [int(t) for v in item.value for t in v.reshape(-1)]
             elif item.name == "frame_codes":
                 frames += [v.reshape(-1) for v in item.value if v.numel()]
-        end = time.perf_counter()
+        ttfa, end = clock.times()
         out = handle.result()
         if not out.finished:
             raise RuntimeError(f"mstar request {handle.request_id} failed: {out.error}")
         codes = torch.stack(frames) if frames else torch.zeros(0, 16, dtype=torch.long)
-        return RequestResult((first if first is not None else end) - submitted, end - submitted, samples, text, codes)
+        return RequestResult(ttfa, end, clock.samples, text, codes)
 
     async def main() -> SystemRun:
         with rt.held():

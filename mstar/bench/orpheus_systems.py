@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mstar.bench.stats import AudioRun, AudioTiming
+from mstar.bench.stats import AudioClock, AudioRun, AudioTiming
 from mstar.models.orpheus.codec import (
     AUDIO_TOKEN_BASE,
     CODE_SIZE,
@@ -52,17 +52,13 @@ def run_mstar(rt: Runtime, prompts: list[list[int]], tokens: int, seed: int,
     """Submit every request at once (one scheduling step), time the streamed items of each."""
 
     async def consume(handle, submitted: float) -> RequestTiming:
-        first, samples, ntok = None, 0, 0
+        clock, ntok = AudioClock(submitted), 0
         async for item in handle:
             if item.name == "audio":
-                n = sum(int(v.numel()) for v in item.value)
-                if n and first is None:
-                    first = time.perf_counter()
-                samples += n
+                clock.add(item.value)
             elif item.name == "token":
                 ntok += sum(int(v.numel()) for v in item.value)
-        end = time.perf_counter()
-        return RequestTiming((first if first is not None else end) - submitted, end - submitted, samples, ntok)
+        return RequestTiming(*clock.times(), clock.samples, ntok)
 
     async def main() -> SystemRun:
         with rt.held():  # the C submissions start in the same step

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -47,6 +48,27 @@ class AudioTiming:
     @property
     def rtf(self) -> float:
         return self.end_s / self.audio_s if self.audio_samples else math.inf
+
+
+@dataclass
+class AudioClock:
+    """A streamed request's audio as its items arrive: samples so far and when the first came."""
+
+    submitted: float  # time.perf_counter() at submission
+    first: float | None = None
+    samples: int = 0
+
+    def add(self, chunks) -> None:
+        """One streamed ``audio`` item (its tensors)."""
+        n = sum(int(c.numel()) for c in chunks)
+        if n and self.first is None:
+            self.first = time.perf_counter()
+        self.samples += n
+
+    def times(self) -> tuple[float, float]:
+        """(TTFA, end) from submission, now at the end (TTFA = end when no audio came)."""
+        end = time.perf_counter()
+        return (self.first if self.first is not None else end) - self.submitted, end - self.submitted
 
 
 @dataclass
