@@ -12,7 +12,16 @@ import mstar.layers.paged_decode as paged_decode_mod
 from mstar.layers.attention_backends import TorchPagedBackend, default_backend, get_backend
 from mstar.layers.paged_attention import AttentionMetadata, paged_attention
 from mstar.layers.paged_decode import CompiledPagedBackend, paged_decode
-from tests.test_paged_attention import CAUSAL, READ, TOL, Harness, _decode_batch, _row_meta, dense_attention
+from tests.test_paged_attention import (
+    BLOCK,
+    CAUSAL,
+    READ,
+    TOL,
+    Harness,
+    _decode_batch,
+    _row_meta,
+    dense_attention,
+)
 
 
 def _random_rows(ctx_lens, layout, scattered, seed=0, dtype=torch.float32):
@@ -197,3 +206,125 @@ def test_fused_decode_step_equals_store_then_kernel(ext, threads, dtype):
                                   [*slots[:-1], 10 ** 9])
     with pytest.raises((RuntimeError, ValueError)):
         CompiledPagedBackend().forward(q, k, v, kc, vc, bad)
+
+
+# ------------------------------------------------------------------ multi-token sequences (paged_block)
+def _block_batch(specs, layout, seed=0, dtype=torch.float32):
+    """A scattered cache holding every sequence of ``specs`` ((mode, new tokens, context)) and the
+    step's inputs: ``(q, k, v, k_cache, v_cache, meta)``; append sequences' new K/V go to their last
+    ``n`` slots."""
+    q_heads, kv_heads, head_dim, block_size = layout
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-ctx // block_size) for _, _, ctx in specs]
+    ids = list(range(sum(needed) + 2))
+    random.Random(seed).shuffle(ids)
+    tables, slots, start = [], [], 0
+    for (mode, n, ctx), m in zip(specs, needed):
+        table = ids[start:start + m]
+        start += m
+        tables.append(table)
+        slots += ([table[t // block_size] * block_size + t % block_size for t in range(ctx - n, ctx)]
+                  if mode.writes else [-1] * n)
+    shape = (len(ids), block_size, kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    total = sum(n for _, n, _ in specs)
+    q = torch.randn(total, q_heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    meta = AttentionMetadata.build([n for _, n, _ in specs], tables, [c for _, _, c in specs],
+                                   [mode for mode, _, _ in specs], slots)
+    return q, k, v, k_cache, v_cache, meta
+
+
+_MIXED = [(CAUSAL, 5, 5), (BLOCK, 66, 330), (READ, 3, 40), (CAUSAL, 1, 50), (CAUSAL, 200, 300),
+          (BLOCK, 7, 130), (CAUSAL, 129, 129), (BLOCK, 1, 1)]
+
+
+@pytest.mark.parametrize("layout", [(8, 4, 64, 16), (6, 2, 48, 8), (4, 4, 32, 66)],
+                         ids=["gqa-8-4-64", "gqa-6-2-48", "mha-4-32-block66"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_block_kernel_matches_torch_path(ext, layout, dtype):
+    """Prefill chunks (causal, up to 200 queries over 300 keys: query tiles and key chunks), frame /
+    image blocks (bidirectional) and a one-token block, next to decode and read-only rows: the
+    backend's output and stored cache agree with the PyTorch path (which is checked against dense
+    attention in test_paged_attention)."""
+    q, k, v, k_cache, v_cache, meta = _block_batch(_MIXED, layout, dtype=dtype)
+    kr, vr = k_cache.clone(), v_cache.clone()
+    out = CompiledPagedBackend().forward(q, k, v, k_cache, v_cache, meta)
+    meta_ref = AttentionMetadata.build(meta.query_lens(), meta.block_tables, meta.context_lens.tolist(),
+                                       meta.modes, meta.slot_mapping)
+    ref = paged_attention(q, k, v, kr, vr, meta_ref)
+    assert out.dtype == dtype and torch.equal(k_cache, kr) and torch.equal(v_cache, vr)
+    tol = TOL if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}  # bf16 output rounding
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+def test_block_kernel_is_used_for_append_sequences(ext, monkeypatch):
+    """The kernel takes the causal and block sequences and leaves only read-only ones to the torch
+    path (a head_dim that is not a multiple of 16 leaves all of them)."""
+    seen = []
+    real = paged_decode_mod.paged_block
+
+    def spy(q, k_cache, v_cache, meta, plan, scale, out):
+        rest = real(q, k_cache, v_cache, meta, plan, scale, out)
+        seen.append(([meta.modes[i] for i in plan.others], [meta.modes[i] for i in rest]))
+        return rest
+
+    monkeypatch.setattr(paged_decode_mod, "paged_block", spy)
+    for head_dim, left in ((32, [READ]), (8, [BLOCK, READ, CAUSAL])):
+        seen.clear()
+        q, k, v, k_cache, v_cache, meta = _block_batch([(BLOCK, 4, 12), (READ, 2, 8), (CAUSAL, 3, 9)],
+                                                       (2, 1, head_dim, 4))
+        out = CompiledPagedBackend().forward(q, k, v, k_cache, v_cache, meta)
+        assert seen == [([BLOCK, READ, CAUSAL], left)]
+        assert torch.isfinite(out).all()
+
+
+def test_block_kernel_batch_invariant(ext, threads):
+    """Block sequences and causal prefill chunks give the same bits alone and in a batch at any
+    position (next to decode and read-only rows), and at 1 and 2 threads (every sequence the kernels
+    compute): each query row's arithmetic depends only on its keys and the fixed key chunks."""
+    layout, specs = (8, 4, 64, 16), _MIXED
+    q, k, v, k_cache, v_cache, meta = _block_batch(specs, layout, seed=3)
+    full = CompiledPagedBackend().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+    cu = meta.cu_seqlens_q.tolist()
+
+    def alone(i):
+        sub = AttentionMetadata.build([cu[i + 1] - cu[i]], [meta.block_tables[i]], [meta.context_lens[i].item()],
+                                      [meta.modes[i]], meta.slot_mapping[cu[i]:cu[i + 1]])
+        rows = slice(cu[i], cu[i + 1])
+        return CompiledPagedBackend().forward(q[rows], k[rows], v[rows], k_cache.clone(), v_cache.clone(), sub)
+
+    for i in (1, 4, 5, 6):
+        assert torch.equal(alone(i), full[cu[i]:cu[i + 1]]), i
+    # the same batch in another order: sequence 4 first, then the rest reversed
+    order = [4] + [j for j in reversed(range(len(specs))) if j != 4]
+    rows = torch.cat([torch.arange(cu[j], cu[j + 1]) for j in order])
+    shuffled = AttentionMetadata.build([cu[j + 1] - cu[j] for j in order], [meta.block_tables[j] for j in order],
+                                       [meta.context_lens[j].item() for j in order], [meta.modes[j] for j in order],
+                                       meta.slot_mapping[rows])
+    out = CompiledPagedBackend().forward(q[rows], k[rows], v[rows], k_cache.clone(), v_cache.clone(), shuffled)
+    assert torch.equal(out, full[rows])
+    torch.set_num_threads(3 - threads)  # the other thread count
+    try:
+        again = CompiledPagedBackend().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+    finally:
+        torch.set_num_threads(threads)
+    for i, (mode, _, _) in enumerate(specs):  # the read-only row's SDPA may change with the threads
+        if mode is not READ:
+            assert torch.equal(again[cu[i]:cu[i + 1]], full[cu[i]:cu[i + 1]]), ("threads", i)
+
+
+def test_block_kernel_rejects_bad_arguments(ext):
+    """The kernel checks what it is given (the backend never passes such arguments)."""
+    q, k, v, k_cache, v_cache, meta = _block_batch([(BLOCK, 4, 12)], (2, 1, 16, 4))
+    i64 = lambda *xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    tables = torch.tensor([meta.block_tables[0]], dtype=torch.int64)
+    out = torch.zeros_like(q)
+    with pytest.raises(RuntimeError, match="bad q_start"):  # more queries than keys
+        ext.paged_block_(out, q, k_cache, v_cache, tables, i64(3), i64(0), i64(4), i64(0), 0.25)
+    with pytest.raises(RuntimeError, match="block table too short"):
+        ext.paged_block_(out, q, k_cache, v_cache, tables[:, :1], i64(12), i64(0), i64(4), i64(0), 0.25)
+    bad = tables.clone()
+    bad[0, 0] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ext.paged_block_(out, q, k_cache, v_cache, bad, i64(12), i64(0), i64(4), i64(0), 0.25)

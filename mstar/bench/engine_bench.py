@@ -4,6 +4,11 @@
   100-380, 8 query / 4 KV heads, head_dim 64, fp32, one cache per layer): the PyTorch path of
   ``paged_attention``, the compiled kernel (``mstar.layers.paged_decode``), and SDPA on the same
   K/V already contiguous (per row, and one padded call per layer with a key mask).
+* **block attention**: the multi-token queries of the compiled kernel (``paged_block``), 8 layers
+  over scattered blocks: a V-JEPA 2-AC frame block (66 queries, bidirectional, over 132..2,112 keys:
+  the steps of an H=30 rollout, 8 heads of 32) and a Llama prefill chunk (256 causal queries
+  after 128 cached tokens, 8:4 heads of 64): the PyTorch path (SDPA per sequence), the kernel, and
+  SDPA on the same K/V already contiguous.
 * **decode step**: one decode step of the ``compare llm`` model (hidden 512, 8 layers, 8:4 heads,
   vocab 32000, fp32, random weights) at batch 1 and 16 after prompts of 32-256 tokens: backbone,
   LM head and argmax, called directly (no runtime), for three configurations of the same weights:
@@ -28,7 +33,7 @@ import torch.nn.functional as F
 from mstar.bench.llm_bench import BENCH_SHAPE, make_prompts
 from mstar.layers.attention_backends import get_backend
 from mstar.layers.paged_attention import AttentionMetadata, QueryMode, paged_attention
-from mstar.layers.paged_decode import kernel, paged_decode
+from mstar.layers.paged_decode import kernel, paged_block, paged_decode
 from mstar.model.submodule import EngineInputs
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.loader import build_llama_model
@@ -62,9 +67,44 @@ def _scattered_cache(ctx: list[int], layers: int, kv_heads: int, head_dim: int, 
     return tables, caches
 
 
-def _layers(q, kv, caches, meta, decode):
+def _layers(q, kv, caches, meta, decode, block=None):
     """Every layer's attention for one forward (one metadata: planned once, as in a model)."""
-    return [paged_attention(q, kv, kv, kc, vc, meta, decode=decode) for kc, vc in caches]
+    return [paged_attention(q, kv, kv, kc, vc, meta, decode=decode, block=block) for kc, vc in caches]
+
+
+def _block_case(hq: int, hkv: int, d: int, bs: int, n: int, ctxs: list[int], mode: QueryMode, layers: int,
+                repeats: int) -> dict[str, tuple[float, float]]:
+    """One sequence of ``n`` queries per context in ``ctxs``, one forward of ``layers`` layers each."""
+    tables, caches = _scattered_cache(ctxs, layers, hkv, d, bs)
+    q, kv = torch.randn(n, hq, d), torch.zeros(n, hkv, d)
+
+    def metas():
+        return [AttentionMetadata.build([n], [t], [c], [mode]) for t, c in zip(tables, ctxs)]
+
+    causal = mode is QueryMode.CAUSAL_APPEND
+    dense = [[(kc[t].flatten(0, 1)[:c].transpose(0, 1)[None].contiguous(),
+               vc[t].flatten(0, 1)[:c].transpose(0, 1)[None].contiguous(),
+               (torch.arange(c)[None, :] <= (c - n + torch.arange(n))[:, None]) if causal else None)
+              for t, c in zip(tables, ctxs)] for kc, vc in caches]
+    qs = q.transpose(0, 1)[None]
+    return _alternate({
+        "paged_attention, PyTorch path": lambda: [_layers(q, kv, caches, m, None) for m in metas()],
+        "paged_attention, compiled kernel": lambda: [_layers(q, kv, caches, m, None, paged_block) for m in metas()],
+        "SDPA on contiguous K/V": lambda: [F.scaled_dot_product_attention(qs, k_, v_, attn_mask=mask, enable_gqa=True)
+                                           for layer in dense for k_, v_, mask in layer],
+    }, repeats)
+
+
+def block_probe(repeats: int, layers: int = 8) -> dict[str, dict[str, tuple[float, float]]]:
+    """probe -> path -> (best, median) ms (slots -1: the keys are in the cache already, nothing is
+    stored, so every path reads the same)."""
+    return {
+        "V-JEPA frame blocks (66 queries over 132..2,112 keys, 31 steps)":
+            _block_case(8, 8, 32, 66, 66, [66 * (t + 1) for t in range(1, 32)], QueryMode.BLOCK_APPEND, layers,
+                        repeats),
+        "Llama prefill chunk (256 causal queries after 128 cached)":
+            _block_case(8, 4, 64, 16, 256, [384], QueryMode.CAUSAL_APPEND, layers, repeats),
+    }
 
 
 def attention_probe(repeats: int, rows: int = 16, layers: int = 8) -> dict[str, tuple[float, float]]:
@@ -168,6 +208,9 @@ def main() -> None:
           f"over {args.repeats} alternating repeats\n\n| probe | path | best ms | median ms |\n|---|---|---:|---:|")
     for name, (best, med) in attention_probe(args.repeats).items():
         print(f"| attention, 16 rows x 8 layers | {name} | {best:.2f} | {med:.2f} |")
+    for probe, paths in block_probe(max(3, args.repeats // 3)).items():
+        for name, (best, med) in paths.items():
+            print(f"| {probe} x 8 layers | {name} | {best:.2f} | {med:.2f} |")
     for b in (int(x) for x in args.batch.split(",")):
         for name, (best, med) in decode_step_probe(b, args.repeats).items():
             print(f"| decode step, batch {b} | {name} | {best:.2f} | {med:.2f} |")

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "AttentionMetadata",
+    "BlockFn",
     "DecodeFn",
     "DecodeRows",
     "QueryMode",
@@ -380,6 +381,14 @@ class _BatchPlan:
     decode: DecodeRows | None  # the single-token causal rows (None: there are none)
     others: list[int]  # every other sequence with query tokens, attended on its own
     direct: bool  # the decode rows are the whole batch, in order: their result is the output
+    kernel_args: Any = None  # a backend's per-batch arguments for the other sequences (memo)
+
+
+# how a backend computes some of the other sequences (multi-token queries): (q, k_cache, v_cache,
+# meta, plan, scale, out) writes their rows of ``out`` and returns the sequences it left for the
+# PyTorch path
+BlockFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, _BatchPlan, float,
+                    torch.Tensor], list[int]]
 
 
 def _batch_plan(meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -430,7 +439,7 @@ def _store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: tor
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None = None, *,
-                    decode: DecodeFn | None = None) -> torch.Tensor:
+                    decode: DecodeFn | None = None, block: BlockFn | None = None) -> torch.Tensor:
     """Attention of a ragged batch over the paged cache; returns ``[total_q, q_heads, head_dim]`` (q's dtype).
 
     ``q`` is ``[total_q, q_heads, head_dim]``; ``k``/``v`` are the new tokens'
@@ -439,7 +448,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     through its block table and attends with the mask of its mode. ``scale`` defaults to ``head_dim ** -0.5``.
     The batch's bookkeeping (validation, write slots, decode rows) is done at the first call and reused
     by every later layer of the same forward (same ``meta``). ``decode`` computes the decode rows
-    (default ``attend_decode_rows``; a compiled kernel: ``mstar.layers.paged_decode``).
+    (default ``attend_decode_rows``; a compiled kernel: ``mstar.layers.paged_decode``); ``block``, when
+    given, computes the multi-token sequences it can (the rest take the PyTorch path).
     """
     if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
         raise ValueError(f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -460,7 +470,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if plan.decode is not None:
         out.index_copy_(0, plan.decode.q_rows, decode(q, k_cache, v_cache, plan.decode, scale))
     cu, ctx = plan.cu, plan.ctx
-    for i in plan.others:
+    others = plan.others if block is None or not plan.others else block(q, k_cache, v_cache, meta, plan, scale, out)
+    for i in others:
         mode = meta.modes[i]
         s, e = cu[i], cu[i + 1]
         k_seq, v_seq = gather_kv(k_cache, v_cache, meta.block_tables[i], ctx[i])

@@ -1,11 +1,14 @@
-"""The compiled CPU decode-attention kernel (``csrc/paged_decode.cpp``) and the backend that uses it.
+"""The compiled CPU attention kernels over the paged cache (``csrc/paged_decode.cpp``) and the backend
+that uses them.
 
-Decode rows (one causal query token) read their K/V blocks in place through the block tables,
-instead of gathering them into fresh tensors as the PyTorch path does; everything else (storing
-new K/V, prefill chunks, block-append and read-only sequences) stays on the PyTorch path of
-``mstar.layers.paged_attention``. The kernel splits the work into (row, kv heads) tasks and computes
-each task on one thread in a fixed order, so a row's output is bitwise the same in any batch and
-with any number of threads, for one build on one machine (it is built with ``-march=native``);
+Decode rows (one causal query token) and multi-token append sequences (prefill chunks, causal; frame
+and image blocks, bidirectional) read their K/V blocks in place through the block tables, instead of
+gathering them into fresh tensors as the PyTorch path does; storing new K/V (outside the all-decode
+step) and read-only sequences stay on the PyTorch path of ``mstar.layers.paged_attention``. Each
+kernel splits the work into tasks (decode: a row or a range of its kv heads; multi-token: a sequence,
+query head and tile of query rows, its keys taken in fixed chunks of 128 with an online softmax) and
+computes each task on one thread in a fixed order, so a row's output is bitwise the same in any batch
+and with any number of threads, for one build on one machine (it is built with ``-march=native``);
 against the PyTorch path it agrees to about 1e-6.
 
 The extension is built and loaded by ``mstar.layers.cpu_build`` (cached per machine; when it
@@ -16,15 +19,25 @@ warning line in the first case).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mstar.layers.attention_backends import AttentionBackend
 from mstar.layers.cpu_ops import _EXTENSION, build, ops  # noqa: F401 - _EXTENSION: for tests
-from mstar.layers.paged_attention import DecodeRows, _batch_plan, attend_decode_rows, paged_attention
+from mstar.layers.paged_attention import (
+    AttentionMetadata,
+    DecodeRows,
+    QueryMode,
+    _batch_plan,
+    _BatchPlan,
+    _table_row,
+    attend_decode_rows,
+    paged_attention,
+)
 
-__all__ = ["CompiledPagedBackend", "build", "kernel", "paged_decode"]
+__all__ = ["CompiledPagedBackend", "build", "kernel", "paged_block", "paged_decode"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -59,6 +72,63 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return ext.paged_decode(queries, k_cache, v_cache, tables, ctx).to(q.dtype)
 
 
+@dataclass
+class _BlockArgs:
+    """The kernel's view of a batch's multi-token append sequences (memoized on the batch plan)."""
+
+    seqs: list[int]  # the sequences it computes
+    rest: list[int]  # the sequences left for the PyTorch path (read-only ones)
+    tables: torch.Tensor  # int64 [seqs, width]
+    ctx: torch.Tensor
+    q_start: torch.Tensor
+    q_len: torch.Tensor
+    causal: torch.Tensor
+    rows: torch.Tensor | None  # their query rows when they are not the whole batch
+
+
+def _block_args(meta: AttentionMetadata, plan: _BatchPlan, k_cache: torch.Tensor, total_q: int) -> _BlockArgs:
+    if plan.kernel_args is None:
+        seqs = [i for i in plan.others if meta.modes[i] is not QueryMode.READ_ONLY]
+        rest = [i for i in plan.others if meta.modes[i] is QueryMode.READ_ONLY]
+        block_size, cu = k_cache.shape[1], plan.cu
+        ids = [_table_row(meta.block_tables, i, -(-plan.ctx[i] // block_size)) for i in seqs]
+        width = max((len(row) for row in ids), default=1)
+        col = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+        rows = [r for i in seqs for r in range(cu[i], cu[i + 1])]
+        plan.kernel_args = _BlockArgs(
+            seqs, rest, col([row + [0] * (width - len(row)) for row in ids]).view(len(seqs), width),
+            col([plan.ctx[i] for i in seqs]), col([cu[i] for i in seqs]), col([cu[i + 1] - cu[i] for i in seqs]),
+            col([int(meta.modes[i] is QueryMode.CAUSAL_APPEND) for i in seqs]),
+            None if len(rows) == total_q else col(rows))
+    return plan.kernel_args
+
+
+def paged_block(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                plan: _BatchPlan, scale: float, out: torch.Tensor) -> list[int]:
+    """The multi-token causal and block-append sequences of the batch through the kernel, written into
+    their rows of ``out``; returns the sequences left for the PyTorch path (read-only ones, or all of
+    them where the kernel does not apply: not built, not CPU, another dtype, a head_dim that is not a
+    multiple of 16)."""
+    ext = kernel()
+    if (ext is None or q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype not in _DTYPES
+            or v_cache.dtype != k_cache.dtype or q.shape[-1] % 16
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return plan.others
+    args = _block_args(meta, plan, k_cache, q.shape[0])
+    if not args.seqs:
+        return args.rest
+    queries = q.to(torch.float32).contiguous()
+    into = out if out.dtype == torch.float32 and out.is_contiguous() else torch.zeros_like(queries)
+    ext.paged_block_(into, queries, k_cache, v_cache, args.tables, args.ctx, args.q_start, args.q_len,
+                     args.causal, scale)
+    if into is not out:
+        if args.rows is None:
+            out.copy_(into)
+        else:
+            out.index_copy_(0, args.rows, into.index_select(0, args.rows).to(out.dtype))
+    return args.rest
+
+
 def _rows_ok(x: torch.Tensor) -> bool:
     """``[T, H, D]`` with contiguous rows (a row may sit inside a wider packed projection output)."""
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
@@ -81,7 +151,8 @@ def _fused_step(ext: Any, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tenso
 
 
 class CompiledPagedBackend(AttentionBackend):
-    """Paged attention with decode rows through the compiled CPU kernel (module docstring). A batch
+    """Paged attention with decode rows and multi-token append sequences through the compiled CPU
+    kernels (module docstring). A batch
     of decode rows only (every decode step) takes one kernel call per layer for storing its K/V and
     attending (``decode_step``: the same stores and the same arithmetic as the two steps apart)."""
 
@@ -93,4 +164,4 @@ class CompiledPagedBackend(AttentionBackend):
             out = _fused_step(ext, q, k, v, k_cache, v_cache, meta, scale)
             if out is not None:
                 return out
-        return paged_attention(q, k, v, k_cache, v_cache, meta, scale, decode=paged_decode)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale, decode=paged_decode, block=paged_block)

@@ -572,10 +572,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 torch::Tensor decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                           torch::Tensor v_cache, torch::Tensor slots, torch::Tensor tables, torch::Tensor ctx,
                           double scale);
+void paged_block_(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor tables, torch::Tensor ctx, torch::Tensor q_start, torch::Tensor q_len,
+                  torch::Tensor causal, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache");
   m.def("decode_step", &decode_step, "store new K/V rows, then decode attention (all rows single-token appends)");
+  m.def("paged_block_", &paged_block_, "multi-token (causal or bidirectional) attention over a paged KV cache, into out");
   m.def("argmax_rows", &argmax_rows, "index of each row's maximum (torch.argmax semantics)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a float32 matrix");
   m.def("rotary_", &rotary_, "rotary embedding, in place, over the first heads of each row");

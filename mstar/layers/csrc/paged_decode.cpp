@@ -317,3 +317,213 @@ torch::Tensor decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
   auto out = paged_decode(queries, k_cache, v_cache, tables, ctx);
   return dt == torch::kFloat32 ? out : out.to(dt);
 }
+
+// ------------------------------------------------------------------------------------------------
+// Multi-token queries over the paged cache (prefill chunks, frame / image blocks), read in place.
+//
+// A sequence's queries attend to its first `ctx` cached keys (its new K/V are stored before the
+// call): bidirectionally (query i sees keys [0, ctx)) or causally (query i of n sees keys
+// [0, ctx - n + 1 + i)). Tasks are (sequence, query head, tile of up to kTileRows queries); one
+// thread computes a task. Keys are taken in chunks of kChunk from key 0 (an online softmax over the
+// chunks), and every query row's arithmetic depends only on its own query, its visible keys and
+// that fixed chunking:
+//   s[j]  = sum_d q[d] * k[j][d]                   d ascending, one accumulator per (row, key)
+//   chunk: m' = max(m, max_j s[j]) (j ascending);  p[j] = exp(s[j] - m');  a = exp(m - m')
+//          l = l * a + sum_j p[j] (16 lanes, fixed tree);  o = o * a, then o += p[j] * v[j], j ascending
+//   out = o * (1 / l)
+// so a row's output is the same bits whatever tile, batch or thread count computes it.
+namespace {
+
+constexpr int64_t kTileRows = 128;  // the most query rows per task (a sequence's rows split evenly)
+constexpr int64_t kChunk = 128;    // keys per online-softmax step (a multiple of 32)
+constexpr int64_t kRowGroup = 8;   // rows per register tile in the two products
+
+struct BlockTask {
+  int64_t seq, head, r0, r1;
+};
+
+// scores[r][j] = sum_d qt[r][d] * kt[d][j] for r in [0, kRowGroup), j in [0, nk) rounded up to 32;
+// d ascending.
+inline void score_group(const float* qt, int64_t d, const float* kt, int64_t nk, float* scores) {
+  for (int64_t jv = 0; jv < nk; jv += 2 * kLanes) {
+    vf16 acc[kRowGroup][2];
+    for (int64_t r = 0; r < kRowGroup; ++r) acc[r][0] = acc[r][1] = vf16{0};
+    for (int64_t i = 0; i < d; ++i) {
+      vf16 k0, k1;
+      std::memcpy(&k0, kt + i * kChunk + jv, sizeof k0);
+      std::memcpy(&k1, kt + i * kChunk + jv + kLanes, sizeof k1);
+      for (int64_t r = 0; r < kRowGroup; ++r) {
+        const float qv = qt[r * d + i];
+        acc[r][0] += qv * k0;
+        acc[r][1] += qv * k1;
+      }
+    }
+    for (int64_t r = 0; r < kRowGroup; ++r) {
+      std::memcpy(scores + r * kChunk + jv, &acc[r][0], sizeof acc[r][0]);
+      std::memcpy(scores + r * kChunk + jv + kLanes, &acc[r][1], sizeof acc[r][1]);
+    }
+  }
+}
+
+// o[r][c..c+16*NV) += sum_j p[r][j] * v[j][c..), j ascending over [0, nk), for kRowGroup rows.
+template <int NV>
+inline void value_group(const float* p, const float* vf, int64_t d, int64_t nk, int64_t c, float* o) {
+  vf16 acc[kRowGroup][NV];
+  for (int64_t r = 0; r < kRowGroup; ++r)
+    for (int v = 0; v < NV; ++v) std::memcpy(&acc[r][v], o + r * d + c + v * kLanes, sizeof(vf16));
+  for (int64_t j = 0; j < nk; ++j) {
+    vf16 vv[NV];
+    for (int v = 0; v < NV; ++v) std::memcpy(&vv[v], vf + j * d + c + v * kLanes, sizeof(vf16));
+    for (int64_t r = 0; r < kRowGroup; ++r) {
+      const float pr = p[r * kChunk + j];
+      for (int v = 0; v < NV; ++v) acc[r][v] += pr * vv[v];
+    }
+  }
+  for (int64_t r = 0; r < kRowGroup; ++r)
+    for (int v = 0; v < NV; ++v) std::memcpy(o + r * d + c + v * kLanes, &acc[r][v], sizeof(vf16));
+}
+
+struct BlockScratch {
+  std::vector<float> qt, kt, vf, scores, o, m, l;
+};
+
+template <typename T>
+void block_task(const BlockTask& tk, const float* q, const T* kc, const T* vc, const int64_t* table,
+                int64_t ctx, int64_t n, bool causal, int64_t q_start, const Layout& ly, int64_t q_heads,
+                float scale, float* out, BlockScratch& s) {
+  const int64_t d = ly.head_dim, kvh = tk.head / ly.group, row_stride = ly.kv_heads * d;
+  const int64_t rows = tk.r1 - tk.r0, padded = (rows + kRowGroup - 1) / kRowGroup * kRowGroup;
+  s.qt.assign(padded * d, 0.0f);
+  s.o.assign(padded * d, 0.0f);
+  s.kt.resize(d * kChunk);
+  s.vf.resize(kChunk * d);
+  s.scores.resize(padded * kChunk);
+  s.m.assign(padded, 0.0f);
+  s.l.assign(padded, 0.0f);
+  std::vector<int64_t> lim(padded, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = q + ((q_start + tk.r0 + r) * q_heads + tk.head) * d;
+    for (int64_t i = 0; i < d; ++i) s.qt[r * d + i] = src[i] * scale;
+    lim[r] = causal ? ctx - n + 1 + tk.r0 + r : ctx;
+  }
+  const int64_t keys = causal ? ctx - n + tk.r1 : ctx;  // the most any row of the tile sees
+  for (int64_t c0 = 0; c0 < keys; c0 += kChunk) {
+    const int64_t nk = std::min(kChunk, keys - c0);
+    // this chunk's keys transposed ([d][kChunk], zero past nk) and values ([kChunk][d]) as floats
+    std::fill(s.kt.begin(), s.kt.end(), 0.0f);
+    for (int64_t j = 0; j < nk; ++j) {
+      if (j + kPrefetchKeys < nk) {
+        const int64_t ahead = slot_of(table, c0 + j + kPrefetchKeys, ly.block_size) * row_stride + kvh * d;
+        prefetch(kc + ahead, d);
+        prefetch(vc + ahead, d);
+      }
+      const int64_t slot = slot_of(table, c0 + j, ly.block_size) * row_stride + kvh * d;
+      const T* k = kc + slot;
+      const T* v = vc + slot;
+      for (int64_t i = 0; i < d; ++i) s.kt[i * kChunk + j] = to_float(k[i]);
+      for (int64_t i = 0; i < d; ++i) s.vf[j * d + i] = to_float(v[i]);
+    }
+    for (int64_t g = 0; g < padded; g += kRowGroup)
+      score_group(s.qt.data() + g * d, d, s.kt.data(), nk, s.scores.data() + g * kChunk);
+    for (int64_t r = 0; r < padded; ++r) {
+      float* p = s.scores.data() + r * kChunk;
+      const int64_t valid = r < rows ? std::min(nk, lim[r] - c0) : 0;
+      if (valid <= 0) {
+        std::fill(p, p + kChunk, 0.0f);
+        continue;
+      }
+      float mc = p[0];
+      for (int64_t j = 1; j < valid; ++j) mc = p[j] > mc ? p[j] : mc;
+      const bool first = c0 == 0;
+      const float m_new = first || mc > s.m[r] ? mc : s.m[r];
+      for (int64_t j = 0; j < valid; ++j) p[j] = exp_nonpositive(p[j] - m_new);
+      std::fill(p + valid, p + kChunk, 0.0f);
+      const float chunk_sum = sum(p, valid);
+      if (first) {
+        s.l[r] = chunk_sum;
+      } else {
+        const float a = exp_nonpositive(s.m[r] - m_new);
+        s.l[r] = s.l[r] * a + chunk_sum;
+        float* o = s.o.data() + r * d;
+        for (int64_t i = 0; i < d; ++i) o[i] *= a;
+      }
+      s.m[r] = m_new;
+    }
+    for (int64_t g = 0; g < padded; g += kRowGroup) {
+      const float* p = s.scores.data() + g * kChunk;
+      float* o = s.o.data() + g * d;
+      int64_t c = 0;
+      for (; c + 2 * kLanes <= d; c += 2 * kLanes) value_group<2>(p, s.vf.data(), d, nk, c, o);
+      if (c < d) value_group<1>(p, s.vf.data(), d, nk, c, o);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.0f / s.l[r];
+    float* dst = out + ((q_start + tk.r0 + r) * q_heads + tk.head) * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = s.o[r * d + i] * inv;
+  }
+}
+
+}  // namespace
+
+// Attention of multi-token sequences over the paged cache, written into `out` (float32, q's shape):
+// sequence i's queries are q[q_start[i], q_start[i] + q_len[i]) (float32 [T, Hq, D], contiguous,
+// not yet scaled), its keys its first ctx[i] cached keys (ctx[i] >= q_len[i] >= 1) through row i of
+// `tables`; causal[i] != 0: query j sees keys [0, ctx - q_len + 1 + j), else all ctx. head_dim must
+// be a multiple of 16. Rows of `out` outside the sequences are left as they are.
+void paged_block_(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor tables, torch::Tensor ctx, torch::Tensor q_start, torch::Tensor q_len,
+                  torch::Tensor causal, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
+              "queries must be contiguous float32 [tokens, q_heads, head_dim]");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat32 && out.is_contiguous(),
+              "out must be contiguous float32 of the queries' shape");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.dtype() == v_cache.dtype() &&
+                  (k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16),
+              "caches must be contiguous [blocks, block_size, kv_heads, head_dim], float32 or bfloat16");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0 && q.size(2) % kLanes == 0,
+              "head_dim (a multiple of 16) / head counts of queries and cache disagree");
+  const int64_t seqs = ctx.numel();
+  for (const auto* t : {&ctx, &q_start, &q_len, &causal})
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == seqs,
+                "ctx, q_start, q_len and causal must be int64 [sequences]");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == seqs && tables.is_contiguous() &&
+                  tables.scalar_type() == torch::kInt64,
+              "tables must be int64 [sequences, width]");
+  const Layout ly{k_cache.size(1), k_cache.size(2), k_cache.size(3), q.size(1) / k_cache.size(2),
+                  tables.size(1)};
+  const int64_t q_heads = q.size(1), capacity_blocks = k_cache.size(0);
+  const int64_t *cp = ctx.data_ptr<int64_t>(), *sp = q_start.data_ptr<int64_t>(),
+                *lp = q_len.data_ptr<int64_t>(), *fp = causal.data_ptr<int64_t>(),
+                *tp = tables.data_ptr<int64_t>();
+  std::vector<BlockTask> tasks;
+  for (int64_t i = 0; i < seqs; ++i) {
+    TORCH_CHECK(lp[i] >= 1 && cp[i] >= lp[i] && sp[i] >= 0 && sp[i] + lp[i] <= q.size(0),
+                "sequence ", i, ": bad q_start / q_len / ctx");
+    const int64_t needed = (cp[i] + ly.block_size - 1) / ly.block_size;
+    TORCH_CHECK(needed <= ly.table_width, "sequence ", i, ": block table too short");
+    for (int64_t b = 0; b < needed; ++b)
+      TORCH_CHECK(tp[i * ly.table_width + b] >= 0 && tp[i * ly.table_width + b] < capacity_blocks,
+                  "sequence ", i, ": block id outside the cache");
+    const int64_t tiles = (lp[i] + kTileRows - 1) / kTileRows, per_tile = (lp[i] + tiles - 1) / tiles;
+    for (int64_t h = 0; h < q_heads; ++h)
+      for (int64_t r0 = 0; r0 < lp[i]; r0 += per_tile)
+        tasks.push_back({i, h, r0, std::min(lp[i], r0 + per_tile)});
+  }
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  auto run = [&](auto* kc, auto* vc) {
+    mstar_cpu::parallel_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
+      thread_local BlockScratch scratch;
+      const BlockTask& tk = tasks[t];
+      block_task(tk, qp, kc, vc, tp + tk.seq * ly.table_width, cp[tk.seq], lp[tk.seq], fp[tk.seq] != 0,
+                 sp[tk.seq], ly, q_heads, sc, op, scratch);
+    });
+  };
+  if (k_cache.scalar_type() == torch::kFloat32)
+    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  else
+    run(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+}

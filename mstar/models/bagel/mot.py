@@ -27,9 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.layers.attention_backends import AttentionBackend
+from mstar.layers.attention_backends import AttentionBackend, default_backend
 from mstar.layers.llama import LlamaMLP, RMSNorm
-from mstar.layers.paged_attention import paged_attention
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary
 from mstar.model.submodule import KVSpec
 from mstar.models.bagel.config import BagelLLMConfig
@@ -112,7 +111,7 @@ class MoTAttention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scaling = self.head_dim ** -0.5
-        self.backend = backend
+        self.backend = default_backend() if backend is None else backend
         self.qk_norm = cfg.qk_norm
         kw = {"dtype": dtype, "device": device}
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -171,10 +170,7 @@ class MoTAttention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = engine_inputs.kv_caches[self.layer_idx]
         meta = engine_inputs.attention
-        if self.backend is None:
-            out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.scaling)
-        else:
-            out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scaling)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scaling)
         return route.apply(out.reshape(t, nq), self.o_proj, self.o_proj_moe_gen)
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mstar.layers.paged_attention import QueryMode, paged_attention
+from mstar.layers.attention_backends import AttentionBackend, default_backend
+from mstar.layers.paged_attention import QueryMode
 from mstar.model import KVSequence, KVSpec, NodeInputs, NodeSubmodule
 from mstar.models.vjepa2.encoder import VJepaEncoder, encode_frames
 from mstar.models.vjepa2.pose import compute_new_pose
@@ -59,9 +60,10 @@ class PredictorNode(NodeSubmodule):
     sample, each in a cache forked from the context cache and re-forked at every CEM iteration).
     """
 
-    def __init__(self, predictor: ACPredictor) -> None:
+    def __init__(self, predictor: ACPredictor, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.predictor = predictor
+        self.backend = default_backend() if backend is None else backend
         c = predictor.cfg
         self.kv_spec = KVSpec(c.depth, c.num_heads, c.head_dim)
         self._rope_cache: dict = {}
@@ -123,8 +125,8 @@ class PredictorNode(NodeSubmodule):
         cos, sin = torch.cat([tc for tc, _ in tables]), torch.cat([ts for _, ts in tables])
         for layer, blk in enumerate(p.predictor_blocks):
             q, k, v = blk.attn._qkv(blk.norm1(x).unsqueeze(0), cos, sin)  # [1, H, L, hd]
-            o = paged_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                                *ei.kv_caches[layer], ei.attention)
+            o = self.backend.forward(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                     *ei.kv_caches[layer], ei.attention)
             x = x + blk.attn._out(o.transpose(0, 1).unsqueeze(0))[0]
             x = x + blk.mlp(blk.norm2(x))
         pred = p._readout(x.view(n_seq, 1, c.block_tokens, -1)).view(n_seq, n, -1)
