@@ -16,6 +16,7 @@ def test_out_of_order_pushes_and_early_end():
     buf = StreamBuffer()
     f = lambda: SlidingWindowChunkPolicy(window=3, stride=1)  # noqa: E731
     buf.end("p", {("n", "x"): 5})  # the end overtook every push
+    assert not buf.all_ended({"p"}) and not buf.has_pending()  # 5 items announced, none here yet
     buf.push("n", "x", "p", f, [3, 4], offset=3)
     assert drain(buf) == [] and not buf.all_ended({"p"})
     buf.push("n", "x", "p", f, [0, 1, 2], offset=0)
@@ -45,3 +46,9 @@ def test_an_empty_push_after_the_end_changes_nothing():
     buf.push("n", "x", "p", f, [], offset=2)
     buf.push("n", "x", "p", f, [], offset=0)
     assert drain(buf) == [[1, 2]] and buf.all_ended({"p"})
+
+
+def test_a_stream_that_announced_nothing_ends_at_once():
+    buf = StreamBuffer()
+    buf.end("p", {("n", "x"): 0})
+    assert buf.all_ended({"p"}) and buf.pull("n", "x") is None

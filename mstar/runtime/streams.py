@@ -78,8 +78,13 @@ class StreamBuffer:
         return any(inp.pending for inp in self.inputs.values())
 
     def all_ended(self, producers: set[str]) -> bool:
-        """Every producer ended and every item it announced has arrived."""
-        return producers <= self._ended.keys() and all(inp.policy.done for inp in self.inputs.values())
+        """Every producer ended and every item it announced has arrived (an input whose first push
+        is still on its way, behind the end, has no policy here yet: not ended)."""
+        if not producers <= self._ended.keys():
+            return False
+        if any(n and key not in self.inputs for p in producers for key, n in self._ended[p].items()):
+            return False
+        return all(inp.policy.done for inp in self.inputs.values())
 
     def buffered(self) -> int:
         return sum(inp.policy.buffered + sum(len(c.items) for c in inp.pending) for inp in self.inputs.values())
