@@ -83,7 +83,8 @@ def test_failure_fails_only_that_request_and_frees_blocks():
 
 def test_abort_frees_everything():
     with Runtime(ToyLM()) as rt:
-        h = rt.submit({"input_ids": torch.tensor([1, 2])}, {"max_tokens": 200})
+        # no EOS in 250 tokens (the toy's longest run): the abort lands long before it could end
+        h = rt.submit({"input_ids": torch.tensor([1, 7])}, {"max_tokens": 250})
         next(iter(h))
         rt.abort(h.request_id)
         assert h.result(timeout=30).status is RequestStatus.ABORTED
