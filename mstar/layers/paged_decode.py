@@ -152,9 +152,9 @@ def _fused_step(ext: Any, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tenso
 
 class CompiledPagedBackend(AttentionBackend):
     """Paged attention with decode rows and multi-token append sequences through the compiled CPU
-    kernels (module docstring). A batch
-    of decode rows only (every decode step) takes one kernel call per layer for storing its K/V and
-    attending (``decode_step``: the same stores and the same arithmetic as the two steps apart)."""
+    kernels (module docstring). A batch of decode rows only (every decode step) takes one kernel call
+    per layer for storing its K/V and attending (``decode_step``: the same stores and the same
+    arithmetic as the two steps apart)."""
 
     name = "compiled"
 

@@ -409,8 +409,8 @@ void block_task(const BlockTask& tk, const float* q, const T* kc, const T* vc, c
   const int64_t keys = causal ? ctx - n + tk.r1 : ctx;  // the most any row of the tile sees
   for (int64_t c0 = 0; c0 < keys; c0 += kChunk) {
     const int64_t nk = std::min(kChunk, keys - c0);
-    // this chunk's keys transposed ([d][kChunk], zero past nk) and values ([kChunk][d]) as floats
-    std::fill(s.kt.begin(), s.kt.end(), 0.0f);
+    // this chunk's keys transposed ([d][kChunk]) and values ([kChunk][d]) as floats; the scores of
+    // the columns past nk (left over from an earlier chunk) are never read
     for (int64_t j = 0; j < nk; ++j) {
       if (j + kPrefetchKeys < nk) {
         const int64_t ahead = slot_of(table, c0 + j + kPrefetchKeys, ly.block_size) * row_stride + kvh * d;
