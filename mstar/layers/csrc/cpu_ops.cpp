@@ -97,7 +97,9 @@ inline void accumulate(const TX* x, int64_t K, const TW* panel, vf16 (&acc)[R][4
     vf16 w0 = load(w), w1 = load(w + kVec), w2 = load(w + 2 * kVec), w3 = load(w + 3 * kVec);
     // keep the panel's row in registers: otherwise the compiler re-reads it from memory for every
     // row of the tile (one load per multiply-add), and loads, not multiply-adds, bound the loop
+#if defined(__AVX512F__)  // a 64-byte vector fits one register only with AVX-512
     asm("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
+#endif
     for (int r = 0; r < R; ++r) {
       const float xv = scalar(x[r * K + k]);
       acc[r][0] += xv * w0;
