@@ -38,6 +38,9 @@ typedef float vf16 __attribute__((vector_size(64)));
 typedef uint16_t vu16 __attribute__((vector_size(32)));
 typedef uint32_t vu32 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef uint16_t vu8 __attribute__((vector_size(16)));
+typedef uint32_t vu32x8 __attribute__((vector_size(32)));
 
 inline vf16 load(const float* p) {
   vf16 v;
@@ -50,6 +53,21 @@ inline vf16 load(const c10::BFloat16* p) {  // 16 bf16 -> float32: the raw bits 
   std::memcpy(&raw, p, sizeof raw);
   vu32 wide = __builtin_convertvector(raw, vu32) << 16;
   vf16 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+inline vf8 load8(const float* p) {
+  vf8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vf8 load8(const c10::BFloat16* p) {  // 8 bf16 -> float32
+  vu8 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  vu32x8 wide = __builtin_convertvector(raw, vu32x8) << 16;
+  vf8 v;
   std::memcpy(&v, &wide, sizeof v);
   return v;
 }
@@ -90,6 +108,7 @@ inline void store_row(const vf16 (&acc)[4], int64_t col0, TY* yr, const TY* res,
 // Rows [0, R) of x times one panel [K][64]: one float32 multiply-add per (row, column, k), k
 // ascending. R is a template argument so the accumulators live in registers; every row's
 // arithmetic is the same for any R.
+#if defined(__AVX512F__)
 template <int R, typename TX, typename TW>
 inline void accumulate(const TX* x, int64_t K, const TW* panel, vf16 (&acc)[R][4]) {
   for (int64_t k = 0; k < K; ++k) {
@@ -97,9 +116,7 @@ inline void accumulate(const TX* x, int64_t K, const TW* panel, vf16 (&acc)[R][4
     vf16 w0 = load(w), w1 = load(w + kVec), w2 = load(w + 2 * kVec), w3 = load(w + 3 * kVec);
     // keep the panel's row in registers: otherwise the compiler re-reads it from memory for every
     // row of the tile (one load per multiply-add), and loads, not multiply-adds, bound the loop
-#if defined(__AVX512F__)  // a 64-byte vector fits one register only with AVX-512
     asm("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
-#endif
     for (int r = 0; r < R; ++r) {
       const float xv = scalar(x[r * K + k]);
       acc[r][0] += xv * w0;
@@ -109,6 +126,44 @@ inline void accumulate(const TX* x, int64_t K, const TW* panel, vf16 (&acc)[R][4
     }
   }
 }
+#else
+// Without AVX-512 a 16-float vector takes two of the 16 ymm registers, and a tile of R rows x 64
+// columns (8R accumulators) does not fit: the panel is walked in column strips narrow enough that
+// R rows' accumulators, the strip's weights and the broadcast input fit (R = 1: 64 columns, 2: 32,
+// 3 and more: 16, 2R + 3 registers). Each output element still gets its products in k order.
+constexpr int64_t kStripPrefetchRows = 16;  // panel rows prefetched ahead of the first strip
+template <int R>
+constexpr int kStripVecs = R == 1 ? 8 : R == 2 ? 4 : 2;  // 8-float vectors per row per strip
+
+template <int R, typename TX, typename TW>
+inline void accumulate(const TX* x, int64_t K, const TW* panel, vf16 (&acc)[R][4]) {
+  constexpr int NV = kStripVecs<R>;
+  float out[R][kPanel];
+  for (int s = 0; s < kPanel / (8 * NV); ++s) {
+    vf8 a[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) a[r][v] = vf8{};
+    for (int64_t k = 0; k < K; ++k) {
+      const TW* w = panel + k * kPanel + s * 8 * NV;
+      if (NV < 8 && s == 0) {  // the first strip fetches the panel from memory for the rest: whole
+        // rows ahead, since the strip itself touches only every other or every fourth cache line
+        const char* ahead = reinterpret_cast<const char*>(panel + (k + kStripPrefetchRows) * kPanel);
+        for (int64_t b = 0; b < static_cast<int64_t>(kPanel * sizeof(TW)); b += 64) __builtin_prefetch(ahead + b);
+      }
+      vf8 wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = load8(w + 8 * v);
+      for (int r = 0; r < R; ++r) {
+        const float xv = scalar(x[r * K + k]);
+        for (int v = 0; v < NV; ++v) a[r][v] += xv * wv[v];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) std::memcpy(&out[r][s * 8 * NV + 8 * v], &a[r][v], sizeof(vf8));
+  }
+  // acc holds zeros on entry (Tile::rows) and the strips started from zero as well
+  for (int r = 0; r < R; ++r) std::memcpy(acc[r], out[r], sizeof out[r]);
+}
+#endif
 
 #if defined(__AVX512BF16__)
 constexpr bool kDotPairs = true;
