@@ -451,6 +451,17 @@ void rotary_(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_t head
                 y.size(0), y.stride(0), heads, D);
 }
 
+// The register-wide vector: 16 floats with AVX-512, else 8 (on AVX2 GCC turned selects and
+// conversions of a 16-float vector into scalar code through the stack).
+#if defined(__AVX512F__)
+typedef vf16 vreg;
+typedef vi16 vreg_i;
+#else
+typedef vf8 vreg;
+typedef int32_t vreg_i __attribute__((vector_size(32)));
+#endif
+constexpr int64_t kRegLanes = sizeof(vreg) / sizeof(float);
+
 // The index of each row's maximum (the first one on ties; the first NaN if there is one, as
 // torch.argmax), x [B, V] float32 contiguous, V >= 1. Lane-wise maxima, then a scan for the
 // first index holding it; rows in parallel.
@@ -463,17 +474,18 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   int64_t* op = out.data_ptr<int64_t>();
   mstar_cpu::parallel_tasks(B, [&](int64_t r) {
     const float* row = xp + r * V;
-    vf16 m = vf16{} + row[0];
-    vi16 nan = vi16{};
+    vreg m = vreg{} + row[0];
+    vreg_i nan = vreg_i{};
     int64_t i = 0;
-    for (; i + kVec <= V; i += kVec) {
-      const vf16 v = load(row + i);
+    for (; i + kRegLanes <= V; i += kRegLanes) {
+      vreg v;
+      std::memcpy(&v, row + i, sizeof v);
       nan |= (v != v);
       m = v > m ? v : m;
     }
     float best = m[0];
     bool any_nan = false;
-    for (int l = 0; l < kVec; ++l) {
+    for (int l = 0; l < kRegLanes; ++l) {
       best = m[l] > best ? m[l] : best;
       any_nan |= nan[l] != 0;
     }
@@ -498,21 +510,23 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // < 1e-9 there), negated for odd k. Within a few float ulps of sinf; larger |u| take std::sin.
 constexpr float kSinExact = 1.0e5f;
 
-inline vf16 sin_vec(vf16 u) {
-  const vf16 k = (u * 0.318309886183790671f + 12582912.0f) - 12582912.0f;  // round to nearest
-  vf16 r = u - k * 3.14159274101257324f;
+template <typename V, typename VI>
+inline V sin_vec(V u) {
+  const V k = (u * 0.318309886183790671f + 12582912.0f) - 12582912.0f;  // round to nearest
+  V r = u - k * 3.14159274101257324f;
   r = r + k * 8.74227766e-08f;  // pi = 3.14159274101257324 - 8.74227766e-08
-  const vf16 r2 = r * r;
-  vf16 p = vf16{} + 1.6059043836821614e-10f;
+  const V r2 = r * r;
+  V p = V{} + 1.6059043836821614e-10f;
   p = p * r2 - 2.5052108385441720e-08f;
   p = p * r2 + 2.7557319223985893e-06f;
   p = p * r2 - 1.9841269841269841e-04f;
   p = p * r2 + 8.3333333333333333e-03f;
   p = p * r2 - 1.6666666666666667e-01f;
-  const vf16 s = r + r * r2 * p;
-  const vi16 odd = __builtin_convertvector(k, vi16) & 1;
+  const V s = r + r * r2 * p;
+  const VI odd = __builtin_convertvector(k, VI) & 1;
   return odd != 0 ? -s : s;
 }
+
 
 // y = x + inv_beta[c] * sin(alpha[c] * x)^2 over x [B, C, T] (BigVGAN's SnakeBeta, Code2Wav's
 // activation): one pass instead of five PyTorch operators; rows (b, c) in parallel.
@@ -535,19 +549,20 @@ torch::Tensor snake_beta(torch::Tensor x, torch::Tensor alpha, torch::Tensor inv
     const float* xr = xp + row * T;
     float* yr = yp + row * T;
     int64_t t = t0;
-    for (; t + kVec <= t1; t += kVec) {
-      const vf16 v = load(xr + t);
-      const vf16 u = v * al;
-      const vi16 big = (u > kSinExact) | (u < -kSinExact) | (u != u);
-      vf16 s;
+    for (; t + kRegLanes <= t1; t += kRegLanes) {
+      vreg v;
+      std::memcpy(&v, xr + t, sizeof v);
+      const vreg u = v * al;
+      const vreg_i big = (u > kSinExact) | (u < -kSinExact) | (u != u);
+      vreg s;
       bool any_big = false;
-      for (int l = 0; l < kVec; ++l) any_big |= big[l] != 0;
+      for (int l = 0; l < kRegLanes; ++l) any_big |= big[l] != 0;
       if (!any_big) {
-        s = sin_vec(u);
+        s = sin_vec<vreg, vreg_i>(u);
       } else {
-        for (int l = 0; l < kVec; ++l) s[l] = std::sin(u[l]);
+        for (int l = 0; l < kRegLanes; ++l) s[l] = std::sin(u[l]);
       }
-      const vf16 out = v + be * (s * s);
+      const vreg out = v + be * (s * s);
       std::memcpy(yr + t, &out, sizeof out);
     }
     for (; t < t1; ++t) {
@@ -571,17 +586,27 @@ torch::Tensor snake_beta(torch::Tensor x, torch::Tensor alpha, torch::Tensor inv
 template <int CO>
 void narrow_conv_rows(const float* xr, const float* wt, const float* b, float* yr, int64_t CI, int64_t K,
                       int64_t L, int64_t T, int64_t dilation, int64_t t0, int64_t t1) {
+  // 16 steps (NS register-wide vectors) at a time, outputs in groups of G whose accumulators fit
+  // the registers (AVX2: 4 outputs x 2 vectors, 6 loads per 8 multiply-adds)
+  constexpr int NS = kVec / kRegLanes;
+  constexpr int G = NS == 1 ? CO : (CO < 4 ? CO : 4);
   int64_t t = t0;
   for (; t + kVec <= t1; t += kVec) {
-    vf16 acc[CO];
-    for (int o = 0; o < CO; ++o) acc[o] = vf16{} + b[o];
-    for (int64_t i = 0; i < CI; ++i)
-      for (int64_t j = 0; j < K; ++j) {
-        const vf16 v = load(xr + i * L + t + j * dilation);
-        const float* wo = wt + (i * K + j) * CO;
-        for (int o = 0; o < CO; ++o) acc[o] += wo[o] * v;
-      }
-    for (int o = 0; o < CO; ++o) std::memcpy(yr + o * T + t, &acc[o], sizeof(vf16));
+    for (int o0 = 0; o0 < CO; o0 += G) {
+      vreg acc[G][NS];
+      for (int o = 0; o < G; ++o)
+        for (int n = 0; n < NS; ++n) acc[o][n] = vreg{} + b[o0 + o];
+      for (int64_t i = 0; i < CI; ++i)
+        for (int64_t j = 0; j < K; ++j) {
+          vreg v[NS];
+          for (int n = 0; n < NS; ++n) std::memcpy(&v[n], xr + i * L + t + j * dilation + n * kRegLanes, sizeof(vreg));
+          const float* wo = wt + (i * K + j) * CO + o0;
+          for (int o = 0; o < G; ++o)
+            for (int n = 0; n < NS; ++n) acc[o][n] += wo[o] * v[n];
+        }
+      for (int o = 0; o < G; ++o)
+        for (int n = 0; n < NS; ++n) std::memcpy(yr + (o0 + o) * T + t + n * kRegLanes, &acc[o][n], sizeof(vreg));
+    }
   }
   for (; t < t1; ++t)
     for (int o = 0; o < CO; ++o) {

@@ -64,6 +64,7 @@ inline float fold(vf16 a) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+#if defined(__AVX512F__)
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
   vf16 acc = {0};
@@ -80,6 +81,68 @@ inline float sum(const float* x, int64_t n) {
   if (i < n) acc += load_tail(x + i, n - i);
   return fold(acc);
 }
+#else
+// The same 16 lanes as two 8-float halves (GCC's code for a 16-float vector on AVX2 went through
+// the stack): lanes [0, 8) in lo, [8, 16) in hi, and the fold's first step is lo + hi.
+inline vf8 load8(const float* p) {
+  vf8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vf8 load8(const c10::BFloat16* p) {
+  typedef uint16_t vu8 __attribute__((vector_size(16)));
+  typedef uint32_t vu32x8 __attribute__((vector_size(32)));
+  vu8 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const vu32x8 wide = __builtin_convertvector(raw, vu32x8) << 16;
+  vf8 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+inline float fold(vf8 lo, vf8 hi) {
+  const vf8 s8 = lo + hi;
+  const vf4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  vf8 lo = {0}, hi = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    lo += load8(q + i) * load8(k + i);
+    hi += load8(q + i + 8) * load8(k + i + 8);
+  }
+  if (i < d) {
+    float qt[kLanes] = {0}, kt[kLanes] = {0};
+    for (int64_t l = 0; l < d - i; ++l) {
+      qt[l] = q[i + l];
+      kt[l] = to_float(k[i + l]);
+    }
+    lo += load8(qt) * load8(kt);
+    hi += load8(qt + 8) * load8(kt + 8);
+  }
+  return fold(lo, hi);
+}
+
+inline float sum(const float* x, int64_t n) {
+  vf8 lo = {0}, hi = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    lo += load8(x + i);
+    hi += load8(x + i + 8);
+  }
+  if (i < n) {
+    float t[kLanes] = {0};
+    std::memcpy(t, x + i, sizeof(float) * (n - i));
+    lo += load8(t);
+    hi += load8(t + 8);
+  }
+  return fold(lo, hi);
+}
+#endif
 
 // exp(x) for x <= 0 (softmax after subtracting the max): 2^n * poly(r), r = x - n ln2, |r| <= ln2/2.
 // Written with elementwise operations only, so the loop over keys vectorises; within ~2 ulp of expf.
@@ -447,13 +510,13 @@ inline void score_group(const float* qt, int64_t d, const float* kt, int64_t nk,
 
 // o[r][c..c+16*NV) += sum_j p[r][j] * v[j][c..), j ascending over [0, nk), for kRowGroup rows.
 template <int NV>
-inline void value_group(const float* p, const float* vf, int64_t d, int64_t nk, int64_t c, float* o) {
+inline void value_group(const float* p, const float* const* vr, int64_t d, int64_t nk, int64_t c, float* o) {
   vf16 acc[kRowGroup][NV];
   for (int64_t r = 0; r < kRowGroup; ++r)
     for (int v = 0; v < NV; ++v) std::memcpy(&acc[r][v], o + r * d + c + v * kLanes, sizeof(vf16));
   for (int64_t j = 0; j < nk; ++j) {
     vf16 vv[NV];
-    for (int v = 0; v < NV; ++v) std::memcpy(&vv[v], vf + j * d + c + v * kLanes, sizeof(vf16));
+    for (int v = 0; v < NV; ++v) std::memcpy(&vv[v], vr[j] + c + v * kLanes, sizeof(vf16));
     for (int64_t r = 0; r < kRowGroup; ++r) {
       const float pr = p[r * kChunk + j];
       for (int v = 0; v < NV; ++v) acc[r][v] += pr * vv[v];
@@ -492,7 +555,7 @@ inline void score_group(const float* qt, int64_t d, const float* kt, int64_t nk,
 }
 
 template <int NV>  // NV 16-float column groups from c
-inline void value_group(const float* p, const float* vf, int64_t d, int64_t nk, int64_t c, float* o) {
+inline void value_group(const float* p, const float* const* vr, int64_t d, int64_t nk, int64_t c, float* o) {
   for (int64_t h = 0; h < kRowGroup; h += kHalfRows) {
     for (int64_t cc = c; cc < c + NV * kLanes; cc += 16) {
       vf8 acc[kHalfRows][2];
@@ -500,8 +563,8 @@ inline void value_group(const float* p, const float* vf, int64_t d, int64_t nk, 
         for (int v = 0; v < 2; ++v) std::memcpy(&acc[r][v], o + (h + r) * d + cc + 8 * v, sizeof(vf8));
       for (int64_t j = 0; j < nk; ++j) {
         vf8 v0, v1;
-        std::memcpy(&v0, vf + j * d + cc, sizeof v0);
-        std::memcpy(&v1, vf + j * d + cc + 8, sizeof v1);
+        std::memcpy(&v0, vr[j] + cc, sizeof v0);
+        std::memcpy(&v1, vr[j] + cc + 8, sizeof v1);
         for (int64_t r = 0; r < kHalfRows; ++r) {
           const float pr = p[(h + r) * kChunk + j];
           acc[r][0] += pr * v0;
@@ -517,6 +580,7 @@ inline void value_group(const float* p, const float* vf, int64_t d, int64_t nk, 
 
 struct BlockScratch {
   std::vector<float> qt, kt, vf, scores, o, m, l;
+  std::vector<const float*> vr;  // each key's value row of the chunk (in the cache, or in vf)
 };
 
 template <typename T>
@@ -529,6 +593,7 @@ void block_task(const BlockTask& tk, const float* q, const T* kc, const T* vc, c
   s.o.assign(padded * d, 0.0f);
   s.kt.resize(d * kChunk);
   s.vf.resize(kChunk * d);
+  s.vr.resize(kChunk);
   s.scores.resize(padded * kChunk);
   s.m.assign(padded, 0.0f);
   s.l.assign(padded, 0.0f);
@@ -553,7 +618,12 @@ void block_task(const BlockTask& tk, const float* q, const T* kc, const T* vc, c
       const T* k = kc + slot;
       const T* v = vc + slot;
       for (int64_t i = 0; i < d; ++i) s.kt[i * kChunk + j] = to_float(k[i]);
-      for (int64_t i = 0; i < d; ++i) s.vf[j * d + i] = to_float(v[i]);
+      if constexpr (std::is_same_v<T, float>) {
+        s.vr[j] = v;  // float32 values are read in place
+      } else {
+        for (int64_t i = 0; i < d; ++i) s.vf[j * d + i] = to_float(v[i]);
+        s.vr[j] = s.vf.data() + j * d;
+      }
     }
     for (int64_t g = 0; g < padded; g += kRowGroup)
       score_group(s.qt.data() + g * d, d, s.kt.data(), nk, s.scores.data() + g * kChunk);
@@ -584,8 +654,8 @@ void block_task(const BlockTask& tk, const float* q, const T* kc, const T* vc, c
       const float* p = s.scores.data() + g * kChunk;
       float* o = s.o.data() + g * d;
       int64_t c = 0;
-      for (; c + 2 * kLanes <= d; c += 2 * kLanes) value_group<2>(p, s.vf.data(), d, nk, c, o);
-      if (c < d) value_group<1>(p, s.vf.data(), d, nk, c, o);
+      for (; c + 2 * kLanes <= d; c += 2 * kLanes) value_group<2>(p, s.vr.data(), d, nk, c, o);
+      if (c < d) value_group<1>(p, s.vr.data(), d, nk, c, o);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
