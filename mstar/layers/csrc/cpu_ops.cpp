@@ -131,6 +131,7 @@ inline void accumulate(const TX* x, int64_t K, const TW* panel, vf16 (&acc)[R][4
 // columns (8R accumulators) does not fit: the panel is walked in column strips narrow enough that
 // R rows' accumulators, the strip's weights and the broadcast input fit (R = 1: 64 columns, 2: 32,
 // 3 and more: 16, 2R + 3 registers). Each output element still gets its products in k order.
+constexpr int64_t kStreamFirstBytes = 512 << 10;  // panels up to this size are streamed by one row first
 constexpr int64_t kStripPrefetchRows = 16;  // panel rows prefetched ahead of the first strip
 template <int R>
 constexpr int kStripVecs = R == 1 ? 8 : R == 2 ? 4 : 2;  // 8-float vectors per row per strip
@@ -237,6 +238,14 @@ void run(const TX* x, int64_t M, int64_t K, const TW* packed, int64_t panels, TY
     const TW* panel = packed + p * K * kPanel;
     const int64_t row_end = std::min(M, (chunk + 1) * per_chunk), col0 = p * kPanel;
     int64_t r = chunk * per_chunk;
+#if !defined(__AVX512F__)
+    // the strips of a multi-row tile read every fourth cache line of the panel, which memory
+    // serves slowly: one row alone first streams the whole panel in order (into L2) for the rest
+    if (row_end - r > 1 && K * kPanel * static_cast<int64_t>(sizeof(TW)) <= kStreamFirstBytes) {
+      tile.template rows<1>(r, panel, col0, y);
+      ++r;
+    }
+#endif
     for (; r + kRows <= row_end; r += kRows) tile.template rows<kRows>(r, panel, col0, y);
     switch (row_end - r) {  // the last 1..5 rows as one tile
       case 0: break;
