@@ -146,7 +146,7 @@ inline void accumulate(const TX* x, int64_t K, const TW* panel, vf16 (&acc)[R][4
       for (int v = 0; v < NV; ++v) a[r][v] = vf8{};
     for (int64_t k = 0; k < K; ++k) {
       const TW* w = panel + k * kPanel + s * 8 * NV;
-      if (NV < 8 && s == 0) {  // the first strip fetches the panel from memory for the rest: whole
+      if (NV < 8 && s == 0 && k + kStripPrefetchRows < K) {  // the first strip fetches the panel from memory for the rest: whole
         // rows ahead, since the strip itself touches only every other or every fourth cache line
         const char* ahead = reinterpret_cast<const char*>(panel + (k + kStripPrefetchRows) * kPanel);
         for (int64_t b = 0; b < static_cast<int64_t>(kPanel * sizeof(TW)); b += 64) __builtin_prefetch(ahead + b);
@@ -239,8 +239,9 @@ void run(const TX* x, int64_t M, int64_t K, const TW* packed, int64_t panels, TY
     const int64_t row_end = std::min(M, (chunk + 1) * per_chunk), col0 = p * kPanel;
     int64_t r = chunk * per_chunk;
 #if !defined(__AVX512F__)
-    // the strips of a multi-row tile read every fourth cache line of the panel, which memory
-    // serves slowly: one row alone first streams the whole panel in order (into L2) for the rest
+    // the strips of a multi-row tile read every other or every fourth cache line of the panel,
+    // which memory serves slowly: one row alone first streams the whole panel in order (into L2)
+    // for the rest
     if (row_end - r > 1 && K * kPanel * static_cast<int64_t>(sizeof(TW)) <= kStreamFirstBytes) {
       tile.template rows<1>(r, panel, col0, y);
       ++r;
