@@ -144,33 +144,12 @@ inline float sum(const float* x, int64_t n) {
 }
 #endif
 
-// exp(x) for x <= 0 (softmax after subtracting the max): 2^n * poly(r), r = x - n ln2, |r| <= ln2/2.
-// Written with elementwise operations only, so the loop over keys vectorises; within ~2 ulp of expf.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float n = (x * 1.44269504088896341f + magic) - magic;
-  float r = x - n * 0.693145751953125f;
-  r = r - n * 1.428606765330187e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
 
-// exp_nonpositive lane by lane, the same operations as the scalar one (GCC does not vectorise the
-// scalar loop for every target: on an AVX2 build it stayed scalar, a third of the block kernel).
+// exp(x) for x <= 0 (softmax after subtracting the max), lane by lane: 2^n * poly(r), r = x - n ln2,
+// |r| <= ln2/2; within ~2 ulp of expf. Written on vectors because GCC does not vectorise a scalar
+// loop of it for every target (on an AVX2 build it stayed scalar, a third of the block kernel).
 // V is the register-wide vector (16 floats with AVX-512, else 8: a 16-float select on AVX2 was
 // split into scalar code), VI its int32 twin.
 template <typename V, typename VI>
@@ -202,6 +181,8 @@ typedef vf8 vexp;
 typedef vi8 vexp_i;
 #endif
 constexpr int64_t kExpLanes = sizeof(vexp) / sizeof(float);
+
+inline float exp_nonpositive(float x) { return exp_nonpositive_v<vexp, vexp_i>(vexp{} + x)[0]; }
 
 // s[j] = exp(s[j] - m) for j in [0, n), a register's lanes at a time; the last partial group goes
 // through a padded copy, so every element takes the same vector instructions wherever it sits.
