@@ -150,6 +150,23 @@ def test_code2wav_fast_modules_equal_transformers_modules(hf, monkeypatch, kerne
     assert _relative(got, want) < 1e-5
 
 
+def test_code2wav_snake_scales_follow_a_weight_load(hf, checkpoint):
+    """The activations keep exp(alpha) and 1 / exp(beta) between calls; a load of other weights after
+    a decode must reach them (a stale cache would decode with the first weights' activations)."""
+    torch.manual_seed(7)
+    drawn = {k: (torch.randn_like(v) * 0.3 if k.endswith(("alpha", "beta")) else v) for k, v in checkpoint.items()}
+    fresh = Code2Wav(hf.config.code2wav_config)
+    fresh.load_weights(drawn)
+    reused = Code2Wav(hf.config.code2wav_config)
+    reused.load_weights(checkpoint)
+    codes = _codes(6, seed=2)
+    before = reused.decode(codes)
+    reused.load_weights(drawn)
+    after, want = reused.decode(codes), fresh.decode(codes)
+    assert not torch.equal(before, want)
+    assert torch.equal(after, want)
+
+
 def test_code2wav_stream_has_exact_length_and_matches_full_decode(code2wav):
     codes = _codes(60, seed=1)[0]
     full = code2wav.decode(codes[None])[0]

@@ -122,10 +122,15 @@ class _PointwiseConv1d(nn.Conv1d):
     same parameters (names and shapes), so checkpoints load unchanged."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight[:, :, 0].expand(x.shape[0], -1, -1)  # [B, out, in] over x [B, in, T]
-        if self.bias is None:
-            return torch.bmm(w, x)
-        return torch.baddbmm(self.bias[None, :, None], w, x)
+        return _pointwise(self, x)
+
+
+def _pointwise(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """A kernel-1 convolution as a batched matrix multiply over the channels."""
+    w = conv.weight[:, :, 0].expand(x.shape[0], -1, -1)  # [B, out, in] over x [B, in, T]
+    if conv.bias is None:
+        return torch.bmm(w, x)
+    return torch.baddbmm(conv.bias[None, :, None], w, x)
 
 
 class _NarrowConv1d(nn.Conv1d):
@@ -133,14 +138,18 @@ class _NarrowConv1d(nn.Conv1d):
     outputs) through the compiled ``narrow_conv1d`` (every output channel's accumulator in a
     register; terms in a fixed order). oneDNN reorders such narrow tensors into its blocked layout
     and back at every call: on the benchmark model's ``8 -> 8`` kernel-7 convolution over 48,000
-    steps 0.93 ms against 0.21 ms, ``8 -> 1`` over 66,651 steps 1.24 ms against 0.10 ms. Without
-    the extension a one-output convolution is a matmul of its taps and a shifted sum, others
-    ``nn.Conv1d``'s. Same parameters as the module it replaces."""
+    steps 0.93 ms against 0.21 ms, ``8 -> 1`` over 66,651 steps 1.24 ms against 0.10 ms; the
+    kernel-1 ``8 -> 8`` over 48,000 steps 56 us against 113 us as a batched matrix multiply.
+    Without the extension a kernel-1 convolution is that multiply, a one-output convolution a matmul
+    of its taps and a shifted sum, others ``nn.Conv1d``'s. Same parameters as the module it
+    replaces."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = cpu_ops.ops()
         if kernel is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype == torch.float32:
             return kernel.narrow_conv1d(x.contiguous(), self.weight, self.bias, self.dilation[0])
+        if self.kernel_size == (1,):
+            return _pointwise(self, x)
         if self.out_channels != 1:
             return super().forward(x)
         k, d = self.kernel_size[0], self.dilation[0]
@@ -165,10 +174,23 @@ class _SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels, device=device, dtype=dtype))
         self.beta = nn.Parameter(torch.zeros(channels, device=device, dtype=dtype))
         self.no_div_by_zero = 1e-9
+        self._scales: tuple[tuple[object, ...], torch.Tensor, torch.Tensor] | None = None
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(exp(alpha), 1 / (exp(beta) + 1e-9))``, computed once per version of the parameters (a
+        vocoder has dozens of these activations, each called once per chunk: three operators less
+        per call); recomputed after a weight load or any in-place change, and under autograd."""
+        key = (self.alpha._version, self.beta._version, id(self.alpha), id(self.beta), self.no_div_by_zero)
+        if self._scales is None or self._scales[0] != key or torch.is_grad_enabled():
+            alpha = torch.exp(self.alpha)
+            inv_beta = 1.0 / (torch.exp(self.beta) + self.no_div_by_zero)
+            if torch.is_grad_enabled():
+                return alpha, inv_beta
+            self._scales = (key, alpha, inv_beta)
+        return self._scales[1], self._scales[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        alpha = torch.exp(self.alpha)
-        inv_beta = 1.0 / (torch.exp(self.beta) + self.no_div_by_zero)
+        alpha, inv_beta = self.scales()
         kernel = cpu_ops.ops()
         if kernel is not None and x.device.type == "cpu" and x.dtype == alpha.dtype == torch.float32:
             return kernel.snake_beta(x.contiguous(), alpha, inv_beta)
@@ -176,20 +198,22 @@ class _SnakeBeta(nn.Module):
 
 
 def _swap_fast_modules(model: nn.Module) -> None:
-    """Swap every kernel-1 ``Conv1d`` of ``model`` (the residual units' second convolutions) for a
-    ``_PointwiseConv1d``, the narrow ones (1 output channel, or 8 / 16 from at most 16) for a
-    ``_NarrowConv1d`` and every SnakeBeta for a ``_SnakeBeta``, with the same parameters."""
+    """Swap every narrow stride-1 ``Conv1d`` of ``model`` (1 output channel, or 8 / 16 from at most
+    16; kernel-1 ones included) for a ``_NarrowConv1d``, every other kernel-1 ``Conv1d`` (the
+    residual units' second convolutions) for a ``_PointwiseConv1d`` and every SnakeBeta for a
+    ``_SnakeBeta``, with the same parameters."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
 
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
+            narrow = type(child) is nn.Conv1d and (
+                child.out_channels == 1 or (child.out_channels in (8, 16) and child.in_channels <= 16))
             if (type(child) is nn.Conv1d and child.kernel_size == (1,) and child.stride == (1,)
-                    and child.padding == (0,) and child.groups == 1):
+                    and child.padding == (0,) and child.groups == 1 and not narrow):
                 swap: nn.Module = _PointwiseConv1d(child.in_channels, child.out_channels, 1,
                                                    bias=child.bias is not None, device=child.weight.device,
                                                    dtype=child.weight.dtype)
-            elif (type(child) is nn.Conv1d and child.stride == (1,) and child.padding == (0,) and child.groups == 1
-                  and (child.out_channels == 1 or (child.out_channels in (8, 16) and child.in_channels <= 16))):
+            elif type(child) is nn.Conv1d and child.stride == (1,) and child.padding == (0,) and child.groups == 1 and narrow:
                 swap = _NarrowConv1d(child.in_channels, child.out_channels, child.kernel_size,
                                      dilation=child.dilation, bias=child.bias is not None,
                                      device=child.weight.device, dtype=child.weight.dtype)
@@ -350,7 +374,8 @@ class Code2Wav(nn.Module):
             for block in m.block:
                 x = self._stream(block, x, old, new)
             return x
-        if isinstance(m, (_SnakeBeta, _PointwiseConv1d)) or kind == "Qwen3OmniMoeSnakeBeta":
+        if (isinstance(m, (_SnakeBeta, _PointwiseConv1d)) or kind == "Qwen3OmniMoeSnakeBeta"
+                or (isinstance(m, _NarrowConv1d) and m.kernel_size == (1,))):
             return m(x)
         raise TypeError(f"Code2Wav streaming does not know the vocoder module {kind}")
 
