@@ -178,11 +178,14 @@ def test_snake_beta_matches_pytorch(ext, threads):
         ext.snake_beta(x, alpha[:3], inv_beta)
 
 
-@pytest.mark.parametrize("c_in,c_out,dilation", [(8, 8, 1), (8, 8, 9), (16, 16, 3), (8, 1, 1), (96, 1, 1), (5, 8, 2)])
-def test_narrow_conv1d_matches_conv1d(ext, threads, c_in, c_out, dilation):
-    """Code2Wav's few-channel convolutions: against F.conv1d (float64), tails included (steps not a
-    multiple of 16), and a row's bits the same alone and in a batch."""
-    steps, k = 4096 * 2 + 21, 7
+@pytest.mark.parametrize("c_in,c_out,dilation,steps", [
+    (8, 8, 1, 8213), (8, 8, 9, 8213), (16, 16, 3, 8213), (8, 1, 1, 8213), (96, 1, 1, 8213), (5, 8, 2, 8213),
+    (64, 32, 3, 1100), (24, 48, 1, 37), (64, 128, 1, 9)])
+def test_narrow_conv1d_matches_conv1d(ext, threads, c_in, c_out, dilation, steps):
+    """Code2Wav's convolutions (1, 8 or a multiple of 16 outputs): against F.conv1d (float64), tails
+    included (steps not a multiple of 16; inputs shorter than one vector), and a row's bits the same
+    alone and in a batch."""
+    k = 7
     x = _rand(3, c_in, steps + (k - 1) * dilation, seed=21)
     w, b = _rand(c_out, c_in, k, seed=22) / (c_in * k) ** 0.5, _rand(c_out, seed=23)
     y = ext.narrow_conv1d(x, w, b, dilation)
@@ -199,6 +202,8 @@ def test_narrow_conv1d_rejects_bad_shapes(ext):
     x = _rand(1, 8, 100, seed=24)
     with pytest.raises(RuntimeError, match="narrow_conv1d"):
         ext.narrow_conv1d(x, _rand(4, 8, 7), None, 1)  # 4 outputs: not a compiled width
+    with pytest.raises(RuntimeError, match="narrow_conv1d"):
+        ext.narrow_conv1d(x, _rand(24, 8, 7), None, 1)  # nor 24
     with pytest.raises(RuntimeError, match="narrow_conv1d"):
         ext.narrow_conv1d(x, _rand(8, 7, 7), None, 1)  # input channels differ
     with pytest.raises(RuntimeError, match="narrow_conv1d"):

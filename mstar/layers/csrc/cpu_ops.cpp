@@ -591,11 +591,12 @@ torch::Tensor snake_beta(torch::Tensor x, torch::Tensor alpha, torch::Tensor inv
 // accumulator in registers, the terms added in (i, j) order, so a row's result never depends on
 // the batch or the thread count. Tasks: (batch row, block of 4096 steps).
 
-// One task: output steps [t0, t1) of one batch row; CO known at compile time keeps every output
-// channel's accumulator in a register. wt: weights as [in][kernel][out].
+// One task: output steps [t0, t1) of one batch row for CO output channels; CO known at compile
+// time keeps every output channel's accumulator in a register. wt: weights as [in][kernel][ws]
+// (ws >= CO: a block of a wider convolution's outputs starts at wt + its first output).
 template <int CO>
 void narrow_conv_rows(const float* xr, const float* wt, const float* b, float* yr, int64_t CI, int64_t K,
-                      int64_t L, int64_t T, int64_t dilation, int64_t t0, int64_t t1) {
+                      int64_t L, int64_t T, int64_t dilation, int64_t t0, int64_t t1, int64_t ws = CO) {
   // 16 steps (NS register-wide vectors) at a time, outputs in groups of G whose accumulators fit
   // the registers (AVX2: 4 outputs x 2 vectors, 6 loads per 8 multiply-adds)
   constexpr int NS = kVec / kRegLanes;
@@ -610,7 +611,7 @@ void narrow_conv_rows(const float* xr, const float* wt, const float* b, float* y
         for (int64_t j = 0; j < K; ++j) {
           vreg v[NS];
           for (int n = 0; n < NS; ++n) std::memcpy(&v[n], xr + i * L + t + j * dilation + n * kRegLanes, sizeof(vreg));
-          const float* wo = wt + (i * K + j) * CO + o0;
+          const float* wo = wt + (i * K + j) * ws + o0;
           for (int o = 0; o < G; ++o)
             for (int n = 0; n < NS; ++n) acc[o][n] += wo[o] * v[n];
         }
@@ -618,21 +619,23 @@ void narrow_conv_rows(const float* xr, const float* wt, const float* b, float* y
         for (int n = 0; n < NS; ++n) std::memcpy(yr + (o0 + o) * T + t + n * kRegLanes, &acc[o][n], sizeof(vreg));
     }
   }
-  for (; t < t1; ++t)
-    for (int o = 0; o < CO; ++o) {
-      float a = b[o];
-      for (int64_t i = 0; i < CI; ++i)
-        for (int64_t j = 0; j < K; ++j) a += wt[(i * K + j) * CO + o] * xr[i * L + t + j * dilation];
-      yr[o * T + t] = a;
-    }
+  if (t < t1) {
+    // the last < 16 steps: the same vector code over a zero-padded copy of their inputs, so every
+    // output step is computed alike wherever it falls (and a short input is not left to scalar code)
+    const int64_t n = t1 - t, reach = (K - 1) * dilation, lb = kVec + reach;
+    std::vector<float> xb(CI * lb, 0.0f), yb(CO * kVec);
+    for (int64_t i = 0; i < CI; ++i) std::memcpy(xb.data() + i * lb, xr + i * L + t, (n + reach) * sizeof(float));
+    narrow_conv_rows<CO>(xb.data(), wt, b, yb.data(), CI, K, lb, kVec, dilation, 0, kVec, ws);
+    for (int o = 0; o < CO; ++o) std::memcpy(yr + o * T + t, yb.data() + o * kVec, n * sizeof(float));
+  }
 }
 
 torch::Tensor narrow_conv1d(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t dilation) {
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
               "narrow_conv1d: x must be contiguous float32 [batch, in, steps]");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kFloat32 && w.size(1) == x.size(1) &&
-                  (w.size(0) == 1 || w.size(0) == 8 || w.size(0) == 16) && dilation >= 1,
-              "narrow_conv1d: w must be float32 [out in (1, 8, 16), in, kernel] matching x");
+                  (w.size(0) == 1 || w.size(0) == 8 || (w.size(0) > 0 && w.size(0) % 16 == 0)) && dilation >= 1,
+              "narrow_conv1d: w must be float32 [out (1, 8 or a multiple of 16), in, kernel] matching x");
   const int64_t B = x.size(0), CI = x.size(1), CO = w.size(0), K = w.size(2);
   const int64_t L = x.size(2), T = L - (K - 1) * dilation;
   TORCH_CHECK(T >= 1, "narrow_conv1d: input shorter than the kernel's reach");
@@ -646,14 +649,21 @@ torch::Tensor narrow_conv1d(torch::Tensor x, torch::Tensor w, c10::optional<torc
   auto y = torch::empty({B, CO, T}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = wt.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t chunk = 4096, per_row = (T + chunk - 1) / chunk;
-  mstar_cpu::parallel_tasks(B * per_row, [&](int64_t task) {
-    const int64_t row = task / per_row, t0 = (task % per_row) * chunk, t1 = std::min(T, t0 + chunk);
+  // tasks: (batch row, block of 16 outputs, block of steps); wider convolutions take shorter step
+  // blocks, so a task's input rows stay in the L2 across its taps
+  const int64_t blocks = CO >= 16 ? CO / 16 : 1;
+  const int64_t chunk = CO > 16 ? std::max<int64_t>(256, ((int64_t{1} << 16) / std::max<int64_t>(CI, 1)) & ~int64_t{15})
+                                : 4096;
+  const int64_t per_row = (T + chunk - 1) / chunk, per_batch = blocks * per_row;
+  mstar_cpu::parallel_tasks(B * per_batch, [&](int64_t task) {
+    const int64_t row = task / per_batch, blk = task % per_batch / per_row;
+    const int64_t t0 = (task % per_row) * chunk, t1 = std::min(T, t0 + chunk);
     const float* xr = xp + row * CI * L;
     float* yr = yp + row * CO * T;
     if (CO == 1) narrow_conv_rows<1>(xr, wp, b.data(), yr, CI, K, L, T, dilation, t0, t1);
     else if (CO == 8) narrow_conv_rows<8>(xr, wp, b.data(), yr, CI, K, L, T, dilation, t0, t1);
-    else narrow_conv_rows<16>(xr, wp, b.data(), yr, CI, K, L, T, dilation, t0, t1);
+    else narrow_conv_rows<16>(xr, wp + blk * 16, b.data() + blk * 16, yr + blk * 16 * T, CI, K, L, T, dilation,
+                              t0, t1, CO);
   });
   return y;
 }
@@ -679,7 +689,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("pairs") = false);
   m.def("dot_pairs_available", &dot_pairs_available, "the bf16 dot-product path was compiled in");
   m.def("linear", &linear, "x @ W over a packed weight, with optional fused epilogues");
-  m.def("narrow_conv1d", &narrow_conv1d, "stride-1 convolution of a padded input with 1, 8 or 16 output channels",
+  m.def("narrow_conv1d", &narrow_conv1d, "stride-1 convolution of a padded input with 1, 8 or 16k output channels",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("dilation") = 1);
   m.def("snake_beta", &snake_beta, "x + inv_beta * sin(alpha * x)^2 over [batch, channels, time]");
 }
