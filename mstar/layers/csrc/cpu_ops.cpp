@@ -585,11 +585,11 @@ torch::Tensor snake_beta(torch::Tensor x, torch::Tensor alpha, torch::Tensor inv
 
 // ---- narrow convolutions ----------------------------------------------------------------------
 // y[b, o, t] = bias[o] + sum_{i, j} w[o, i, j] * x[b, i, t + j * dilation] over an already padded
-// x [B, C_in, T + (K - 1) * dilation] (float32, contiguous), stride 1, no groups, C_out 1, 8 or 16.
-// For the few-channel convolutions of a vocoder's last stages (oneDNN reorders such tensors into its
-// blocked layout and back at every call): 16 time steps per vector, every output channel's
-// accumulator in registers, the terms added in (i, j) order, so a row's result never depends on
-// the batch or the thread count. Tasks: (batch row, block of 4096 steps).
+// x [B, C_in, T + (K - 1) * dilation] (float32, contiguous), stride 1, no groups, C_out 1, 8 or a
+// multiple of 16. For a vocoder's convolutions (oneDNN reorders few-channel tensors into its blocked
+// layout and back at every call): 16 time steps per vector, up to 16 output channels' accumulators
+// in registers, the terms added in (i, j) order, so a row's result never depends on the batch or
+// the thread count. Tasks: (batch row, block of 16 outputs, block of steps).
 
 // One task: output steps [t0, t1) of one batch row for CO output channels; CO known at compile
 // time keeps every output channel's accumulator in a register. wt: weights as [in][kernel][ws]
@@ -689,7 +689,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("pairs") = false);
   m.def("dot_pairs_available", &dot_pairs_available, "the bf16 dot-product path was compiled in");
   m.def("linear", &linear, "x @ W over a packed weight, with optional fused epilogues");
-  m.def("narrow_conv1d", &narrow_conv1d, "stride-1 convolution of a padded input with 1, 8 or 16k output channels",
+  m.def("narrow_conv1d", &narrow_conv1d, "stride-1 convolution of a padded input with 1, 8 or a multiple of 16 output channels",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("dilation") = 1);
   m.def("snake_beta", &snake_beta, "x + inv_beta * sin(alpha * x)^2 over [batch, channels, time]");
 }

@@ -180,13 +180,11 @@ class _SnakeBeta(nn.Module):
         """``(exp(alpha), 1 / (exp(beta) + 1e-9))``, computed once per version of the parameters (a
         vocoder has dozens of these activations, each called once per chunk: three operators less
         per call); recomputed after a weight load or any in-place change, and under autograd."""
+        if torch.is_grad_enabled():
+            return torch.exp(self.alpha), 1.0 / (torch.exp(self.beta) + self.no_div_by_zero)
         key = (self.alpha._version, self.beta._version, id(self.alpha), id(self.beta), self.no_div_by_zero)
-        if self._scales is None or self._scales[0] != key or torch.is_grad_enabled():
-            alpha = torch.exp(self.alpha)
-            inv_beta = 1.0 / (torch.exp(self.beta) + self.no_div_by_zero)
-            if torch.is_grad_enabled():
-                return alpha, inv_beta
-            self._scales = (key, alpha, inv_beta)
+        if self._scales is None or self._scales[0] != key:
+            self._scales = (key, torch.exp(self.alpha), 1.0 / (torch.exp(self.beta) + self.no_div_by_zero))
         return self._scales[1], self._scales[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,14 +204,15 @@ def _swap_fast_modules(model: nn.Module) -> None:
 
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            narrow = type(child) is nn.Conv1d and (
-                child.out_channels == 1 or (child.out_channels in (8, 16) and child.in_channels <= 16))
-            if (type(child) is nn.Conv1d and child.kernel_size == (1,) and child.stride == (1,)
-                    and child.padding == (0,) and child.groups == 1 and not narrow):
+            plain = (type(child) is nn.Conv1d and child.stride == (1,) and child.padding == (0,)
+                     and child.groups == 1)
+            narrow = plain and (child.out_channels == 1
+                                or (child.out_channels in (8, 16) and child.in_channels <= 16))
+            if plain and not narrow and child.kernel_size == (1,):
                 swap: nn.Module = _PointwiseConv1d(child.in_channels, child.out_channels, 1,
                                                    bias=child.bias is not None, device=child.weight.device,
                                                    dtype=child.weight.dtype)
-            elif type(child) is nn.Conv1d and child.stride == (1,) and child.padding == (0,) and child.groups == 1 and narrow:
+            elif narrow:
                 swap = _NarrowConv1d(child.in_channels, child.out_channels, child.kernel_size,
                                      dilation=child.dilation, bias=child.bias is not None,
                                      device=child.weight.device, dtype=child.weight.dtype)
