@@ -220,7 +220,69 @@ def test_code2wav_exact_streams_batch_together(code2wav):
     second = code2wav.decode_streams(streams[:2], [codes[0][:, 8:], codes[1][:, 8:]])
     second += code2wav.decode_streams(streams[2:], [codes[2][:, 8:]])
     for i in range(3):
-        assert _relative(first[i], alone[i][0]) < 1e-5 and _relative(second[i], alone[i][1]) < 1e-5
+        assert torch.equal(first[i], alone[i][0]) and torch.equal(second[i], alone[i][1])
+
+
+def _audible_code2wav(config, seed: int) -> Code2Wav:
+    """A Code2Wav with weights of audible magnitude (the tiny checkpoint's waveform is ~1e-6)."""
+    module = Code2Wav(config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.model.named_parameters():
+            if name.endswith(("alpha", "beta")):
+                p.normal_(0.0, 0.3)
+            elif p.dim() > 1:
+                p.normal_(0.0, 0.5 / p[0].numel() ** 0.5)
+    return module
+
+
+@pytest.mark.parametrize("decoder_dim", [64, 128], ids=["tiny-widths", "kernel-widths"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["compiled", "torch"])
+def test_code2wav_next_chunks_decode_together_bit_for_bit(hf, monkeypatch, decoder_dim, kernel):
+    """``decode_next_many``: first chunks of two lengths, then continuing chunks mixed with a first one,
+    give every request the same bits (samples and kept tails) as decoding it alone, and the streams
+    equal full decodes. With the compiled kernels the groups run as batches (decoder 128: every
+    convolution in ``narrow_conv1d``; 64: its 4-channel stage one row at a time); without, one
+    request at a time through the PyTorch fallbacks of each step."""
+    import mstar.models.qwen3_omni.code2wav as c2w
+    from mstar.models.qwen3_omni.code2wav import NextChunk
+
+    real = c2w.cpu_ops.ops()
+    batches: list[int] = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def narrow_conv1d(self, x, *args):
+            batches.append(x.shape[0])
+            return real.narrow_conv1d(x, *args)
+
+    monkeypatch.setattr(c2w.cpu_ops, "ops", (lambda: Recording()) if kernel else (lambda: None))
+    config = dict(hf.config.code2wav_config.to_dict(), decoder_dim=decoder_dim)
+    module = _audible_code2wav(config, seed=decoder_dim)
+    codes = [_codes(14, seed=40 + i)[0] for i in range(4)]
+    cuts = [6, 6, 4, 6]  # first chunks: three of 6 frames, one of 4
+    firsts = [NextChunk(c[:, :n], 0, None) for c, n in zip(codes, cuts)]
+    together = module.decode_next_many(firsts)
+    alone = [module.decode_next(f.codes, 0, None) for f in firsts]
+    later = [NextChunk(codes[0][:, :11], 6, together[0][1]), NextChunk(codes[1][:, :11], 6, together[1][1]),
+             NextChunk(codes[2][:, :7], 4, together[2][1]), NextChunk(codes[3][:, :5], 0, None)]
+    together2 = module.decode_next_many(later)
+    alone2 = [module.decode_next(c.codes, c.left_context, s) for c, (_, s) in
+              zip(later, [alone[0], alone[1], alone[2], (None, None)])]
+    for (wave, state), (want, want_state) in zip(together + together2, alone + alone2):
+        assert torch.equal(wave, want)
+        assert state.frames == want_state.frames and state.tails.keys() == want_state.tails.keys()
+        assert all(torch.equal(state.tails[k], want_state.tails[k]) for k in state.tails)
+    if kernel:
+        assert max(batches) == 3  # the three 6-frame first chunks (and the two 5-frame continuations)
+    full = module.decode(torch.stack(codes[:2]))
+    for i in range(2):
+        streamed = torch.cat([together[i][0], together2[i][0]])
+        assert streamed.shape[0] == module.wave_length(11)
+        assert 1e-3 < full[i].abs().max() < 1  # audible, not clamped
+        assert _relative(streamed, full[i, :streamed.shape[0]]) < 1e-5
 
 
 def test_code2wav_batched_chunks_equal_chunks_alone(code2wav):

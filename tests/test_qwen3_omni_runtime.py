@@ -137,9 +137,9 @@ def test_code2wav_chunks_without_their_state_decode_exactly(omni, runtime, monke
     ids = PROMPTS[1]
     params = audio_params(6, 61, ignore_eos=True)
     seen: dict[str, list] = {"next": [], "stateless": []}
-    decode_next, decode_chunks = node.code2wav.decode_next, node.code2wav.decode_chunks
-    monkeypatch.setattr(node.code2wav, "decode_next",
-                        lambda *a: seen["next"].append(a[1]) or decode_next(*a))
+    decode_next, decode_chunks = node.code2wav.decode_next_many, node.code2wav.decode_chunks
+    monkeypatch.setattr(node.code2wav, "decode_next_many",
+                        lambda chunks: seen["next"].extend(c.left_context for c in chunks) or decode_next(chunks))
     monkeypatch.setattr(node.code2wav, "decode_chunks",
                         lambda chunks: seen["stateless"].append(len(chunks)) or decode_chunks(chunks))
     _, _, with_state = ours(runtime.generate({"input_ids": ids}, params)[0])

@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # transformers is imported when a Code2Wav is built, not with
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 
 __all__ = ["CONV_CONTEXT", "SAMPLE_RATE", "WEIGHT_PREFIX", "ChunkRequest", "Code2Wav", "Code2WavStream",
-           "to_pcm16"]
+           "NextChunk", "to_pcm16"]
 
 SAMPLE_RATE = 24_000
 WEIGHT_PREFIX = "code2wav."
@@ -225,6 +225,139 @@ def _swap_fast_modules(model: nn.Module) -> None:
             setattr(module, name, swap)
 
 
+@dataclass(frozen=True)
+class NextChunk:
+    """One request's next chunk for :meth:`Code2Wav.decode_next_many`: ``codes`` ``[Q, T]`` whose first
+    ``left_context`` frames were decoded before, and the request's state (None for its first chunk)."""
+
+    codes: torch.Tensor
+    left_context: int
+    state: VocoderState | None
+
+
+def _kernel_width(channels: int) -> bool:
+    """Output widths ``narrow_conv1d`` takes: 1, 8 or a multiple of 16."""
+    return channels in (1, 8) or (channels > 0 and channels % 16 == 0)
+
+
+def _per_row(fn: Any, x: torch.Tensor) -> torch.Tensor:
+    """``fn`` over each batch row of ``x`` alone (for operators whose rounding depends on the batch)."""
+    if x.shape[0] == 1:
+        return fn(x)
+    return torch.cat([fn(x[b:b + 1]) for b in range(x.shape[0])])
+
+
+class _BatchVocoder:
+    """The vocoder's modules over the next steps ``x`` ``[B, C, n]`` of B request streams at once, each
+    causal convolution continuing from its inputs' tails (``old``: id of the module -> ``[B, C, keep]``;
+    None for first chunks, whose tails are the zero padding; the new tails go to ``new``).
+
+    Every operator computes a row the same way alone and in any batch, so a request's samples never
+    depend on the requests decoded with it: convolutions through the compiled ``narrow_conv1d``
+    (each output's terms in a fixed order; a transposed convolution as a kernel-1 convolution to its
+    ``kernel * C_out`` taps, then an overlap-add), or one row at a time where it does not take the
+    width or the kernels are missing; the depthwise convolution and the residual steps as
+    elementwise multiplies and adds (one rounding each, wherever the element falls); LayerNorm and
+    GELU one row at a time. The SnakeBeta kernel already works per row."""
+
+    def __init__(self, old: Mapping[int, torch.Tensor] | None, taps: dict[int, tuple[object, torch.Tensor]]) -> None:
+        self.old = old
+        self.new: dict[int, torch.Tensor] = {}
+        self.kernel = cpu_ops.ops()
+        self._taps = taps
+
+    def __call__(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        kind = type(m).__name__
+        if kind == "Qwen3OmniMoeCausalConvNet":  # left zero padding of (k-1)*d = the previous inputs
+            keep = m.padding
+            tail = self.old[id(m)] if self.old is not None else x.new_zeros(x.shape[0], x.shape[1], keep)
+            xin = torch.cat([tail, x], dim=-1)
+            self.new[id(m)] = xin[..., xin.shape[-1] - keep:]
+            if m.conv.groups == 1:
+                return self._conv(m.conv, xin)
+            if m.conv.groups == m.conv.in_channels == m.conv.out_channels:
+                return _depthwise(m.conv, xin)
+            return _per_row(m.conv, xin)
+        if kind == "Qwen3OmniMoeCausalTransConvNet":
+            if m.left_pad == 0 and m.right_pad == 0:  # kernel == stride: an exact upsampling
+                return self._transposed(m.conv, x, trimmed=False)
+            # kernel 2r, stride r, r trimmed on both sides: output p needs inputs p // r and the next
+            # one; emitted are the outputs whose inputs have both arrived
+            xin = x if self.old is None else torch.cat([self.old[id(m)], x], dim=-1)
+            self.new[id(m)] = xin[..., -1:]
+            return self._transposed(m.conv, xin, trimmed=True)
+        if kind == "Qwen3OmniMoeConvNeXtBlock":  # its depthwise convolution, then pointwise layers
+            h = self(m.dwconv, x)
+            h = torch.stack([m.norm(row.t()).t() for row in h])  # LayerNorm over the channels
+            h = self._pointwise(m.pwconv1, h)
+            h = torch.stack([m.act(row) for row in h])
+            h = self._pointwise(m.pwconv2, h)
+            return x + m.gamma[:, None] * h
+        if kind == "Qwen3OmniMoeCode2WavDecoderResidualUnit":
+            return x + self(m.conv2, m.act2(self(m.conv1, m.act1(x))))
+        if kind == "Qwen3OmniMoeCode2WavDecoderBlock":
+            for block in m.block:
+                x = self(block, x)
+            return x
+        if isinstance(m, _SnakeBeta) and self.kernel is not None:
+            return m(x)
+        if isinstance(m, _SnakeBeta) or kind == "Qwen3OmniMoeSnakeBeta":
+            return _per_row(m, x)
+        raise TypeError(f"Code2Wav streaming does not know the vocoder module {kind}")
+
+    def _usable(self, x: torch.Tensor, weight: torch.Tensor, channels: int) -> bool:
+        return (self.kernel is not None and _kernel_width(channels) and x.device.type == "cpu"
+                and x.dtype == weight.dtype == torch.float32)
+
+    def _conv(self, conv: nn.Conv1d, xin: torch.Tensor) -> torch.Tensor:
+        if self._usable(xin, conv.weight, conv.out_channels):
+            return self.kernel.narrow_conv1d(xin.contiguous(), conv.weight, conv.bias, conv.dilation[0])
+        return _per_row(conv, xin)
+
+    def _pointwise(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """An ``nn.Linear`` over the channels of ``x`` ``[B, C, n]`` (a kernel-1 convolution)."""
+        if self._usable(x, linear.weight, linear.out_features):
+            return self.kernel.narrow_conv1d(x.contiguous(), linear.weight[:, :, None], linear.bias, 1)
+        return torch.stack([linear(row.t()).t() for row in x])
+
+    def _transposed(self, conv: nn.ConvTranspose1d, x: torch.Tensor, trimmed: bool) -> torch.Tensor:
+        """``conv`` (stride r, kernel r, or 2r with r outputs trimmed on each side) over ``x`` ``[B, C, L]``:
+        ``L * r`` outputs, or ``(L - 1) * r`` trimmed ones."""
+        r, k = conv.stride[0], conv.kernel_size[0]
+        if k != (2 * r if trimmed else r):
+            raise TypeError(f"Code2Wav streaming expects a transposed convolution of kernel {'2r' if trimmed else 'r'}"
+                            f" (stride {r}), got kernel {k}")
+        out = conv.out_channels
+        if not self._usable(x, conv.weight, k * out):
+            return _per_row(lambda row: conv(row)[..., r:row.shape[-1] * r] if trimmed else conv(row), x)
+        key = (id(conv.weight), conv.weight._version)
+        cached = self._taps.get(id(conv))
+        if cached is None or cached[0] != key:  # weight [in, out, k] -> taps [k * out, in, 1]
+            cached = (key, conv.weight.permute(2, 1, 0).reshape(k * out, conv.in_channels, 1).contiguous())
+            self._taps[id(conv)] = cached
+        z = self.kernel.narrow_conv1d(x.contiguous(), cached[1], None, 1)  # z[b, j*out + o, t] = tap j of x[b, :, t]
+        B, L = x.shape[0], x.shape[-1]
+        z = z.view(B, k, out, L)
+        if trimmed:  # output (t - 1) * r + s = tap s of step t + tap s + r of step t - 1
+            z = z[:, :r, :, 1:] + z[:, r:, :, :-1]
+            L -= 1
+        y = z.permute(0, 2, 3, 1).reshape(B, out, L * r)
+        return y if conv.bias is None else y + conv.bias[:, None]
+
+
+def _depthwise(conv: nn.Conv1d, xin: torch.Tensor) -> torch.Tensor:
+    """A depthwise stride-1 convolution over a padded ``xin`` ``[B, C, L]`` as its taps, ``x[t + j*d] *
+    w[c, j]`` added in tap order (then the bias), each step one rounding: the same bits for a row
+    whatever the batch."""
+    k, d = conv.kernel_size[0], conv.dilation[0]
+    n = xin.shape[-1] - (k - 1) * d
+    w = conv.weight[:, 0]  # [C, k]
+    out = xin[..., :n] * w[:, 0:1]
+    for j in range(1, k):
+        out = out + xin[..., j * d:j * d + n] * w[:, j:j + 1]
+    return out if conv.bias is None else out + conv.bias[:, None]
+
+
 class Code2Wav(nn.Module):
     """Batched stateless codec decoder around transformers' ``Qwen3OmniMoeCode2Wav`` (its kernel-1
     and narrow convolutions and its activations through faster paths:
@@ -242,6 +375,7 @@ class Code2Wav(nn.Module):
         self.upsampling_ratios = tuple(int(r) for r in self.config.upsampling_ratios)
         self.upsample_rates = tuple(int(r) for r in self.config.upsample_rates)
         self.samples_per_frame = int(self.model.total_upsample)
+        self._taps: dict[int, tuple[object, torch.Tensor]] = {}  # transposed convolutions' weights as taps
 
     @property
     def sample_rate(self) -> int:
@@ -304,11 +438,14 @@ class Code2Wav(nn.Module):
     @torch.inference_mode()
     def decode_streams(self, streams: Sequence[Code2WavStream], codes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Each stream's next frames (``codes[i]`` ``[Q, n_i]``, ``n_i >= 1``) -> the samples they add
-        (``wave_length(total) - wave_length(before)``), one stream after another (``decode_next``)."""
+        (``wave_length(total) - wave_length(before)``), decoded together (``decode_next_many``: each
+        stream's samples are the same bits as decoded alone)."""
+        chunks = [torch.cat([stream.codes, new.to(stream.codes)], dim=1) for stream, new in zip(streams, codes)]
+        decoded = self.decode_next_many([NextChunk(chunk, stream.codes.shape[1], stream.vocoder)
+                                         for stream, chunk in zip(streams, chunks)])
         out = []
-        for stream, new in zip(streams, codes):
-            chunk = torch.cat([stream.codes, new.to(stream.codes)], dim=1)
-            wave, stream.vocoder = self.decode_next(chunk, stream.codes.shape[1], stream.vocoder)
+        for stream, chunk, new, (wave, state) in zip(streams, chunks, codes, decoded):
+            stream.vocoder = state
             stream.codes = chunk[:, max(0, chunk.shape[1] - self.transformer_context):]
             stream.frames += new.shape[1]
             out.append(wave)
@@ -322,61 +459,47 @@ class Code2Wav(nn.Module):
         all frames so far) -> (the new frames' samples, the state after them). ``state`` is None
         for the first chunk. The pre-transformer runs over the whole chunk; the vocoder only over
         the new frames, from the kept tails (``VocoderState``): no recomputed context. Equals a
-        full decode to float rounding at any chunk sizes."""
-        self._check_codes(codes[None])
-        if not 0 <= left_context < codes.shape[1]:
-            raise ValueError(f"left_context must be in [0, {codes.shape[1]}), got {left_context}")
-        if (state.frames if state is not None else 0) < left_context:
-            raise ValueError("the state has fewer frames than the chunk's left context")
-        hidden = self.model.pre_transformer(inputs_embeds=self._embed(codes[None])).last_hidden_state
-        x = hidden[:, left_context:].transpose(1, 2)  # [1, H, new]
-        old = state.tails if state is not None else {}
-        tails: dict[int, torch.Tensor] = {}
-        for stage in self.model.upsample:
-            for block in stage:
-                x = self._stream(block, x, old, tails)
-        for block in self.model.decoder:
-            x = self._stream(block, x, old, tails)
-        frames = (state.frames if state is not None else 0) + codes.shape[1] - left_context
-        return x.clamp(min=-1, max=1)[0, 0].float(), VocoderState(frames, tails)
+        full decode to float rounding at any chunk sizes; :meth:`decode_next_many` of one chunk."""
+        return self.decode_next_many([NextChunk(codes, left_context, state)])[0]
 
-    def _stream(self, m: nn.Module, x: torch.Tensor, old: Mapping[int, torch.Tensor],
-                new: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Module ``m`` of the vocoder over the next steps ``x`` ``[1, C, n]`` of its input stream, its
-        convolutions continuing from their tails in ``old`` (new tails go to ``new``)."""
-        kind = type(m).__name__
-        if kind == "Qwen3OmniMoeCausalConvNet":  # left zero padding of (k-1)*d = the previous inputs
-            keep = m.padding
-            tail = old.get(id(m))
-            if tail is None:
-                tail = x.new_zeros(x.shape[0], x.shape[1], keep)
-            xin = torch.cat([tail, x], dim=-1)
-            new[id(m)] = xin[..., xin.shape[-1] - keep:]
-            return m.conv(xin)
-        if kind == "Qwen3OmniMoeCausalTransConvNet":
-            if m.left_pad == 0 and m.right_pad == 0:  # kernel == stride: an exact upsampling
-                return m.conv(x)
-            # kernel 2r, stride r, r trimmed on both sides: output p needs inputs p // r and the next
-            # one; emitted are the outputs whose inputs have both arrived
-            r = m.conv.stride[0]
-            prev = old.get(id(m))
-            xin = x if prev is None else torch.cat([prev, x], dim=-1)
-            new[id(m)] = xin[..., -1:]
-            return m.conv(xin)[..., r:xin.shape[-1] * r]
-        if kind == "Qwen3OmniMoeConvNeXtBlock":  # its depthwise convolution, then pointwise layers
-            h = self._stream(m.dwconv, x, old, new).permute(0, 2, 1)
-            h = m.pwconv2(m.act(m.pwconv1(m.norm(h))))
-            return x + (m.gamma * h).permute(0, 2, 1)
-        if kind == "Qwen3OmniMoeCode2WavDecoderResidualUnit":
-            return x + m.conv2(m.act2(self._stream(m.conv1, m.act1(x), old, new)))
-        if kind == "Qwen3OmniMoeCode2WavDecoderBlock":
-            for block in m.block:
-                x = self._stream(block, x, old, new)
-            return x
-        if (isinstance(m, (_SnakeBeta, _PointwiseConv1d)) or kind == "Qwen3OmniMoeSnakeBeta"
-                or (isinstance(m, _NarrowConv1d) and m.kernel_size == (1,))):
-            return m(x)
-        raise TypeError(f"Code2Wav streaming does not know the vocoder module {kind}")
+    @torch.inference_mode()
+    def decode_next_many(self, chunks: Sequence[NextChunk]) -> list[tuple[torch.Tensor, VocoderState]]:
+        """:meth:`decode_next` for many requests' chunks: (samples, new state) per chunk, in order.
+        The pre-transformer runs per request; the vocoder over each group of chunks with as many new
+        frames and alike states (all first chunks, or all continuing), as one batch when the compiled
+        kernels are there (``_BatchVocoder``: every row's samples are the same bits as decoded alone),
+        else one request at a time."""
+        for c in chunks:
+            self._check_codes(c.codes[None])
+            if not 0 <= c.left_context < c.codes.shape[1]:
+                raise ValueError(f"left_context must be in [0, {c.codes.shape[1]}), got {c.left_context}")
+            if (c.state.frames if c.state is not None else 0) < c.left_context:
+                raise ValueError("the state has fewer frames than the chunk's left context")
+        hidden = [self.model.pre_transformer(inputs_embeds=self._embed(c.codes[None])).last_hidden_state
+                  [0, c.left_context:].t() for c in chunks]  # [H, new] per chunk
+        batched = cpu_ops.ops() is not None and all(h.device.type == "cpu" and h.dtype == torch.float32
+                                                    for h in hidden)
+        keys = [(h.shape[1], c.state is None) for h, c in zip(hidden, chunks)]
+        groups = _groups(keys) if batched else {i: [i] for i in range(len(chunks))}
+        out: list[tuple[torch.Tensor, VocoderState] | None] = [None] * len(chunks)
+        for rows in groups.values():
+            states = [chunks[i].state for i in rows]
+            old = None if states[0] is None else {k: torch.cat([s.tails[k] for s in states])  # type: ignore[union-attr]
+                                                  for k in states[0].tails}
+            vocoder = _BatchVocoder(old, self._taps)
+            x = torch.stack([hidden[i] for i in rows])  # [B, H, new]
+            for stage in self.model.upsample:
+                for block in stage:
+                    x = vocoder(block, x)
+            for block in self.model.decoder:
+                x = vocoder(block, x)
+            wave = x.clamp(min=-1, max=1)[:, 0].float()
+            for b, i in enumerate(rows):
+                c = chunks[i]
+                frames = (c.state.frames if c.state is not None else 0) + c.codes.shape[1] - c.left_context
+                tails = {k: v[b:b + 1].clone() for k, v in vocoder.new.items()}  # not views of the batch
+                out[i] = (wave[b].clone(), VocoderState(frames, tails))
+        return out  # type: ignore[return-value]
 
     @property
     def transformer_context(self) -> int:

@@ -16,7 +16,7 @@ import torch
 from mstar.layers.sampling import sample
 from mstar.model.decode import ParamsMemo
 from mstar.model.submodule import EngineInputs, ForwardInfo, NodeInputs, NodeSubmodule
-from mstar.models.qwen3_omni.code2wav import ChunkRequest, Code2Wav, VocoderState
+from mstar.models.qwen3_omni.code2wav import ChunkRequest, Code2Wav, NextChunk, VocoderState
 from mstar.models.qwen3_omni.nodes import predictor_sampling
 from mstar.models.qwen3_omni.talker import CodePredictor
 
@@ -106,27 +106,29 @@ class Code2WavNode(NodeSubmodule):
                                   "rid": fwd_info.request_id, "new_start": int(chunk["new_start"])})
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
-        # one decode per chunk, not one per group of equal-length chunks: a batched convolution rounds
-        # a row differently from the same row alone (~1e-13 here), and a request's audio must not
-        # depend on which requests share its step (concurrency, placements)
+        # the chunks that continue a kept state (or start one) decode together (decode_next_many: each
+        # row's samples are the same bits as decoded alone, so a request's audio does not depend on
+        # which requests share its step); a chunk whose state is missing takes the stateless decode
         x = engine_inputs.extras
-        audio: list[torch.Tensor] = []
+        audio: list[torch.Tensor] = [torch.zeros(0)] * len(x["chunk"])
         staged: dict[str, VocoderState | None] = {}
-        for chunk, rid, start in zip(x["chunk"], x["rid"], x["new_start"]):
+        nexts: list[tuple[int, str, NextChunk]] = []
+        for i, (chunk, rid, start) in enumerate(zip(x["chunk"], x["rid"], x["new_start"])):
             if chunk is None:
-                audio.append(torch.zeros(0))
                 continue
             state = self._states.get(rid) if start > 0 else None
             if start == 0 or (state is not None and state.frames == start):
-                wave, staged[rid] = self.code2wav.decode_next(chunk.codes, chunk.left_context, state)
+                nexts.append((i, rid, NextChunk(chunk.codes, chunk.left_context, state)))
             else:
-                wave, staged[rid] = self.code2wav.decode_chunks([chunk])[0], None
-            audio.append(wave)
-        for rid, state in staged.items():  # kept only once every chunk of the batch decoded
-            if state is None:
+                audio[i], staged[rid] = self.code2wav.decode_chunks([chunk])[0], None
+        if nexts:
+            for (i, rid, _), (wave, state) in zip(nexts, self.code2wav.decode_next_many([n for _, _, n in nexts])):
+                audio[i], staged[rid] = wave, state
+        for rid, kept in staged.items():  # kept only once every chunk of the batch decoded
+            if kept is None:
                 self._states.pop(rid, None)
             else:
-                self._states[rid] = state
+                self._states[rid] = kept
         return {"audio": audio}
 
     def release(self, request_id: str) -> None:
