@@ -283,6 +283,14 @@ def test_code2wav_next_chunks_decode_together_bit_for_bit(hf, monkeypatch, decod
         assert streamed.shape[0] == module.wave_length(11)
         assert 1e-3 < full[i].abs().max() < 1  # audible, not clamped
         assert _relative(streamed, full[i, :streamed.shape[0]]) < 1e-5
+    # a weight changed in place after the first decodes (a reload) is used, not a stale packed copy
+    with torch.no_grad():
+        module.model.pre_transformer.layers[0].mlp.down_proj.weight.mul_(3.0)
+    fresh = Code2Wav(config)
+    fresh.model.load_state_dict(module.model.state_dict())
+    changed = module.decode_next(firsts[0].codes, 0, None)[0]
+    assert not torch.equal(changed, together[0][0])
+    assert torch.equal(changed, fresh.decode_next(firsts[0].codes, 0, None)[0])
 
 
 def test_code2wav_batched_chunks_equal_chunks_alone(code2wav):
