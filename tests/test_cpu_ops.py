@@ -176,6 +176,13 @@ def test_snake_beta_matches_pytorch(ext, threads):
         ext.snake_beta(x[:, :, ::2], alpha, inv_beta)
     with pytest.raises(RuntimeError, match="snake_beta"):
         ext.snake_beta(x, alpha[:3], inv_beta)
+    # with a left part: the causal convolution's kept tail copied in front of the activated row
+    left = _rand(2, 5, 6, seed=14)
+    padded = ext.snake_beta(x, alpha, inv_beta, left)
+    assert padded.shape == (2, 5, 6 + x.shape[2])
+    assert torch.equal(padded[..., :6], left) and torch.equal(padded[..., 6:], y)
+    with pytest.raises(RuntimeError, match="snake_beta"):
+        ext.snake_beta(x, alpha, inv_beta, left[:1])
 
 
 @pytest.mark.parametrize("c_in,c_out,dilation,steps", [
@@ -196,6 +203,8 @@ def test_narrow_conv1d_matches_conv1d(ext, threads, c_in, c_out, dilation, steps
     assert torch.equal(ext.narrow_conv1d(x[1:2].contiguous(), w, b, dilation), y[1:2])
     torch.testing.assert_close(ext.narrow_conv1d(x, w, None, dilation).double(), ref - b.double()[:, None],
                                atol=tol, rtol=1e-6)
+    residual = _rand(3, c_out, steps, seed=25)  # the fused residual rounds as one add after the sum
+    assert torch.equal(ext.narrow_conv1d(x, w, b, dilation, residual), y + residual)
 
 
 def test_narrow_conv1d_rejects_bad_shapes(ext):
@@ -208,6 +217,8 @@ def test_narrow_conv1d_rejects_bad_shapes(ext):
         ext.narrow_conv1d(x, _rand(8, 7, 7), None, 1)  # input channels differ
     with pytest.raises(RuntimeError, match="narrow_conv1d"):
         ext.narrow_conv1d(x[:, :, :5].contiguous(), _rand(8, 8, 7), None, 1)  # shorter than the kernel
+    with pytest.raises(RuntimeError, match="narrow_conv1d"):
+        ext.narrow_conv1d(x, _rand(8, 8, 7), None, 1, _rand(1, 8, 93))  # residual of another length
 
 
 def test_the_kernels_build_where_a_compiler_is():

@@ -540,16 +540,29 @@ inline V sin_vec(V u) {
 
 // y = x + inv_beta[c] * sin(alpha[c] * x)^2 over x [B, C, T] (BigVGAN's SnakeBeta, Code2Wav's
 // activation): one pass instead of five PyTorch operators; rows (b, c) in parallel.
-torch::Tensor snake_beta(torch::Tensor x, torch::Tensor alpha, torch::Tensor inv_beta) {
+// `left` [batch, channels, K] (optional): the output is [batch, channels, K + time], each row its
+// `left` row (copied, not activated) then the activated x row: a causal convolution's input with
+// its kept tail in front, without a separate concatenation pass.
+torch::Tensor snake_beta(torch::Tensor x, torch::Tensor alpha, torch::Tensor inv_beta,
+                         c10::optional<torch::Tensor> left) {
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
               "snake_beta: x must be contiguous float32 [batch, channels, time]");
   const int64_t B = x.size(0), C = x.size(1), T = x.size(2);
   TORCH_CHECK(alpha.numel() == C && inv_beta.numel() == C && alpha.scalar_type() == torch::kFloat32 &&
                   inv_beta.scalar_type() == torch::kFloat32,
               "snake_beta: alpha and inv_beta must be float32 [channels]");
+  torch::Tensor lc;
+  int64_t K = 0;
+  if (left.has_value()) {
+    lc = left->contiguous();
+    TORCH_CHECK(lc.dim() == 3 && lc.size(0) == B && lc.size(1) == C && lc.scalar_type() == torch::kFloat32,
+                "snake_beta: left must be float32 [batch, channels, steps] matching x");
+    K = lc.size(2);
+  }
   auto a = alpha.contiguous(), ib = inv_beta.contiguous();
-  auto y = torch::empty_like(x);
+  auto y = torch::empty({B, C, K + T}, x.options());
   const float *xp = x.data_ptr<float>(), *ap = a.data_ptr<float>(), *bp = ib.data_ptr<float>();
+  const float* lp = K ? lc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t chunk = 4096;  // tasks of up to 4096 steps of one row
   const int64_t per_row = (T + chunk - 1) / chunk;
@@ -557,7 +570,8 @@ torch::Tensor snake_beta(torch::Tensor x, torch::Tensor alpha, torch::Tensor inv
     const int64_t row = task / per_row, t0 = (task % per_row) * chunk, t1 = std::min(T, t0 + chunk);
     const float al = ap[row % C], be = bp[row % C];
     const float* xr = xp + row * T;
-    float* yr = yp + row * T;
+    float* yr = yp + row * (K + T) + K;
+    if (K && t0 == 0) std::memcpy(yr - K, lp + row * K, K * sizeof(float));
     int64_t t = t0;
     for (; t + kRegLanes <= t1; t += kRegLanes) {
       vreg v;
@@ -596,7 +610,8 @@ torch::Tensor snake_beta(torch::Tensor x, torch::Tensor alpha, torch::Tensor inv
 // (ws >= CO: a block of a wider convolution's outputs starts at wt + its first output).
 template <int CO>
 void narrow_conv_rows(const float* xr, const float* wt, const float* b, float* yr, int64_t CI, int64_t K,
-                      int64_t L, int64_t T, int64_t dilation, int64_t t0, int64_t t1, int64_t ws = CO) {
+                      int64_t L, int64_t T, int64_t dilation, int64_t t0, int64_t t1, int64_t ws = CO,
+                      const float* rr = nullptr) {
   // 16 steps (NS register-wide vectors) at a time, outputs in groups of G whose accumulators fit
   // the registers (AVX2: 4 outputs x 2 vectors, 6 loads per 8 multiply-adds)
   constexpr int NS = kVec / kRegLanes;
@@ -615,6 +630,13 @@ void narrow_conv_rows(const float* xr, const float* wt, const float* b, float* y
           for (int o = 0; o < G; ++o)
             for (int n = 0; n < NS; ++n) acc[o][n] += wo[o] * v[n];
         }
+      if (rr != nullptr)  // the fused residual: one add after the sum, as y + residual would round
+        for (int o = 0; o < G; ++o)
+          for (int n = 0; n < NS; ++n) {
+            vreg r;
+            std::memcpy(&r, rr + (o0 + o) * T + t + n * kRegLanes, sizeof(vreg));
+            acc[o][n] = acc[o][n] + r;
+          }
       for (int o = 0; o < G; ++o)
         for (int n = 0; n < NS; ++n) std::memcpy(yr + (o0 + o) * T + t + n * kRegLanes, &acc[o][n], sizeof(vreg));
     }
@@ -627,10 +649,14 @@ void narrow_conv_rows(const float* xr, const float* wt, const float* b, float* y
     for (int64_t i = 0; i < CI; ++i) std::memcpy(xb.data() + i * lb, xr + i * L + t, (n + reach) * sizeof(float));
     narrow_conv_rows<CO>(xb.data(), wt, b, yb.data(), CI, K, lb, kVec, dilation, 0, kVec, ws);
     for (int o = 0; o < CO; ++o) std::memcpy(yr + o * T + t, yb.data() + o * kVec, n * sizeof(float));
+    if (rr != nullptr)
+      for (int o = 0; o < CO; ++o)
+        for (int64_t i = 0; i < n; ++i) yr[o * T + t + i] = yr[o * T + t + i] + rr[o * T + t + i];
   }
 }
 
-torch::Tensor narrow_conv1d(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t dilation) {
+torch::Tensor narrow_conv1d(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t dilation,
+                            c10::optional<torch::Tensor> residual) {
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
               "narrow_conv1d: x must be contiguous float32 [batch, in, steps]");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kFloat32 && w.size(1) == x.size(1) &&
@@ -646,6 +672,14 @@ torch::Tensor narrow_conv1d(torch::Tensor x, torch::Tensor w, c10::optional<torc
     TORCH_CHECK(bc.numel() == CO && bc.scalar_type() == torch::kFloat32, "narrow_conv1d: bias must be float32 [out]");
     std::memcpy(b.data(), bc.data_ptr<float>(), CO * sizeof(float));
   }
+  torch::Tensor res;
+  if (residual.has_value()) {  // y = conv(x) + residual, in the same store
+    res = residual->contiguous();
+    TORCH_CHECK(res.dim() == 3 && res.size(0) == B && res.size(1) == CO && res.size(2) == T &&
+                    res.scalar_type() == torch::kFloat32,
+                "narrow_conv1d: residual must be float32 [batch, out, steps of the output]");
+  }
+  const float* rp = residual.has_value() ? res.data_ptr<float>() : nullptr;
   auto y = torch::empty({B, CO, T}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = wt.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -660,10 +694,11 @@ torch::Tensor narrow_conv1d(torch::Tensor x, torch::Tensor w, c10::optional<torc
     const int64_t t0 = (task % per_row) * chunk, t1 = std::min(T, t0 + chunk);
     const float* xr = xp + row * CI * L;
     float* yr = yp + row * CO * T;
-    if (CO == 1) narrow_conv_rows<1>(xr, wp, b.data(), yr, CI, K, L, T, dilation, t0, t1);
-    else if (CO == 8) narrow_conv_rows<8>(xr, wp, b.data(), yr, CI, K, L, T, dilation, t0, t1);
+    const float* rr = rp != nullptr ? rp + row * CO * T : nullptr;
+    if (CO == 1) narrow_conv_rows<1>(xr, wp, b.data(), yr, CI, K, L, T, dilation, t0, t1, 1, rr);
+    else if (CO == 8) narrow_conv_rows<8>(xr, wp, b.data(), yr, CI, K, L, T, dilation, t0, t1, 8, rr);
     else narrow_conv_rows<16>(xr, wp + blk * 16, b.data() + blk * 16, yr + blk * 16 * T, CI, K, L, T, dilation,
-                              t0, t1, CO);
+                              t0, t1, CO, rr != nullptr ? rr + blk * 16 * T : nullptr);
   });
   return y;
 }
@@ -690,6 +725,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dot_pairs_available", &dot_pairs_available, "the bf16 dot-product path was compiled in");
   m.def("linear", &linear, "x @ W over a packed weight, with optional fused epilogues");
   m.def("narrow_conv1d", &narrow_conv1d, "stride-1 convolution of a padded input with 1, 8 or a multiple of 16 output channels",
-        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("dilation") = 1);
-  m.def("snake_beta", &snake_beta, "x + inv_beta * sin(alpha * x)^2 over [batch, channels, time]");
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("dilation") = 1, py::arg("residual") = py::none());
+  m.def("snake_beta", &snake_beta, "x + inv_beta * sin(alpha * x)^2 over [batch, channels, time]",
+        py::arg("x"), py::arg("alpha"), py::arg("inv_beta"), py::arg("left") = py::none());
 }

@@ -240,6 +240,13 @@ def _kernel_width(channels: int) -> bool:
     return channels in (1, 8) or (channels > 0 and channels % 16 == 0)
 
 
+_CAUSAL = ("Qwen3OmniMoeCausalConvNet", "Qwen3OmniMoeCausalTransConvNet")
+
+
+def _is_snake(m: nn.Module) -> bool:
+    return isinstance(m, _SnakeBeta) or type(m).__name__ == "Qwen3OmniMoeSnakeBeta"
+
+
 def _per_row(fn: Any, x: torch.Tensor) -> torch.Tensor:
     """``fn`` over each batch row of ``x`` alone (for operators whose rounding depends on the batch)."""
     if x.shape[0] == 1:
@@ -266,53 +273,95 @@ class _BatchVocoder:
         self.kernel = cpu_ops.ops()
         self._taps = taps
 
+    def sequence(self, modules: Iterable[nn.Module], x: torch.Tensor) -> torch.Tensor:
+        """``modules`` one after another; an activation followed by a convolution is applied as one
+        step (``_causal`` / ``_trans``: the activation writes the convolution's padded input)."""
+        modules = list(modules)
+        i = 0
+        while i < len(modules):
+            m, nxt = modules[i], modules[i + 1] if i + 1 < len(modules) else None
+            if _is_snake(m) and nxt is not None and type(nxt).__name__ in _CAUSAL:
+                x = self._causal(nxt, x, act=m) if type(nxt).__name__ == _CAUSAL[0] else self._trans(nxt, x, act=m)
+                i += 2
+            else:
+                x = self(m, x)
+                i += 1
+        return x
+
     def __call__(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         kind = type(m).__name__
-        if kind == "Qwen3OmniMoeCausalConvNet":  # left zero padding of (k-1)*d = the previous inputs
-            keep = m.padding
-            tail = self.old[id(m)] if self.old is not None else x.new_zeros(x.shape[0], x.shape[1], keep)
-            xin = torch.cat([tail, x], dim=-1)
-            self.new[id(m)] = xin[..., xin.shape[-1] - keep:]
-            if m.conv.groups == 1:
-                return self._conv(m.conv, xin)
-            if m.conv.groups == m.conv.in_channels == m.conv.out_channels:
-                return _depthwise(m.conv, xin)
-            return _per_row(m.conv, xin)
-        if kind == "Qwen3OmniMoeCausalTransConvNet":
-            if m.left_pad == 0 and m.right_pad == 0:  # kernel == stride: an exact upsampling
-                return self._transposed(m.conv, x, trimmed=False)
-            # kernel 2r, stride r, r trimmed on both sides: output p needs inputs p // r and the next
-            # one; emitted are the outputs whose inputs have both arrived
-            xin = x if self.old is None else torch.cat([self.old[id(m)], x], dim=-1)
-            self.new[id(m)] = xin[..., -1:]
-            return self._transposed(m.conv, xin, trimmed=True)
+        if kind == _CAUSAL[0]:
+            return self._causal(m, x)
+        if kind == _CAUSAL[1]:
+            return self._trans(m, x)
         if kind == "Qwen3OmniMoeConvNeXtBlock":  # its depthwise convolution, then pointwise layers
-            h = self(m.dwconv, x)
+            h = self._causal(m.dwconv, x)
             h = torch.stack([m.norm(row.t()).t() for row in h])  # LayerNorm over the channels
             h = self._pointwise(m.pwconv1, h)
             h = torch.stack([m.act(row) for row in h])
             h = self._pointwise(m.pwconv2, h)
             return x + m.gamma[:, None] * h
-        if kind == "Qwen3OmniMoeCode2WavDecoderResidualUnit":
-            return x + self(m.conv2, m.act2(self(m.conv1, m.act1(x))))
+        if kind == "Qwen3OmniMoeCode2WavDecoderResidualUnit":  # x + conv2(act2(conv1(act1(x))))
+            return self._causal(m.conv2, self._causal(m.conv1, x, act=m.act1), act=m.act2, residual=x)
         if kind == "Qwen3OmniMoeCode2WavDecoderBlock":
-            for block in m.block:
-                x = self(block, x)
-            return x
-        if isinstance(m, _SnakeBeta) and self.kernel is not None:
-            return m(x)
-        if isinstance(m, _SnakeBeta) or kind == "Qwen3OmniMoeSnakeBeta":
-            return _per_row(m, x)
+            return self.sequence(m.block, x)
+        if _is_snake(m):
+            return self._act(m, x)
         raise TypeError(f"Code2Wav streaming does not know the vocoder module {kind}")
+
+    def _act(self, act: nn.Module, x: torch.Tensor, left: torch.Tensor | None = None) -> torch.Tensor:
+        """``act(x)``, with ``left`` (already activated steps) in front when given."""
+        if isinstance(act, _SnakeBeta) and self._usable(x, act.alpha, 1):
+            alpha, inv_beta = act.scales()
+            return self.kernel.snake_beta(x.contiguous(), alpha, inv_beta, left)
+        y = act(x) if isinstance(act, _SnakeBeta) and self.kernel is not None else _per_row(act, x)
+        return y if left is None else torch.cat([left, y], dim=-1)
+
+    def _causal(self, m: nn.Module, x: torch.Tensor, act: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """A causal convolution (its left zero padding of ``(k-1)*d`` = the previous inputs) over
+        ``act(x)``, plus ``residual``."""
+        keep = m.padding
+        tail = None
+        if keep > 0:
+            tail = self.old[id(m)] if self.old is not None else x.new_zeros(x.shape[0], x.shape[1], keep)
+        if act is not None:
+            xin = self._act(act, x, tail)
+        else:
+            xin = x if tail is None else torch.cat([tail, x], dim=-1)
+        self.new[id(m)] = xin[..., xin.shape[-1] - keep:]
+        conv = m.conv
+        if conv.groups == 1:
+            return self._conv(conv, xin, residual)
+        if conv.groups == conv.in_channels == conv.out_channels:
+            y = _depthwise(conv, xin)
+        else:
+            y = _per_row(conv, xin)
+        return y if residual is None else y + residual
+
+    def _trans(self, m: nn.Module, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
+        """A causal transposed convolution over ``act(x)``."""
+        if m.left_pad == 0 and m.right_pad == 0:  # kernel == stride: an exact upsampling
+            return self._transposed(m.conv, x if act is None else self._act(act, x), trimmed=False)
+        # kernel 2r, stride r, r trimmed on both sides: output p needs inputs p // r and the next
+        # one; emitted are the outputs whose inputs have both arrived
+        prev = self.old[id(m)] if self.old is not None else None
+        if act is not None:
+            xin = self._act(act, x, prev)
+        else:
+            xin = x if prev is None else torch.cat([prev, x], dim=-1)
+        self.new[id(m)] = xin[..., -1:]
+        return self._transposed(m.conv, xin, trimmed=True)
 
     def _usable(self, x: torch.Tensor, weight: torch.Tensor, channels: int) -> bool:
         return (self.kernel is not None and _kernel_width(channels) and x.device.type == "cpu"
                 and x.dtype == weight.dtype == torch.float32)
 
-    def _conv(self, conv: nn.Conv1d, xin: torch.Tensor) -> torch.Tensor:
+    def _conv(self, conv: nn.Conv1d, xin: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self._usable(xin, conv.weight, conv.out_channels):
-            return self.kernel.narrow_conv1d(xin.contiguous(), conv.weight, conv.bias, conv.dilation[0])
-        return _per_row(conv, xin)
+            return self.kernel.narrow_conv1d(xin.contiguous(), conv.weight, conv.bias, conv.dilation[0], residual)
+        y = _per_row(conv, xin)
+        return y if residual is None else y + residual
 
     def _pointwise(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """An ``nn.Linear`` over the channels of ``x`` ``[B, C, n]`` (a kernel-1 convolution)."""
@@ -584,10 +633,8 @@ class Code2Wav(nn.Module):
             vocoder = _BatchVocoder(old, self._taps)
             x = torch.stack([hidden[i] for i in rows])  # [B, H, new]
             for stage in self.model.upsample:
-                for block in stage:
-                    x = vocoder(block, x)
-            for block in self.model.decoder:
-                x = vocoder(block, x)
+                x = vocoder.sequence(stage, x)
+            x = vocoder.sequence(self.model.decoder, x)
             wave = x.clamp(min=-1, max=1)[:, 0].float()
             for b, i in enumerate(rows):
                 c = chunks[i]
