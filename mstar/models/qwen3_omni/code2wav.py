@@ -41,6 +41,13 @@ context, then only the NEW frames through the vocoder, continuing from those tai
 decode to rounding at any chunk sizes (relative L2 ~4e-7 on random weights with audible output),
 with no convolution recomputed over context. The state must be dropped when the request ends
 (``Code2WavNode.release``).
+
+Batching (:meth:`Code2Wav.decode_next_many`, the node's path): the chunks of one step decode together,
+per group of equal new-frame count and alike state, with operators that compute each row as they
+would alone (``_PreTransformer``, ``_BatchVocoder``): a request's samples are the same bits whatever
+it shares the step with. On the benchmark model (2-core AVX2 machine, 16 requests): 16 five-frame
+first chunks 543 -> 203 ms, 16 25-frame chunks 1,545 -> 746 ms against decoding them one by one
+with the previous per-request path.
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ class Code2WavNode(NodeSubmodule):
 
     A request's vocoder state (``VocoderState``: the convolutions' input tails) is kept here from
     chunk to chunk, so each chunk convolves only its new frames (the pre-transformer still reads the
-    chunk's left context); it is dropped when the request ends (``release``). A later chunk whose
+    chunk's left context); it is dropped when the request ends (``release``). The batch's chunks
+    decode together (``Code2Wav.decode_next_many``: each request's samples the same bits as alone). A later chunk whose
     state is missing (this rank restarted) takes the stateless decode, exact with the left context
     the graph gives."""
 
