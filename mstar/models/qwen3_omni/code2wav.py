@@ -415,7 +415,7 @@ class _PreTransformer:
     def __init__(self, model: nn.Module) -> None:
         self.model = model.pre_transformer
         self.config = model.config
-        self._packed: tuple[object, list[tuple[Any, ...]]] | None = None
+        self._packed: tuple[tuple[tuple[torch.Tensor, int], ...], list[tuple[Any, ...]]] | None = None
         self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
 
     def usable(self, x: torch.Tensor) -> bool:
@@ -425,12 +425,10 @@ class _PreTransformer:
                 and all(p.dtype == torch.float32 and p.device.type == "cpu" for p in self.model.parameters()))
 
     def _layers(self) -> list[tuple[Any, ...]]:
-        from mstar.layers.prepack import PrepackedLinear, versions
+        from mstar.layers.prepack import PrepackedLinear, unchanged, versions
 
         params = list(self.model.parameters())
-        key = versions(*params)
-        if self._packed is not None and len(self._packed[0]) == len(key) and all(  # type: ignore[arg-type]
-                a is b and u == v for (a, u), (b, v) in zip(self._packed[0], key)):  # type: ignore[arg-type]
+        if self._packed is not None and unchanged(self._packed[0], *params):
             return self._packed[1]
         packed = []
         with torch.inference_mode(False), torch.no_grad():  # the packed copies keep version counters
@@ -441,7 +439,7 @@ class _PreTransformer:
                     PrepackedLinear(a.o_proj.weight, mode="panel"),
                     PrepackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), silu_mul=True, mode="panel"),
                     PrepackedLinear(m.down_proj.weight, mode="panel")))
-        self._packed = (key, packed)
+        self._packed = (versions(*params), packed)
         return packed
 
     def _mask(self, t: int, window: int | None) -> torch.Tensor:
@@ -461,14 +459,14 @@ class _PreTransformer:
         d = int(getattr(c, "head_dim", None) or H // heads)
         cos, sin = self.model.rotary_emb(x, torch.arange(T)[None])  # [1, T, d]
         h = x.reshape(B * T, H).contiguous()
-        for layer, (qkv, o_proj, gate_up, down) in zip(self.model.layers, self._layers()):
+        for i, (layer, (qkv, o_proj, gate_up, down)) in enumerate(zip(self.model.layers, self._layers())):
             a = layer.self_attn
             y = qkv(kernel.rms_norm(h, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon))
             q = y[:, :heads * d].reshape(B, T, heads, d).transpose(1, 2)
             k = y[:, heads * d:(heads + kv_heads) * d].reshape(B, T, kv_heads, d).transpose(1, 2)
             v = y[:, (heads + kv_heads) * d:].reshape(B, T, kv_heads, d).transpose(1, 2)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            window = a.sliding_window if layer.attention_type == "sliding_attention" else None
+            window = a.sliding_window if c.layer_types[i] == "sliding_attention" else None
             mask = self._mask(T, window)
             att = torch.cat([torch.nn.functional.scaled_dot_product_attention(
                 q[b:b + 1], k[b:b + 1], v[b:b + 1], attn_mask=mask, scale=a.scaling,
