@@ -1,0 +1,273 @@
+"""Code2Wav's batch-invariant streaming operators (``Code2Wav.decode_next_many``): the pre-transformer of
+equal-length chunks in one forward (``PreTransformer``) and the vocoder over many requests' next
+steps (``BatchVocoder``), every row computed the same way alone and in any batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from mstar.layers import cpu_ops
+from mstar.models.qwen3_omni.code2wav_modules import _SnakeBeta
+
+__all__ = ["BatchVocoder", "PreTransformer"]
+
+
+def _kernel_width(channels: int) -> bool:
+    """Output widths ``narrow_conv1d`` takes: 1, 8 or a multiple of 16."""
+    return channels in (1, 8) or (channels > 0 and channels % 16 == 0)
+
+
+_CAUSAL = ("Qwen3OmniMoeCausalConvNet", "Qwen3OmniMoeCausalTransConvNet")
+
+
+def _is_snake(m: nn.Module) -> bool:
+    return isinstance(m, _SnakeBeta) or type(m).__name__ == "Qwen3OmniMoeSnakeBeta"
+
+
+def _per_row(fn: Any, x: torch.Tensor) -> torch.Tensor:
+    """``fn`` over each batch row of ``x`` alone (for operators whose rounding depends on the batch)."""
+    if x.shape[0] == 1:
+        return fn(x)
+    return torch.cat([fn(x[b:b + 1]) for b in range(x.shape[0])])
+
+
+class BatchVocoder:
+    """The vocoder's modules over the next steps ``x`` ``[B, C, n]`` of B request streams at once, each
+    causal convolution continuing from its inputs' tails (``old``: id of the module -> ``[B, C, keep]``;
+    None for first chunks, whose tails are the zero padding; the new tails go to ``new``).
+
+    Every operator computes a row the same way alone and in any batch, so a request's samples never
+    depend on the requests decoded with it: convolutions through the compiled ``narrow_conv1d``
+    (each output's terms in a fixed order; a transposed convolution as a kernel-1 convolution to its
+    ``kernel * C_out`` taps, then an overlap-add), or one row at a time where it does not take the
+    width or the kernels are missing; the depthwise convolution and the residual steps as
+    elementwise multiplies and adds (one rounding each, wherever the element falls); LayerNorm and
+    GELU one row at a time. The SnakeBeta kernel already works per row."""
+
+    def __init__(self, old: Mapping[int, torch.Tensor] | None, taps: dict[int, tuple[object, torch.Tensor]]) -> None:
+        self.old = old
+        self.new: dict[int, torch.Tensor] = {}
+        self.kernel = cpu_ops.ops()
+        self._taps = taps
+
+    def sequence(self, modules: Iterable[nn.Module], x: torch.Tensor) -> torch.Tensor:
+        """``modules`` one after another; an activation followed by a convolution is applied as one
+        step (``_causal`` / ``_trans``: the activation writes the convolution's padded input)."""
+        modules = list(modules)
+        i = 0
+        while i < len(modules):
+            m, nxt = modules[i], modules[i + 1] if i + 1 < len(modules) else None
+            if _is_snake(m) and nxt is not None and type(nxt).__name__ in _CAUSAL:
+                x = self._causal(nxt, x, act=m) if type(nxt).__name__ == _CAUSAL[0] else self._trans(nxt, x, act=m)
+                i += 2
+            else:
+                x = self(m, x)
+                i += 1
+        return x
+
+    def __call__(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        kind = type(m).__name__
+        if kind == _CAUSAL[0]:
+            return self._causal(m, x)
+        if kind == _CAUSAL[1]:
+            return self._trans(m, x)
+        if kind == "Qwen3OmniMoeConvNeXtBlock":  # its depthwise convolution, then pointwise layers
+            h = self._causal(m.dwconv, x)
+            h = torch.stack([m.norm(row.t()).t() for row in h])  # LayerNorm over the channels
+            h = self._pointwise(m.pwconv1, h)
+            h = torch.stack([m.act(row) for row in h])
+            h = self._pointwise(m.pwconv2, h)
+            return x + m.gamma[:, None] * h
+        if kind == "Qwen3OmniMoeCode2WavDecoderResidualUnit":  # x + conv2(act2(conv1(act1(x))))
+            return self._causal(m.conv2, self._causal(m.conv1, x, act=m.act1), act=m.act2, residual=x)
+        if kind == "Qwen3OmniMoeCode2WavDecoderBlock":
+            return self.sequence(m.block, x)
+        if _is_snake(m):
+            return self._act(m, x)
+        raise TypeError(f"Code2Wav streaming does not know the vocoder module {kind}")
+
+    def _act(self, act: nn.Module, x: torch.Tensor, left: torch.Tensor | None = None) -> torch.Tensor:
+        """``act(x)``, with ``left`` (already activated steps) in front when given."""
+        if isinstance(act, _SnakeBeta) and self._usable(x, act.alpha, 1):
+            alpha, inv_beta = act.scales()
+            return self.kernel.snake_beta(x.contiguous(), alpha, inv_beta, left)
+        y = _per_row(act, x)
+        return y if left is None else torch.cat([left, y], dim=-1)
+
+    def _causal(self, m: nn.Module, x: torch.Tensor, act: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """A causal convolution (its left zero padding of ``(k-1)*d`` = the previous inputs) over
+        ``act(x)``, plus ``residual``."""
+        keep = m.padding
+        tail = None
+        if keep > 0:
+            tail = self.old[id(m)] if self.old is not None else x.new_zeros(x.shape[0], x.shape[1], keep)
+        if act is not None:
+            xin = self._act(act, x, tail)
+        else:
+            xin = x if tail is None else torch.cat([tail, x], dim=-1)
+        self.new[id(m)] = xin[..., xin.shape[-1] - keep:]
+        conv = m.conv
+        if conv.groups == 1:
+            return self._conv(conv, xin, residual)
+        if conv.groups == conv.in_channels == conv.out_channels:
+            y = _depthwise(conv, xin)
+        else:
+            y = _per_row(conv, xin)
+        return y if residual is None else y + residual
+
+    def _trans(self, m: nn.Module, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
+        """A causal transposed convolution over ``act(x)``."""
+        if m.left_pad == 0 and m.right_pad == 0:  # kernel == stride: an exact upsampling
+            return self._transposed(m.conv, x if act is None else self._act(act, x), trimmed=False)
+        # kernel 2r, stride r, r trimmed on both sides: output p needs inputs p // r and the next
+        # one; emitted are the outputs whose inputs have both arrived
+        prev = self.old[id(m)] if self.old is not None else None
+        if act is not None:
+            xin = self._act(act, x, prev)
+        else:
+            xin = x if prev is None else torch.cat([prev, x], dim=-1)
+        self.new[id(m)] = xin[..., -1:]
+        return self._transposed(m.conv, xin, trimmed=True)
+
+    def _usable(self, x: torch.Tensor, weight: torch.Tensor, channels: int) -> bool:
+        return (self.kernel is not None and _kernel_width(channels) and x.device.type == "cpu"
+                and x.dtype == weight.dtype == torch.float32)
+
+    def _conv(self, conv: nn.Conv1d, xin: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self._usable(xin, conv.weight, conv.out_channels):
+            return self.kernel.narrow_conv1d(xin.contiguous(), conv.weight, conv.bias, conv.dilation[0], residual)
+        y = _per_row(conv, xin)
+        return y if residual is None else y + residual
+
+    def _pointwise(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """An ``nn.Linear`` over the channels of ``x`` ``[B, C, n]`` (a kernel-1 convolution)."""
+        if self._usable(x, linear.weight, linear.out_features):
+            return self.kernel.narrow_conv1d(x.contiguous(), linear.weight[:, :, None], linear.bias, 1)
+        return torch.stack([linear(row.t()).t() for row in x])
+
+    def _transposed(self, conv: nn.ConvTranspose1d, x: torch.Tensor, trimmed: bool) -> torch.Tensor:
+        """``conv`` (stride r, kernel r, or 2r with r outputs trimmed on each side) over ``x`` ``[B, C, L]``:
+        ``L * r`` outputs, or ``(L - 1) * r`` trimmed ones."""
+        r, k = conv.stride[0], conv.kernel_size[0]
+        if k != (2 * r if trimmed else r):
+            raise TypeError(f"Code2Wav streaming expects a transposed convolution of kernel {'2r' if trimmed else 'r'}"
+                            f" (stride {r}), got kernel {k}")
+        out = conv.out_channels
+        if not self._usable(x, conv.weight, k * out):
+            return _per_row(lambda row: conv(row)[..., r:row.shape[-1] * r] if trimmed else conv(row), x)
+        key = (id(conv.weight), conv.weight._version)
+        cached = self._taps.get(id(conv))
+        if cached is None or cached[0] != key:  # weight [in, out, k] -> taps [k * out, in, 1]
+            cached = (key, conv.weight.permute(2, 1, 0).reshape(k * out, conv.in_channels, 1).contiguous())
+            self._taps[id(conv)] = cached
+        z = self.kernel.narrow_conv1d(x.contiguous(), cached[1], None, 1)  # z[b, j*out + o, t] = tap j of x[b, :, t]
+        B, L = x.shape[0], x.shape[-1]
+        z = z.view(B, k, out, L)
+        if trimmed:  # output (t - 1) * r + s = tap s of step t + tap s + r of step t - 1
+            z = z[:, :r, :, 1:] + z[:, r:, :, :-1]
+            L -= 1
+        y = z.permute(0, 2, 3, 1).reshape(B, out, L * r)
+        return y if conv.bias is None else y + conv.bias[:, None]
+
+
+class PreTransformer:
+    """transformers' Code2Wav pre-transformer (RMSNorm, sliding-window causal attention with the
+    rotary embedding, SiLU MLP, layer scales) over a batch of equal-length chunks ``[B, T, H]``,
+    every row computed as it would be alone: the projections through the panel kernel
+    (``mstar.layers.prepack``, q/k/v and gate/up each one multiply, packed once per weight version),
+    the norms through the per-row RMSNorm kernel, attention one request at a time, the rest
+    single-rounding elementwise steps. One forward of 16 five-frame chunks instead of 16 of
+    transformers' (each ~5 ms of per-call work on the benchmark model). ``usable()`` is False without
+    the kernels or for a config it does not cover (attention bias, another activation); callers then
+    run transformers' module per request."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model.pre_transformer
+        self.config = model.config
+        self._packed: tuple[tuple[tuple[torch.Tensor, int], ...], list[tuple[Any, ...]]] | None = None
+        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
+
+    def usable(self, x: torch.Tensor) -> bool:
+        c = self.config
+        return (cpu_ops.ops() is not None and x.device.type == "cpu" and x.dtype == torch.float32
+                and not getattr(c, "attention_bias", False) and c.hidden_act == "silu"
+                and all(p.dtype == torch.float32 and p.device.type == "cpu" for p in self.model.parameters()))
+
+    def _layers(self) -> list[tuple[Any, ...]]:
+        from mstar.layers.prepack import PrepackedLinear, unchanged, versions
+
+        params = list(self.model.parameters())
+        if self._packed is not None and unchanged(self._packed[0], *params):
+            return self._packed[1]
+        packed = []
+        with torch.inference_mode(False), torch.no_grad():  # the packed copies keep version counters
+            for layer in self.model.layers:
+                a, m = layer.self_attn, layer.mlp
+                packed.append((
+                    PrepackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), mode="panel"),
+                    PrepackedLinear(a.o_proj.weight, mode="panel"),
+                    PrepackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), silu_mul=True, mode="panel"),
+                    PrepackedLinear(m.down_proj.weight, mode="panel")))
+        self._packed = (versions(*params), packed)
+        return packed
+
+    def _mask(self, t: int, window: int | None) -> torch.Tensor:
+        """Query i sees keys j with i - window < j <= i (transformers' sliding-window causal mask)."""
+        mask = self._masks.get((t, window))
+        if mask is None:
+            i = torch.arange(t)[:, None]
+            j = torch.arange(t)[None, :]
+            mask = (j <= i) & ((i - j < window) if window is not None else True)
+            self._masks[(t, window)] = mask
+        return mask
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        kernel, c = cpu_ops.ops(), self.config
+        B, T, H = x.shape
+        heads, kv_heads = int(c.num_attention_heads), int(c.num_key_value_heads)
+        d = int(getattr(c, "head_dim", None) or H // heads)
+        cos, sin = self.model.rotary_emb(x, torch.arange(T)[None])  # [1, T, d]
+        h = x.reshape(B * T, H).contiguous()
+        for i, (layer, (qkv, o_proj, gate_up, down)) in enumerate(zip(self.model.layers, self._layers())):
+            a = layer.self_attn
+            y = qkv(kernel.rms_norm(h, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon))
+            q = y[:, :heads * d].reshape(B, T, heads, d).transpose(1, 2)
+            k = y[:, heads * d:(heads + kv_heads) * d].reshape(B, T, kv_heads, d).transpose(1, 2)
+            v = y[:, (heads + kv_heads) * d:].reshape(B, T, kv_heads, d).transpose(1, 2)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            window = a.sliding_window if c.layer_types[i] == "sliding_attention" else None
+            mask = self._mask(T, window)
+            att = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+                q[b:b + 1], k[b:b + 1], v[b:b + 1], attn_mask=mask, scale=a.scaling,
+                enable_gqa=heads != kv_heads) for b in range(B)])  # one request at a time
+            att = att.transpose(1, 2).reshape(B * T, heads * d).contiguous()
+            h = h + layer.self_attn_layer_scale.scale * o_proj(att)
+            mlp = down(gate_up(kernel.rms_norm(h, layer.post_attention_layernorm.weight,
+                                               layer.post_attention_layernorm.variance_epsilon)))
+            h = h + layer.mlp_layer_scale.scale * mlp
+        norm = self.model.norm
+        return kernel.rms_norm(h, norm.weight, norm.variance_epsilon).view(B, T, H)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary embedding ``x * cos + rotate_half(x) * sin`` over ``[B, heads, T, d]``."""
+    half = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[:, None]
+
+
+def _depthwise(conv: nn.Conv1d, xin: torch.Tensor) -> torch.Tensor:
+    """A depthwise stride-1 convolution over a padded ``xin`` ``[B, C, L]`` as its taps, ``x[t + j*d] *
+    w[c, j]`` added in tap order (then the bias), each step one rounding: the same bits for a row
+    whatever the batch."""
+    k, d = conv.kernel_size[0], conv.dilation[0]
+    n = xin.shape[-1] - (k - 1) * d
+    w = conv.weight[:, 0]  # [C, k]
+    out = xin[..., :n] * w[:, 0:1]
+    for j in range(1, k):
+        out = out + xin[..., j * d:j * d + n] * w[:, j:j + 1]
+    return out if conv.bias is None else out + conv.bias[:, None]
