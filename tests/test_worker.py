@@ -7,7 +7,7 @@ import torch
 
 from mstar.placement import Placement, RuntimeLimits
 from mstar.runtime.failures import FailureKind
-from mstar.runtime.keys import StreamKey, WalkKey, decode_counts
+from mstar.runtime.keys import PartitionKey, StreamKey, WalkKey, decode_counts
 from mstar.runtime.messages import (
     CONDUCTOR,
     ExecNode,
@@ -20,7 +20,7 @@ from mstar.runtime.messages import (
 from mstar.runtime.routing import Routing
 from mstar.runtime.worker import Worker
 from tests.test_conductor import Outbox
-from tests.toy_models import STREAM_STEPS, ToyStream
+from tests.toy_models import STREAM_STEPS, WINDOW, ToyStream
 
 
 def worker(**limits):
@@ -62,6 +62,28 @@ def test_downstream_first_runs_the_consumer_partition_unless_an_item_is_overdue(
     w.handle(exec_node("counter", "b"))
     w.handle(exec_node("summer", "a", "cons", "window"))
     w.queues["counter"][0].queued_at -= 61.0  # overdue: FCFS among the overdue, whatever the policy
+    assert w.next_batch()[0] == "counter"
+
+
+def test_an_overdue_producer_item_whose_consumer_holds_its_chunks_waits():
+    """``counter``'s item for ``b`` is overdue, but the consumer partition of ``b`` on this rank holds
+    a chunk from ``prod`` it has not taken: the item is ahead, so ``summer`` (deeper) runs first. Once
+    that chunk is taken the same item is overdue again; a request without such a chunk (``c``) keeps
+    the guard."""
+    w, _ = worker(scheduling_max_wait_ms=0.0)
+    w.handle(StreamPush("b", "prod", "cons", "summer", "item", [torch.tensor(1.0)] * WINDOW, 0))
+    assert w.streams[PartitionKey("b", "cons")].pending_from("prod")
+    w.handle(exec_node("counter", "b"))
+    w.handle(exec_node("summer", "a", "cons", "window"))
+    w.queues["counter"][0].queued_at -= 1.0
+    assert w.next_batch()[0] == "summer"
+    w.handle(exec_node("summer", "a", "cons", "window"))
+    assert w.streams[PartitionKey("b", "cons")].pull("summer", "item") is not None  # the consumer takes it
+    assert w.next_batch()[0] == "counter"
+    w.queues["summer"].clear()
+    w.handle(exec_node("counter", "c"))
+    w.handle(exec_node("summer", "a", "cons", "window"))
+    w.queues["counter"][0].queued_at -= 1.0
     assert w.next_batch()[0] == "counter"
 
 

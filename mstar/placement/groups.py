@@ -47,7 +47,9 @@ class RuntimeLimits:
     (Code2Wav before Talker before Thinker), so a stream's consumer turns what it has into output
     before its producer runs ahead; an item that waited more than ``scheduling_max_wait_ms``
     (default 20) goes first whatever its partition (oldest first), so a producer's new prompts
-    and other requests are never starved. Models without streams have one partition: FCFS.
+    and other requests are never starved; except an item whose request's consumer here still
+    holds chunks it streamed and has not taken them (running it would only grow that backlog).
+    Models without streams have one partition: FCFS.
     """
 
     max_batch_size: int = 32

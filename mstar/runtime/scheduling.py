@@ -4,14 +4,19 @@
 deepest stream stage (``Routing.stage``; a module takes the deepest stage of the partitions it runs
 in), ties FCFS, unless some queued item has waited longer than ``scheduling_max_wait_ms``: then FCFS
 among those overdue items, so a producer's new prompts and other requests are never starved by a
-consumer that always has work. With one stage on the rank (no streams) both policies are FCFS.
+consumer that always has work. An item whose request is *ahead* (``ahead(item)``: a consumer on this
+rank still holds stream chunks from the item's partition that it has not taken) is never overdue:
+running it could only add to that backlog, and the consumer, which has priority, takes the chunks
+first; once they are taken the item is overdue again. So a Thinker that already streamed the Talker
+its next text waits behind the Talker and code predictor, whose steps lead to the first audio. With
+one stage on the rank (no streams) both policies are FCFS.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from mstar.placement import RuntimeLimits
@@ -36,10 +41,12 @@ def module_stages(routing: Routing, model: Any, nodes: Collection[str]) -> dict[
 class ModuleScheduler:
     """The rank's choice of module; ``stamp`` each item as it joins a queue."""
 
-    def __init__(self, limits: RuntimeLimits, stages: Mapping[str, int]) -> None:
+    def __init__(self, limits: RuntimeLimits, stages: Mapping[str, int],
+                 ahead: Callable[[WorkItem], bool] | None = None) -> None:
         self.stage = dict(stages) if limits.scheduling == "downstream_first" else {b: 0 for b in stages}
         self.staged = len(set(self.stage.values())) > 1
         self.max_wait = limits.scheduling_max_wait_ms / 1e3
+        self.ahead = ahead or (lambda _item: False)
 
     @staticmethod
     def stamp(item: WorkItem) -> None:
@@ -53,7 +60,16 @@ class ModuleScheduler:
         if not self.staged or len(heads) == 1:
             return min(heads)[1]
         due = time.monotonic() - self.max_wait
-        overdue = [h for h in heads if queues[h[1]][0].queued_at < due]
+        overdue = [h for h in heads if self._overdue(queues[h[1]], due)]
         if overdue:
             return min(overdue)[1]
         return min(heads, key=lambda h: (-self.stage[h[1]], h[0]))[1]
+
+    def _overdue(self, queue: deque[WorkItem], due: float) -> bool:
+        """Some item queued before ``due`` whose request is not ahead (items queue in time order)."""
+        for item in queue:
+            if item.queued_at >= due:
+                return False
+            if not self.ahead(item):
+                return True
+        return False

@@ -77,6 +77,10 @@ class StreamBuffer:
     def has_pending(self) -> bool:
         return any(inp.pending for inp in self.inputs.values())
 
+    def pending_from(self, partition: str) -> bool:
+        """Some chunk from ``partition``'s streams fired and was not consumed yet."""
+        return any(inp.pending for inp in self.inputs.values() if inp.from_partition == partition)
+
     def all_ended(self, producers: set[str]) -> bool:
         """Every producer ended and every item it announced has arrived (an input whose first push
         is still on its way, behind the end, has no policy here yet: not ended)."""

@@ -133,6 +133,7 @@ class WalkTracker:
         self._start_bindings = {n: [(i, b) for i, b in np_.inputs.items() if b.kind is not InputKind.LOCAL]
                                 for n, np_ in plan.nodes.items()}
         self._self_loops = self._find_self_loops()
+        self._accumulated = {name: {e.name for e in lp.exits if e.accumulate} for name, lp in plan.loops.items()}
 
     # -- public --------------------------------------------------------------------------------
     def start(self) -> Effects:
@@ -344,9 +345,7 @@ class WalkTracker:
                 if e.producer.is_loop and e.producer.name == child_loop}
 
     def _record_exit(self, frame: _Frame, name: str, value: Any) -> None:
-        lp = self.plan.loops[frame.loop]
-        acc = any(e.accumulate for e in lp.exits if e.name == name)
-        if acc:
+        if name in self._accumulated[frame.loop]:
             frame.exit_vals.setdefault(name, []).extend(value if isinstance(value, list) else [value])
         else:
             frame.exit_vals[name] = value

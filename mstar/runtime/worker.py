@@ -123,7 +123,9 @@ class Worker:
                           TPStatsBarrier: self._tp_stats_barrier, TPShard: self._tp_shard}
         self._stats_barrier = StatsBarrier()
         stages = module_stages(routing, model, set(nodes))
-        self.scheduler = ModuleScheduler(routing.placement.limits, {b: stages.get(b, 0) for b in self.engines})
+        self.scheduler = ModuleScheduler(routing.placement.limits, {b: stages.get(b, 0) for b in self.engines},
+                                         self._ahead)
+        self._consumers = {p: sorted(routing.consumers_of(p)) for p in routing.graph.partitions}
         self._tp_follower = TPFollower(self.engines, transport, tp) if self.following else None
 
     def _build_engines(self, nodes: list[str], device: str) -> None:
@@ -347,6 +349,15 @@ class Worker:
             return None
         q = self.queues[base]
         return base, [q.popleft() for _ in range(min(len(q), self.max_batch[base]))]
+
+    def _ahead(self, item: WorkItem) -> bool:
+        """The item's request has stream chunks from the item's partition that a consumer partition
+        homed here has not taken yet (``ModuleScheduler``: such an item is never overdue)."""
+        for consumer in self._consumers.get(item.partition, ()):
+            buf = self.streams.get(PartitionKey(item.request_id, consumer))
+            if buf is not None and buf.pending_from(item.partition):
+                return True
+        return False
 
     def _runnable(self) -> bool:
         return any(q and base not in self._stalled for base, q in self.queues.items())

@@ -24,6 +24,7 @@ Parameter names follow the checkpoint without its ``thinker.`` prefix (``model.l
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,10 +80,13 @@ def mrope_positions(ids: torch.Tensor, image_grids: torch.Tensor | None, image_t
     out = torch.empty(3, ids.numel(), dtype=torch.long)
     nxt, i, image = 0, 0, 0
     tokens = ids.tolist()
+    starts = (ids == image_token).nonzero().reshape(-1).tolist()  # image placeholders, in order
     while i < len(tokens):
-        if tokens[i] != image_token:
-            out[:, i] = nxt
-            nxt, i = nxt + 1, i + 1
+        if tokens[i] != image_token:  # the text run up to the next placeholder: consecutive positions
+            k = bisect.bisect_right(starts, i)
+            end = starts[k] if k < len(starts) else len(tokens)
+            out[:, i:end] = torch.arange(nxt, nxt + end - i)
+            nxt, i = nxt + end - i, end
             continue
         if image_grids is None or image >= image_grids.shape[0]:
             raise ValueError("the prompt has more image placeholders than images")
