@@ -222,6 +222,59 @@ def test_code_predictor_steps_match_a_full_forward(omni):
         torch.testing.assert_close(predictor.embed(3, codes), ref.model.codec_embedding[3](codes))
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["compiled", "torch"])
+def test_code_predictor_node_batches_match_each_request_alone(omni, monkeypatch, kernel):
+    """``CodePredictorNode`` over 4 requests' frames: alone, all at the same step in one batch (the
+    one-step path), and staggered so that batches mix steps 0..14 (the general path): the same codes;
+    the same sums and caches bit for bit through the compiled kernels (batch-invariant), within 1e-5
+    through PyTorch's."""
+    from mstar.layers.cpu_ops import ops
+    from mstar.layers.sampling import SamplingParams
+    from mstar.models.qwen3_omni.codec_nodes import CodePredictorNode
+
+    if kernel:
+        monkeypatch.delenv("MSTAR_ATTENTION_KERNEL")
+        if ops() is None:
+            pytest.skip("the compiled CPU kernels are not available here")
+    _, path, cfg = omni
+    node = CodePredictorNode(loader.build_code_predictor(cfg, path))
+    assert (node.predictor.model.layers[0].self_attn.prepacked is not None) == kernel
+    torch.manual_seed(5)
+    hidden = [torch.randn(1, cfg.talker.text.hidden_size) for _ in range(4)]
+    start = [{"code": torch.tensor([3 + r]), "cache": empty_frame_cache(cfg.talker.code_predictor),
+              "sum": torch.randn(1, cfg.talker.text.hidden_size)} for r in range(4)]
+
+    def run(schedule):  # schedule: per tick, the requests that take their next step together
+        state, j, codes = [dict(s) for s in start], [0] * 4, [[] for _ in range(4)]
+        for tick in schedule:
+            extras = {"j": [j[r] for r in tick], "seed_step": [j[r] for r in tick],
+                      "sampling": [SamplingParams(temperature=0.0)] * len(tick),
+                      "hidden": [hidden[r] for r in tick], **{k: [state[r][k] for r in tick]
+                                                            for k in ("code", "cache", "sum")}}
+            ei = EngineInputs(walks=[], nodes=[], request_ids=[], infos=[], splits={}, extras=extras)
+            with torch.inference_mode():  # as the engine calls it
+                out = node.forward(None, ei)
+            for k, r in enumerate(tick):
+                state[r] = {"code": out["code"][k].reshape(-1), "cache": out["cp_cache"][k], "sum": out["cp_sum"][k]}
+                codes[r].append(int(out["code"][k]))
+                j[r] += 1
+        assert j == [15] * 4
+        return codes, state
+
+    alone = run([[r] for r in range(4) for _ in range(15)])
+    together = run([[0, 1, 2, 3]] * 15)
+    staggered = run([[0, 1]] + [[0, 1, 2, 3]] * 14 + [[2, 3]])
+    for other in (together, staggered):
+        assert other[0] == alone[0]
+        for a, b in zip(alone[1], other[1]):
+            for name in ("sum", "cache"):
+                if kernel:
+                    assert torch.equal(a[name], b[name]), name
+                else:
+                    torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5)
+    assert alone[1][0]["cache"].shape[2] == 16
+
+
 # -- loader --------------------------------------------------------------------------------------------
 
 

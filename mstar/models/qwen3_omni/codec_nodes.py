@@ -43,6 +43,10 @@ class CodePredictorNode(NodeSubmodule):
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
         x = engine_inputs.extras
         p, steps = self.predictor, x["j"]
+        if steps[0] > 0 and steps.count(steps[0]) == len(steps):  # the usual batch: one step, one row each
+            logits, caches = p.step_rows(p.embed(steps[0] - 1, torch.cat(x["code"])), [1] * len(steps), steps,
+                                         x["cache"])
+            return self._outputs(logits, caches, x)
         later = [i for i, j in enumerate(steps) if j > 0]  # step 0 reads (talker hidden, code-0 embedding)
         embedded = p.embed_steps([steps[i] - 1 for i in later], torch.cat([x["code"][i] for i in later])) \
             if later else None
@@ -53,8 +57,11 @@ class CodePredictorNode(NodeSubmodule):
             if j == 0:
                 rows[i] = torch.cat([x["hidden"][i], x["sum"][i]])
         logits, caches = p.step(rows, steps, x["cache"])
+        return self._outputs(logits, caches, x)
+
+    def _outputs(self, logits: torch.Tensor, caches: list[torch.Tensor], x: dict) -> dict[str, list]:
         codes = sample(logits, x["sampling"], None, x["seed_step"]).cpu()
-        sums = torch.cat(x["sum"]) + p.embed_steps(steps, codes)
+        sums = torch.cat(x["sum"]) + self.predictor.embed_steps(x["j"], codes)
         return {"code": list(codes.view(-1, 1).unbind(0)), "cp_cache": caches, "cp_sum": list(sums.split(1))}
 
 

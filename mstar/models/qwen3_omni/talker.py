@@ -197,6 +197,7 @@ class CodePredictor(nn.Module):
                                       for _ in range(cfg.num_code_groups - 1)])
         self.rotary = MRotary(cfg.head_dim, cfg.rope_theta)
         self._rope_table: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_rows: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def embed(self, step: int, codes: torch.Tensor) -> torch.Tensor:
         """``codec_embedding[step]`` of codes (the input after sampling code ``step + 1``)."""
@@ -213,23 +214,35 @@ class CodePredictor(nn.Module):
         return out
 
     def _rope(self, positions: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of the positions (all within a frame: < num_code_groups + 1), from a table made once."""
+        """cos/sin of the positions (all within a frame: < num_code_groups + 1), from a table made once;
+        the rows of a batch's positions are kept too (a frame's steps repeat the same few)."""
         if max(positions) > self.config.num_code_groups:
             return self.rotary(torch.tensor(positions, device=self.lm_head[0].weight.device), dtype)
+        key = (dtype, tuple(positions))
+        rows = self._rope_rows.get(key)
+        if rows is not None:
+            return rows
         table = self._rope_table.get(dtype)
         if table is None:
             span = torch.arange(self.config.num_code_groups + 1, device=self.lm_head[0].weight.device)
             table = self._rope_table[dtype] = self.rotary(span, dtype)
         idx = torch.tensor(positions, device=table[0].device)
-        return table[0][idx], table[1][idx]
+        if len(self._rope_rows) >= 256:  # batch sizes x steps seen lately; dropped wholesale when full
+            self._rope_rows.clear()
+        rows = self._rope_rows[key] = (table[0][idx], table[1][idx])
+        return rows
 
     def step(self, inputs: list[torch.Tensor], steps: list[int], caches: list[torch.Tensor]
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(logits ``[B, vocab]``, new caches): request i brings ``inputs[i]`` [n_i, H] (2 rows at step 0,
         then 1), is at step ``steps[i]`` and has the frame cache ``caches[i]`` (``empty_frame_cache``
         at step 0); the returned caches hold its new K/V too (the inputs are not modified)."""
-        counts = [x.shape[0] for x in inputs]
-        h = torch.cat(inputs)
+        return self.step_rows(torch.cat(inputs), [x.shape[0] for x in inputs], steps, caches)
+
+    def step_rows(self, h: torch.Tensor, counts: list[int], steps: list[int], caches: list[torch.Tensor]
+                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``step`` with the inputs already one ``[sum counts, H]`` tensor (request i: ``counts[i]``
+        consecutive rows)."""
         cos, sin = self._rope([c.shape[2] + k for c, n in zip(caches, counts) for k in range(n)], h.dtype)
         groups = _frame_groups(counts, caches)
         for layer in self.model.layers:
@@ -239,10 +252,10 @@ class CodePredictor(nn.Module):
         if len(set(steps)) == 1:
             logits = self.lm_head[steps[0]](last)
         else:  # one head per code group: the requests at step j together
-            logits = last.new_empty(len(inputs), self.config.vocab_size)
+            logits = last.new_empty(len(counts), self.config.vocab_size)
             for j, rows in _rows_by(steps).items():
                 logits[rows] = self.lm_head[j](last[rows])
-        new_caches: list[torch.Tensor | None] = [None] * len(inputs)
+        new_caches: list[torch.Tensor | None] = [None] * len(counts)
         for g in groups:
             for i, cache in zip(g.members, g.caches()):
                 new_caches[i] = cache
