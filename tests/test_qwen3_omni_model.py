@@ -264,6 +264,14 @@ def test_code_predictor_node_batches_match_each_request_alone(omni, monkeypatch,
     alone = run([[r] for r in range(4) for _ in range(15)])
     together = run([[0, 1, 2, 3]] * 15)
     staggered = run([[0, 1]] + [[0, 1, 2, 3]] * 14 + [[2, 3]])
+    if kernel:  # the compiled decode steps agree with the PyTorch path
+        monkeypatch.setenv("MSTAR_ATTENTION_KERNEL", "torch")
+        node = CodePredictorNode(loader.build_code_predictor(cfg, path))
+        plain = run([[0, 1, 2, 3]] * 15)
+        assert plain[0] == alone[0]
+        for a, b in zip(alone[1], plain[1]):
+            torch.testing.assert_close(a["cache"], b["cache"], rtol=0, atol=1e-5)
+            torch.testing.assert_close(a["sum"], b["sum"], rtol=0, atol=1e-5)
     for other in (together, staggered):
         assert other[0] == alone[0]
         for a, b in zip(alone[1], other[1]):

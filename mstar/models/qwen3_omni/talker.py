@@ -15,14 +15,18 @@ it starts a fresh cache: step 0 reads ``[talker hidden (post-norm), codec_embedd
 code 1 with ``lm_head[0]``; step j (1..14) reads ``codec_embedding[j-1](c_j)`` and samples code j+1
 with ``lm_head[j]``. The per-frame cache is a small dense tensor per request
 (``[layers, 2, n, kv_heads, head_dim]``, carried from step to step), so a batch may mix requests at
-different steps. The next talker input is the SUM of the 16 code
-embeddings (``codec_embedding(c0) + sum_j code_predictor.codec_embedding[j](c_{j+1})``).
+different steps. The caches a step returns are views of one store per batch group
+(``[layers, 2, b, 16, kv_heads, head_dim]``); the next step of the same requests finds that store
+and writes into it, and its one-token steps run the compiled ``decode_step`` kernel over it.
+The next talker input is the SUM of the 16 code embeddings
+(``codec_embedding(c0) + sum_j code_predictor.codec_embedding[j](c_{j+1})``).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.attention_backends import AttentionBackend
+from mstar.layers.cpu_ops import ops
 from mstar.layers.llama import RMSNorm
 from mstar.layers.prepack import PrepackableLinear
 from mstar.models.qwen3_omni.config import CodePredictorConfig, TalkerConfig
@@ -99,41 +104,67 @@ def empty_frame_cache(cfg: CodePredictorConfig, dtype: torch.dtype = torch.float
 @dataclass
 class _FrameGroup:
     """Requests of a code-predictor batch at the same point of their frames (the same new and cached
-    lengths: usually the whole batch): attended together, their caches stacked once per step."""
+    lengths: usually the whole batch), attended together over one ``store``."""
 
     members: list[int]  # request indices, in batch order
     rows: torch.Tensor | None  # their rows of the flat token batch; None = every row, in order
     n: int  # new tokens per request
     cached: int  # cached positions per request
-    old: torch.Tensor | None  # [b, layers, 2, cached, Hkv, D] (None when cached == 0)
-    new: list[torch.Tensor] = field(default_factory=list)  # per layer [b, 2, n, Hkv, D]
+    store: torch.Tensor  # [layers, 2, b, capacity, Hkv, D]: positions < cached hold the members' caches
 
     def caches(self) -> list[torch.Tensor]:
-        """Each member's grown cache ``[layers, 2, cached + n, Hkv, D]``."""
-        grown = torch.stack(self.new, dim=1)
-        if self.old is not None:
-            grown = torch.cat([self.old.to(grown), grown], dim=3)
-        return list(grown.unbind(0))
+        """Each member's grown cache ``[layers, 2, cached + n, Hkv, D]``: views of ``store``, so the
+        next step of the same batch finds them there (``_store_of``) and copies nothing."""
+        return list(self.store[:, :, :, :self.cached + self.n].unbind(2))
 
 
-def _frame_groups(counts: list[int], caches: list[torch.Tensor]) -> list[_FrameGroup]:
+def _store_of(caches: list[torch.Tensor], need: int) -> torch.Tensor | None:
+    """The store whose member rows 0, 1, ... the caches are, in order (the previous step's
+    ``_FrameGroup.caches`` of the same requests), when it holds ``need`` positions; else None.
+    Read back from the caches' common storage, which must be exactly one contiguous
+    ``[layers, 2, b, capacity, Hkv, D]`` block (``capacity`` from the strides). Positions past a
+    cache's length are written only by the step that grows it: earlier views never see them change."""
+    c, b = caches[0], len(caches)
+    layers, _, _, heads, d = c.shape
+    row = heads * d
+    if c.stride(1) % (b * row):
+        return None
+    capacity = c.stride(1) // (b * row)
+    storage = c.untyped_storage()
+    if (capacity < need or c.stride() != (2 * b * capacity * row, b * capacity * row, row, d, 1)
+            or storage.nbytes() != layers * 2 * b * capacity * row * c.element_size()):
+        return None
+    for i, x in enumerate(caches):
+        if (x.untyped_storage().data_ptr() != storage.data_ptr() or x.storage_offset() != i * capacity * row
+                or x.shape != c.shape or x.stride() != c.stride() or x.dtype != c.dtype):
+            return None
+    return c.new_empty(0).set_(storage, 0, (layers, 2, b, capacity, heads, d))
+
+
+def _frame_groups(counts: list[int], caches: list[torch.Tensor], capacity: int) -> list[_FrameGroup]:
     keys: dict[tuple[int, int], list[int]] = {}
     for i, (n, c) in enumerate(zip(counts, caches)):
         keys.setdefault((n, c.shape[2]), []).append(i)
-    if len(keys) == 1:
-        (n, cached), members = next(iter(keys.items()))
-        return [_FrameGroup(members, None, n, cached, torch.stack(caches) if cached else None)]
-    starts = [0]
-    for n in counts[:-1]:
-        starts.append(starts[-1] + n)
-    return [_FrameGroup(members, torch.tensor([starts[i] + k for i in members for k in range(n)]), n, cached,
-                        torch.stack([caches[i] for i in members]) if cached else None)
-            for (n, cached), members in keys.items()]
+    starts = [0, *itertools.accumulate(counts[:-1])] if len(keys) > 1 else []
+    groups = []
+    for (n, cached), members in keys.items():
+        mine = [caches[i] for i in members]
+        store = _store_of(mine, cached + n) if cached else None
+        if store is None:
+            c = mine[0]
+            store = c.new_empty(c.shape[0], 2, len(members), max(capacity, cached + n), *c.shape[3:])
+            if cached:
+                store[:, :, :, :cached] = torch.stack(mine, dim=2)
+        rows = None if len(keys) == 1 else torch.tensor([starts[i] + k for i in members for k in range(n)])
+        groups.append(_FrameGroup(members, rows, n, cached, store))
+    return groups
 
 
 class _DenseAttention(QKNormAttention):
     """The code predictor's attention over per-request dense caches (causal, GQA), one call per
-    ``_FrameGroup``; the new K/V are appended to the group's ``new``."""
+    ``_FrameGroup``; the new K/V are written into the group's ``store``. A one-token step goes
+    through the compiled ``decode_step`` kernel (store, then attend; batch-invariant), reading each
+    member's cache rows of ``store`` as one block of a paged cache; other steps through SDPA."""
 
     def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[_FrameGroup],
                layer: int) -> torch.Tensor:
@@ -148,17 +179,36 @@ class _DenseAttention(QKNormAttention):
     def _attend_group(self, g: _FrameGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       layer: int) -> torch.Tensor:
         """The group's rows ``q`` [b * n, Hq, D] over its cache and new ``k``/``v`` -> [b * n, Hq * D]."""
-        b, n, d = len(g.members), g.n, self.head_dim
-        new = torch.stack([k.view(b, n, self.num_kv_heads, d), v.view(b, n, self.num_kv_heads, d)], dim=1)
-        g.new.append(new)
-        kv = new if g.old is None else torch.cat([g.old[:, layer].to(new), new], dim=2)  # [b, 2, total, Hkv, D]
+        b, n, d, total = len(g.members), g.n, self.head_dim, g.cached + g.n
+        k_cache, v_cache = g.store[layer, 0], g.store[layer, 1]  # [b, capacity, Hkv, D], contiguous
+        ext = ops()
+        if (n == 1 and ext is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+                and k.dtype == v.dtype == q.dtype == k_cache.dtype and all(map(_rows_ok, (q, k, v)))):
+            slots, tables, ctx = _decode_plan(b, k_cache.shape[1], g.cached)
+            return ext.decode_step(q, k, v, k_cache, v_cache, slots, tables, ctx, d ** -0.5).reshape(b, -1)
+        k_cache[:, g.cached:total] = k.view(b, n, self.num_kv_heads, d)
+        v_cache[:, g.cached:total] = v.view(b, n, self.num_kv_heads, d)
         mask = None
         if n > 1:
-            mask = torch.ones(n, g.cached + n, dtype=torch.bool, device=q.device).tril(g.cached)
+            mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(g.cached)
         o = F.scaled_dot_product_attention(q.view(b, n, self.num_heads, d).transpose(1, 2),
-                                           kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2), attn_mask=mask,
-                                           scale=d ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)
+                                           k_cache[:, :total].transpose(1, 2), v_cache[:, :total].transpose(1, 2),
+                                           attn_mask=mask, scale=d ** -0.5,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)
         return o.transpose(1, 2).reshape(b * n, -1)
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    """``[T, H, D]`` with contiguous rows (the kernel's layout; a row may sit in a wider tensor)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_plan(b: int, capacity: int, cached: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``decode_step``'s (slots, block tables, context lengths) for b members, member i's cache being
+    block i of ``capacity`` positions, each appending at position ``cached``."""
+    members = torch.arange(b, dtype=torch.int64)
+    return members * capacity + cached, members[:, None].contiguous(), torch.full((b,), cached + 1, dtype=torch.int64)
 
 
 class _PredictorLayer(nn.Module):
@@ -244,7 +294,7 @@ class CodePredictor(nn.Module):
         """``step`` with the inputs already one ``[sum counts, H]`` tensor (request i: ``counts[i]``
         consecutive rows)."""
         cos, sin = self._rope([c.shape[2] + k for c, n in zip(caches, counts) for k in range(n)], h.dtype)
-        groups = _frame_groups(counts, caches)
+        groups = _frame_groups(counts, caches, self.config.num_code_groups)
         for layer in self.model.layers:
             h = layer(h, cos, sin, groups)
         ends = list(itertools.accumulate(counts))
@@ -255,6 +305,8 @@ class CodePredictor(nn.Module):
             logits = last.new_empty(len(counts), self.config.vocab_size)
             for j, rows in _rows_by(steps).items():
                 logits[rows] = self.lm_head[j](last[rows])
+        if len(groups) == 1:
+            return logits, groups[0].caches()
         new_caches: list[torch.Tensor | None] = [None] * len(counts)
         for g in groups:
             for i, cache in zip(g.members, g.caches()):
