@@ -10,10 +10,12 @@ empty final chunk, so a consumer that keeps running (``continue_after_done``) se
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from mstar.graph.chunking import Chunk, ChunkPolicy
+from mstar.runtime.keys import PartitionKey
 
 
 @dataclass
@@ -92,3 +94,14 @@ class StreamBuffer:
 
     def buffered(self) -> int:
         return sum(inp.policy.buffered + sum(len(c.items) for c in inp.pending) for inp in self.inputs.values())
+
+
+def holds_chunks(streams: Mapping[PartitionKey, StreamBuffer], request_id: str, partition: str,
+                 consumers: Iterable[str]) -> bool:
+    """Some consumer partition's buffer of the request (in ``streams``) holds chunks from
+    ``partition`` it has not taken (``ModuleScheduler``: the producer's item is then never overdue)."""
+    for consumer in consumers:
+        buf = streams.get(PartitionKey(request_id, consumer))
+        if buf is not None and buf.pending_from(partition):
+            return True
+    return False

@@ -54,7 +54,7 @@ from mstar.runtime.messages import (
 )
 from mstar.runtime.routing import Routing
 from mstar.runtime.scheduling import ModuleScheduler, module_stages
-from mstar.runtime.streams import StreamBuffer
+from mstar.runtime.streams import StreamBuffer, holds_chunks
 from mstar.runtime.tensor_parallel import (
     StatsBarrier,
     TPCall,
@@ -123,9 +123,11 @@ class Worker:
                           TPStatsBarrier: self._tp_stats_barrier, TPShard: self._tp_shard}
         self._stats_barrier = StatsBarrier()
         stages = module_stages(routing, model, set(nodes))
+        consumers = {p: sorted(routing.consumers_of(p)) for p in routing.graph.partitions}
+        # an item is ahead (never overdue) while a consumer homed here holds its unconsumed chunks
         self.scheduler = ModuleScheduler(routing.placement.limits, {b: stages.get(b, 0) for b in self.engines},
-                                         self._ahead)
-        self._consumers = {p: sorted(routing.consumers_of(p)) for p in routing.graph.partitions}
+                                         lambda it: holds_chunks(self.streams, it.request_id, it.partition,
+                                                                 consumers.get(it.partition, ())))
         self._tp_follower = TPFollower(self.engines, transport, tp) if self.following else None
 
     def _build_engines(self, nodes: list[str], device: str) -> None:
@@ -349,15 +351,6 @@ class Worker:
             return None
         q = self.queues[base]
         return base, [q.popleft() for _ in range(min(len(q), self.max_batch[base]))]
-
-    def _ahead(self, item: WorkItem) -> bool:
-        """The item's request has stream chunks from the item's partition that a consumer partition
-        homed here has not taken yet (``ModuleScheduler``: such an item is never overdue)."""
-        for consumer in self._consumers.get(item.partition, ()):
-            buf = self.streams.get(PartitionKey(item.request_id, consumer))
-            if buf is not None and buf.pending_from(item.partition):
-                return True
-        return False
 
     def _runnable(self) -> bool:
         return any(q and base not in self._stalled for base, q in self.queues.items())
