@@ -110,16 +110,27 @@ inline void prefetch_row(const char* p) {
   for (int b = 0; b < 256; b += 64) __builtin_prefetch(p + b, 0, 2);
 }
 
+// Which rows of the next block a tile fetches: row k at its iteration k, for k = phase, phase + every,
+// ... (the block's tiles share the rows, so the fetches spread over the whole block).
+struct Ahead {
+  const char* rows = nullptr;  // the next block's first row, or null
+  int64_t phase = 0, every = 1;
+};
+
 // Rows [0, R) of x times one panel [K][64]: one float32 multiply-add per (row, column, k), k
 // ascending. R is a template argument so the accumulators live in registers; every row's
 // arithmetic is the same for any R.
 #if defined(__AVX512F__)
 template <int R, typename TX, typename TW>
 inline void accumulate(const TX* x, int64_t ldx, int64_t n, const TW* panel, vf16 (&acc)[R][4],
-                       const char* ahead) {
+                       const Ahead& ahead) {
+  int64_t fetch = ahead.rows != nullptr ? ahead.phase : n;
   for (int64_t k = 0; k < n; ++k) {
     const TW* w = panel + k * kPanel;
-    if (ahead != nullptr) prefetch_row(ahead + k * kPanel * static_cast<int64_t>(sizeof(TW)));
+    if (k == fetch) {
+      prefetch_row(ahead.rows + k * kPanel * static_cast<int64_t>(sizeof(TW)));
+      fetch += ahead.every;
+    }
     vf16 w0 = load(w), w1 = load(w + kVec), w2 = load(w + 2 * kVec), w3 = load(w + 3 * kVec);
     // keep the panel's row in registers: otherwise the compiler re-reads it from memory for every
     // row of the tile (one load per multiply-add), and loads, not multiply-adds, bound the loop
@@ -144,7 +155,7 @@ template <int R>
 constexpr int kStripVecs = R == 1 ? 8 : R == 2 ? 4 : 2;  // 8-float vectors per row per strip
 
 template <int R, typename TX, typename TW>
-inline void accumulate(const TX* x, int64_t ldx, int64_t K, const TW* panel, vf16 (&acc)[R][4], const char*) {
+inline void accumulate(const TX* x, int64_t ldx, int64_t K, const TW* panel, vf16 (&acc)[R][4], const Ahead&) {
   constexpr int NV = kStripVecs<R>;
   float out[R][kPanel];
   for (int r = 0; r < R; ++r) std::memcpy(out[r], acc[r], sizeof out[r]);
@@ -179,13 +190,17 @@ constexpr bool kDotPairs = true;
 // x[2i+1] w[2i+1] for i ascending (the CPU's bf16 dot-product instruction, vdpbf16ps).
 template <int R>
 inline void accumulate_pairs(const c10::BFloat16* x, int64_t ldx, int64_t n, const c10::BFloat16* panel,
-                             vf16 (&acc)[R][4], const char* ahead) {
+                             vf16 (&acc)[R][4], const Ahead& ahead) {
   __m512 a[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) std::memcpy(&a[r][j], &acc[r][j], sizeof(vf16));
+  int64_t fetch = ahead.rows != nullptr ? ahead.phase : n;
   for (int64_t i = 0; i < n / 2; ++i) {
     const c10::BFloat16* w = panel + i * 2 * kPanel;
-    if (ahead != nullptr) prefetch_row(ahead + i * 2 * kPanel * static_cast<int64_t>(sizeof(c10::BFloat16)));
+    if (i == fetch) {
+      prefetch_row(ahead.rows + i * 2 * kPanel * static_cast<int64_t>(sizeof(c10::BFloat16)));
+      fetch += ahead.every;
+    }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32),
                    w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
     for (int r = 0; r < R; ++r) {
@@ -227,7 +242,7 @@ struct Tile {
 
   template <int R>
   void rows(int64_t r0, int64_t k0, int64_t k1, const TW* panel, int64_t col0, TY* y,
-            float (*keep)[kPanel], const char* ahead = nullptr) const {
+            float (*keep)[kPanel], const Ahead& ahead = Ahead{}) const {
     vf16 acc[R][4];
     for (int r = 0; r < R; ++r) {
       if (k0 == 0) {
@@ -283,12 +298,16 @@ void run(const TX* x, int64_t M, int64_t K, const TW* packed, int64_t panels, TY
         ++r;
       }
 #endif
-      // the first tile of a block fetches the next block of the panel into L2 while the block's tiles
-      // compute (the hardware prefetchers alone run too little ahead: 11.4 -> 8.8 ms for a 16-row
-      // decode step's multiplies on a 2-core AVX-512 Xeon). Tasks taking the next panels run on
-      // other threads, so a task fetches only its own panel.
-      const char* ahead = k1 + (k1 - k0) <= K && kBlockK < K ? reinterpret_cast<const char*>(panel + k1 * kPanel) : nullptr;
-      for (; r + kRows <= row_end; r += kRows, ahead = nullptr)
+      // the block's tiles fetch the next block of the panel into L2 while they compute, each a share
+      // of its rows spread over its iterations (the hardware prefetchers alone run too little ahead:
+      // 11.4 -> 8.8 ms for a 16-row decode step's multiplies on a 2-core AVX-512 Xeon). Tasks taking
+      // the next panels run on other threads, so a task fetches only its own panel.
+      Ahead ahead;
+      if (k1 + (k1 - k0) <= K && kBlockK < K) {
+        ahead.rows = reinterpret_cast<const char*>(panel + k1 * kPanel);
+        ahead.every = (row_end - r + kRows - 1) / kRows;
+      }
+      for (; r + kRows <= row_end; r += kRows, ++ahead.phase)
         tile.template rows<kRows>(r, k0, k1, panel, col0, y, keep + (r - row_start), ahead);
       float (*kr)[kPanel] = keep + (r - row_start);
       switch (row_end - r) {  // the last 1..5 rows as one tile
