@@ -62,19 +62,25 @@ def test_bfloat16_weights_and_inputs(ext):
     torch.testing.assert_close(yb, (xb.float() @ wb.float()).to(torch.bfloat16), atol=0, rtol=8e-3)
 
 
-def test_bfloat16_dot_products_on_pair_packed_weights(ext, threads):
+# 128 inputs: the tile unit (AMX) where the CPU and OS have it; 200 (not a multiple of 32): the AVX512-BF16
+# dot products everywhere. 40 rows: two whole 16-row tiles and a padded one.
+@pytest.mark.parametrize("k", [128, 200])
+def test_bfloat16_dot_products_on_pair_packed_weights(ext, threads, k):
     if not ext.dot_pairs_available():
         pytest.skip("built for a CPU without AVX512-BF16")
-    xb, wb = _rand(23, 128, seed=16, dtype=torch.bfloat16), _rand(128, 150, seed=17, dtype=torch.bfloat16)
+    assert not ext.tile_unit_available(200)
+    xb, wb = _rand(40, k, seed=16, dtype=torch.bfloat16), _rand(k, 150, seed=17, dtype=torch.bfloat16)
     pairs = ext.pack(wb, False, True)
     y = ext.linear(xb, pairs, 150, False, None)
     torch.testing.assert_close(y, (xb.float() @ wb.float()).to(torch.bfloat16), atol=0, rtol=8e-3)
-    for rows in ([0], [3, 4, 5], list(range(7, 23))):  # batch invariant, as the float32 path
+    for rows in ([0], [3, 4, 5], list(range(7, 23)), list(range(17, 40))):  # batch invariant, as float32
         assert torch.equal(ext.linear(xb[rows].contiguous(), pairs, 150, False, None), y[rows])
-    res = _rand(23, 150, seed=18, dtype=torch.bfloat16)
+    torch.set_num_threads(3 - threads)  # the other count
+    assert torch.equal(ext.linear(xb, pairs, 150, False, None), y)
+    res = _rand(40, 150, seed=18, dtype=torch.bfloat16)
     fused = ext.linear(xb, pairs, 150, False, res)
     torch.testing.assert_close(fused, (xb.float() @ wb.float() + res.float()).to(torch.bfloat16), atol=0, rtol=8e-3)
-    gate_up = _rand(128, 2 * 70, seed=19, dtype=torch.bfloat16)
+    gate_up = _rand(k, 2 * 70, seed=19, dtype=torch.bfloat16)
     act = ext.linear(xb, ext.pack(gate_up, True, True), 70, True, None)
     g, u = (xb.float() @ gate_up.float()).split(70, dim=1)
     torch.testing.assert_close(act, (F.silu(g) * u).to(torch.bfloat16), atol=1e-2, rtol=1e-2)

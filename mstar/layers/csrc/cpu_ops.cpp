@@ -19,6 +19,8 @@
 
 #include <immintrin.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -322,6 +324,101 @@ void run(const TX* x, int64_t M, int64_t K, const TW* packed, int64_t panels, TY
   });
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Pair-packed bf16 panels through the CPU's tile unit (AMX): a panel's pair rows [K/2][64][2] are
+// already the layout its bf16 tile multiply reads (B[k/2][n][2]), four tiles of 16 columns each.
+// Rows go 16 at a time (the last group copied into a zero-padded buffer); each 32 inputs are one
+// tile multiply-add into float32 accumulator tiles, in k order. An output row's value depends only
+// on its own input row and the weights, so a row's bits are the same alone, in any batch and on any
+// thread (the padding rows are computed and dropped). The unit flushes bf16 subnormals to zero and
+// sums a tile's 32 products in its own order, so its results differ from the AVX512-BF16 path by
+// rounding: on a machine with the unit every bf16 pair-packed linear takes it, whatever its size.
+constexpr int64_t kTileK = 32;  // bf16 inputs per tile multiply
+constexpr int64_t kAmxAhead = 2;  // steps of kTileK inputs the weight rows are fetched ahead
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The OS must grant a process the tile data state once (Linux 5.16 and later); false where it won't.
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr long kReqPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0;
+  }();
+  return granted;
+}
+
+template <typename TY>
+void run_amx(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* packed, int64_t panels, TY* y,
+             const Epilogue<TY>& ep) {
+  const int64_t groups = (M + 15) / 16;
+  // a task is (panel, up to 4 row groups): the panel stays in L2 for the task's later groups
+  constexpr int64_t kGroupsPerTask = 4;
+  const int64_t row_tasks = (groups + kGroupsPerTask - 1) / kGroupsPerTask;
+  mstar_cpu::parallel_tasks(panels * row_tasks, [&](int64_t task) {
+    const int64_t p = task / row_tasks, g0 = (task % row_tasks) * kGroupsPerTask;
+    TileConfig cfg;
+    for (int t = 0; t < 7; ++t) {  // tiles 0-3: accumulators; 4: inputs; 5, 6: weights
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    const c10::BFloat16* panel = packed + p * K * kPanel;
+    alignas(64) float out[4][16][16];
+    std::vector<c10::BFloat16> padded;
+    for (int64_t g = g0; g < std::min(groups, g0 + kGroupsPerTask); ++g) {
+      const int64_t r0 = g * 16, n = std::min<int64_t>(16, M - r0);
+      const c10::BFloat16* a = x + r0 * K;
+      if (n < 16) {  // the last rows, zero-padded to a whole tile
+        padded.assign(16 * K, c10::BFloat16(0.0f));
+        std::memcpy(padded.data(), a, sizeof(c10::BFloat16) * n * K);
+        a = padded.data();
+      }
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k = 0; k < K; k += kTileK) {
+        const c10::BFloat16* b = panel + k * kPanel;  // pair row k / 2: 16 rows of 256 bytes
+        if (g == g0 && k + kAmxAhead * kTileK < K) {  // the first group reads the panel from memory
+          const char* ahead = reinterpret_cast<const char*>(b + kAmxAhead * kTileK * kPanel);
+          for (int64_t line = 0; line < kTileK * kPanel * 2; line += 64) __builtin_prefetch(ahead + line, 0, 2);
+        }
+        _tile_loadd(4, a + k, K * sizeof(c10::BFloat16));
+        _tile_loadd(5, b, 2 * kPanel * sizeof(c10::BFloat16));
+        _tile_loadd(6, b + 32, 2 * kPanel * sizeof(c10::BFloat16));
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, b + 64, 2 * kPanel * sizeof(c10::BFloat16));
+        _tile_loadd(6, b + 96, 2 * kPanel * sizeof(c10::BFloat16));
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+      _tile_stored(0, out[0], 64);
+      _tile_stored(1, out[1], 64);
+      _tile_stored(2, out[2], 64);
+      _tile_stored(3, out[3], 64);
+      for (int64_t r = 0; r < n; ++r) {
+        vf16 acc[4];
+        for (int j = 0; j < 4; ++j) std::memcpy(&acc[j], out[j][r], sizeof acc[j]);
+        const TY* res = ep.residual ? ep.residual + (r0 + r) * ep.n_out : nullptr;
+        store_row(acc, p * kPanel, y + (r0 + r) * ep.n_out, res, ep);
+      }
+    }
+    _tile_release();
+  });
+}
+
+bool amx_usable(int64_t K) { return K % kTileK == 0 && amx_granted(); }
+#else
+template <typename TY>
+void run_amx(const c10::BFloat16*, int64_t, int64_t, const c10::BFloat16*, int64_t, TY*, const Epilogue<TY>&) {}
+bool amx_usable(int64_t) { return false; }
+#endif
+
 template <typename TX, typename TY>
 void dispatch_weight(const TX* x, int64_t M, int64_t K, const torch::Tensor& packed, TY* y,
                      const Epilogue<TY>& ep) {
@@ -395,7 +492,10 @@ void linear_into(const torch::Tensor& x, const torch::Tensor& packed, torch::Ten
   TY* yp = y.data_ptr<TY>();
   if (packed.dim() == 4) {
 #if defined(__AVX512BF16__)
-    run<true>(x.data_ptr<c10::BFloat16>(), M, K, packed.data_ptr<c10::BFloat16>(), packed.size(0), yp, ep);
+    if (amx_usable(K))
+      run_amx(x.data_ptr<c10::BFloat16>(), M, K, packed.data_ptr<c10::BFloat16>(), packed.size(0), yp, ep);
+    else
+      run<true>(x.data_ptr<c10::BFloat16>(), M, K, packed.data_ptr<c10::BFloat16>(), packed.size(0), yp, ep);
 #endif
   } else if (x.scalar_type() == torch::kFloat32) {
     dispatch_weight(x.data_ptr<float>(), M, K, packed, yp, ep);
@@ -786,6 +886,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [in, out] weight into column panels", py::arg("w"), py::arg("silu_mul"),
         py::arg("pairs") = false);
   m.def("dot_pairs_available", &dot_pairs_available, "the bf16 dot-product path was compiled in");
+  m.def("tile_unit_available", &amx_usable, "pair-packed linears with this input size run on the tile unit (AMX)",
+        py::arg("in_features"));
   m.def("linear", &linear, "x @ W over a packed weight, with optional fused epilogues");
   m.def("narrow_conv1d", &narrow_conv1d, "stride-1 convolution of a padded input with 1, 8 or a multiple of 16 output channels",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("dilation") = 1, py::arg("residual") = py::none());
