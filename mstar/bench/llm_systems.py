@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from mstar.runtime.malloc import malloc_environment
+
 __all__ = ["HFSystem", "MstarSystem", "PeerUnavailable", "Run", "VllmSystem", "peer_python", "vllm_env"]
 
 PEER_VENV = ".venv-peers"
@@ -158,6 +160,8 @@ def vllm_env(cores: int | None = None, kv_space_gib: int = 4) -> dict[str, str]:
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.pop("PYTHONPATH", None)  # the peer venv must not see this package's environment
+    for name, value in malloc_environment().items():  # the allocator settings mstar's runtime uses
+        env.setdefault(name, value)
     return env
 
 

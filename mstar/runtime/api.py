@@ -38,6 +38,7 @@ from mstar.runtime.conductor import Conductor, RequestStatus
 from mstar.runtime.drivers import InlineDriver, ProcessDriver, RestartPolicy
 from mstar.runtime.engine import StatelessEngine
 from mstar.runtime.failures import FailureKind
+from mstar.runtime.malloc import keep_freed_memory
 from mstar.runtime.messages import Emit
 from mstar.runtime.openmp import release_thread_pool
 from mstar.runtime.routing import Routing
@@ -241,6 +242,7 @@ class Runtime:
         self._conductor = Conductor(self.model, self.routing, self._driver.transport)
         self._stop = False
         release_thread_pool()  # this thread's OpenMP workers would throttle the runtime's (openmp.py)
+        keep_freed_memory()  # a step's large buffers are reused, not mapped and zeroed anew (malloc.py)
         self._thread = threading.Thread(target=self._drive, name="mstar-runtime", daemon=True)
         self._thread.start()
         # a runtime still running when the interpreter exits is shut down first: a daemon thread

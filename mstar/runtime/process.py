@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from mstar.runtime.malloc import keep_freed_memory
 from mstar.runtime.messages import CONDUCTOR, WorkerStatus
 
 
@@ -40,6 +41,7 @@ def run_rank(rank: int, make_worker: Callable[[], Any], transport: Any, orphaned
     """A rank's life: build its worker and report whether that worked (with the traceback if not),
     then ``serve`` until shutdown; after serving, ``cleanup()`` runs, and the transport is closed
     at the end either way."""
+    keep_freed_memory()  # a step's large buffers are reused, not mapped and zeroed anew (malloc.py)
     try:
         worker = make_worker()
     except Exception:  # noqa: BLE001 - report why this rank could not start
