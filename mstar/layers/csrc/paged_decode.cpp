@@ -92,6 +92,40 @@ inline float sum(const float* x, int64_t n) {
   if (i < n) acc += load_tail(x + i, n - i);
   return fold(acc);
 }
+
+// dot() of one query with 16 keys at once: each key's 16 lane-wise partial sums exactly as dot() forms
+// them, then the 16 folds together, pairs of vectors combined lane-wise so that every key's lanes are
+// added in fold()'s tree ((l + l+8), (l + l+4), then (0 + 2) + (1 + 3)): the same 16 floats as 16
+// dot() calls, for ~2 shuffles a key instead of ~4 and a scalar tail each. keys[j] + off: key j's row.
+template <typename T>
+inline vf16 dot16(const float* q, const T* const* keys, int64_t off, int64_t d) {
+  vf16 a[kLanes];
+  for (int j = 0; j < kLanes; ++j) a[j] = vf16{0};
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    const vf16 qv = load16(q + i);
+    for (int j = 0; j < kLanes; ++j) a[j] += qv * load16(keys[j] + off + i);
+  }
+  if (i < d) {
+    const vf16 qv = load_tail(q + i, d - i);
+    for (int j = 0; j < kLanes; ++j) a[j] += qv * load_tail(keys[j] + off + i, d - i);
+  }
+  vf16 b[8];  // b[m]: lanes [0, 8) key 2m's (l + l+8), [8, 16) key 2m+1's
+  for (int m = 0; m < 8; ++m)
+    b[m] = __builtin_shufflevector(a[2 * m], a[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * m], a[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  vf16 c[4];  // c[m]: 4 lanes per key (s8[l] + s8[l+4]) for keys 4m .. 4m+3
+  for (int m = 0; m < 4; ++m)
+    c[m] = __builtin_shufflevector(b[2 * m], b[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * m], b[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  vf16 e[2];  // e[m]: 2 lanes per key (s4[0] + s4[2], s4[1] + s4[3]) for keys 8m .. 8m+7
+  for (int m = 0; m < 2; ++m)
+    e[m] = __builtin_shufflevector(c[2 * m], c[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * m], c[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+constexpr bool kDot16 = true;
 #else
 // The same 16 lanes as two 8-float halves (GCC's code for a 16-float vector on AVX2 went through
 // the stack): lanes [0, 8) in lo, [8, 16) in hi, and the fold's first step is lo + hi.
@@ -153,6 +187,9 @@ inline float sum(const float* x, int64_t n) {
   }
   return fold(lo, hi);
 }
+template <typename T>
+inline vf16 dot16(const float*, const T* const*, int64_t, int64_t) { return vf16{}; }
+constexpr bool kDot16 = false;  // AVX2: one key at a time
 #endif
 
 typedef int32_t vi16 __attribute__((vector_size(64)));
@@ -216,6 +253,25 @@ inline void exp_shifted(float* s, int64_t n, float m) {
   }
 }
 
+// max(p[0..n)), n >= 1: lane-wise maxima, then the lanes and the tail (a maximum is the same in
+// any order).
+inline float max_of(const float* p, int64_t n) {
+  float m = p[0];
+  int64_t j = 0;
+  if (n >= kExpLanes) {
+    vexp mv;
+    std::memcpy(&mv, p, sizeof mv);
+    for (j = kExpLanes; j + kExpLanes <= n; j += kExpLanes) {
+      vexp v;
+      std::memcpy(&v, p + j, sizeof v);
+      mv = v > mv ? v : mv;
+    }
+    for (int64_t l = 0; l < kExpLanes; ++l) m = mv[l] > m ? mv[l] : m;
+  }
+  for (; j < n; ++j) m = p[j] > m ? p[j] : m;
+  return m;
+}
+
 struct Layout {
   int64_t block_size, kv_heads, head_dim, group, table_width;
 };
@@ -239,7 +295,20 @@ void attend_task(const float* q, const T* kc, const T* vc, const int64_t* table,
   const int64_t d = ly.head_dim, heads = (g1 - g0) * ly.group, span = (g1 - g0) * d;
   const int64_t row_stride = ly.kv_heads * d;  // elements between two keys' rows in the cache
   scores.assign(heads * ctx, 0.0f);
-  for (int64_t t = 0; t < ctx; ++t) {
+  int64_t t = 0;
+  if constexpr (kDot16) {  // 16 keys at a time, each head's 16 scores folded together (dot16)
+    const T* rows[kLanes];
+    for (; t + kLanes <= ctx; t += kLanes) {
+      for (int64_t j = 0; j < kLanes; ++j) rows[j] = kc + slot_of(table, t + j, ly.block_size) * row_stride + g0 * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t j = t + kLanes + h; j < std::min(ctx, t + 2 * kLanes); j += heads)  // the next group, spread
+          prefetch(kc + slot_of(table, j, ly.block_size) * row_stride + g0 * d, span);
+        const vf16 s16 = dot16(q + h * d, rows, (h / ly.group) * d, d);
+        std::memcpy(scores.data() + h * ctx + t, &s16, sizeof s16);
+      }
+    }
+  }
+  for (; t < ctx; ++t) {
     if (t + kPrefetchKeys < ctx)
       prefetch(kc + slot_of(table, t + kPrefetchKeys, ly.block_size) * row_stride + g0 * d, span);
     const T* k = kc + slot_of(table, t, ly.block_size) * row_stride + g0 * d;
@@ -248,16 +317,14 @@ void attend_task(const float* q, const T* kc, const T* vc, const int64_t* table,
   std::vector<float> inv(heads);
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores.data() + h * ctx;
-    float m = s[0];
-    for (int64_t t = 1; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+    const float m = max_of(s, ctx);  // a maximum is the same in any order; one at a time was a serial chain
     exp_shifted(s, ctx, m);
     inv[h] = 1.0f / sum(s, ctx);
   }
   std::memset(out, 0, sizeof(float) * heads * d);
   // out[h] += p[h][t] * v[t] for t ascending; four keys per pass over `out` (the same sums in the
   // same order as one key at a time: ((o + p0 v0) + p1 v1) + ...)
-  int64_t t = 0;
-  for (; t + 4 <= ctx; t += 4) {
+  for (t = 0; t + 4 <= ctx; t += 4) {
     if (t + 4 + kPrefetchKeys <= ctx)
       for (int64_t j = 0; j < 4; ++j)
         prefetch(vc + slot_of(table, t + kPrefetchKeys + j, ly.block_size) * row_stride + g0 * d, span);
@@ -452,25 +519,6 @@ constexpr int64_t kChunk = 128;    // keys per online-softmax step (a multiple o
 constexpr int64_t kRowGroup = 8;   // rows per register tile in the two products
 
 constexpr int64_t kBlockPrefetchKeys = 16;  // keys prefetched ahead while a chunk is converted
-
-// max(p[0..n)), n >= 1: lane-wise maxima, then the lanes and the tail (a maximum is the same in
-// any order).
-inline float max_of(const float* p, int64_t n) {
-  float m = p[0];
-  int64_t j = 0;
-  if (n >= kExpLanes) {
-    vexp mv;
-    std::memcpy(&mv, p, sizeof mv);
-    for (j = kExpLanes; j + kExpLanes <= n; j += kExpLanes) {
-      vexp v;
-      std::memcpy(&v, p + j, sizeof v);
-      mv = v > mv ? v : mv;
-    }
-    for (int64_t l = 0; l < kExpLanes; ++l) m = mv[l] > m ? mv[l] : m;
-  }
-  for (; j < n; ++j) m = p[j] > m ? p[j] : m;
-  return m;
-}
 
 struct BlockTask {
   int64_t seq, head, r0, r1;
