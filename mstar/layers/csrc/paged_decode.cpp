@@ -335,7 +335,17 @@ void attend_task(const float* q, const T* kc, const T* vc, const int64_t* table,
       const int64_t kv = (h / ly.group) * d;
       const T *v0 = v[0] + kv, *v1 = v[1] + kv, *v2 = v[2] + kv, *v3 = v[3] + kv;
       float* o = out + h * d;
-      for (int64_t i = 0; i < d; ++i)
+      int64_t i = 0;
+      if constexpr (kDot16) {  // whole vectors (GCC's own vectorisation of the loop below used half-width ones)
+        for (; i + kLanes <= d; i += kLanes) {
+          vf16 acc;
+          std::memcpy(&acc, o + i, sizeof acc);
+          acc = (((acc + p[0] * load16(v0 + i)) + p[1] * load16(v1 + i)) + p[2] * load16(v2 + i)) +
+                p[3] * load16(v3 + i);
+          std::memcpy(o + i, &acc, sizeof acc);
+        }
+      }
+      for (; i < d; ++i)
         o[i] = (((o[i] + p[0] * to_float(v0[i])) + p[1] * to_float(v1[i])) + p[2] * to_float(v2[i])) +
                p[3] * to_float(v3[i]);
     }
