@@ -18,7 +18,7 @@ def _rand(*shape, seed=0, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 64, 64), (5, 33, 100), (7, 512, 1024), (61, 96, 130), (130, 40, 3), (16, 1400, 70)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 64), (5, 33, 100), (7, 512, 1024), (61, 96, 130), (130, 40, 3), (16, 1400, 70), (3, 128, 4100)])
 def test_linear_matches_matmul(ext, threads, m, k, n):
     x, w = _rand(m, k, seed=1), _rand(k, n, seed=2) / k ** 0.5
     y = ext.linear(x, ext.pack(w, False), n, False, None)
@@ -27,9 +27,11 @@ def test_linear_matches_matmul(ext, threads, m, k, n):
 
 
 @pytest.mark.parametrize("k", [320, 200])  # input rows in blocks of 64: whole blocks, and a short last one
-def test_linear_rows_are_batch_and_thread_invariant(ext, threads, k):
+# 700 outputs: one panel per task; 4100 (65 panels): runs of consecutive panels per task, whose length
+# depends on the thread count
+@pytest.mark.parametrize("n", [700, 4100])
+def test_linear_rows_are_batch_and_thread_invariant(ext, threads, k, n):
     """A row's bits do not depend on the batch around it, its place in it or the thread count."""
-    n = 700
     w = ext.pack(_rand(k, n, seed=3), False)
     x = _rand(67, k, seed=4)
     full = ext.linear(x, w, n, False, None)

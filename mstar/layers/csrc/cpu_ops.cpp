@@ -34,7 +34,8 @@ namespace {
 constexpr int64_t kPanel = 64;
 constexpr int64_t kVec = 16;
 constexpr int64_t kRows = 6;         // rows per register tile (6 x 64 columns = 24 accumulators)
-constexpr int64_t kRowChunk = 60;    // rows per task: tasks are (panel, row chunk)
+constexpr int64_t kRowChunk = 60;    // rows per task: tasks are (panels, row chunk)
+constexpr int64_t kPanelRun = 8;     // at most this many consecutive panels per task
 
 typedef float vf16 __attribute__((vector_size(64)));
 typedef uint16_t vu16 __attribute__((vector_size(32)));
@@ -282,43 +283,55 @@ void run(const TX* x, int64_t M, int64_t K, const TW* packed, int64_t panels, TY
   const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
   const int64_t per_chunk = ((M + chunks - 1) / chunks + kRows - 1) / kRows * kRows;
   const Tile<Pairs, TX, TW, TY> tile{x, K, ep};
-  // a task is one (panel, row chunk); which thread runs it does not change its bits
-  mstar_cpu::parallel_tasks(panels * chunks, [&](int64_t task) {
-    const int64_t p = task / chunks, chunk = task % chunks;
-    const TW* panel = packed + p * K * kPanel;
-    const int64_t row_start = chunk * per_chunk, row_end = std::min(M, row_start + per_chunk), col0 = p * kPanel;
+  // a task is (a run of consecutive panels, one row chunk): many panels (a vocabulary head) go in runs
+  // of up to kPanelRun, which lie end to end in memory, so the last block of one panel fetches the
+  // first of the next; which thread runs a task does not change its bits
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t run_len = std::clamp<int64_t>(panels / (8 * threads), 1, kPanelRun);
+  const int64_t runs = (panels + run_len - 1) / run_len;
+  mstar_cpu::parallel_tasks(runs * chunks, [&](int64_t task) {
+    const int64_t first = (task / chunks) * run_len, last = std::min(panels, first + run_len);
+    const int64_t chunk = task % chunks;
+    const int64_t row_start = chunk * per_chunk, row_end = std::min(M, row_start + per_chunk);
+    const TW* end = packed + last * K * kPanel;  // past the task's panels
     alignas(64) float keep[kRowChunk][kPanel];  // the tiles' accumulators between blocks
-    for (int64_t k0 = 0; k0 < K; k0 += std::min(kBlockK, K - k0)) {
-      const int64_t k1 = k0 + std::min(kBlockK, K - k0);
-      int64_t r = row_start;
+    for (int64_t p = first; p < last; ++p) {
+      const TW* panel = packed + p * K * kPanel;
+      const int64_t col0 = p * kPanel;
+      for (int64_t k0 = 0; k0 < K; k0 += std::min(kBlockK, K - k0)) {
+        const int64_t k1 = k0 + std::min(kBlockK, K - k0);
+        int64_t r = row_start;
 #if !defined(__AVX512F__)
-      // the strips of a multi-row tile read every other or every fourth cache line of the panel,
-      // which memory serves slowly: one row alone first streams the whole panel in order (into L2)
-      // for the rest
-      if (row_end - r > 1 && K * kPanel * static_cast<int64_t>(sizeof(TW)) <= kStreamFirstBytes) {
-        tile.template rows<1>(r, k0, k1, panel, col0, y, keep + (r - row_start));
-        ++r;
-      }
+        // the strips of a multi-row tile read every other or every fourth cache line of the panel,
+        // which memory serves slowly: one row alone first streams the whole panel in order (into L2)
+        // for the rest
+        if (row_end - r > 1 && K * kPanel * static_cast<int64_t>(sizeof(TW)) <= kStreamFirstBytes) {
+          tile.template rows<1>(r, k0, k1, panel, col0, y, keep + (r - row_start));
+          ++r;
+        }
 #endif
-      // the block's tiles fetch the next block of the panel into L2 while they compute, each a share
-      // of its rows spread over its iterations (the hardware prefetchers alone run too little ahead:
-      // 11.4 -> 8.8 ms for a 16-row decode step's multiplies on a 2-core AVX-512 Xeon). Tasks taking
-      // the next panels run on other threads, so a task fetches only its own panel.
-      Ahead ahead;
-      if (k1 + (k1 - k0) <= K && kBlockK < K) {
-        ahead.rows = reinterpret_cast<const char*>(panel + k1 * kPanel);
-        ahead.every = (row_end - r + kRows - 1) / kRows;
-      }
-      for (; r + kRows <= row_end; r += kRows, ++ahead.phase)
-        tile.template rows<kRows>(r, k0, k1, panel, col0, y, keep + (r - row_start), ahead);
-      float (*kr)[kPanel] = keep + (r - row_start);
-      switch (row_end - r) {  // the last 1..5 rows as one tile
-        case 0: break;
-        case 1: tile.template rows<1>(r, k0, k1, panel, col0, y, kr, ahead); break;
-        case 2: tile.template rows<2>(r, k0, k1, panel, col0, y, kr, ahead); break;
-        case 3: tile.template rows<3>(r, k0, k1, panel, col0, y, kr, ahead); break;
-        case 4: tile.template rows<4>(r, k0, k1, panel, col0, y, kr, ahead); break;
-        default: tile.template rows<5>(r, k0, k1, panel, col0, y, kr, ahead); break;
+        // the block's tiles fetch as many rows again (the next block, of this panel or the run's next)
+        // into L2 while they compute, each a share of the rows spread over its iterations (the
+        // hardware prefetchers alone run too little ahead: 11.4 -> 8.8 ms for a 16-row decode step's
+        // multiplies on a 2-core AVX-512 Xeon). Tasks taking other panels run on other threads, so a
+        // task fetches only its own.
+        Ahead ahead;
+        const TW* next = panel + k1 * kPanel;
+        if (kBlockK < K && next + (k1 - k0) * kPanel <= end) {
+          ahead.rows = reinterpret_cast<const char*>(next);
+          ahead.every = (row_end - r + kRows - 1) / kRows;
+        }
+        for (; r + kRows <= row_end; r += kRows, ++ahead.phase)
+          tile.template rows<kRows>(r, k0, k1, panel, col0, y, keep + (r - row_start), ahead);
+        float (*kr)[kPanel] = keep + (r - row_start);
+        switch (row_end - r) {  // the last 1..5 rows as one tile
+          case 0: break;
+          case 1: tile.template rows<1>(r, k0, k1, panel, col0, y, kr, ahead); break;
+          case 2: tile.template rows<2>(r, k0, k1, panel, col0, y, kr, ahead); break;
+          case 3: tile.template rows<3>(r, k0, k1, panel, col0, y, kr, ahead); break;
+          case 4: tile.template rows<4>(r, k0, k1, panel, col0, y, kr, ahead); break;
+          default: tile.template rows<5>(r, k0, k1, panel, col0, y, kr, ahead); break;
+        }
       }
     }
   });
