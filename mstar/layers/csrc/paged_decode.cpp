@@ -47,15 +47,22 @@ inline vf16 load16(const float* p) {
   return v;
 }
 
-inline vf16 load16(const c10::BFloat16* p) {  // the raw bits shifted up: exact
-  typedef uint16_t vu16 __attribute__((vector_size(32)));
-  typedef uint32_t vu32 __attribute__((vector_size(64)));
-  vu16 raw;
+// bfloat16 lanes as floats: the raw bits widened and shifted up (exact). VH / VW: the 16- and 32-bit
+// unsigned vectors of VF's lane count.
+template <typename VF, typename VH, typename VW>
+inline VF widen_bf16(const c10::BFloat16* p) {
+  VH raw;
   std::memcpy(&raw, p, sizeof raw);
-  const vu32 wide = __builtin_convertvector(raw, vu32) << 16;
-  vf16 v;
+  const VW wide = __builtin_convertvector(raw, VW) << 16;
+  VF v;
   std::memcpy(&v, &wide, sizeof v);
   return v;
+}
+
+inline vf16 load16(const c10::BFloat16* p) {
+  typedef uint16_t vu16 __attribute__((vector_size(32)));
+  typedef uint32_t vu32 __attribute__((vector_size(64)));
+  return widen_bf16<vf16, vu16, vu32>(p);
 }
 
 template <typename T>
@@ -138,12 +145,7 @@ inline vf8 load8(const float* p) {
 inline vf8 load8(const c10::BFloat16* p) {
   typedef uint16_t vu8 __attribute__((vector_size(16)));
   typedef uint32_t vu32x8 __attribute__((vector_size(32)));
-  vu8 raw;
-  std::memcpy(&raw, p, sizeof raw);
-  const vu32x8 wide = __builtin_convertvector(raw, vu32x8) << 16;
-  vf8 v;
-  std::memcpy(&v, &wide, sizeof v);
-  return v;
+  return widen_bf16<vf8, vu8, vu32x8>(p);
 }
 
 inline float fold(vf8 lo, vf8 hi) {
