@@ -152,6 +152,28 @@ def test_argmax_rows_matches_torch_argmax(ext, threads):
         assert torch.equal(ext.argmax_rows(y), torch.argmax(y, dim=-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_first_index_across_lanes(ext, threads, dtype):
+    """Each lane keeps its first maximum: the row's answer is the smallest index among the lanes that
+    hold the maximum, wherever the ties fall (a later lane with an earlier index, the first element,
+    the tail, rows shorter than a vector); bfloat16 rows give torch.argmax's index too."""
+    x = _rand(12, 203, seed=16, dtype=dtype)
+    x[0, 17] = x[0, 3] = 50.0  # lanes 1 and 3: index 3 comes first
+    x[1, 0] = x[1, 40] = 50.0  # the first element
+    x[2, 200] = 50.0  # only in the tail
+    x[3, :] = float("-inf")
+    x[4, 150] = float("-inf")
+    x[5, 7], x[5, 8] = -0.0, 0.0  # equal values: the first index
+    x[5, :7], x[5, 9:] = -1.0, -1.0
+    x[6, 33] = float("nan")
+    x[7, 100:] = 60.0  # a run of ties across every lane
+    assert torch.equal(ext.argmax_rows(x), torch.argmax(x, dim=-1))
+    short = _rand(3, 5, seed=17, dtype=dtype)
+    assert torch.equal(ext.argmax_rows(short), torch.argmax(short, dim=-1))
+    wide = _rand(16, 32000, seed=18, dtype=dtype)  # bfloat16: many ties in a row this wide
+    assert torch.equal(ext.argmax_rows(wide), torch.argmax(wide.float(), dim=-1))
+
+
 def test_bfloat16_rms_norm_and_rotary(ext):
     x, weight = _rand(9, 96, seed=20, dtype=torch.bfloat16), _rand(96, seed=21, dtype=torch.bfloat16)
     norm = RMSNorm(96, 1e-6, dtype=torch.bfloat16)

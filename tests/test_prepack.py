@@ -115,3 +115,45 @@ def test_serve_dtype_option_reaches_the_model():
     assert kwargs == {"dtype": "bfloat16"}
     assert resolve_model("llama-tiny", **kwargs).dtype == torch.bfloat16
     assert model_kwargs(target, build_parser().parse_args(["serve", "llama-tiny"])) == {}
+
+
+def _lean_off(monkeypatch):
+    from mstar.layers.llama import LlamaBackbone
+    monkeypatch.setattr(LlamaBackbone, "_lean_layers", lambda *a: None)
+
+
+@pytest.mark.skipif(ops() is None, reason="the compiled kernels are not built here")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lean_layer_loop_gives_the_modules_bits(monkeypatch, dtype):
+    """The backbone's lean loop (the layers' kernels called directly) computes exactly what the
+    modules' forwards compute: prefill, then decode rows (the fused attention step planned once)."""
+    module = build_llama_model(CONFIG, load_format="dummy", prepack=True, dtype=dtype)
+    h = torch.zeros(2, CONFIG.hidden_size, dtype=module.dtype)
+    cos, sin = module.model.rotary_emb(torch.tensor([0, 1]), dtype=h.dtype)
+    assert module.model._lean_layers(h, cos, sin) is not None  # the lean loop runs below
+    lean = _logits(module)
+    with monkeypatch.context() as mp:
+        _lean_off(mp)
+        modules = _logits(module)
+    for a, b in zip(lean, modules):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(ops() is None, reason="the compiled kernels are not built here")
+def test_lean_layer_loop_steps_aside_for_hooks_and_changed_weights():
+    module = build_llama_model(CONFIG, load_format="dummy", prepack=True)
+    backbone = module.model
+    h = torch.zeros(2, CONFIG.hidden_size)
+    cos, sin = backbone.rotary_emb(torch.tensor([0, 1]))
+    assert backbone._lean_layers(h, cos, sin) is not None
+    seen = []
+    handle = backbone.layers[1].mlp.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    assert backbone._lean_layers(h, cos, sin) is None  # a hook must run: the modules' forwards
+    _logits(module)
+    assert len(seen) == 2  # prefill and decode went through the hooked module
+    handle.remove()
+    assert backbone._lean_layers(h, cos, sin) is not None
+    with torch.no_grad():
+        backbone.layers[2].mlp.down_proj.weight.mul_(0.5)  # the prepacked copy is stale now
+    assert backbone._lean_layers(h, cos, sin) is None
+    assert backbone._lean_layers(h.to(torch.bfloat16), cos.to(torch.bfloat16), sin.to(torch.bfloat16)) is None

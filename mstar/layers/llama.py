@@ -35,7 +35,7 @@ through the compiled kernel where it can be built, see ``mstar.layers.paged_deco
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -224,6 +224,10 @@ class LlamaAttention(nn.Module):
             return None
         return pre
 
+    def fresh_prepacked(self) -> tuple[PrepackedLinear, PrepackedLinear] | None:
+        """``(qkv, o)`` prepacked projections that ``forward`` would use now (None: it would not)."""
+        return self._prepacked(packed_weight(self._qkv, (self.q_proj, self.k_proj, self.v_proj), self._qkv_views))
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 engine_inputs: Any, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[T, hidden]`` (already normed); ``cos``/``sin`` ``[T, head_dim]`` at the tokens'
@@ -302,12 +306,20 @@ class LlamaMLP(nn.Module):
                           PrepackedLinear(self.down_proj.weight))
         return True
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``down(silu(gate(x)) * up(x))``, plus ``residual`` when given (fused when prepacked)."""
+    def fresh_prepacked(self) -> tuple[PrepackedLinear, PrepackedLinear] | None:
+        """``(gate_up, down)`` prepacked projections that ``forward`` would use now (None: it would not)."""
         gate_up = packed_weight(self._gate_up, (self.gate_proj, self.up_proj), self._gate_up_views)
         pre = self.prepacked
         if gate_up is not None and pre is not None and pre[0].fresh(gate_up) and pre[1].fresh(self.down_proj.weight):
+            return pre
+        return None
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``down(silu(gate(x)) * up(x))``, plus ``residual`` when given (fused when prepacked)."""
+        pre = self.fresh_prepacked()
+        if pre is not None:
             return pre[1](pre[0](x), residual)  # SiLU-mul fused into the gate/up multiply
+        gate_up = packed_weight(self._gate_up, (self.gate_proj, self.up_proj), self._gate_up_views)
         if gate_up is None:
             out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         else:
@@ -340,6 +352,42 @@ class LlamaDecoderLayer(nn.Module):
         if mlp.takes_residual:
             return mlp(self.post_attention_layernorm(h), residual=h)
         return h + mlp(self.post_attention_layernorm(h))
+
+
+def _hooked(*modules: nn.Module) -> bool:
+    """Some module has forward hooks (the lean loop would skip them)."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+class _LeanLayer(NamedTuple):
+    """A decoder layer's parts as ``LlamaDecoderLayer.forward`` uses them on the compiled route."""
+
+    attn: LlamaAttention
+    in_norm: RMSNorm
+    post_norm: RMSNorm
+    qkv: PrepackedLinear
+    o: PrepackedLinear
+    gate_up: PrepackedLinear
+    down: PrepackedLinear
+
+
+def _lean_layer(layer: nn.Module, dtype: torch.dtype) -> _LeanLayer | None:
+    """``layer``'s parts if its forward would take the compiled route for a ``dtype`` input: a plain
+    ``LlamaDecoderLayer`` (no subclass, no hooks) with fresh panel-prepacked projections, compiled
+    norms of that dtype and fused residual adds; None otherwise."""
+    if type(layer) is not LlamaDecoderLayer:
+        return None
+    attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+    if (type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP or type(n1) is not RMSNorm
+            or type(n2) is not RMSNorm or not (attn.takes_residual and mlp.takes_residual)
+            or _hooked(layer, attn, mlp, n1, n2)):
+        return None
+    if not (n1.compiled and n2.compiled and n1.weight.dtype == dtype and n2.weight.dtype == dtype):
+        return None
+    a, m = attn.fresh_prepacked(), mlp.fresh_prepacked()
+    if a is None or m is None or any(p.mode != "panel" for p in (*a, *m)):
+        return None
+    return _LeanLayer(attn, n1, n2, a[0], a[1], m[0], m[1])
 
 
 class LlamaBackbone(nn.Module):
@@ -386,6 +434,63 @@ class LlamaBackbone(nn.Module):
             raise ValueError(f"engine_inputs.kv_caches must hold one (k, v) cache per layer "
                              f"({len(self.layers)})")
         cos, sin = self.rotary_emb(positions, dtype=h.dtype, device=h.device)
+        lean = self._lean_layers(h, cos, sin)
+        if lean is not None:
+            return self.norm(self._lean_forward(lean, h, cos, sin, engine_inputs))
         for layer in self.layers:
             h = layer(h, cos, sin, engine_inputs)
         return self.norm(h)
+
+    def _lean_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[_LeanLayer] | None:
+        """Every layer's parts (``_lean_layer``) when every layer would run on the compiled route for
+        ``h``; None otherwise (the modules' own forwards then run)."""
+        if (h.dim() != 2 or not h.is_contiguous() or h.dtype not in _COMPILED_DTYPES or not y_rotatable(h, cos, sin)
+                or _hooked(*self.layers) or torch.nn.modules.module._global_forward_hooks
+                or torch.nn.modules.module._global_forward_pre_hooks):
+            return None
+        lean = []
+        for layer in self.layers:
+            part = _lean_layer(layer, h.dtype)
+            if part is None:
+                return None
+            lean.append(part)
+        return lean
+
+    @staticmethod
+    def _lean_forward(lean: list[_LeanLayer], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      engine_inputs: Any) -> torch.Tensor:
+        """The decoder layers as ``LlamaDecoderLayer.forward`` runs them on the compiled route: the same
+        kernel calls with the same arguments, in the same order (so the same bits), without the
+        modules' per-call dispatch and checks. A batch of one-token decode rows plans its fused
+        attention step once (``CompiledPagedBackend.fused_decode``) for every layer whose caches
+        match the first layer's."""
+        t = h.shape[0]
+        meta, caches = engine_inputs.attention, engine_inputs.kv_caches
+        fused, fused_cache = None, None
+        for i, part in enumerate(lean):
+            attn = part.attn
+            nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+            nq, nk = nh * d, nkv * d
+            x = part.in_norm._kernel.rms_norm(h, part.in_norm.weight, part.in_norm.eps)
+            y = part.qkv._kernel.linear(x, part.qkv.packed, part.qkv.n_out, False, None)
+            ops().rotary_(y, cos, sin, nh + nkv, d)
+            q = y[:, :nq].view(t, nh, d)
+            k = y[:, nq:nq + nk].view(t, nkv, d)
+            v = y[:, nq + nk:].view(t, nkv, d)
+            k_cache, v_cache = caches[attn.layer_idx]
+            backend = attn.backend
+            if i == 0 and backend is not None and hasattr(backend, "fused_decode"):
+                fused = backend.fused_decode(q, k, v, k_cache, v_cache, meta)
+                fused_cache = (k_cache.dtype, k_cache.shape)
+            if (fused is not None and backend is lean[0].attn.backend and k_cache.dtype == v_cache.dtype == fused_cache[0]
+                    and k_cache.shape == v_cache.shape == fused_cache[1] and k_cache.is_contiguous()
+                    and v_cache.is_contiguous()):
+                out = fused(q, k, v, k_cache, v_cache, attn.scaling)
+            elif backend is None:
+                out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=attn.scaling)
+            else:
+                out = backend.forward(q, k, v, k_cache, v_cache, meta, scale=attn.scaling)
+            h = part.o(out.reshape(t, nq), h)
+            x = part.post_norm._kernel.rms_norm(h, part.post_norm.weight, part.post_norm.eps)
+            h = part.down(part.gate_up._kernel.linear(x, part.gate_up.packed, part.gate_up.n_out, True, None), h)
+        return h

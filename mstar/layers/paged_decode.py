@@ -37,7 +37,7 @@ from mstar.layers.paged_attention import (
     paged_attention,
 )
 
-__all__ = ["CompiledPagedBackend", "build", "kernel", "paged_block", "paged_decode"]
+__all__ = ["CompiledPagedBackend", "FusedDecode", "build", "kernel", "paged_block", "paged_decode"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -134,9 +134,9 @@ def _rows_ok(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
-def _fused_step(ext: Any, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor | None:
-    """The whole layer's attention in one kernel call (store the new K/V, then decode) when every
-    row of the batch is a one-token causal append on a CPU cache; None otherwise."""
+def _fused_args(q, k, v, k_cache, v_cache, meta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``decode_step``'s per-batch arguments (the rows' write slots, block tables and context
+    lengths) when every row of the batch is a one-token causal append on a CPU cache; None otherwise."""
     if not (q.device.type == "cpu" and q.dtype in _DTYPES and k.dtype == v.dtype == q.dtype
             and k_cache.dtype in _DTYPES and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
             and v_cache.is_contiguous() and k.shape == v.shape and k.shape[0] == q.shape[0]
@@ -146,8 +146,33 @@ def _fused_step(ext: Any, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tenso
     if not plan.direct or plan.write_rows is not None or plan.write_slots is None:
         return None
     tables, ctx = _tables(plan.decode, q.device)
+    return plan.write_slots, tables, ctx
+
+
+def _fused_step(ext: Any, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor | None:
+    """The whole layer's attention in one kernel call (store the new K/V, then decode) when every
+    row of the batch is a one-token causal append on a CPU cache; None otherwise."""
+    args = _fused_args(q, k, v, k_cache, v_cache, meta)
+    if args is None:
+        return None
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return ext.decode_step(q, k, v, k_cache, v_cache, plan.write_slots, tables, ctx, scale)
+    return ext.decode_step(q, k, v, k_cache, v_cache, *args, scale)
+
+
+@dataclass(frozen=True)
+class FusedDecode:
+    """A batch's fused decode step, planned once for all the layers of a forward: ``ext.decode_step``
+    with the batch's write slots, block tables and context lengths. ``__call__`` is what
+    ``CompiledPagedBackend.forward`` computes for the batch (the same kernel call), for any layer
+    whose caches have the planned layer's dtype and shape."""
+
+    ext: Any
+    write_slots: torch.Tensor
+    tables: torch.Tensor
+    ctx: torch.Tensor
+
+    def __call__(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
+        return self.ext.decode_step(q, k, v, k_cache, v_cache, self.write_slots, self.tables, self.ctx, scale)
 
 
 class CompiledPagedBackend(AttentionBackend):
@@ -165,3 +190,12 @@ class CompiledPagedBackend(AttentionBackend):
             if out is not None:
                 return out
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale, decode=paged_decode, block=paged_block)
+
+    def fused_decode(self, q, k, v, k_cache, v_cache, meta) -> FusedDecode | None:
+        """The batch's fused decode step (``FusedDecode``) where ``forward`` would take it; None where it
+        would not (then call ``forward``)."""
+        ext = kernel()
+        if ext is None or q.dim() != 3:
+            return None
+        args = _fused_args(q, k, v, k_cache, v_cache, meta)
+        return None if args is None else FusedDecode(ext, *args)

@@ -247,10 +247,15 @@ def _draw(vals: torch.Tensor, u: float) -> int:
 # --------------------------------------------------------------------------------------------------------
 
 
+_ARGMAX_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(x, dim=-1)`` of float32 logits ``[B, V]``: through the compiled kernel on CPU
-    (rows in parallel; torch's runs one thread here, ~0.4 ms for 16 x 32000), else torch's."""
-    ext = ops() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 else None
+    """``torch.argmax(x, dim=-1)`` of float32 or bfloat16 logits ``[B, V]``: through the compiled
+    kernel on CPU (rows in parallel, one pass; torch's runs one thread here, ~0.4 ms for 16 x 32000
+    float32 and ~0.9 ms in bfloat16), else torch's. A bfloat16 row's argmax is that of its float32
+    values (the widening is exact)."""
+    ext = ops() if x.device.type == "cpu" and x.dtype in _ARGMAX_DTYPES and x.dim() == 2 else None
     if ext is None or x.shape[1] == 0:
         return torch.argmax(x, dim=-1)
     return ext.argmax_rows(x.contiguous())
@@ -294,12 +299,15 @@ def sample(
         raise ValueError("logits have an empty vocabulary dimension")
 
     penalties = [p.repetition_penalty for p in params]
-    if all(p == 1.0 for p in penalties):  # nothing to penalise: skip the copy of the logits
+    unpenalised = all(p == 1.0 for p in penalties)
+    greedy = [p.greedy for p in params]
+    if unpenalised and all(greedy):  # the argmax of the logits as they are (no float32 copy)
+        return _argmax_rows(logits)
+    if unpenalised:  # nothing to penalise: skip the copy of the logits
         x = logits.to(torch.float32)
     else:
         x = apply_repetition_penalty(logits, seen_tokens, penalties)
 
-    greedy = [p.greedy for p in params]
     if all(greedy):
         return _argmax_rows(x)
     out = torch.empty(batch, dtype=torch.long, device=device)

@@ -52,9 +52,14 @@ inline vf16 load(const float* p) {
 }
 
 inline vf16 load(const c10::BFloat16* p) {  // 16 bf16 -> float32: the raw bits shifted up
+#if defined(__AVX512F__)
+  // one zero-extending load (GCC, tuned for 256-bit vectors, split the generic widening in two)
+  const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
   vu16 raw;
   std::memcpy(&raw, p, sizeof raw);
   vu32 wide = __builtin_convertvector(raw, vu32) << 16;
+#endif
   vf16 v;
   std::memcpy(&v, &wide, sizeof v);
   return v;
@@ -649,44 +654,78 @@ typedef int32_t vreg_i __attribute__((vector_size(32)));
 constexpr int64_t kRegLanes = sizeof(vreg) / sizeof(float);
 
 // The index of each row's maximum (the first one on ties; the first NaN if there is one, as
-// torch.argmax), x [B, V] float32 contiguous, V >= 1. Lane-wise maxima, then a scan for the
-// first index holding it; rows in parallel.
+// torch.argmax), x [B, V] float32 or bfloat16 contiguous, V >= 1; rows in parallel. One pass: each
+// lane keeps its maximum and the first index holding it (a strictly greater value replaces both),
+// then the smallest index among the lanes holding the row's maximum is the first one. A row with a
+// NaN is scanned again for its first NaN.
+inline vreg load_reg(const float* p) {
+  vreg v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+#if defined(__AVX512F__)
+inline vreg load_reg(const c10::BFloat16* p) { return load(p); }
+#else
+inline vreg load_reg(const c10::BFloat16* p) { return load8(p); }
+#endif
+
+template <typename T>
+int64_t argmax_row(const T* row, int64_t V) {
+  int64_t i = 0, arg = 0;
+  float best = scalar(row[0]);
+  bool any_nan = false;
+  if (V >= kRegLanes) {
+    vreg m = load_reg(row);
+    vreg_i at, nan = m != m;
+    for (int l = 0; l < kRegLanes; ++l) at[l] = l;
+    vreg_i lane_at = at;
+    for (i = kRegLanes; i + kRegLanes <= V; i += kRegLanes) {
+      const vreg v = load_reg(row + i);
+      lane_at += kRegLanes;
+      nan |= (v != v);
+      const vreg_i greater = v > m;
+      m = greater ? v : m;
+      at = greater ? lane_at : at;
+    }
+    best = m[0];
+    for (int l = 1; l < kRegLanes; ++l) best = m[l] > best ? m[l] : best;
+    arg = V;
+    for (int l = 0; l < kRegLanes; ++l) {
+      any_nan |= nan[l] != 0;
+      if (m[l] == best && at[l] < arg) arg = at[l];
+    }
+  }
+  for (; i < V; ++i) {  // the tail (or a row shorter than a vector): later indices win only if greater
+    const float v = scalar(row[i]);
+    any_nan |= v != v;
+    if (v > best) {
+      best = v;
+      arg = i;
+    }
+  }
+  if (any_nan) {
+    for (int64_t j = 0; j < V; ++j) {
+      const float v = scalar(row[j]);
+      if (v != v) return j;
+    }
+  }
+  return arg;
+}
+
 torch::Tensor argmax_rows(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.size(1) >= 1,
-              "argmax_rows: x must be contiguous float32 [rows, vocab]");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) >= 1 &&
+                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "argmax_rows: x must be contiguous float32 or bfloat16 [rows, vocab]");
   const int64_t B = x.size(0), V = x.size(1);
   auto out = torch::empty({B}, x.options().dtype(torch::kInt64));
-  const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  mstar_cpu::parallel_tasks(B, [&](int64_t r) {
-    const float* row = xp + r * V;
-    vreg m = vreg{} + row[0];
-    vreg_i nan = vreg_i{};
-    int64_t i = 0;
-    for (; i + kRegLanes <= V; i += kRegLanes) {
-      vreg v;
-      std::memcpy(&v, row + i, sizeof v);
-      nan |= (v != v);
-      m = v > m ? v : m;
-    }
-    float best = m[0];
-    bool any_nan = false;
-    for (int l = 0; l < kRegLanes; ++l) {
-      best = m[l] > best ? m[l] : best;
-      any_nan |= nan[l] != 0;
-    }
-    for (; i < V; ++i) {
-      best = row[i] > best ? row[i] : best;
-      any_nan |= row[i] != row[i];
-    }
-    int64_t arg = 0;
-    for (int64_t j = 0; j < V; ++j)
-      if (any_nan ? row[j] != row[j] : row[j] == best) {
-        arg = j;
-        break;
-      }
-    op[r] = arg;
-  });
+  if (x.scalar_type() == torch::kFloat32) {
+    const float* xp = x.data_ptr<float>();
+    mstar_cpu::parallel_tasks(B, [&](int64_t r) { op[r] = argmax_row(xp + r * V, V); });
+  } else {
+    const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+    mstar_cpu::parallel_tasks(B, [&](int64_t r) { op[r] = argmax_row(xp + r * V, V); });
+  }
   return out;
 }
 
