@@ -38,6 +38,7 @@ from mstar.runtime.conductor import Conductor, RequestStatus
 from mstar.runtime.drivers import InlineDriver, ProcessDriver, RestartPolicy
 from mstar.runtime.engine import StatelessEngine
 from mstar.runtime.failures import FailureKind
+from mstar.runtime.gc_freeze import freeze_startup_objects, thaw
 from mstar.runtime.malloc import keep_freed_memory
 from mstar.runtime.messages import Emit
 from mstar.runtime.openmp import release_thread_pool
@@ -243,6 +244,7 @@ class Runtime:
         self._stop = False
         release_thread_pool()  # this thread's OpenMP workers would throttle the runtime's (openmp.py)
         keep_freed_memory()  # a step's large buffers are reused, not mapped and zeroed anew (malloc.py)
+        freeze_startup_objects()  # full collections skip what was built so far (gc_freeze.py)
         self._thread = threading.Thread(target=self._drive, name="mstar-runtime", daemon=True)
         self._thread.start()
         # a runtime still running when the interpreter exits is shut down first: a daemon thread
@@ -266,6 +268,7 @@ class Runtime:
             self._thread = None
             self._driver.stop()
             atexit.unregister(self._exit_hook)
+            thaw()  # what this runtime held is collectable again (gc_freeze.py)
 
     def __enter__(self) -> Runtime:
         return self.start()

@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from mstar.runtime.gc_freeze import freeze_startup_objects
 from mstar.runtime.malloc import keep_freed_memory
 from mstar.runtime.messages import CONDUCTOR, WorkerStatus
 
@@ -48,6 +49,7 @@ def run_rank(rank: int, make_worker: Callable[[], Any], transport: Any, orphaned
         transport.send(CONDUCTOR, WorkerStatus(rank, False, traceback.format_exc()))
         transport.close(linger_ms=5000)  # the reason must reach the conductor before this rank ends
         return
+    freeze_startup_objects()  # full collections skip the model and the libraries (gc_freeze.py)
     transport.send(CONDUCTOR, WorkerStatus(rank, True))
     try:
         serve(worker, transport, orphaned)
