@@ -563,6 +563,42 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, bool 
 // rounded, then multiplied by the weight and rounded again, as the reference's bf16 module does).
 // The sum of squares is 16 lane-wise partial sums folded in a fixed tree (the same order for every
 // row).
+#if defined(__AVX512F__)
+// 16 floats rounded as c10::BFloat16(float) rounds one (to nearest even; a NaN becomes 0x7FC0), kept
+// as floats (the rounded values) or stored as bf16.
+inline vu32 bf16_bits(vf16 v) {
+  vu32 u;
+  std::memcpy(&u, &v, sizeof u);
+  const vu32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (v != v) ? vu32{} + 0x7FC0u : rounded;
+}
+inline vf16 round_as(vf16 v, const float*) { return v; }
+inline vf16 round_as(vf16 v, const c10::BFloat16*) {
+  const vu32 wide = bf16_bits(v) << 16;
+  vf16 r;
+  std::memcpy(&r, &wide, sizeof r);
+  return r;
+}
+inline void store(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
+inline void store(c10::BFloat16* p, vf16 v) {
+  const vu16 narrow = __builtin_convertvector(bf16_bits(v), vu16);
+  std::memcpy(p, &narrow, sizeof narrow);
+}
+constexpr bool kVectorRows = true;
+#else
+template <typename T>
+inline vf16 round_as(vf16 v, const T*) { return v; }
+template <typename T>
+inline void store(T*, vf16) {}
+constexpr bool kVectorRows = false;  // AVX2: GCC's code for a 16-float vector went through the stack
+#endif
+
+// RMSNorm of each row of x [T, H] (float32 or bfloat16; weight of the same dtype), in float32:
+// weight * (x * rsqrt(mean(x^2) + eps)), the result in x's dtype (bfloat16: the normalised row is
+// rounded, then multiplied by the weight and rounded again, as the reference's bf16 module does).
+// The sum of squares is 16 lane-wise partial sums folded in a fixed tree (the same order for every
+// row). With AVX-512 the lanes are one vector and the row is normalised 16 elements at a time (the
+// same operations per element as the scalar loops, which GCC left scalar for bf16).
 template <typename T>
 void rms_norm_rows(const T* xp, const T* wp, T* op, int64_t T_, int64_t H, float e) {
   mstar_cpu::parallel_tasks((T_ + 15) / 16, [&](int64_t task) {
@@ -570,14 +606,30 @@ void rms_norm_rows(const T* xp, const T* wp, T* op, int64_t T_, int64_t H, float
       const T* row = xp + t * H;
       float lanes[kVec] = {0};
       int64_t i = 0;
-      for (; i + kVec <= H; i += kVec)
-        for (int64_t l = 0; l < kVec; ++l) lanes[l] += scalar(row[i + l]) * scalar(row[i + l]);
+      if constexpr (kVectorRows) {
+        vf16 acc = {0};
+        for (; i + kVec <= H; i += kVec) {
+          const vf16 v = load(row + i);
+          acc += v * v;
+        }
+        std::memcpy(lanes, &acc, sizeof acc);
+      } else {
+        for (; i + kVec <= H; i += kVec)
+          for (int64_t l = 0; l < kVec; ++l) lanes[l] += scalar(row[i + l]) * scalar(row[i + l]);
+      }
       for (int64_t l = 0; i < H; ++i, ++l) lanes[l] += scalar(row[i]) * scalar(row[i]);
       for (int64_t w = kVec / 2; w >= 1; w /= 2)
         for (int64_t l = 0; l < w; ++l) lanes[l] += lanes[l + w];
       const float inv = 1.0f / std::sqrt(lanes[0] / static_cast<float>(H) + e);
       T* o = op + t * H;
-      for (int64_t j = 0; j < H; ++j) {
+      int64_t j = 0;
+      if constexpr (kVectorRows) {
+        for (; j + kVec <= H; j += kVec) {
+          const vf16 normed = round_as(load(row + j) * inv, o);
+          store(o + j, load(wp + j) * normed);
+        }
+      }
+      for (; j < H; ++j) {
         T normed;
         put(scalar(row[j]) * inv, &normed);
         put(scalar(wp[j]) * scalar(normed), o + j);
@@ -616,7 +668,15 @@ void rotary_rows(T* yp, const T* cp, const T* sp, int64_t T_, int64_t stride, in
       const T* s = sp + t * D;
       for (int64_t h = 0; h < heads; ++h) {
         T* v = yp + t * stride + h * D;
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+        if constexpr (kVectorRows) {  // 16 pairs at a time, the same operations per element
+          for (; i + kVec <= half; i += kVec) {
+            const vf16 a = load(v + i), b = load(v + i + half);
+            store(v + i, a * load(c + i) - b * load(s + i));
+            store(v + i + half, b * load(c + i + half) + a * load(s + i + half));
+          }
+        }
+        for (; i < half; ++i) {
           const float a = scalar(v[i]), b = scalar(v[i + half]);
           put(a * scalar(c[i]) - b * scalar(s[i]), v + i);
           put(b * scalar(c[i + half]) + a * scalar(s[i + half]), v + i + half);
