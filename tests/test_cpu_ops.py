@@ -264,3 +264,20 @@ def test_the_kernels_build_where_a_compiler_is():
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler on this machine")
     assert cpu_ops_mod.ops() is not None, "the compiled CPU kernels failed to build (see the warning above)"
+
+
+@pytest.mark.parametrize("d", [2, 18, 32, 64])
+def test_rotary_pairs_has_pytorchs_bits(ext, threads, d):
+    """Adjacent-pair rotation in place over the first heads of each row: exactly x * cos + swapped * sin
+    as PyTorch rounds it (two products, then the sum), the heads past ``heads`` untouched."""
+    from mstar.models.vjepa2.rope import rotate
+
+    heads, tokens = 3, 37
+    y = _rand(tokens, (heads + 1) * d, seed=30) * 4
+    ang = _rand(tokens, d, seed=31) * 30
+    cos, sin = ang.cos(), ang.sin()
+    ref = rotate(y[:, :heads * d].view(tokens, heads, d).transpose(0, 1), cos, sin).transpose(0, 1)
+    got = y.clone()
+    ext.rotary_pairs_(got, cos, sin, heads, d)
+    assert torch.equal(got[:, :heads * d].view(tokens, heads, d), ref)
+    assert torch.equal(got[:, heads * d:], y[:, heads * d:])

@@ -243,3 +243,29 @@ def test_hf_encoder_layout_loads_and_matches_transformers(tmp_path):
         got = ours(video.permute(0, 2, 1, 3, 4))  # ours takes [B, C, T, H, W]
     assert float(ref.std()) > 0.1
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["compiled", "torch"])
+def test_qkv_rows_are_the_rotated_projection_bit_for_bit(monkeypatch, kernel):
+    """``Attention.qkv_rows`` (q and k rotated in place by the compiled pairs kernel, or the PyTorch
+    fallback) gives exactly ``_qkv``'s values, as [tokens, heads, head_dim] rows."""
+    from mstar.layers.cpu_ops import ops
+    from mstar.layers.prepack import prepack_linears
+    from mstar.models.vjepa2.blocks import Attention
+    from mstar.models.vjepa2.rope import rope_tables
+
+    if kernel == "torch":
+        monkeypatch.setenv("MSTAR_ATTENTION_KERNEL", "torch")
+    elif ops() is None:
+        pytest.skip("the compiled kernels are not built here")
+    torch.manual_seed(3)
+    attn = Attention(96, 4, qkv_bias=True)
+    prepack_linears(attn)
+    x = torch.randn(50, 96) * 3
+    pos = torch.arange(50)
+    cos, sin = rope_tables(24, pos // 25, pos % 5, pos % 7)
+    q, k, v = attn.qkv_rows(x, cos, sin)
+    rq, rk, rv = attn._qkv(x.unsqueeze(0), cos, sin)
+    for got, ref in ((q, rq), (k, rk), (v, rv)):
+        assert got.shape == (50, 4, 24)
+        assert torch.equal(got, ref[0].transpose(0, 1))

@@ -702,6 +702,59 @@ void rotary_(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_t head
                 y.size(0), y.stride(0), heads, D);
 }
 
+// The rotary embedding of adjacent channel pairs (V-JEPA 2's), in place over heads [0, heads) of each
+// row of y [T, >= heads * D] float32: with a = y[2i], b = y[2i + 1],
+//   y[2i] = a * cos[2i] + (-b) * sin[2i],   y[2i + 1] = b * cos[2i + 1] + a * sin[2i + 1]
+// each product rounded, then the sum: what PyTorch computes for x * cos + swapped * sin (two
+// multiplies and an add, no fused multiply-add), so the bits are PyTorch's. GCC would contract the
+// expression into fused multiply-adds: not in this function.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+void rotary_pairs_rows(float* yp, const float* cp, const float* sp, int64_t T_, int64_t stride, int64_t heads,
+                       int64_t D) {
+  mstar_cpu::parallel_tasks((T_ + 15) / 16, [&](int64_t task) {
+    for (int64_t t = task * 16; t < std::min(T_, task * 16 + 16); ++t) {
+      const float* c = cp + t * D;
+      const float* s = sp + t * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = yp + t * stride + h * D;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const vf16 sign = {-1.0f, 1.0f, -1.0f, 1.0f, -1.0f, 1.0f, -1.0f, 1.0f,
+                           -1.0f, 1.0f, -1.0f, 1.0f, -1.0f, 1.0f, -1.0f, 1.0f};
+        for (; i + kVec <= D; i += kVec) {
+          const vf16 x = load(v + i);
+          const vf16 swapped = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14) * sign;
+          const vf16 rc = x * load(c + i);
+          const vf16 rs = swapped * load(s + i);
+          const vf16 r = rc + rs;
+          std::memcpy(v + i, &r, sizeof r);
+        }
+#endif
+        for (; i < D; i += 2) {
+          const float a = v[i], b = v[i + 1];
+          const float r0c = a * c[i], r0s = -b * s[i];
+          const float r1c = b * c[i + 1], r1s = a * s[i + 1];
+          v[i] = r0c + r0s;
+          v[i + 1] = r1c + r1s;
+        }
+      }
+    }
+  });
+}
+#pragma GCC pop_options
+
+void rotary_pairs_(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t D) {
+  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && y.scalar_type() == torch::kFloat32 && y.size(1) >= heads * D &&
+                  D % 2 == 0,
+              "rotary_pairs: y must be float32 [tokens, >= heads * head_dim] with unit column stride, head_dim even");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == y.size(0) && cos.size(1) == D &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
+                  sin.scalar_type() == torch::kFloat32,
+              "rotary_pairs: cos / sin must be contiguous float32 [tokens, head_dim]");
+  rotary_pairs_rows(y.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), y.size(0), y.stride(0), heads, D);
+}
+
 // The register-wide vector: 16 floats with AVX-512, else 8 (on AVX2 GCC turned selects and
 // conversions of a 16-float vector into scalar code through the stack).
 #if defined(__AVX512F__)
@@ -995,6 +1048,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "index of each row's maximum (torch.argmax semantics)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a float32 matrix");
   m.def("rotary_", &rotary_, "rotary embedding, in place, over the first heads of each row");
+  m.def("rotary_pairs_", &rotary_pairs_, "rotary embedding of adjacent channel pairs, in place, over the first heads of each row (float32; PyTorch's rounding)");
   m.def("pack", &pack, "pack a [in, out] weight into column panels", py::arg("w"), py::arg("silu_mul"),
         py::arg("pairs") = false);
   m.def("dot_pairs_available", &dot_pairs_available, "the bf16 dot-product path was compiled in");

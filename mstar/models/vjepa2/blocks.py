@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.layers.cpu_ops import ops
 from mstar.layers.prepack import PrepackableLinear
 from mstar.models.vjepa2.config import swiglu_hidden
 from mstar.models.vjepa2.frame_cache import BlockAttention, KVLayer
@@ -32,6 +33,22 @@ class Attention(nn.Module):
         # fused qkv: output channels are [3, heads, head_dim]
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def qkv_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``q, k, v`` of tokens ``x`` [L, dim] as rows [L, heads, head_dim] (views of one projection
+        output), q and k rotated: the values of ``_qkv``. float32 on a CPU with the compiled kernels:
+        rotated in place by ``rotary_pairs_`` (PyTorch's rounding, the same bits)."""
+        ext = ops()
+        if (ext is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
+                and cos.dtype == torch.float32 and sin.dtype == torch.float32 and cos.is_contiguous()
+                and sin.is_contiguous()):
+            y = self.qkv(x)
+            if y.dim() == 2 and y.stride(1) == 1 and y.dtype == torch.float32:
+                ext.rotary_pairs_(y, cos, sin, 2 * self.num_heads, self.head_dim)
+                y = y.unflatten(1, (3, self.num_heads, self.head_dim))
+                return y[:, 0], y[:, 1], y[:, 2]
+        q, k, v = self._qkv(x.unsqueeze(0), cos, sin)  # [1, heads, L, head_dim]
+        return q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
 
     def _out(self, o: torch.Tensor) -> torch.Tensor:
         return self.proj(o.transpose(1, 2).flatten(2))

@@ -124,9 +124,8 @@ class PredictorNode(NodeSubmodule):
         tables = [self._rope(f, x.device) for f in frames]
         cos, sin = torch.cat([tc for tc, _ in tables]), torch.cat([ts for _, ts in tables])
         for layer, blk in enumerate(p.predictor_blocks):
-            q, k, v = blk.attn._qkv(blk.norm1(x).unsqueeze(0), cos, sin)  # [1, H, L, hd]
-            o = self.backend.forward(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                                     *ei.kv_caches[layer], ei.attention)
+            q, k, v = blk.attn.qkv_rows(blk.norm1(x), cos, sin)  # [L, H, hd] each
+            o = self.backend.forward(q, k, v, *ei.kv_caches[layer], ei.attention)
             x = x + blk.attn._out(o.transpose(0, 1).unsqueeze(0))[0]
             x = x + blk.mlp(blk.norm2(x))
         pred = p._readout(x.view(n_seq, 1, c.block_tokens, -1)).view(n_seq, n, -1)
