@@ -157,3 +157,25 @@ def test_lean_layer_loop_steps_aside_for_hooks_and_changed_weights():
         backbone.layers[2].mlp.down_proj.weight.mul_(0.5)  # the prepacked copy is stale now
     assert backbone._lean_layers(h, cos, sin) is None
     assert backbone._lean_layers(h.to(torch.bfloat16), cos.to(torch.bfloat16), sin.to(torch.bfloat16)) is None
+
+
+@pytest.mark.skipif(ops() is None, reason="the compiled kernels are not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_fused_into_the_panel_store_is_the_add_after_it(dtype):
+    """A ``PrepackableLinear``'s bias rides in the kernel's store: the product as stored (bf16:
+    rounded) plus the bias, rounded once more: exactly ``y.add_(bias)`` after the plain store."""
+    from mstar.layers.prepack import PrepackableLinear
+
+    torch.manual_seed(5)
+    for n_in, n_out in [(256, 768), (100, 70), (64, 130)]:
+        lin = PrepackableLinear(n_in, n_out).to(dtype)
+        assert lin.prepack()
+        x = torch.randn(2, 17, n_in).to(dtype)
+        with torch.inference_mode():
+            ref = lin.prepacked(x).add_(lin.bias)
+            assert torch.equal(lin(x), ref)
+            assert torch.equal(lin.prepacked(x, bias=lin.bias), ref)
+            rows = x.reshape(-1, n_in)
+            with pytest.raises(RuntimeError, match="does not combine"):
+                ops().linear(rows, lin.prepacked.packed, n_out, False, torch.zeros(rows.shape[0], n_out, dtype=dtype),
+                             lin.bias.detach())

@@ -90,10 +90,14 @@ struct Epilogue {
   bool silu_mul;
   const TY* residual;  // [M, n_out] or null
   int64_t n_out;       // columns of the output
+  const TY* bias = nullptr;  // [n_out] or null: added to the product as stored (never with residual)
 };
 
 inline void put(float v, float* y) { *y = v; }
 inline void put(float v, c10::BFloat16* y) { *y = c10::BFloat16(v); }  // round to nearest even
+// v as the output dtype holds it (bfloat16: rounded to nearest even, widened back)
+inline float as_stored(float v, const float*) { return v; }
+inline float as_stored(float v, const c10::BFloat16*) { return static_cast<float>(c10::BFloat16(v)); }
 
 // Row r of a tile's accumulators (64 columns of panel output from col0) stored with the epilogue.
 template <typename TY>
@@ -107,6 +111,8 @@ inline void store_row(const vf16 (&acc)[4], int64_t col0, TY* yr, const TY* res,
     const int64_t n = std::min<int64_t>(kPanel, ep.n_out - col0);
     if (res != nullptr) {
       for (int64_t c = 0; c < n; ++c) put(out[c] + scalar(res[col0 + c]), yr + col0 + c);
+    } else if (ep.bias != nullptr) {  // the product as stored, plus the bias: y.add_(bias) after the store
+      for (int64_t c = 0; c < n; ++c) put(as_stored(out[c], yr) + scalar(ep.bias[col0 + c]), yr + col0 + c);
     } else {
       for (int64_t c = 0; c < n; ++c) put(out[c], yr + col0 + c);
     }
@@ -526,7 +532,7 @@ void linear_into(const torch::Tensor& x, const torch::Tensor& packed, torch::Ten
 // with silu_mul); residual [M, n_out] of the output's dtype, or none. The output has x's dtype
 // (pair-packed weights: x is rounded to bfloat16 first); accumulation is float32 either way.
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, bool silu_mul,
-                     c10::optional<torch::Tensor> residual) {
+                     c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "input must be contiguous [rows, in]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "input must be float32 or bfloat16");
@@ -547,12 +553,21 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, bool 
                     residual->size(0) == x.size(0) && residual->size(1) == n_out,
                 "residual must be contiguous [rows, out] of the input's dtype");
   }
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(!silu_mul && !has_res, "a bias does not combine with silu_mul or residual");
+    TORCH_CHECK(bias->scalar_type() == out_dtype && bias->is_contiguous() && bias->dim() == 1 &&
+                    bias->size(0) == n_out,
+                "bias must be contiguous [out] of the input's dtype");
+  }
   if (x.size(0) == 0) return y;
   if (out_dtype == torch::kFloat32) {
-    Epilogue<float> ep{silu_mul, has_res ? residual->data_ptr<float>() : nullptr, n_out};
+    Epilogue<float> ep{silu_mul, has_res ? residual->data_ptr<float>() : nullptr, n_out,
+                       has_bias ? bias->data_ptr<float>() : nullptr};
     linear_into(input, packed, y, ep);
   } else {
-    Epilogue<c10::BFloat16> ep{silu_mul, has_res ? residual->data_ptr<c10::BFloat16>() : nullptr, n_out};
+    Epilogue<c10::BFloat16> ep{silu_mul, has_res ? residual->data_ptr<c10::BFloat16>() : nullptr, n_out,
+                               has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr};
     linear_into(input, packed, y, ep);
   }
   return y;
@@ -1054,7 +1069,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dot_pairs_available", &dot_pairs_available, "the bf16 dot-product path was compiled in");
   m.def("tile_unit_available", &amx_usable, "pair-packed linears with this input size run on the tile unit (AMX)",
         py::arg("in_features"));
-  m.def("linear", &linear, "x @ W over a packed weight, with optional fused epilogues");
+  m.def("linear", &linear, "x @ W over a packed weight, with optional fused epilogues", py::arg("x"),
+        py::arg("packed"), py::arg("n_out"), py::arg("silu_mul"), py::arg("residual"), py::arg("bias") = py::none());
   m.def("narrow_conv1d", &narrow_conv1d, "stride-1 convolution of a padded input with 1, 8 or a multiple of 16 output channels",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("dilation") = 1, py::arg("residual") = py::none());
   m.def("snake_beta", &snake_beta, "x + inv_beta * sin(alpha * x)^2 over [batch, channels, time]",
