@@ -328,3 +328,30 @@ def test_block_kernel_rejects_bad_arguments(ext):
     bad[0, 0] = k_cache.shape[0]
     with pytest.raises(RuntimeError, match="outside the cache"):
         ext.paged_block_(out, q, k_cache, v_cache, bad, i64(12), i64(0), i64(4), i64(0), 0.25)
+
+
+@pytest.mark.parametrize("rows_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_store_kv_writes_what_the_pytorch_store_writes(rows_dtype, cache_dtype):
+    """The compiled backend's K/V store (``store_kv``) leaves the caches exactly as ``_store`` does:
+    the rows converted to the cache dtype (bf16: nearest even) at their slots, strided rows (views of
+    a packed projection output) included; a batch with rows it does not write takes ``_store``."""
+    from mstar.layers.paged_attention import QueryMode, _batch_plan, _store
+    from mstar.layers.paged_decode import kernel, store_kv
+
+    if kernel() is None:
+        pytest.skip("the compiled kernels are not built here")
+    g = torch.Generator().manual_seed(7)
+    shape = (12, 4, 2, 16)  # blocks, block size, kv heads, head dim
+    packed = torch.randn(9, 3, 2, 16, generator=g).to(rows_dtype)  # q | k | v side by side per token
+    k, v = packed[:, 1], packed[:, 2]
+    for modes in ([QueryMode.BLOCK_APPEND, QueryMode.CAUSAL_APPEND], [QueryMode.READ_ONLY, QueryMode.CAUSAL_APPEND]):
+        meta = AttentionMetadata.build([4, 5], [[3, 7], [0, 5, 9]], [6, 9], modes,
+                                       [13, 14, 15, 28, 1, 2, 3, 20, 21])
+        plan = _batch_plan(meta, k.repeat(1, 2, 1), k, v, torch.zeros(shape, dtype=cache_dtype))
+        assert (plan.write_rows is None) == (modes[0] is QueryMode.BLOCK_APPEND)  # kernel path / _store
+        ref = [torch.randn(shape, generator=g).to(cache_dtype) for _ in range(2)]
+        got = [c.clone() for c in ref]
+        _store(*ref, k, v, plan)
+        store_kv(*got, k, v, plan)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])

@@ -391,6 +391,10 @@ BlockFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata,
                     torch.Tensor], list[int]]
 
 
+# how a backend stores the batch's new K/V: (k_cache, v_cache, k, v, plan), what ``_store`` does
+StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, _BatchPlan], None]
+
+
 def _batch_plan(meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor) -> _BatchPlan:
     plan = meta._batch_plan
@@ -439,7 +443,8 @@ def _store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: tor
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None = None, *,
-                    decode: DecodeFn | None = None, block: BlockFn | None = None) -> torch.Tensor:
+                    decode: DecodeFn | None = None, block: BlockFn | None = None,
+                    store: StoreFn | None = None) -> torch.Tensor:
     """Attention of a ragged batch over the paged cache; returns ``[total_q, q_heads, head_dim]`` (q's dtype).
 
     ``q`` is ``[total_q, q_heads, head_dim]``; ``k``/``v`` are the new tokens'
@@ -449,7 +454,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     The batch's bookkeeping (validation, write slots, decode rows) is done at the first call and reused
     by every later layer of the same forward (same ``meta``). ``decode`` computes the decode rows
     (default ``attend_decode_rows``; a compiled kernel: ``mstar.layers.paged_decode``); ``block``, when
-    given, computes the multi-token sequences it can (the rest take the PyTorch path).
+    given, computes the multi-token sequences it can (the rest take the PyTorch path); ``store``, when
+    given, writes the new K/V in place of ``_store`` (the same values at the same slots).
     """
     if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
         raise ValueError(f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -459,7 +465,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         scale = 1.0 / math.sqrt(q.shape[-1])
 
     # 1. Store the new K/V of append-mode sequences (read-only sequences' rows are never written).
-    _store(k_cache, v_cache, k, v, plan)
+    (store or _store)(k_cache, v_cache, k, v, plan)
 
     # 2. Attend: decode rows one by one, every other sequence on its own (a sequence's computation
     #    never depends on the rest of the batch).

@@ -32,12 +32,13 @@ from mstar.layers.paged_attention import (
     QueryMode,
     _batch_plan,
     _BatchPlan,
+    _store,
     _table_row,
     attend_decode_rows,
     paged_attention,
 )
 
-__all__ = ["CompiledPagedBackend", "FusedDecode", "build", "kernel", "paged_block", "paged_decode"]
+__all__ = ["CompiledPagedBackend", "FusedDecode", "build", "kernel", "paged_block", "paged_decode", "store_kv"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -129,6 +130,21 @@ def paged_block(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
     return args.rest
 
 
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _BatchPlan) -> None:
+    """The batch's new K/V into the cache through the kernel (``store_kv_``: the values and slots of
+    ``paged_attention._store``, without its per-call index and conversion copies) where it applies:
+    every row written, CPU float32 / bfloat16 rows and contiguous caches; else ``_store``."""
+    ext = kernel()
+    if (ext is None or plan.write_slots is None or plan.write_rows is not None or k.device.type != "cpu"
+            or k_cache.device.type != "cpu"
+            or k.dtype not in _DTYPES or v.dtype != k.dtype or k_cache.dtype not in _DTYPES
+            or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or not (_rows_ok(k) and _rows_ok(v)) or k.shape != v.shape):
+        _store(k_cache, v_cache, k, v, plan)
+        return
+    ext.store_kv_(k, v, k_cache, v_cache, plan.write_slots)
+
+
 def _rows_ok(x: torch.Tensor) -> bool:
     """``[T, H, D]`` with contiguous rows (a row may sit inside a wider packed projection output)."""
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
@@ -189,7 +205,8 @@ class CompiledPagedBackend(AttentionBackend):
             out = _fused_step(ext, q, k, v, k_cache, v_cache, meta, scale)
             if out is not None:
                 return out
-        return paged_attention(q, k, v, k_cache, v_cache, meta, scale, decode=paged_decode, block=paged_block)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale, decode=paged_decode, block=paged_block,
+                               store=store_kv)
 
     def fused_decode(self, q, k, v, k_cache, v_cache, meta) -> FusedDecode | None:
         """The batch's fused decode step (``FusedDecode``) where ``forward`` would take it; None where it

@@ -1049,6 +1049,7 @@ torch::Tensor narrow_conv1d(torch::Tensor x, torch::Tensor w, c10::optional<torc
 // csrc/paged_decode.cpp (compiled into this extension)
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor ctx);
+void store_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 torch::Tensor decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                           torch::Tensor v_cache, torch::Tensor slots, torch::Tensor tables, torch::Tensor ctx,
                           double scale);
@@ -1058,6 +1059,7 @@ void paged_block_(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache");
+  m.def("store_kv_", &store_kv_, "store k / v rows into the paged caches at flat slots (index_copy_ of the converted rows)");
   m.def("decode_step", &decode_step, "store new K/V rows, then decode attention (all rows single-token appends)");
   m.def("paged_block_", &paged_block_, "multi-token (causal or bidirectional) attention over a paged KV cache, into out");
   m.def("argmax_rows", &argmax_rows, "index of each row's maximum (torch.argmax semantics)");

@@ -485,6 +485,33 @@ void check_rows(const torch::Tensor& x, const char* what) {
 
 }  // namespace
 
+// k / v rows [T, kv_heads, head_dim] (float32 or bfloat16, one dtype; rows may be strided views) stored
+// into the caches at `slots` (int64 [T], each in the cache), converted to the cache's dtype as
+// Tensor.to converts (bfloat16: round to nearest even): index_copy_ of the rows into the flat caches.
+void store_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  check_rows(k, "k");
+  check_rows(v, "v");
+  const auto dt = k.scalar_type();
+  TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kBFloat16) && v.scalar_type() == dt && k.sizes() == v.sizes(),
+              "k and v must be float32 or bfloat16 rows of one dtype and shape");
+  TORCH_CHECK(k_cache.dim() == 4 && k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3) &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.dtype() == v_cache.dtype() &&
+                  (k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16),
+              "caches must be contiguous [blocks, block_size, kv_heads, head_dim] of k's heads, float32 or bfloat16");
+  TORCH_CHECK(slots.dim() == 1 && slots.numel() == k.size(0) && slots.scalar_type() == torch::kInt64 &&
+                  slots.is_contiguous(),
+              "slots must be int64 [tokens]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "slot ", sp[t], " is outside the cache");
+  if (dt == torch::kFloat32)
+    store_both<float>(k, v, k_cache, v_cache, sp);
+  else
+    store_both<c10::BFloat16>(k, v, k_cache, v_cache, sp);
+}
+
 // One decode step of a batch whose rows are all single-token causal appends: the new k / v rows
 // are stored at `slots` (int64 [T], all >= 0), then every row attends over its cache as
 // `paged_decode` (its queries scaled first). q, k, v: float32 or bfloat16 (one dtype; rows may be
