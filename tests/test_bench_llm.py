@@ -144,3 +144,62 @@ def test_report_cli_rejects_unknown_suites(tmp_path, capsys):
     with pytest.raises(SystemExit):
         report.main(["--suites", "nope", "--file", str(tmp_path / "B.md")])
     assert "unknown suites" in capsys.readouterr().err
+
+
+_FAKE_PEER = '''
+import json, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time\\nwhile True: time.sleep(0.01)"])
+print(json.dumps({"ready": True, "vllm": "fake", "child": child.pid}), flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if cmd["cmd"] == "quit":
+        break
+    n = len(cmd["prompts"])
+    print(json.dumps({"wall_s": 0.01, "tokens": [[1] * cmd["max_tokens"]] * n, "request_s": [0.01] * n}), flush=True)
+child.kill()
+'''
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:  # gone meanwhile
+        return None
+
+
+def test_peer_is_stopped_while_others_are_measured(tmp_path, monkeypatch):
+    """``VllmSystem.suspend()`` stops the peer and its children (an idle vLLM keeps a core busy);
+    a call to the peer resumes it, and ``close()`` works on a suspended peer."""
+    import os
+    import sys
+    import time
+
+    script = tmp_path / "peer.py"
+    script.write_text(_FAKE_PEER)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    monkeypatch.setattr(ls, "PEER_SCRIPT", script)
+    (tmp_path / "ckpt").mkdir()
+    peer = ls.VllmSystem(tmp_path / "ckpt", venv)
+    try:
+        [child] = [int(d) for d in os.listdir("/proc") if d.isdigit() and _parent(int(d)) == peer.proc.pid]
+        peer.suspend()
+        assert _state(peer.proc.pid) == "T"
+        deadline = time.monotonic() + 10  # the signal reaches the child on its own schedule
+        while _state(child) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(child) == "T"
+        run = peer.concurrent([[1, 2], [3]], 4)  # talking to it resumes it
+        assert [len(t) for t in run.tokens] == [4, 4]
+        assert _state(peer.proc.pid) != "T" and _state(child) != "T"
+        peer.suspend()
+    finally:
+        peer.close()
+    assert peer.proc.returncode == 0

@@ -287,6 +287,9 @@ def run_llm_bench(*, cache_dir: str | Path | None = None, shape: LlmShape = BENC
 
         def once(system: str, workload: str, n_tokens: int) -> Run:
             sys_ = running[system]
+            for other in running.values():  # an idle vLLM keeps a core busy: stopped while others run
+                if other is not sys_ and hasattr(other, "suspend"):
+                    other.suspend()
             time.sleep(pause_s)  # let the previous system's threads go idle
             if workload == "concurrent":
                 run = sys_.concurrent(work[workload], n_tokens)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import time
@@ -182,7 +183,8 @@ class VllmSystem:
              "--max-model-len", str(max(512, max_prompt_len + max_tokens)), "--dtype", dtype]
             + (["--audio-constraint"] if audio_constraint else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=vllm_env(),
-            cwd=str(Path(checkpoint).parent))
+            cwd=str(Path(checkpoint).parent), start_new_session=True)  # its own group: suspend() stops all of it
+        self._suspended = False
         try:
             hello = self._read()
             if not hello.get("ready"):
@@ -207,6 +209,7 @@ class VllmSystem:
                 self._log.write(line)
 
     def _call(self, mode: str, prompts: list[list[int]], max_tokens: int) -> Run:
+        self.resume()
         self.proc.stdin.write(json.dumps({"cmd": mode, "prompts": prompts, "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
         ans = self._read()
@@ -222,6 +225,7 @@ class VllmSystem:
         """Every prompt at once through vLLM's engine; yields ``(prompt index, new token ids)`` as each
         engine step's tokens arrive (``audio_codes``: the peer's ``AudioCodeConstraint``, which needs
         ``audio_constraint=True``)."""
+        self.resume()
         self.proc.stdin.write(json.dumps({"cmd": "stream", "prompts": prompts, "max_tokens": max_tokens,
                                           "sampling": sampling, "audio_codes": audio_codes}) + "\n")
         self.proc.stdin.flush()
@@ -240,7 +244,24 @@ class VllmSystem:
     def sequential(self, prompts: list[list[int]], max_tokens: int) -> Run:
         return self._call("sequential", prompts, max_tokens)
 
+    def suspend(self) -> None:
+        """Stop the peer's processes (SIGSTOP to its process group) while another system is measured.
+        Idle, vLLM's CPU engine keeps one core busy (1.0 CPU-s per second measured on a 2-core machine,
+        between requests), which would run against whatever is measured next. ``resume()`` before its
+        own runs; every method that talks to the peer resumes it first."""
+        if not self._suspended and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+            os.waitpid(self.proc.pid, os.WUNTRACED)  # returns once the peer has stopped
+            self._suspended = True
+
+    def resume(self) -> None:
+        if self._suspended:
+            self._suspended = False
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGCONT)
+
     def close(self) -> None:
+        self.resume()
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")

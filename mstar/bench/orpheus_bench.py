@@ -234,6 +234,8 @@ def run_orpheus_bench(concurrency: list[int], tokens: int = 140, repeats: int = 
             if warmup:
                 warm = [model.prompt_ids(t, v) for t, v in request_texts(2)]
                 wt = min(tokens, 5 * TOKENS_PER_FRAME)
+                if peer is not None:
+                    peer.suspend()
                 run_mstar(rt, warm, wt, seed, sp)
                 run_hf_sequential(hf, snac_model, warm[:1], wt, seed, spf, sp)
                 run_hf_static(hf, snac_model, warm, wt, seed, spf, sp)
@@ -246,6 +248,8 @@ def run_orpheus_bench(concurrency: list[int], tokens: int = 140, repeats: int = 
                     s0 = seed + 1000 * (rep + 1)
                     for system in order:
                         say(f"concurrency {c} repeat {rep + 1}/{repeats}: {system}")
+                        if peer is not None and system != VLLM:
+                            peer.suspend()  # idle, vLLM keeps a core busy (llm_systems.VllmSystem.suspend)
                         if system == "mstar":
                             run = run_mstar(rt, prompts, tokens, s0, sp)
                         elif system == "hf-sequential":
