@@ -255,10 +255,13 @@ class VllmSystem:
             self._suspended = True
 
     def resume(self) -> None:
+        """Continue a suspended peer, then wait for one tiny request (one token) to come back, so the
+        next measured run starts with its engine awake."""
         if self._suspended:
             self._suspended = False
             if self.proc.poll() is None:
                 os.killpg(self.proc.pid, signal.SIGCONT)
+                self._call("concurrent", [[1]], 1)
 
     def close(self) -> None:
         self.resume()
