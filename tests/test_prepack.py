@@ -163,7 +163,8 @@ def test_lean_layer_loop_steps_aside_for_hooks_and_changed_weights():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bias_fused_into_the_panel_store_is_the_add_after_it(dtype):
     """A ``PrepackableLinear``'s bias rides in the kernel's store: the product as stored (bf16:
-    rounded) plus the bias, rounded once more: exactly ``y.add_(bias)`` after the plain store."""
+    rounded) plus the bias, rounded once more: exactly ``y.add_(bias)`` after the plain store; with a
+    residual too, exactly ``y.add_(bias) + residual``."""
     from mstar.layers.prepack import PrepackableLinear
 
     torch.manual_seed(5)
@@ -175,7 +176,9 @@ def test_bias_fused_into_the_panel_store_is_the_add_after_it(dtype):
             ref = lin.prepacked(x).add_(lin.bias)
             assert torch.equal(lin(x), ref)
             assert torch.equal(lin.prepacked(x, bias=lin.bias), ref)
+            residual = torch.randn(2, 17, n_out).to(dtype)
+            both = lin.prepacked(x, residual, bias=lin.bias)  # the bias first, then the residual
+            assert torch.equal(both, ref + residual)
             rows = x.reshape(-1, n_in)
             with pytest.raises(RuntimeError, match="does not combine"):
-                ops().linear(rows, lin.prepacked.packed, n_out, False, torch.zeros(rows.shape[0], n_out, dtype=dtype),
-                             lin.bias.detach())
+                ops().linear(rows, lin.prepacked.packed, n_out // 2, True, None, lin.bias.detach()[:n_out // 2])

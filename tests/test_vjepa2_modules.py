@@ -269,3 +269,36 @@ def test_qkv_rows_are_the_rotated_projection_bit_for_bit(monkeypatch, kernel):
     for got, ref in ((q, rq), (k, rk), (v, rv)):
         assert got.shape == (50, 4, 24)
         assert torch.equal(got, ref[0].transpose(0, 1))
+
+
+def test_block_forward_rows_fuses_bias_and_residual_with_the_same_bits():
+    """``Block.forward_rows`` (projection after attention and the MLP through the prepacked weights,
+    bias and residual in the kernel's store) gives exactly the modules' values; with a hook on a
+    module it runs the modules and the hook sees the call."""
+    from mstar.layers.prepack import prepack_linears
+    from mstar.models.vjepa2.blocks import Block
+    from mstar.models.vjepa2.rope import rope_tables
+
+    torch.manual_seed(4)
+    blk = Block(96, 4, 384, qkv_bias=True, use_silu=False, wide_silu=False, eps=1e-6)
+    for prm in blk.parameters():  # non-trivial norms and biases
+        prm.data.add_(torch.randn_like(prm) * 0.1)
+    prepack_linears(blk)
+    x = torch.randn(40, 96)
+    pos = torch.arange(40)
+    cos, sin = rope_tables(24, pos // 20, pos % 4, pos % 5)
+
+    def attend(q, k, v):  # [L, H, D] rows
+        return F.scaled_dot_product_attention(q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(),
+                                              v.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
+
+    with torch.inference_mode():
+        q, k, v = blk.attn.qkv_rows(blk.norm1(x), cos, sin)
+        ref = x + blk.attn._out(attend(q, k, v).transpose(0, 1).unsqueeze(0))[0]
+        ref = ref + blk.mlp(blk.norm2(ref))
+        assert torch.equal(blk.forward_rows(x, cos, sin, attend), ref)
+        seen = []
+        handle = blk.mlp.fc2.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+        assert torch.equal(blk.forward_rows(x, cos, sin, attend), ref)
+        handle.remove()
+        assert seen == [torch.Size([40, 96])]

@@ -111,31 +111,34 @@ class PrepackedLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W.T``, then ``+ residual`` (a new tensor) and / or ``+= bias`` (in place, as
-        ``y.add_(bias)``); on the panel route either is fused into the kernel's store where it can be
-        (a bias alone, of x's dtype), with the same result."""
+        """``x @ W.T``, then ``+= bias`` (in place, as ``y.add_(bias)``), then ``+ residual`` (a new
+        tensor); on the panel route they are fused into the kernel's store where they can be (of x's
+        dtype, contiguous), with the same result (a residual without a bias: added to the product
+        before it is stored)."""
         shape = x.shape
         if x.dim() != 2 or not x.is_contiguous():
             x = x.reshape(-1, shape[-1]).contiguous()
         if self.mode == "panel":  # the output has x's dtype
             fuse = residual is not None and residual.dtype == x.dtype and residual.is_contiguous()
-            fuse_bias = (bias is not None and residual is None and not self.silu_mul and bias.dtype == x.dtype
-                         and bias.dim() == 1 and bias.is_contiguous() and bias.device.type == "cpu")
+            fuse_bias = (bias is not None and not self.silu_mul and bias.dtype == x.dtype and bias.dim() == 1
+                         and bias.is_contiguous() and bias.device.type == "cpu" and (residual is None or fuse))
+            if bias is not None and not fuse_bias:
+                fuse = False  # the bias goes first, after the store: so does the residual then
             y = self._kernel.linear(x, self.packed, self.n_out, self.silu_mul,
                                     residual.reshape(-1, self.n_out) if fuse else None, bias if fuse_bias else None)
-            if residual is not None and not fuse:
-                y = y + residual.reshape(y.shape)
             if bias is not None and not fuse_bias:
                 y.add_(bias)
+            if residual is not None and not fuse:
+                y = y + residual.reshape(y.shape)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
             if self.silu_mul:
                 n = y.shape[-1] // 2
                 y = F.silu(y[:, :n]) * y[:, n:]
-            if residual is not None:
-                y = y + residual.reshape(y.shape)
             if bias is not None:
                 y.add_(bias)
+            if residual is not None:
+                y = y + residual.reshape(y.shape)
         return y.view(*shape[:-1], y.shape[-1]) if len(shape) != 2 else y
 
 

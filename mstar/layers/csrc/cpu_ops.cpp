@@ -90,7 +90,7 @@ struct Epilogue {
   bool silu_mul;
   const TY* residual;  // [M, n_out] or null
   int64_t n_out;       // columns of the output
-  const TY* bias = nullptr;  // [n_out] or null: added to the product as stored (never with residual)
+  const TY* bias = nullptr;  // [n_out] or null: added to the product as stored (then the residual, if any)
 };
 
 inline void put(float v, float* y) { *y = v; }
@@ -109,7 +109,10 @@ inline void store_row(const vf16 (&acc)[4], int64_t col0, TY* yr, const TY* res,
     for (int64_t c = 0; c < n; ++c) put(silu(out[c]) * out[kPanel / 2 + c], yr + c0 + c);
   } else {
     const int64_t n = std::min<int64_t>(kPanel, ep.n_out - col0);
-    if (res != nullptr) {
+    if (res != nullptr && ep.bias != nullptr) {  // (product as stored + bias, stored) + residual
+      for (int64_t c = 0; c < n; ++c)
+        put(as_stored(as_stored(out[c], yr) + scalar(ep.bias[col0 + c]), yr) + scalar(res[col0 + c]), yr + col0 + c);
+    } else if (res != nullptr) {
       for (int64_t c = 0; c < n; ++c) put(out[c] + scalar(res[col0 + c]), yr + col0 + c);
     } else if (ep.bias != nullptr) {  // the product as stored, plus the bias: y.add_(bias) after the store
       for (int64_t c = 0; c < n; ++c) put(as_stored(out[c], yr) + scalar(ep.bias[col0 + c]), yr + col0 + c);
@@ -555,7 +558,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, bool 
   }
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
-    TORCH_CHECK(!silu_mul && !has_res, "a bias does not combine with silu_mul or residual");
+    TORCH_CHECK(!silu_mul, "a bias does not combine with silu_mul");
     TORCH_CHECK(bias->scalar_type() == out_dtype && bias->is_contiguous() && bias->dim() == 1 &&
                     bias->size(0) == n_out,
                 "bias must be contiguous [out] of the input's dtype");

@@ -8,6 +8,8 @@ a token of frame ``t`` sees every token of frames ``0..t`` (its own frame bidire
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -87,6 +89,21 @@ class SwiGLUMLP(nn.Module):
         return self.fc3(F.silu(self.fc1(x)) * self.fc2(x))
 
 
+def _hooked(*modules: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def _linear(lin: PrepackableLinear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``lin(x)``, plus ``residual`` when given: through the prepacked weight with the bias and the
+    residual added in the kernel's store where it can be (the same bits as ``residual + lin(x)``),
+    else the module and a separate add."""
+    pre = lin.prepacked
+    if pre is not None and x.dtype == lin.weight.dtype and x.device.type == "cpu" and pre.fresh(lin.weight):
+        return pre(x, residual, bias=lin.bias)
+    y = lin(x)
+    return y if residual is None else residual + y
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, mlp_hidden: int, qkv_bias: bool, use_silu: bool,
                  wide_silu: bool, eps: float) -> None:
@@ -105,3 +122,20 @@ class Block(nn.Module):
                       attend: BlockAttention) -> torch.Tensor:
         x = x + self.attn.forward_block(self.norm1(x), cos, sin, cache_layer, attend)
         return x + self.mlp(self.norm2(x))
+
+    def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The block over tokens ``x`` [L, dim] with ``attend(q, k, v)`` on rows [L, heads, head_dim]
+        (the runtime's paged attention): ``forward``'s values. The projections after attention and the
+        MLP go through their prepacked weights with bias and residual in the kernel's store, unless a
+        hook is registered on them (then the modules run)."""
+        attn, mlp = self.attn, self.mlp
+        q, k, v = attn.qkv_rows(self.norm1(x), cos, sin)
+        o = attend(q, k, v)
+        if _hooked(attn.proj, mlp) or (isinstance(mlp, GeluMLP) and _hooked(mlp.fc1, mlp.act, mlp.fc2)):
+            x = x + attn.proj(o.reshape(o.shape[0], -1))
+            return x + mlp(self.norm2(x))
+        x = _linear(attn.proj, o.reshape(o.shape[0], -1), residual=x)
+        if isinstance(mlp, GeluMLP):
+            return _linear(mlp.fc2, mlp.act(_linear(mlp.fc1, self.norm2(x))), residual=x)
+        return x + mlp(self.norm2(x))

@@ -124,10 +124,9 @@ class PredictorNode(NodeSubmodule):
         tables = [self._rope(f, x.device) for f in frames]
         cos, sin = torch.cat([tc for tc, _ in tables]), torch.cat([ts for _, ts in tables])
         for layer, blk in enumerate(p.predictor_blocks):
-            q, k, v = blk.attn.qkv_rows(blk.norm1(x), cos, sin)  # [L, H, hd] each
-            o = self.backend.forward(q, k, v, *ei.kv_caches[layer], ei.attention)
-            x = x + blk.attn._out(o.transpose(0, 1).unsqueeze(0))[0]
-            x = x + blk.mlp(blk.norm2(x))
+            k_cache, v_cache = ei.kv_caches[layer]
+            x = blk.forward_rows(x, cos, sin, lambda q, k, v, kc=k_cache, vc=v_cache:
+                                 self.backend.forward(q, k, v, kc, vc, ei.attention))
         pred = p._readout(x.view(n_seq, 1, c.block_tokens, -1)).view(n_seq, n, -1)
         pred = F.layer_norm(pred, (pred.shape[-1],))  # fed back normalised, as the reference wrapper
         next_state = compute_new_pose(state.view(n_seq, -1), action.view(n_seq, -1))
