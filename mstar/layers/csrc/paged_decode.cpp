@@ -577,46 +577,76 @@ struct BlockTask {
 };
 
 #if defined(__AVX512F__)
-// scores[r][j] = sum_d qt[r][d] * kt[d][j] for r in [0, kRowGroup), j in [0, nk) rounded up to 32;
-// d ascending.
+// scores[r][j] = sum_d qt[r][d] * kt[d][j] for r in [0, R), j in [0, nk) rounded up to 32; d ascending.
+// R = kRowGroup, or fewer for a tile's last rows (each row's arithmetic is its own: the same bits).
+template <int R = kRowGroup>
 inline void score_group(const float* qt, int64_t d, const float* kt, int64_t nk, float* scores) {
   for (int64_t jv = 0; jv < nk; jv += 2 * kLanes) {
-    vf16 acc[kRowGroup][2];
-    for (int64_t r = 0; r < kRowGroup; ++r) acc[r][0] = acc[r][1] = vf16{0};
+    vf16 acc[R][2];
+    for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vf16{0};
     for (int64_t i = 0; i < d; ++i) {
       vf16 k0, k1;
       std::memcpy(&k0, kt + i * kChunk + jv, sizeof k0);
       std::memcpy(&k1, kt + i * kChunk + jv + kLanes, sizeof k1);
-      for (int64_t r = 0; r < kRowGroup; ++r) {
+      for (int64_t r = 0; r < R; ++r) {
         const float qv = qt[r * d + i];
         acc[r][0] += qv * k0;
         acc[r][1] += qv * k1;
       }
     }
-    for (int64_t r = 0; r < kRowGroup; ++r) {
+    for (int64_t r = 0; r < R; ++r) {
       std::memcpy(scores + r * kChunk + jv, &acc[r][0], sizeof acc[r][0]);
       std::memcpy(scores + r * kChunk + jv + kLanes, &acc[r][1], sizeof acc[r][1]);
     }
   }
 }
 
-// o[r][c..c+16*NV) += sum_j p[r][j] * v[j][c..), j ascending over [0, nk), for kRowGroup rows.
-template <int NV>
+// o[r][c..c+16*NV) += sum_j p[r][j] * v[j][c..), j ascending over [0, nk), for R rows.
+template <int NV, int R = kRowGroup>
 inline void value_group(const float* p, const float* const* vr, int64_t d, int64_t nk, int64_t c, float* o) {
-  vf16 acc[kRowGroup][NV];
-  for (int64_t r = 0; r < kRowGroup; ++r)
+  vf16 acc[R][NV];
+  for (int64_t r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) std::memcpy(&acc[r][v], o + r * d + c + v * kLanes, sizeof(vf16));
   for (int64_t j = 0; j < nk; ++j) {
     vf16 vv[NV];
     for (int v = 0; v < NV; ++v) std::memcpy(&vv[v], vr[j] + c + v * kLanes, sizeof(vf16));
-    for (int64_t r = 0; r < kRowGroup; ++r) {
+    for (int64_t r = 0; r < R; ++r) {
       const float pr = p[r * kChunk + j];
       for (int v = 0; v < NV; ++v) acc[r][v] += pr * vv[v];
     }
   }
-  for (int64_t r = 0; r < kRowGroup; ++r)
+  for (int64_t r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) std::memcpy(o + r * d + c + v * kLanes, &acc[r][v], sizeof(vf16));
 }
+
+// Both products for the group of rows from g: whole groups of kRowGroup, the tile's last rows (fewer
+// than kRowGroup) as a group of their own size; the padding rows past them are not computed.
+template <int R>
+inline void group_products(const float* qt, const float* kt, const float* p, const float* const* vr, int64_t d,
+                           int64_t nk, float* scores_or_null, float* o) {
+  if (scores_or_null != nullptr) {
+    score_group<R>(qt, d, kt, nk, scores_or_null);
+    return;
+  }
+  int64_t c = 0;
+  for (; c + 2 * kLanes <= d; c += 2 * kLanes) value_group<2, R>(p, vr, d, nk, c, o);
+  if (c < d) value_group<1, R>(p, vr, d, nk, c, o);
+}
+
+inline void products_rows(int64_t rows, const float* qt, const float* kt, const float* p, const float* const* vr,
+                          int64_t d, int64_t nk, float* scores_or_null, float* o) {
+  switch (rows) {
+    case 1: group_products<1>(qt, kt, p, vr, d, nk, scores_or_null, o); break;
+    case 2: group_products<2>(qt, kt, p, vr, d, nk, scores_or_null, o); break;
+    case 3: group_products<3>(qt, kt, p, vr, d, nk, scores_or_null, o); break;
+    case 4: group_products<4>(qt, kt, p, vr, d, nk, scores_or_null, o); break;
+    case 5: group_products<5>(qt, kt, p, vr, d, nk, scores_or_null, o); break;
+    case 6: group_products<6>(qt, kt, p, vr, d, nk, scores_or_null, o); break;
+    case 7: group_products<7>(qt, kt, p, vr, d, nk, scores_or_null, o); break;
+    default: group_products<kRowGroup>(qt, kt, p, vr, d, nk, scores_or_null, o); break;
+  }
+}
+constexpr bool kPartialGroups = true;
 #else
 // The same two products for a CPU without AVX-512 (16 ymm registers of 8 floats): the tile is
 // 4 rows x 16 columns (8 accumulators, 2 loaded vectors, a broadcast), the row group in two halves.
@@ -668,6 +698,9 @@ inline void value_group(const float* p, const float* const* vr, int64_t d, int64
     }
   }
 }
+inline void products_rows(int64_t, const float*, const float*, const float*, const float* const*, int64_t, int64_t,
+                          float*, float*) {}
+constexpr bool kPartialGroups = false;  // AVX2: whole groups (the padding rows computed and dropped)
 #endif
 
 struct BlockScratch {
@@ -717,8 +750,13 @@ void block_task(const BlockTask& tk, const float* q, const T* kc, const T* vc, c
         s.vr[j] = s.vf.data() + j * d;
       }
     }
-    for (int64_t g = 0; g < padded; g += kRowGroup)
-      score_group(s.qt.data() + g * d, d, s.kt.data(), nk, s.scores.data() + g * kChunk);
+    for (int64_t g = 0; g < padded; g += kRowGroup) {
+      if (kPartialGroups && rows - g < kRowGroup)
+        products_rows(rows - g, s.qt.data() + g * d, s.kt.data(), nullptr, nullptr, d, nk,
+                      s.scores.data() + g * kChunk, nullptr);
+      else
+        score_group(s.qt.data() + g * d, d, s.kt.data(), nk, s.scores.data() + g * kChunk);
+    }
     for (int64_t r = 0; r < padded; ++r) {
       float* p = s.scores.data() + r * kChunk;
       const int64_t valid = r < rows ? std::min(nk, lim[r] - c0) : 0;
@@ -745,6 +783,10 @@ void block_task(const BlockTask& tk, const float* q, const T* kc, const T* vc, c
     for (int64_t g = 0; g < padded; g += kRowGroup) {
       const float* p = s.scores.data() + g * kChunk;
       float* o = s.o.data() + g * d;
+      if (kPartialGroups && rows - g < kRowGroup) {
+        products_rows(rows - g, nullptr, nullptr, p, s.vr.data(), d, nk, nullptr, o);
+        continue;
+      }
       int64_t c = 0;
       for (; c + 2 * kLanes <= d; c += 2 * kLanes) value_group<2>(p, s.vr.data(), d, nk, c, o);
       if (c < d) value_group<1>(p, s.vr.data(), d, nk, c, o);
