@@ -261,3 +261,17 @@ def test_view_on_another_rank_forks_a_copy_of_the_cache(workers):
         assert o.finished, o.error
         torch.testing.assert_close(o.tensors("image")[0], flow_reference(llm, i["text_ids"], i["latents"]),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_kv_plan_positions_decode_rows_and_prompts():
+    """The batch's positions: one tensor from the ints for a decode step, aranges for prompts, in
+    sequence order either way."""
+    import torch
+
+    from mstar.runtime.engine import _KVPlan
+
+    plan = _KVPlan(positions=[(7, 1), (0, 1), (130, 1)])
+    assert torch.equal(plan.position_tensor(), torch.tensor([7, 0, 130]))
+    plan = _KVPlan(positions=[(7, 1), (0, 3), (4, 0), (130, 2)])
+    got = plan.position_tensor()
+    assert got.dtype == torch.long and torch.equal(got, torch.tensor([7, 0, 1, 2, 130, 131]))

@@ -182,5 +182,13 @@ def test_protocol_errors_are_clear():
 
 
 def test_read_stop():
+    import torch
+
     assert read_stop(True) and not read_stop(False)
     assert read_stop([True, True]) and not read_stop([True, False]) and not read_stop([])
+    # one flag as a 0-d tensor (what the LLM node returns per request), and tensors of flags
+    assert read_stop(torch.tensor(True)) and not read_stop(torch.tensor(False))
+    assert read_stop(torch.tensor(1)) and not read_stop(torch.tensor(0.0))
+    assert read_stop(torch.tensor([True, True])) and not read_stop(torch.tensor([True, False]))
+    assert not read_stop(torch.zeros(0, dtype=torch.bool))
+    assert read_stop([torch.tensor(True), True]) and not read_stop([torch.tensor(False), True])

@@ -45,7 +45,15 @@ class _KVPlan:
     context_lens: list[int] = field(default_factory=list)
     modes: list[QueryMode] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
-    positions: list[torch.Tensor] = field(default_factory=list)
+    positions: list[tuple[int, int]] = field(default_factory=list)  # (first position, tokens) per sequence
+
+    def position_tensor(self) -> torch.Tensor:
+        """Every planned token's absolute position, sequence after sequence (int64 [tokens]): one
+        tensor from the Python ints when every sequence has one token (a decode step), else one
+        ``arange`` per sequence."""
+        if all(n == 1 for _, n in self.positions):
+            return torch.tensor([first for first, _ in self.positions], dtype=torch.long)
+        return torch.cat([torch.arange(first, first + n, dtype=torch.long) for first, n in self.positions])
 
     def mark(self) -> tuple[int, int]:
         return len(self.query_lens), len(self.slots)
@@ -219,7 +227,7 @@ class KVCacheEngine(StatelessEngine):
         self._copy_pending()
         ei.attention = AttentionMetadata.build(plan.query_lens, plan.tables, plan.context_lens, plan.modes, plan.slots)
         ei.kv_caches = self.kv_caches
-        ei.positions = torch.cat(plan.positions) if plan.positions else torch.zeros(0, dtype=torch.long)
+        ei.positions = plan.position_tensor() if plan.positions else torch.zeros(0, dtype=torch.long)
         ei.num_tokens = [sum(q.num_tokens for q in p.sequences()) for p in admitted]
         outs = iter(self._call(admitted, ei, tensors))
         self._register_prefixes()
@@ -309,7 +317,7 @@ class KVCacheEngine(StatelessEngine):
         plan.query_lens.append(seq.num_tokens)
         plan.tables.append(m.block_table(rid, name))
         plan.modes.append(mode)
-        plan.positions.append(torch.arange(before, before + seq.num_tokens, dtype=torch.long))
+        plan.positions.append((before, seq.num_tokens))
 
     def _rollback(self, batch: list[Prepared]) -> None:
         """Undo this batch's cache appends so the items can be retried one by one."""

@@ -80,6 +80,8 @@ def read_stop(value: Any) -> bool:
     """A stop signal is a per-request value: a bool, or a tensor / list whose entries are all truthy."""
     if isinstance(value, (list, tuple)):
         return bool(value) and all(read_stop(v) for v in value)
+    if getattr(value, "ndim", None) == 0:  # one flag (a 0-d tensor): its truth, without a reduction
+        return bool(value)
     if hasattr(value, "numel"):
         return bool(value.numel() > 0 and bool(value.all()))
     return bool(value)
