@@ -673,6 +673,16 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
+// fn(v, c, s) for heads [0, heads) of each row t of y [T, >= heads * D]: v the head's D values, c / s
+// row t's tables; rows in tasks of 16.
+template <typename T, typename Fn>
+void each_head(T* yp, const T* cp, const T* sp, int64_t T_, int64_t stride, int64_t heads, int64_t D, const Fn& fn) {
+  mstar_cpu::parallel_tasks((T_ + 15) / 16, [&](int64_t task) {
+    for (int64_t t = task * 16; t < std::min(T_, task * 16 + 16); ++t)
+      for (int64_t h = 0; h < heads; ++h) fn(yp + t * stride + h * D, cp + t * D, sp + t * D);
+  });
+}
+
 // The rotary embedding applied in place to heads [0, heads) of each row of y [T, >= heads * D]
 // (q and k heads side by side, as the packed q/k/v projection writes them): with a = y[i] and
 // b = y[i + D/2], y[i] = a cos[i] - b sin[i], y[i + D/2] = b cos[i + D/2] + a sin[i + D/2]
@@ -680,26 +690,19 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 template <typename T>
 void rotary_rows(T* yp, const T* cp, const T* sp, int64_t T_, int64_t stride, int64_t heads, int64_t D) {
   const int64_t half = D / 2;
-  mstar_cpu::parallel_tasks((T_ + 15) / 16, [&](int64_t task) {
-    for (int64_t t = task * 16; t < std::min(T_, task * 16 + 16); ++t) {
-      const T* c = cp + t * D;
-      const T* s = sp + t * D;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* v = yp + t * stride + h * D;
-        int64_t i = 0;
-        if constexpr (kVectorRows) {  // 16 pairs at a time, the same operations per element
-          for (; i + kVec <= half; i += kVec) {
-            const vf16 a = load(v + i), b = load(v + i + half);
-            store(v + i, a * load(c + i) - b * load(s + i));
-            store(v + i + half, b * load(c + i + half) + a * load(s + i + half));
-          }
-        }
-        for (; i < half; ++i) {
-          const float a = scalar(v[i]), b = scalar(v[i + half]);
-          put(a * scalar(c[i]) - b * scalar(s[i]), v + i);
-          put(b * scalar(c[i + half]) + a * scalar(s[i + half]), v + i + half);
-        }
+  each_head(yp, cp, sp, T_, stride, heads, D, [half](T* v, const T* c, const T* s) {
+    int64_t i = 0;
+    if constexpr (kVectorRows) {  // 16 pairs at a time, the same operations per element
+      for (; i + kVec <= half; i += kVec) {
+        const vf16 a = load(v + i), b = load(v + i + half);
+        store(v + i, a * load(c + i) - b * load(s + i));
+        store(v + i + half, b * load(c + i + half) + a * load(s + i + half));
       }
+    }
+    for (; i < half; ++i) {
+      const float a = scalar(v[i]), b = scalar(v[i + half]);
+      put(a * scalar(c[i]) - b * scalar(s[i]), v + i);
+      put(b * scalar(c[i + half]) + a * scalar(s[i + half]), v + i + half);
     }
   });
 }
@@ -730,33 +733,26 @@ void rotary_(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_t head
 #pragma GCC optimize("fp-contract=off")
 void rotary_pairs_rows(float* yp, const float* cp, const float* sp, int64_t T_, int64_t stride, int64_t heads,
                        int64_t D) {
-  mstar_cpu::parallel_tasks((T_ + 15) / 16, [&](int64_t task) {
-    for (int64_t t = task * 16; t < std::min(T_, task * 16 + 16); ++t) {
-      const float* c = cp + t * D;
-      const float* s = sp + t * D;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* v = yp + t * stride + h * D;
-        int64_t i = 0;
+  each_head(yp, cp, sp, T_, stride, heads, D, [D](float* v, const float* c, const float* s) {
+    int64_t i = 0;
 #if defined(__AVX512F__)
-        const vf16 sign = {-1.0f, 1.0f, -1.0f, 1.0f, -1.0f, 1.0f, -1.0f, 1.0f,
-                           -1.0f, 1.0f, -1.0f, 1.0f, -1.0f, 1.0f, -1.0f, 1.0f};
-        for (; i + kVec <= D; i += kVec) {
-          const vf16 x = load(v + i);
-          const vf16 swapped = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14) * sign;
-          const vf16 rc = x * load(c + i);
-          const vf16 rs = swapped * load(s + i);
-          const vf16 r = rc + rs;
-          std::memcpy(v + i, &r, sizeof r);
-        }
+    const vf16 sign = {-1.0f, 1.0f, -1.0f, 1.0f, -1.0f, 1.0f, -1.0f, 1.0f,
+                       -1.0f, 1.0f, -1.0f, 1.0f, -1.0f, 1.0f, -1.0f, 1.0f};
+    for (; i + kVec <= D; i += kVec) {
+      const vf16 x = load(v + i);
+      const vf16 swapped = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14) * sign;
+      const vf16 rc = x * load(c + i);
+      const vf16 rs = swapped * load(s + i);
+      const vf16 r = rc + rs;
+      std::memcpy(v + i, &r, sizeof r);
+    }
 #endif
-        for (; i < D; i += 2) {
-          const float a = v[i], b = v[i + 1];
-          const float r0c = a * c[i], r0s = -b * s[i];
-          const float r1c = b * c[i + 1], r1s = a * s[i + 1];
-          v[i] = r0c + r0s;
-          v[i + 1] = r1c + r1s;
-        }
-      }
+    for (; i < D; i += 2) {
+      const float a = v[i], b = v[i + 1];
+      const float r0c = a * c[i], r0s = -b * s[i];
+      const float r1c = b * c[i + 1], r1s = a * s[i + 1];
+      v[i] = r0c + r0s;
+      v[i + 1] = r1c + r1s;
     }
   });
 }

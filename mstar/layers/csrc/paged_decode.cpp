@@ -520,30 +520,10 @@ torch::Tensor decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
                           torch::Tensor v_cache, torch::Tensor slots, torch::Tensor tables, torch::Tensor ctx,
                           double scale) {
   check_rows(q, "q");
-  check_rows(k, "k");
-  check_rows(v, "v");
   const auto dt = q.scalar_type();
-  TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kBFloat16) && k.scalar_type() == dt &&
-                  v.scalar_type() == dt,
-              "q, k, v must share one dtype, float32 or bfloat16");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k_cache.dim() == 4 &&
-                  k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
-              "k / v must be [tokens, kv_heads, head_dim] of the cache's heads");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.dtype() == v_cache.dtype() &&
-                  (k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16),
-              "caches must be contiguous [blocks, block_size, kv_heads, head_dim], float32 or bfloat16");
-  TORCH_CHECK(slots.dim() == 1 && slots.numel() == q.size(0) && slots.scalar_type() == torch::kInt64 &&
-                  slots.is_contiguous(),
-              "slots must be int64 [tokens]");
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
-  for (int64_t t = 0; t < slots.numel(); ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "slot ", sp[t], " is outside the cache");
-  if (dt == torch::kFloat32)
-    store_both<float>(k, v, k_cache, v_cache, sp);
-  else
-    store_both<c10::BFloat16>(k, v, k_cache, v_cache, sp);
+  TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kBFloat16) && k.scalar_type() == dt && k.size(0) == q.size(0),
+              "q, k, v must share one dtype, float32 or bfloat16, and their tokens");
+  store_kv_(k, v, k_cache, v_cache, slots);  // checks k, v, the caches and the slots
   const float s = static_cast<float>(scale);
   auto queries = dt == torch::kFloat32 ? scaled_queries<float>(q, s) : scaled_queries<c10::BFloat16>(q, s);
   auto out = paged_decode(queries, k_cache, v_cache, tables, ctx);
