@@ -44,7 +44,7 @@ from torch import nn
 from mstar.layers.attention_backends import AttentionBackend, default_backend
 from mstar.layers.cpu_ops import ops
 from mstar.layers.paged_attention import paged_attention
-from mstar.layers.prepack import PrepackedLinear, can_prepack
+from mstar.layers.prepack import PrepackedLinear, can_prepack, hooked
 from mstar.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary
 
 __all__ = [
@@ -354,11 +354,6 @@ class LlamaDecoderLayer(nn.Module):
         return h + mlp(self.post_attention_layernorm(h))
 
 
-def _hooked(*modules: nn.Module) -> bool:
-    """Some module has forward hooks (the lean loop would skip them)."""
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-
-
 class _LeanLayer(NamedTuple):
     """A decoder layer's parts as ``LlamaDecoderLayer.forward`` uses them on the compiled route."""
 
@@ -380,7 +375,7 @@ def _lean_layer(layer: nn.Module, dtype: torch.dtype) -> _LeanLayer | None:
     attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
     if (type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP or type(n1) is not RMSNorm
             or type(n2) is not RMSNorm or not (attn.takes_residual and mlp.takes_residual)
-            or _hooked(layer, attn, mlp, n1, n2)):
+            or hooked(layer, attn, mlp, n1, n2)):
         return None
     if not (n1.compiled and n2.compiled and n1.weight.dtype == dtype and n2.weight.dtype == dtype):
         return None
@@ -445,7 +440,7 @@ class LlamaBackbone(nn.Module):
         """Every layer's parts (``_lean_layer``) when every layer would run on the compiled route for
         ``h``; None otherwise (the modules' own forwards then run)."""
         if (h.dim() != 2 or not h.is_contiguous() or h.dtype not in _COMPILED_DTYPES or not y_rotatable(h, cos, sin)
-                or _hooked(*self.layers) or torch.nn.modules.module._global_forward_hooks
+                or hooked(*self.layers) or torch.nn.modules.module._global_forward_hooks
                 or torch.nn.modules.module._global_forward_pre_hooks):
             return None
         lean = []

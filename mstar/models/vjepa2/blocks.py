@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.cpu_ops import ops
-from mstar.layers.prepack import PrepackableLinear
+from mstar.layers.prepack import PrepackableLinear, hooked
 from mstar.models.vjepa2.config import swiglu_hidden
 from mstar.models.vjepa2.frame_cache import BlockAttention, KVLayer
 from mstar.models.vjepa2.rope import rotate
@@ -89,21 +89,6 @@ class SwiGLUMLP(nn.Module):
         return self.fc3(F.silu(self.fc1(x)) * self.fc2(x))
 
 
-def _hooked(*modules: nn.Module) -> bool:
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-
-
-def _linear(lin: PrepackableLinear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``lin(x)``, plus ``residual`` when given: through the prepacked weight with the bias and the
-    residual added in the kernel's store where it can be (the same bits as ``residual + lin(x)``),
-    else the module and a separate add."""
-    pre = lin.prepacked
-    if pre is not None and x.dtype == lin.weight.dtype and x.device.type == "cpu" and pre.fresh(lin.weight):
-        return pre(x, residual, bias=lin.bias)
-    y = lin(x)
-    return y if residual is None else residual + y
-
-
 class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, mlp_hidden: int, qkv_bias: bool, use_silu: bool,
                  wide_silu: bool, eps: float) -> None:
@@ -132,10 +117,7 @@ class Block(nn.Module):
         attn, mlp = self.attn, self.mlp
         q, k, v = attn.qkv_rows(self.norm1(x), cos, sin)
         o = attend(q, k, v)
-        if _hooked(attn.proj, mlp) or (isinstance(mlp, GeluMLP) and _hooked(mlp.fc1, mlp.act, mlp.fc2)):
-            x = x + attn.proj(o.reshape(o.shape[0], -1))
-            return x + mlp(self.norm2(x))
-        x = _linear(attn.proj, o.reshape(o.shape[0], -1), residual=x)
-        if isinstance(mlp, GeluMLP):
-            return _linear(mlp.fc2, mlp.act(_linear(mlp.fc1, self.norm2(x))), residual=x)
+        x = attn.proj.forward_plus(o.reshape(o.shape[0], -1), x)
+        if isinstance(mlp, GeluMLP) and not hooked(mlp):
+            return mlp.fc2.forward_plus(mlp.act(mlp.fc1(self.norm2(x))), x)
         return x + mlp(self.norm2(x))
