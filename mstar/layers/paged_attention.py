@@ -126,7 +126,7 @@ class AttentionMetadata:
             slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.int64, device=device),
             block_tables=block_tables,
             context_lens=torch.tensor(list(context_lens), dtype=torch.int64, device=device),
-            modes=[QueryMode(m) for m in modes],
+            modes=[m if type(m) is QueryMode else QueryMode(m) for m in modes],
         )
 
 

@@ -76,16 +76,22 @@ class InlineDriver:
         pass
 
     def pump(self, conductor: Conductor, busy: bool) -> bool:
+        """Deliver messages until none is left (a hand-off between partitions goes worker ->
+        conductor -> worker within one pump, so the next step can already run its new walk), then
+        one step per worker."""
         boxes = self.transport.boxes
-        did = False
-        while boxes[CONDUCTOR]:
-            conductor.handle(boxes[CONDUCTOR].popleft())
-            did = True
-        for w in self.workers:
-            box = boxes[w.rank]
-            while box:
-                w.handle(box.popleft())
-                did = True
+        did, moved = False, True
+        while moved:
+            moved = False
+            while boxes[CONDUCTOR]:
+                conductor.handle(boxes[CONDUCTOR].popleft())
+                moved = True
+            for w in self.workers:
+                box = boxes[w.rank]
+                while box:
+                    w.handle(box.popleft())
+                    moved = True
+            did = did or moved
         for w in self.workers:
             did = w.step() or did
         return did

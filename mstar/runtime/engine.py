@@ -163,7 +163,9 @@ class StatelessEngine:
                 raise ValueError(f"{type(self.module).__name__}.forward returned {len(vals)} values for "
                                  f"{name!r}, expected one per request ({len(batch)})")
         self.batch_sizes.append(len(batch))
-        return [{name: _as_value(vals[i]) for name, vals in out.items()} for i in range(len(batch))]
+        names = list(out)
+        columns = [[v if type(v) is list else _as_value(v) for v in vals] for vals in out.values()]
+        return [dict(zip(names, row)) for row in zip(*columns)] if names else [{} for _ in batch]
 
     def _forward(self, batch: list[Prepared]) -> list[dict]:
         ei, tensors = self._engine_inputs(batch)
@@ -228,7 +230,8 @@ class KVCacheEngine(StatelessEngine):
         ei.attention = AttentionMetadata.build(plan.query_lens, plan.tables, plan.context_lens, plan.modes, plan.slots)
         ei.kv_caches = self.kv_caches
         ei.positions = plan.position_tensor() if plan.positions else torch.zeros(0, dtype=torch.long)
-        ei.num_tokens = [sum(q.num_tokens for q in p.sequences()) for p in admitted]
+        ei.num_tokens = [p.inputs.num_tokens if p.inputs.sequences is None else sum(q.num_tokens for q in p.sequences())
+                         for p in admitted]
         outs = iter(self._call(admitted, ei, tensors))
         self._register_prefixes()
         return [DEFERRED if r is None else next(outs) for r in runs]
@@ -243,9 +246,13 @@ class KVCacheEngine(StatelessEngine):
             return None
         mark, appended = plan.mark(), len(self._appended)
         run = self._adopt_prefix(p)
+        ni = run.inputs
         try:
-            for seq in run.sequences():
-                self._plan_sequence(rid, seq, plan)
+            if ni.sequences is None and ni.fork_from is None and ni.mode is QueryMode.CAUSAL_APPEND:
+                self._plan_single(rid, ni, p.item.node, plan)
+            else:
+                for seq in run.sequences():
+                    self._plan_sequence(rid, seq, plan)
         except OutOfBlocks:
             plan.reset(mark)
             self._undo_appends(self._appended[appended:])
@@ -294,6 +301,19 @@ class KVCacheEngine(StatelessEngine):
         if pairs:
             for k_cache, v_cache in self.kv_caches:
                 copy_blocks(k_cache, v_cache, pairs)
+
+    def _plan_single(self, rid: str, ni, node: str, plan: _KVPlan) -> None:
+        """``_plan_sequence`` for an item's one causal-append sequence (no fork, no sequences list: a
+        prompt or a decode step): the same manager calls and plan entries, without a ``KVSequence``."""
+        m, name, n = self.manager, ni.cache_name or node, ni.num_tokens
+        before = m.num_tokens(rid, name)
+        plan.slots += m.append_slots(rid, name, n)
+        self._appended.append((rid, name, before))
+        plan.context_lens.append(before + n)
+        plan.query_lens.append(n)
+        plan.tables.append(m.block_table(rid, name))
+        plan.modes.append(QueryMode.CAUSAL_APPEND)
+        plan.positions.append((before, n))
 
     def _plan_sequence(self, rid: str, seq: KVSequence, plan: _KVPlan) -> None:
         """Fork / allocate the sequence's cache slots (recording appends for a rollback) and add its

@@ -43,7 +43,8 @@ class InlineTransport:
 
     def send(self, dest: int, msg: Any) -> None:
         self.boxes[dest].append(msg)
-        self.wake.set()
+        if not self.wake.is_set():  # set() takes the event's lock: once per idle period is enough
+            self.wake.set()
 
 
 def ipc_address(run_dir: str, addr: int) -> str:

@@ -79,7 +79,12 @@ class StreamSource(Protocol):
 def read_stop(value: Any) -> bool:
     """A stop signal is a per-request value: a bool, or a tensor / list whose entries are all truthy."""
     if isinstance(value, (list, tuple)):
-        return bool(value) and all(read_stop(v) for v in value)
+        if len(value) == 1:  # the usual value: one flag in a list
+            return read_stop(value[0])
+        for v in value:
+            if not read_stop(v):
+                return False
+        return bool(value)
     if getattr(value, "ndim", None) == 0:  # one flag (a 0-d tensor): its truth, without a reduction
         return bool(value)
     if hasattr(value, "numel"):
@@ -99,6 +104,7 @@ class _Frame:
     exit_vals: dict[str, Any] = field(default_factory=dict)
     stop: bool = False
     deferred_stop: Any = None  # stop flag of the previous iteration, read one iteration late
+    invariant: dict[str, Any] | None = None  # a self-loop's invariant inputs, looked up once per frame
 
     @property
     def vec(self) -> Vec:
@@ -135,6 +141,13 @@ class WalkTracker:
         self._start_bindings = {n: [(i, b) for i, b in np_.inputs.items() if b.kind is not InputKind.LOCAL]
                                 for n, np_ in plan.nodes.items()}
         self._self_loops = self._find_self_loops()
+        # per node: its self-loop's invariant inputs (None: not a self-loop body) and the routes its
+        # results take (a self-loop's feedback goes straight into its next iteration instead)
+        self._routed: dict[str, tuple[tuple[str, ...] | None, tuple]] = {}
+        for name, np_ in plan.nodes.items():
+            fast = self._self_loops.get(np_.frame) if np_.frame is not None else None
+            self._routed[name] = (fast, tuple(r for r in np_.routes
+                                              if fast is None or r.kind is not RouteKind.FEEDBACK))
         self._accumulated = {name: {e.name for e in lp.exits if e.accumulate} for name, lp in plan.loops.items()}
 
     # -- public --------------------------------------------------------------------------------
@@ -168,13 +181,13 @@ class WalkTracker:
                 frame.remaining.discard(node)
                 self._maybe_end_iteration(frame, discard_current=True)
                 return self._effects()
-        fast = self._self_loops.get(np_.frame) if np_.frame is not None else None
+        fast, routed = self._routed[node]
         for route in np_.routes:
             if route.edge_name not in outputs:
                 raise ValueError(f"node {node!r} (walk {self.plan.walk!r}) returned no output {route.edge_name!r}; "
                                  f"it returned {sorted(outputs)}")
-            if fast is None or route.kind is not RouteKind.FEEDBACK:
-                self._route(route, outputs[route.edge_name], vec, node, frame)
+        for route in routed:
+            self._route(route, outputs[route.edge_name], vec, node, frame)
         for name in np_.loop_exit_names:
             self._record_exit(frame, name, outputs[name])
         if np_.stop_signal is not None:
@@ -201,14 +214,14 @@ class WalkTracker:
             self._finish_loop(frame)
             return
         np_ = self.plan.nodes[node]
-        inputs = {}
-        for inp, b in np_.inputs.items():
-            if inp in invariant:
-                inputs[inp] = (self.walk_inputs[inp] if b.kind is InputKind.WALK_INPUT
-                               else self._lookup_outer(frame, node, inp))
-            else:
-                inputs[inp] = outputs[inp]  # carried: the feedback edge has the input's name
-        self.ready.append(ReadyNode(node, frame.vec, inputs, {}))
+        fixed = frame.invariant
+        if fixed is None:  # the same values at every iteration of this frame
+            fixed = frame.invariant = {
+                inp: self.walk_inputs[inp] if np_.inputs[inp].kind is InputKind.WALK_INPUT
+                else self._lookup_outer(frame, node, inp) for inp in invariant}
+        # carried inputs: the feedback edge has the input's name; inputs keep the node's input order
+        inputs = {inp: fixed[inp] if inp in fixed else outputs[inp] for inp in np_.inputs}
+        self.ready.append(ReadyNode(node, frame.base + (frame.it,), inputs, {}))
 
     def stream_ready(self) -> Effects:
         """New stream chunks arrived: retry nodes waiting on a stream input."""

@@ -280,7 +280,8 @@ class Worker:
         rid = w.key.request_id
         for e in fx.emits:
             self.transport.send(CONDUCTOR, Emit(rid, e.name, e.value, e.modality, e.node, w.walk))
-        w.state.update(fx.state)
+        if fx.state:
+            w.state.update(fx.state)
         for p in fx.pushes:
             if not p.items:
                 continue  # nothing to stream this step (e.g. a token that carries no audio)
@@ -289,18 +290,20 @@ class Worker:
             w.pushed[skey] += len(p.items)
             self.transport.send(self.routing.partition_home[p.partition],
                                 StreamPush(rid, w.key.partition, p.partition, p.node, p.name, p.items, offset))
-        self._dispatch(w, fx.ready)
+        if fx.ready:
+            self._dispatch(w, fx.ready)
         if fx.done:
             self._walk_done(w)
 
     def _dispatch(self, w: _Walk, ready: list[ReadyNode]) -> None:
         rid, partition, walk_seq = w.key
+        rank = self.rank
         for r in ready:
             chunks = {k: _chunk_info(c) for k, c in r.stream_chunks.items()} if r.stream_chunks else {}
             target = self.routing.rank_of(r.node, w.walk)
-            if target == self.rank:
+            if target == rank:
                 self._enqueue(WorkItem(next(self._seq), rid, partition, w.walk, walk_seq, r.node, r.iteration,
-                                       r.inputs, chunks, w.params, self.rank))
+                                       r.inputs, chunks, w.params, rank))
             else:
                 self.transport.send(target, ExecNode(rid, partition, w.walk, walk_seq, r.node, r.iteration,
                                                      r.inputs, chunks, w.params, self.rank))
@@ -369,15 +372,19 @@ class Worker:
             return self._runnable()  # other modules may still run
         self._stalled.clear()
         self.batch_hist[base][sum(out is not DEFERRED for out in results)] += 1
+        rank, walks = self.rank, self.walks
         for item, out in zip(batch, results):
             if out is DEFERRED:
                 continue
             if isinstance(out, ItemError):
                 log.debug("request %s failed: %s", item.request_id, "".join(traceback.format_exception(out)))
                 self._fail(item.request_id, str(out), out.kind)
-            elif item.home == self.rank:
+            elif item.home == rank:
+                w = walks.get(WalkKey(item.request_id, item.partition, item.walk_seq))
+                if w is None:
+                    continue
                 try:
-                    self._node_done(item.walk_key, item.node, item.iteration, out)
+                    self._apply(w, w.tracker.node_done(item.node, item.iteration, out))
                 except Exception as e:  # noqa: BLE001 - one request's error must not stop the worker
                     self._fail(item.request_id, describe(e), FailureKind.of(e))
             else:
@@ -395,11 +402,16 @@ class Worker:
         eng = self.engines[base]
         if not isinstance(eng, KVCacheEngine):
             return eng.run(batch)
-        gated = [self._gated(eng, base, it.request_id) for it in batch]
-        outs = iter(eng.run([it for it, g in zip(batch, gated) if not g]) if not all(gated) else [])
-        results = [DEFERRED if g else next(outs) for g in gated]
-        deferred = [it for it, out in zip(batch, results) if out is DEFERRED]
         waiting = self.waiting[base]
+        if base not in self._gate and not waiting:  # nobody waits for blocks here (no item is gated)
+            results = eng.run(batch)
+            if DEFERRED not in results:  # and every item got its blocks: the common case
+                return results
+        else:
+            gated = [self._gated(eng, base, it.request_id) for it in batch]
+            outs = iter(eng.run([it for it, g in zip(batch, gated) if not g]) if not all(gated) else [])
+            results = [DEFERRED if g else next(outs) for g in gated]
+        deferred = [it for it, out in zip(batch, results) if out is DEFERRED]
         for it, out in zip(batch, results):
             if out is DEFERRED:
                 waiting.add(it.request_id)

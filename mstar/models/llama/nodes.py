@@ -119,7 +119,9 @@ class LlamaCausalLM(NodeSubmodule):
             step = 0
             seen = ids if sp.repetition_penalty != 1.0 else None
         else:  # decode: the previous token; iteration i samples token i + 1
-            ids = inputs["token"][0].reshape(-1).to(torch.long)
+            ids = inputs["token"][0]
+            if ids.dim() != 1 or ids.dtype != torch.long:  # as step_outputs makes it: int64 [1]
+                ids = ids.reshape(-1).to(torch.long)
             step = fwd_info.iteration[-1] + 1 if fwd_info.iteration else 0
             seen = inputs["seen"][0].reshape(-1).to(torch.long) if sp.repetition_penalty != 1.0 else None
         if ids.numel() == 0:
