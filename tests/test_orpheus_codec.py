@@ -292,7 +292,7 @@ def test_stateless_engine_runs_the_node(node, model):
     one_by_one = torch.cat([engine.run([item])[0]["audio"][0] for item in items])
     assert torch.equal(one_by_one, _reference_stream(model, tokens))
     together = torch.cat([out["audio"][0] for out in engine.run(items)])  # one batch of 3 windows
-    assert engine.batch_sizes == [1, 1, 1, 3]
+    assert list(engine.batch_sizes) == [1, 1, 1, 3]
     assert (together.int() - one_by_one.int()).abs().max() <= 1
 
 

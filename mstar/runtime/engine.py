@@ -22,6 +22,7 @@ is needed, least recently released first).
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +98,7 @@ def _as_value(x: Any) -> list[torch.Tensor]:
 @dataclass
 class StatelessEngine:
     module: NodeSubmodule
-    batch_sizes: list[int] = field(default_factory=list)
+    batch_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=4096))  # the latest forwards' sizes
 
     def cache_len(self, item: WorkItem) -> int:
         return 0
@@ -154,8 +155,12 @@ class StatelessEngine:
 
     def _call(self, batch: list[Prepared], ei: EngineInputs, tensors: dict[str, torch.Tensor]) -> list[dict]:
         walks = set(ei.walks)
-        with torch.inference_mode():
-            out = self.module.forward(walks.pop() if len(walks) == 1 else None, ei, **tensors)
+        walk = walks.pop() if len(walks) == 1 else None
+        if torch.is_inference_mode_enabled():  # the runtime's loops run in it (entering costs ~20 us a step)
+            out = self.module.forward(walk, ei, **tensors)
+        else:
+            with torch.inference_mode():
+                out = self.module.forward(walk, ei, **tensors)
         if not isinstance(out, dict):
             raise TypeError(f"{type(self.module).__name__}.forward must return dict[str, list[Tensor]]")
         for name, vals in out.items():

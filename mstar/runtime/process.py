@@ -13,6 +13,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from mstar.runtime.gc_freeze import freeze_startup_objects
 from mstar.runtime.malloc import keep_freed_memory
 from mstar.runtime.messages import CONDUCTOR, WorkerStatus
@@ -63,12 +65,13 @@ def serve(worker: Any, transport: Any, orphaned: Callable[[], bool]) -> None:
     """A ready rank's loop: receive -> handle -> one batched step; waits on its socket when idle
     and returns at ``Shutdown``, or when ``orphaned()`` says so while idle."""
     busy = False
-    while worker.running:
-        for msg in transport.recv(0 if busy else 50):
-            worker.handle(msg)
-        busy = worker.step()
-        if not busy and orphaned():
-            break
+    with torch.inference_mode():  # entered once, not around every forward
+        while worker.running:
+            for msg in transport.recv(0 if busy else 50):
+                worker.handle(msg)
+            busy = worker.step()
+            if not busy and orphaned():
+                break
 
 
 def spawn_worker(rank: int, model: Any, placement: Any, run_dir: str, device: str,
