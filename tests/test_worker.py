@@ -87,6 +87,29 @@ def test_an_overdue_producer_item_whose_consumer_holds_its_chunks_waits():
     assert w.next_batch()[0] == "counter"
 
 
+def test_an_overdue_producer_item_waits_while_its_request_has_deeper_work_queued():
+    """``counter``'s item for ``b`` is overdue, but ``b`` has a ``summer`` item (a deeper stage) queued
+    here: that item runs first. An overdue item of a request without deeper work (``c``) keeps the
+    guard, and deeper work of a module that cannot run now (stalled for KV blocks) does not count."""
+    w, _ = worker(scheduling_max_wait_ms=0.0)
+    w.handle(exec_node("counter", "b"))
+    w.handle(exec_node("summer", "b", "cons", "window"))
+    w.queues["counter"][0].queued_at -= 1.0
+    assert w.next_batch()[0] == "summer"
+    assert w.next_batch()[0] == "counter"
+    w.handle(exec_node("counter", "b"))
+    w.handle(exec_node("summer", "b", "cons", "window"))
+    w.queues["counter"][0].queued_at -= 1.0
+    w._stalled.add("summer")
+    assert w.next_batch()[0] == "counter"
+    w._stalled.clear()
+    w.queues["summer"].clear()
+    w.handle(exec_node("counter", "c"))
+    w.handle(exec_node("summer", "a", "cons", "window"))
+    w.queues["counter"][0].queued_at -= 1.0
+    assert w.next_batch()[0] == "counter"
+
+
 def test_batches_respect_the_module_limit():
     w, _ = worker()
     w.max_batch["counter"] = 2

@@ -7,9 +7,12 @@ among those overdue items, so a producer's new prompts and other requests are ne
 consumer that always has work. An item whose request is *ahead* (``ahead(item)``: a consumer on this
 rank still holds stream chunks from the item's partition that it has not taken) is never overdue:
 running it could only add to that backlog, and the consumer, which has priority, takes the chunks
-first; once they are taken the item is overdue again. So a Thinker that already streamed the Talker
-its next text waits behind the Talker and code predictor, whose steps lead to the first audio. With
-one stage on the rank (no streams) both policies are FCFS.
+first; once they are taken the item is overdue again. Nor is an item overdue while its request has an
+item of a deeper stage queued here (that item goes first; the request's producer step can only help
+its consumer after it). So a Thinker that already streamed the Talker its next text waits behind the
+Talker and code predictor, whose steps lead to the first audio, and a Thinker step is not taken
+between a frame's last code-predictor step and its assembly, or between the frame and its Code2Wav
+chunk. With one stage on the rank (no streams) both policies are FCFS.
 """
 
 from __future__ import annotations
@@ -60,16 +63,23 @@ class ModuleScheduler:
         if not self.staged or len(heads) == 1:
             return min(heads)[1]
         due = time.monotonic() - self.max_wait
-        overdue = [h for h in heads if self._overdue(queues[h[1]], due)]
+        overdue = [h for h in heads if self._overdue(queues, h[1], due, skip)]
         if overdue:
             return min(overdue)[1]
         return min(heads, key=lambda h: (-self.stage[h[1]], h[0]))[1]
 
-    def _overdue(self, queue: deque[WorkItem], due: float) -> bool:
-        """Some item queued before ``due`` whose request is not ahead (items queue in time order)."""
-        for item in queue:
+    def _overdue(self, queues: Mapping[str, deque[WorkItem]], base: str, due: float, skip: Collection[str]) -> bool:
+        """Some item of ``base`` queued before ``due`` whose request is not ahead and has no runnable item
+        of a deeper stage queued (items queue in time order)."""
+        deeper = None
+        for item in queues[base]:
             if item.queued_at >= due:
                 return False
-            if not self.ahead(item):
+            if self.ahead(item):
+                continue
+            if deeper is None:  # the requests with work queued downstream of this module, looked up once
+                deeper = {it.request_id for b, q in queues.items()
+                          if q and b not in skip and self.stage[b] > self.stage[base] for it in q}
+            if item.request_id not in deeper:
                 return True
         return False
