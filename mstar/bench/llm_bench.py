@@ -44,6 +44,7 @@ from mstar.bench.llm_systems import (
     MstarSystem,
     PeerUnavailable,
     Run,
+    StepOverhead,
     VllmSystem,
 )
 from mstar.bench.stats import spread, spread_cell
@@ -229,6 +230,7 @@ class LlmBenchResult:
     stats: list[SystemStats]
     model: str = "random"  # one of MODELS
     dtype: str = "float32"  # every system's weights and activations
+    overhead: StepOverhead | None = None  # mstar's runtime time per decode step, concurrent workload
 
     def get(self, system: str, workload: str) -> SystemStats | None:
         return next((s for s in self.stats if s.system == system and s.workload == workload), None)
@@ -311,6 +313,15 @@ def run_llm_bench(*, cache_dir: str | Path | None = None, shape: LlmShape = BENC
                     runs[(s, w)].append(run)
                     say(f"repeat {r + 1}/{repeats} {w} {s}: {run.tok_s:.1f} tok/s, "
                         f"{run.ms_per_token:.2f} ms/token, wall {run.wall_s:.2f} s")
+        overhead = None
+        if "concurrent" in workloads:  # one more mstar run, its steps and forwards timed
+            for other in running.values():
+                if hasattr(other, "suspend"):
+                    other.suspend()
+            time.sleep(pause_s)
+            overhead = running["mstar"].step_overhead(work["concurrent"], max_tokens)
+            say(f"mstar runtime overhead: {overhead.in_step_us:.0f} us a step outside the forward, "
+                f"{overhead.between_steps_us:.0f} us between steps")
     finally:
         for s in running.values():
             s.close()
@@ -331,7 +342,8 @@ def run_llm_bench(*, cache_dir: str | Path | None = None, shape: LlmShape = BENC
         repeats=repeats, seed=seed, threads=torch.get_num_threads(), cores=os.cpu_count() or 1,
         date=time.strftime("%Y-%m-%d"), torch_version=torch.__version__,
         transformers_version=transformers.__version__, vllm_version=vllm_version, vllm_skipped=vllm_skipped,
-        prompt_lengths=[len(p) for p in work["concurrent"]], stats=stats, model=model, dtype=dtype)
+        prompt_lengths=[len(p) for p in work["concurrent"]], stats=stats, model=model, dtype=dtype,
+        overhead=overhead)
 
 
 # -- output ---------------------------------------------------------------------------------------------------
@@ -356,6 +368,7 @@ def format_table(result: LlmBenchResult) -> str:
 
 
 GOALS = {"concurrent": 1.5, "b1": 1.5}  # ours / vLLM CPU
+OVERHEAD_GOAL_US = 200  # mstar's runtime time per decode step at the concurrent workload, outside the forward
 
 
 def goal_lines(result: LlmBenchResult) -> list[str]:
@@ -367,6 +380,12 @@ def goal_lines(result: LlmBenchResult) -> list[str]:
         met = "met" if st.ratio[0] >= target else "not met"
         out.append(f"- {workload_label(result, w)}: ours / vLLM CPU = {st.ratio[0]:.2f}x "
                    f"({st.ratio[1]:.2f}–{st.ratio[2]:.2f}); goal >= {target:.1f}x: **{met}**")
+    oh = result.overhead
+    if oh is not None:
+        met = "met" if oh.total_us <= OVERHEAD_GOAL_US else "not met"
+        out.append(f"- mstar's runtime overhead, {result.concurrency} concurrent: {oh.in_step_us:.0f} us a step "
+                   f"outside the forward (median of {oh.steps} steps) + {oh.between_steps_us:.0f} us between "
+                   f"steps = {oh.total_us:.0f} us; goal <= {OVERHEAD_GOAL_US} us: **{met}**")
     return out
 
 

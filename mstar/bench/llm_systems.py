@@ -69,6 +69,21 @@ def _params(max_tokens: int) -> dict[str, Any]:
     return {"max_tokens": max_tokens, "sampling": {"temperature": 0.0, "ignore_eos": True}}
 
 
+@dataclass(frozen=True)
+class StepOverhead:
+    """The runtime's own time in a run of decode steps: per step, ``Worker.step`` minus the module's
+    ``forward`` (median over the steps after the first, which holds the prefill), and the wall time
+    outside the steps (the conductor, handles, the driver loop) per step."""
+
+    in_step_us: float
+    between_steps_us: float
+    steps: int  # forwards in the run
+
+    @property
+    def total_us(self) -> float:
+        return self.in_step_us + self.between_steps_us
+
+
 class MstarSystem(_InProcess):
     name = "mstar"
 
@@ -94,6 +109,42 @@ class MstarSystem(_InProcess):
     def one(self, prompt: list[int], max_tokens: int) -> list[int]:
         [out] = self.rt.generate([{"input_ids": torch.tensor(prompt)}], _params(max_tokens))
         return self._tokens(out)
+
+    def step_overhead(self, prompts: list[list[int]], max_tokens: int) -> StepOverhead:
+        """One more ``concurrent`` run with the rank's steps and the LLM node's forward timed (wrappers
+        on the two instances, removed after)."""
+        from mstar.models.llama.graph import NODE
+
+        worker, module = self.rt.local_worker(NODE), self.rt.local_module(NODE)
+        step, forward = worker.step, module.forward
+        forwards: list[float] = []
+        stepped: list[tuple[float, float]] = []  # (step time, its forward's time) of steps with one forward
+        total = [0.0]
+
+        def timed_forward(*a, **kw):
+            t0 = time.perf_counter()
+            out = forward(*a, **kw)
+            forwards.append(time.perf_counter() - t0)
+            return out
+
+        def timed_step():
+            n, t0 = len(forwards), time.perf_counter()
+            out = step()
+            took = time.perf_counter() - t0
+            total[0] += took
+            if len(forwards) == n + 1:
+                stepped.append((took, forwards[-1]))
+            return out
+
+        worker.step, module.forward = timed_step, timed_forward
+        try:
+            run = self.concurrent(prompts, max_tokens)
+        finally:
+            del worker.step, module.forward
+        if len(stepped) < 2:
+            raise RuntimeError("the overhead run made fewer than two steps with a forward")
+        in_step = statistics.median(t - f for t, f in stepped[1:])  # the first one holds the prefill
+        return StepOverhead(1e6 * in_step, 1e6 * (run.wall_s - total[0]) / len(forwards), len(forwards))
 
     def close(self) -> None:
         self.rt.shutdown()

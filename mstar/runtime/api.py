@@ -444,9 +444,13 @@ class Runtime:
     # -- in-process access (inline mode), for tests and tools --------------------------------------
     def local_engine(self, module: str) -> StatelessEngine:
         """The engine running ``module`` on the first rank that holds it (inline mode only)."""
+        return self.local_worker(module).engines[module]
+
+    def local_worker(self, module: str) -> Any:
+        """The ``Worker`` of the first rank that holds ``module`` (inline mode only)."""
         for w in self._driver.workers:
             if module in w.engines:
-                return w.engines[module]
+                return w
         where = "no rank holds it" if self.mode == "inline" else "workers run in other processes"
         raise LookupError(f"module {module!r} is not in this process: {where}")
 
