@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mstar.layers.paged_attention import AttentionMetadata, QueryMode, copy_blocks
-from mstar.model.submodule import EngineInputs, ForwardInfo, KVSequence, NodeSubmodule
+from mstar.model.submodule import EngineInputs, ForwardInfo, KVSequence, NodeInputs, NodeSubmodule
 from mstar.runtime.kv.block_pool import BlockPool, KVCacheManager, OutOfBlocks, prefix_hashes
 from mstar.runtime.kv.sizing import as_blocks, cdiv
 from mstar.runtime.work_items import DEFERRED, ItemError, Prepared, WorkItem
@@ -92,6 +92,7 @@ class _Swapped:
 
 
 def _as_value(x: Any) -> list[torch.Tensor]:
+    """One request's value of an output as a list (a list the module made is taken as it is)."""
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
@@ -307,7 +308,7 @@ class KVCacheEngine(StatelessEngine):
             for k_cache, v_cache in self.kv_caches:
                 copy_blocks(k_cache, v_cache, pairs)
 
-    def _plan_single(self, rid: str, ni, node: str, plan: _KVPlan) -> None:
+    def _plan_single(self, rid: str, ni: NodeInputs, node: str, plan: _KVPlan) -> None:
         """``_plan_sequence`` for an item's one causal-append sequence (no fork, no sequences list: a
         prompt or a decode step): the same manager calls and plan entries, without a ``KVSequence``."""
         m, name, n = self.manager, ni.cache_name or node, ni.num_tokens
