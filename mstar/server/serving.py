@@ -6,8 +6,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mstar.runtime.api import RequestError, Runtime, StreamItem
+from mstar.runtime.api import Runtime
 from mstar.runtime.failures import FailureKind
+from mstar.runtime.handles import RequestError, StreamItem
 from mstar.server.errors import APIError, log, request_id
 from mstar.server.metrics import ServerMetrics
 

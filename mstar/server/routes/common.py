@@ -13,7 +13,7 @@ from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
 from mstar.model.adapter import ROUTE_PATHS, ApiRequest, AudioChunk, ImageOut, ItemDecoder, TextDelta
-from mstar.runtime.api import StreamItem
+from mstar.runtime.handles import StreamItem
 from mstar.server import media
 from mstar.server.errors import APIError, error_body, internal_error, log, request_id
 from mstar.server.limits import ServerLimits

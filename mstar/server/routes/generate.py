@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter
 
 from mstar.model.adapter import GENERATE, ApiAdapter, ApiRequest
-from mstar.runtime.api import StreamItem
+from mstar.runtime.handles import StreamItem
 from mstar.server import media
 from mstar.server.protocol import GenerateRequest
 from mstar.server.routes.common import (
