@@ -100,9 +100,9 @@ def test_an_overdue_producer_item_waits_while_its_request_has_deeper_work_queued
     w.handle(exec_node("counter", "b"))
     w.handle(exec_node("summer", "b", "cons", "window"))
     w.queues["counter"][0].queued_at -= 1.0
-    w._stalled.add("summer")
+    w.admission.stalled.add("summer")
     assert w.next_batch()[0] == "counter"
-    w._stalled.clear()
+    w.admission.stalled.clear()
     w.queues["summer"].clear()
     w.handle(exec_node("counter", "c"))
     w.handle(exec_node("summer", "a", "cons", "window"))

@@ -6,9 +6,10 @@ return ``Effects``; ``_apply`` is the one place where their consequences leave t
 (emits and walk ends to the conductor, stream pushes to consumer partitions, ready nodes to
 queues or to other ranks).
 
-KV pressure (see ARCHITECTURE.md, "KV pressure: admission and preemption"): an item that cannot
-get its KV blocks waits in its queue instead of failing; when nothing of a module can run, the
-oldest waiting request is made to progress by swapping out the youngest request holding blocks.
+KV pressure (``kv_admission.py``; ARCHITECTURE.md, "KV pressure: admission and preemption"): an item
+that cannot get its KV blocks waits in its queue instead of failing; when nothing of a module can
+run, the oldest waiting request is made to progress by swapping out the youngest request holding
+blocks.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from mstar.runtime.engine import (
     StatelessEngine,
     WorkItem,
 )
-from mstar.runtime.failures import FailureKind, KVCacheExhausted, describe
+from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.keys import PartitionKey, StreamKey, WalkKey, decode_counts, encode_counts
 from mstar.runtime.kv.sizing import blocks_in_memory
+from mstar.runtime.kv_admission import KVAdmission
 from mstar.runtime.messages import (
     CONDUCTOR,
     Emit,
@@ -108,14 +110,7 @@ class Worker:
         # requests already freed here: a message for one (sent before its sender learned of the end)
         # is dropped, so it cannot allocate KV blocks or buffers that nobody would free
         self._freed: OrderedDict[str, None] = OrderedDict()
-        # KV pressure: the order requests first reached this rank (older = higher priority), per KV
-        # module the requests whose item waits for blocks, and the oldest of those that holds none
-        # yet (younger requests without blocks wait behind it, so a large prompt is not starved)
-        self._arrival: dict[str, int] = {}
-        self._arrivals = itertools.count()
-        self.waiting: dict[str, set[str]] = {b: set() for b in self.engines}
-        self._gate: dict[str, str] = {}
-        self._stalled: set[str] = set()  # KV modules waiting for older requests to free blocks
+        self.admission = KVAdmission(self.engines, self.queues, self._fail)  # KV pressure (kv_admission.py)
         self._handlers = {StartWalk: self._start_walk, ExecNode: self._exec_node, NodeResult: self._node_result,
                           StreamPush: self._stream_push, StreamEnd: self._stream_end, FreeRequest: self._free_request,
                           MigrateKV: self._migrate_kv, FreeKV: self._free_kv, KVImport: self._import_kv,
@@ -174,9 +169,9 @@ class Worker:
         handler = self._handlers.get(type(msg))
         if handler is None:
             raise TypeError(f"worker {self.rank}: unexpected message {type(msg).__name__}")
-        if rid is not None and rid not in self._arrival and not isinstance(msg, FreeRequest):
-            self._arrival[rid] = next(self._arrivals)
-        self._stalled.clear()  # anything may have freed blocks: try stalled modules again
+        if rid is not None and not isinstance(msg, FreeRequest):
+            self.admission.arrived(rid)
+        self.admission.stalled.clear()  # anything may have freed blocks: try stalled modules again
         handler(msg)
 
     def _start_walk(self, msg: StartWalk) -> None:
@@ -349,14 +344,14 @@ class Worker:
     def next_batch(self) -> tuple[str, list[WorkItem]] | None:
         """The next module to run (``ModuleScheduler``; modules stalled for KV blocks skipped) and its
         items, up to its batch limit."""
-        base = self.scheduler.pick(self.queues, self._stalled)
+        base = self.scheduler.pick(self.queues, self.admission.stalled)
         if base is None:
             return None
         q = self.queues[base]
         return base, [q.popleft() for _ in range(min(len(q), self.max_batch[base]))]
 
     def _runnable(self) -> bool:
-        return any(q and base not in self._stalled for base, q in self.queues.items())
+        return any(q and base not in self.admission.stalled for base, q in self.queues.items())
 
     def step(self) -> bool:
         """Run one batched forward, if any work is queued. Returns whether anything changed."""
@@ -364,13 +359,13 @@ class Worker:
         if picked is None:
             return False
         base, batch = picked
-        results = self._run(base, batch)
+        results = self.admission.run(base, batch)
         if results is None:
-            if self._relieve(base):
+            if self.admission.relieve(base):
                 return True
-            self._stalled.add(base)
+            self.admission.stalled.add(base)
             return self._runnable()  # other modules may still run
-        self._stalled.clear()
+        self.admission.stalled.clear()
         self.batch_hist[base][sum(out is not DEFERRED for out in results)] += 1
         rank, walks = self.rank, self.walks
         for item, out in zip(batch, results):
@@ -391,77 +386,6 @@ class Worker:
                 self.transport.send(item.home, NodeResult(item.request_id, item.partition, item.walk_seq,
                                                           item.node, item.iteration, out))
         return True
-
-    # -- KV pressure ---------------------------------------------------------------------------------
-    def _age(self, rid: str) -> int:
-        return self._arrival.get(rid, 1 << 62)
-
-    def _run(self, base: str, batch: list[WorkItem]) -> list | None:
-        """Run a batch. On a KV module the items that cannot get their blocks now (``DEFERRED``) go
-        back to the front of the queue, in order; None when no item ran."""
-        eng = self.engines[base]
-        if not isinstance(eng, KVCacheEngine):
-            return eng.run(batch)
-        waiting = self.waiting[base]
-        if base not in self._gate and not waiting:  # nobody waits for blocks here (no item is gated)
-            results = eng.run(batch)
-            if DEFERRED not in results:  # and every item got its blocks: the common case
-                return results
-        else:
-            gated = [self._gated(eng, base, it.request_id) for it in batch]
-            outs = iter(eng.run([it for it, g in zip(batch, gated) if not g]) if not all(gated) else [])
-            results = [DEFERRED if g else next(outs) for g in gated]
-        deferred = [it for it, out in zip(batch, results) if out is DEFERRED]
-        for it, out in zip(batch, results):
-            if out is DEFERRED:
-                waiting.add(it.request_id)
-                self._hold_gate(eng, base, it.request_id)
-            else:
-                waiting.discard(it.request_id)
-                if self._gate.get(base) == it.request_id:
-                    del self._gate[base]
-        self.queues[base].extendleft(reversed(deferred))
-        return None if len(deferred) == len(batch) else results
-
-    def _gated(self, eng: KVCacheEngine, base: str, rid: str) -> bool:
-        """A request that holds no blocks yet waits while an older one without blocks is waiting."""
-        gate = self._gate.get(base)
-        return gate is not None and gate != rid and self._age(rid) > self._age(gate) and not eng.blocks_of(rid)
-
-    def _hold_gate(self, eng: KVCacheEngine, base: str, rid: str) -> None:
-        gate = self._gate.get(base)
-        if not eng.blocks_of(rid) and (gate is None or self._age(rid) < self._age(gate)):
-            self._gate[base] = rid
-
-    def _relieve(self, base: str) -> bool:
-        """No item of the module could get its KV blocks: make the oldest waiting request progress.
-
-        Its items go first (the queue is re-sorted by request age); then the youngest request
-        younger than it that holds blocks here is swapped out, one per call. With no such request
-        and nobody else holding blocks, the oldest cannot fit even alone: it fails (out of memory).
-        Otherwise older requests hold the blocks and will release them: wait. Returns whether
-        anything changed.
-        """
-        eng, q = self.engines[base], self.queues[base]
-        order = sorted(q, key=lambda it: (self._age(it.request_id), it.seq))
-        if self._gate.get(base) not in {it.request_id for it in q}:
-            self._gate.pop(base, None)  # stale: its request no longer waits here
-        if any(a is not b for a, b in zip(order, q)):
-            q.clear()
-            q.extend(order)
-            return True
-        target = q[0].request_id
-        younger = [r for r in eng.holders() if self._age(r) > self._age(target)]
-        if younger:
-            eng.swap_out(max(younger, key=self._age))
-            return True
-        if all(r == target for r in eng.holders()):
-            error = KVCacheExhausted(f"request {target} needs more KV blocks of {base!r} than the whole cache "
-                                     f"({eng.manager.pool.num_blocks} blocks of {eng.manager.block_size} tokens); "
-                                     f"raise kv_cache_blocks in the placement")
-            self._fail(target, describe(error), FailureKind.OUT_OF_MEMORY)
-            return True
-        return False
 
     # -- failures and cleanup --------------------------------------------------------------------
     def _guarded(self, rid: str, fn) -> None:
@@ -488,11 +412,7 @@ class Worker:
         for base, eng in self.engines.items():
             if base not in self.following:  # a follower's engine is freed by its leader only
                 eng.free_request(rid)
-        self._arrival.pop(rid, None)
-        for base, waiting in self.waiting.items():
-            waiting.discard(rid)
-            if self._gate.get(base) == rid:
-                del self._gate[base]
+        self.admission.forget(rid)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -500,7 +420,8 @@ class Worker:
             "queue_depth": {b: len(q) for b, q in self.queues.items()},
             "batch_sizes": {b: dict(sorted(h.items())) for b, h in self.batch_hist.items()},
             "kv": {b: e.stats() for b, e in self.engines.items() if isinstance(e, KVCacheEngine)},
-            "waiting": {b: len(w) for b, w in self.waiting.items() if isinstance(self.engines[b], KVCacheEngine)},
+            "waiting": {b: len(w) for b, w in self.admission.waiting.items()
+                        if isinstance(self.engines[b], KVCacheEngine)},
             "preemptions": {b: e.preemptions for b, e in self.engines.items() if isinstance(e, KVCacheEngine)},
             "walks": len(self.walks),
             "stream_buffers": len(self.streams),
