@@ -287,12 +287,15 @@ def run_llm_bench(*, cache_dir: str | Path | None = None, shape: LlmShape = BENC
                 say(vllm_skipped)
         order = [s for s in SYSTEMS if s in running]
 
-        def once(system: str, workload: str, n_tokens: int) -> Run:
-            sys_ = running[system]
+        def quiet(sys_: Any) -> None:
             for other in running.values():  # an idle vLLM keeps a core busy: stopped while others run
                 if other is not sys_ and hasattr(other, "suspend"):
                     other.suspend()
             time.sleep(pause_s)  # let the previous system's threads go idle
+
+        def once(system: str, workload: str, n_tokens: int) -> Run:
+            sys_ = running[system]
+            quiet(sys_)
             if workload == "concurrent":
                 run = sys_.concurrent(work[workload], n_tokens)
             else:
@@ -315,10 +318,7 @@ def run_llm_bench(*, cache_dir: str | Path | None = None, shape: LlmShape = BENC
                         f"{run.ms_per_token:.2f} ms/token, wall {run.wall_s:.2f} s")
         overhead = None
         if "concurrent" in workloads:  # one more mstar run, its steps and forwards timed
-            for other in running.values():
-                if hasattr(other, "suspend"):
-                    other.suspend()
-            time.sleep(pause_s)
+            quiet(running["mstar"])
             overhead = running["mstar"].step_overhead(work["concurrent"], max_tokens)
             say(f"mstar runtime overhead: {overhead.in_step_us:.0f} us a step outside the forward, "
                 f"{overhead.between_steps_us:.0f} us between steps")
