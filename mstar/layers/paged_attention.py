@@ -116,9 +116,12 @@ class AttentionMetadata:
         device: torch.device | str | None = None,
     ) -> AttentionMetadata:
         """Convenience constructor from Python lists (``slot_mapping=None`` means "write nothing": all -1)."""
-        cu = [0]
-        for n in query_lens:
-            cu.append(cu[-1] + int(n))
+        if all(n == 1 for n in query_lens):  # a decode batch: one query per sequence
+            cu = list(range(len(query_lens) + 1))
+        else:
+            cu = [0]
+            for n in query_lens:
+                cu.append(cu[-1] + int(n))
         if slot_mapping is None:
             slot_mapping = [-1] * cu[-1]
         return cls(
@@ -126,7 +129,7 @@ class AttentionMetadata:
             slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.int64, device=device),
             block_tables=block_tables,
             context_lens=torch.tensor(list(context_lens), dtype=torch.int64, device=device),
-            modes=[m if type(m) is QueryMode else QueryMode(m) for m in modes],
+            modes=list(modes) if all(type(m) is QueryMode for m in modes) else [QueryMode(m) for m in modes],
         )
 
 

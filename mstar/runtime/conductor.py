@@ -17,6 +17,7 @@ from mstar.model.base import ModelDef, WalkState
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.messages import (
     Emit,
+    Emits,
     FreeKV,
     FreeRequest,
     KVMoved,
@@ -148,6 +149,13 @@ class Conductor:
 
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> None:
+        if type(msg) is Emits:
+            requests = self.requests
+            for e in msg.items:
+                req = requests.get(e.request_id)
+                if req is not None:  # else a late value of a finished request
+                    req.sink.on_item(e)
+            return
         if isinstance(msg, StatsReply):
             self._stats_reply(msg)
             return

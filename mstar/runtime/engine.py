@@ -91,11 +91,6 @@ class _Swapped:
         return self.k[0].shape[0] if self.k else 0
 
 
-def _as_value(x: Any) -> list[torch.Tensor]:
-    """One request's value of an output as a list (a list the module made is taken as it is)."""
-    return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
 @dataclass
 class StatelessEngine:
     module: NodeSubmodule
@@ -137,20 +132,27 @@ class StatelessEngine:
         pass
 
     def _engine_inputs(self, batch: list[Prepared]) -> tuple[EngineInputs, dict[str, torch.Tensor]]:
-        names = list(batch[0].inputs.tensor_inputs)
-        for p in batch:
-            if list(p.inputs.tensor_inputs) != names:
-                raise ValueError(f"node {p.item.node!r}: requests in one batch prepared different tensor names "
-                                 f"({sorted(p.inputs.tensor_inputs)} vs {sorted(names)})")
-        # a 0-d tensor contributes one row (it comes back from EngineInputs.split with shape [1])
-        rows = {n: [t.reshape(1) if t.dim() == 0 else t for t in (p.inputs.tensor_inputs[n] for p in batch)]
-                for n in names}
-        tensors = {n: torch.cat(rows[n], 0) for n in names}
-        splits = {n: [t.shape[0] for t in rows[n]] for n in names}
-        extra_names = sorted({k for p in batch for k in p.inputs.extras})
-        extras = {k: [p.inputs.extras.get(k) for p in batch] for k in extra_names}
-        ei = EngineInputs(walks=[p.item.walk for p in batch], nodes=[p.item.node for p in batch],
-                          request_ids=[p.item.request_id for p in batch], infos=[p.info for p in batch],
+        inputs = [p.inputs for p in batch]
+        first = inputs[0].tensor_inputs
+        names = first.keys()
+        for ni in inputs:
+            if ni.tensor_inputs.keys() != names:
+                raise ValueError(f"node {batch[0].item.node!r}: requests in one batch prepared different tensor "
+                                 f"names ({sorted(ni.tensor_inputs)} vs {sorted(names)})")
+        tensors, splits = {}, {}
+        for n in first:
+            # a 0-d tensor contributes one row (it comes back from EngineInputs.split with shape [1])
+            col = [t.reshape(1) if t.dim() == 0 else t for t in (ni.tensor_inputs[n] for ni in inputs)]
+            tensors[n] = torch.cat(col, 0)
+            splits[n] = [t.shape[0] for t in col]
+        keys = inputs[0].extras.keys()
+        if all(ni.extras.keys() == keys for ni in inputs):  # the usual case: every request the same names
+            extras = {k: [ni.extras[k] for ni in inputs] for k in sorted(keys)}
+        else:
+            extras = {k: [ni.extras.get(k) for ni in inputs] for k in sorted({k for ni in inputs for k in ni.extras})}
+        items = [p.item for p in batch]
+        ei = EngineInputs(walks=[it.walk for it in items], nodes=[it.node for it in items],
+                          request_ids=[it.request_id for it in items], infos=[p.info for p in batch],
                           splits=splits, extras=extras)
         return ei, tensors
 
@@ -169,9 +171,13 @@ class StatelessEngine:
                 raise ValueError(f"{type(self.module).__name__}.forward returned {len(vals)} values for "
                                  f"{name!r}, expected one per request ({len(batch)})")
         self.batch_sizes.append(len(batch))
+        if not out:
+            return [{} for _ in batch]
         names = list(out)
-        columns = [[v if type(v) is list else _as_value(v) for v in vals] for vals in out.values()]
-        return [dict(zip(names, row)) for row in zip(*columns)] if names else [{} for _ in batch]
+        # one request's value as a list (a list the module made is taken as it is)
+        columns = [[v if type(v) is list else list(v) if isinstance(v, (list, tuple)) else [v] for v in vals]
+                   for vals in out.values()]
+        return [dict(zip(names, row)) for row in zip(*columns)]
 
     def _forward(self, batch: list[Prepared]) -> list[dict]:
         ei, tensors = self._engine_inputs(batch)
@@ -226,7 +232,7 @@ class KVCacheEngine(StatelessEngine):
         self._appended = []
         self._prefix_uses = {}
         plan = _KVPlan()
-        runs = [self._plan_item(p, plan) for p in batch]  # what each item runs (None: deferred)
+        runs = self._plan_batch(batch, plan)  # what each item runs (None: deferred)
         admitted = [r for r in runs if r is not None]
         if not admitted:
             self._copy_pending()  # copies queued by items rolled back: no pending copy outlives a batch
@@ -241,6 +247,32 @@ class KVCacheEngine(StatelessEngine):
         outs = iter(self._call(admitted, ei, tensors))
         self._register_prefixes()
         return [DEFERRED if r is None else next(outs) for r in runs]
+
+    def _plan_batch(self, batch: list[Prepared], plan: _KVPlan) -> list[Prepared | None]:
+        """``_plan_item`` of every item; a decode step's token (one causal-append token, nothing
+        forked, listed or swapped out) is planned inline when ``KVCacheManager.append_token`` can
+        take it (the same slots and entries as ``_plan_single``)."""
+        m, swapped, appended, causal = self.manager, self._swapped, self._appended, QueryMode.CAUSAL_APPEND
+        runs: list[Prepared | None] = []
+        for p in batch:
+            ni, rid = p.inputs, p.item.request_id
+            if ni.num_tokens == 1 and ni.mode is causal and ni.sequences is None and ni.fork_from is None \
+                    and ni.prefix_ids is None and rid not in swapped:
+                name = ni.cache_name or p.item.node
+                got = m.append_token(rid, name)
+                if got is not None:
+                    before, slot, blocks = got
+                    appended.append((rid, name, before))
+                    plan.slots.append(slot)
+                    plan.context_lens.append(before + 1)
+                    plan.query_lens.append(1)
+                    plan.tables.append(list(blocks))
+                    plan.modes.append(causal)
+                    plan.positions.append((before, 1))
+                    runs.append(p)
+                    continue
+            runs.append(self._plan_item(p, plan))
+        return runs
 
     def _plan_item(self, p: Prepared, plan: _KVPlan) -> Prepared | None:
         """Swap the item's request in if needed and plan all its sequences; returns what the forward

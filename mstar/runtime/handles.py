@@ -66,19 +66,24 @@ def _stream_item(ev: Emit | None) -> StreamItem | None:
 
 
 class _Events:
-    """A handle's undelivered items for a synchronous consumer: an unbounded FIFO whose ``put`` (on the
-    runtime's thread, once per item) only notifies when a consumer is waiting."""
+    """A handle's undelivered items for a synchronous consumer: an unbounded FIFO whose ``put_locked``
+    (on the runtime's thread, once per item, holding ``lock``) only notifies when a consumer is
+    waiting. ``lock`` is also the handle's: one lock per delivered item."""
 
     def __init__(self) -> None:
         self._items: deque = deque()
-        self._cond = threading.Condition(threading.Lock())
+        self.lock = threading.Lock()
+        self._cond = threading.Condition(self.lock)
         self._waiting = 0
 
+    def put_locked(self, ev: Any) -> None:
+        self._items.append(ev)
+        if self._waiting:
+            self._cond.notify()
+
     def put(self, ev: Any) -> None:
-        with self._cond:
-            self._items.append(ev)
-            if self._waiting:
-                self._cond.notify()
+        with self.lock:
+            self.put_locked(ev)
 
     def get(self) -> Any:
         with self._cond:
@@ -90,11 +95,10 @@ class _Events:
                     self._waiting -= 1
             return self._items.popleft()
 
-    def drain(self) -> list:
-        with self._cond:
-            items = list(self._items)
-            self._items.clear()
-            return items
+    def drain_locked(self) -> list:
+        items = list(self._items)
+        self._items.clear()
+        return items
 
 
 class _LoopMailbox:
@@ -159,7 +163,7 @@ class RequestHandle:
         self._events = _Events()  # Emit messages (None: the end) until a consumer takes them
         self._output = RequestOutput(request_id, RequestStatus.WAITING)
         self._done = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = self._events.lock  # guards the switch to async delivery and the FIFO
         self._mailbox: _LoopMailbox | None = None
         self._aqueue: asyncio.Queue | None = None
 
@@ -179,7 +183,7 @@ class RequestHandle:
             if self._aqueue is not None:
                 self._mailbox.post(self._aqueue, ev)
             else:
-                self._events.put(ev)
+                self._events.put_locked(ev)
 
     def _end_of_stream(self) -> None:
         if self._output.status is RequestStatus.FAILED:
@@ -202,7 +206,7 @@ class RequestHandle:
             if self._aqueue is None:
                 self._mailbox = _mailbox(asyncio.get_running_loop())
                 self._aqueue = asyncio.Queue()
-                for ev in self._events.drain():
+                for ev in self._events.drain_locked():
                     self._aqueue.put_nowait(_stream_item(ev))
         while True:
             ev = await self._aqueue.get()

@@ -63,6 +63,16 @@ class Emit:
 
 @register_message
 @dataclass
+class Emits:
+    """Worker -> conductor: the ``Emit`` messages of one worker step (or one handled message), in
+    order, as one message; whatever the worker tells the conductor next is sent after them."""
+
+    items: list[Emit]
+    request_id: None = None  # the items carry their requests
+
+
+@register_message
+@dataclass
 class ExecNode:
     """Home worker -> worker holding ``node``: run one node instance, send the result back."""
 

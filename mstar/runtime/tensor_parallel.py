@@ -26,6 +26,8 @@ sizes (KV resharding), and a rank in two TP groups.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 from contextlib import contextmanager
@@ -257,7 +259,9 @@ class _Mirror:
             super().import_request(request_id, caches)
 
     def run(self, items: list[WorkItem]) -> list:
-        with self._mirrored("run", items):
+        # the followers get the items without the leader's local walk records
+        sent = [dataclasses.replace(it, walk_ref=None) if it.walk_ref is not None else it for it in items]
+        with self._mirrored("run", sent):
             return super().run(items)
 
     def free_request(self, request_id: str) -> None:

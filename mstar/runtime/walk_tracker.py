@@ -62,13 +62,27 @@ class Pushed:
 
 @dataclass(slots=True)
 class Effects:
-    """What one call into the tracker caused, for the worker to apply."""
+    """What one call into the tracker caused, for the worker to apply (read-only: an empty field may
+    be shared between records)."""
 
-    ready: list[ReadyNode] = field(default_factory=list)
-    emits: list[Emitted] = field(default_factory=list)
-    state: dict[str, Any] = field(default_factory=dict)  # values routed TO_STATE
-    pushes: list[Pushed] = field(default_factory=list)
+    ready: list[ReadyNode]
+    emits: list[Emitted]
+    state: dict[str, Any]  # values routed TO_STATE
+    pushes: list[Pushed]
     done: bool = False  # the walk ended
+
+
+@dataclass(frozen=True, slots=True)
+class _SelfLoopStep:
+    """What finishing an iteration of a top-level self-loop's node does when its only routes besides
+    the feedback are to the client (an AR decode step): looked up once per walk, not per step."""
+
+    frame: tuple[str, tuple]  # the loop's frame key
+    loop: str
+    outputs: tuple[str, ...]  # every output the node must return
+    emits: tuple[tuple[str, str | None], ...]  # (edge name, modality)
+    stop_signal: str | None
+    defer_stop_check: bool
 
 
 class StreamSource(Protocol):
@@ -125,7 +139,9 @@ class WalkTracker:
         self.plan = plan
         self.walk_inputs = walk_inputs
         self._streams = streams
-        self._fx = Effects()
+        self._emits: list[Emitted] = []
+        self._state: dict[str, Any] = {}
+        self._pushes: list[Pushed] = []
         self.frames: dict[tuple[str | None, Vec], _Frame] = {}
         self.slots: dict[tuple[str, Vec], dict[str, Any]] = {}
         self.waiting_streams: dict[tuple[str, Vec], set[str]] = {}
@@ -149,6 +165,7 @@ class WalkTracker:
             self._routed[name] = (fast, tuple(r for r in np_.routes
                                               if fast is None or r.kind is not RouteKind.FEEDBACK))
         self._accumulated = {name: {e.name for e in lp.exits if e.accumulate} for name, lp in plan.loops.items()}
+        self._lean = self._lean_steps()
 
     # -- public --------------------------------------------------------------------------------
     def start(self) -> Effects:
@@ -158,12 +175,19 @@ class WalkTracker:
         return self._effects()
 
     def _effects(self) -> Effects:
-        """Hand over what happened since the last call (ready nodes are now running)."""
-        fx, self._fx = self._fx, Effects()
-        fx.ready, self.ready = self.ready, []
-        for r in fx.ready:
-            self.running.add((r.node, r.iteration))
-        fx.done = self.done
+        """Hand over what happened since the last call (ready nodes are now running); a list that got
+        nothing is handed over as it is and stays the tracker's (``Effects`` is read-only)."""
+        fx = Effects(self.ready, self._emits, self._state, self._pushes, self.done)
+        if self.ready:
+            for r in self.ready:
+                self.running.add((r.node, r.iteration))
+            self.ready = []
+        if self._emits:
+            self._emits = []
+        if self._state:
+            self._state = {}
+        if self._pushes:
+            self._pushes = []
         return fx
 
     def node_done(self, node: str, vec: Vec, outputs: dict[str, Any]) -> Effects:
@@ -172,6 +196,9 @@ class WalkTracker:
         if key not in self.running:
             raise RuntimeError(f"walk {self.plan.walk!r}: result for {node}{list(vec)} which is not running")
         self.running.discard(key)
+        lean = self._lean.get(node)
+        if lean is not None:
+            return self._self_loop_done(lean, node, outputs)
         np_ = self.plan.nodes[node]
         frame = self.frames[(np_.frame, vec[:-1] if np_.frame is not None else ())]
         if np_.stop_signal is not None and self.plan.loops[np_.frame].defer_stop_check:
@@ -184,15 +211,14 @@ class WalkTracker:
         fast, routed = self._routed[node]
         for route in np_.routes:
             if route.edge_name not in outputs:
-                raise ValueError(f"node {node!r} (walk {self.plan.walk!r}) returned no output {route.edge_name!r}; "
-                                 f"it returned {sorted(outputs)}")
+                raise self._missing_output(node, route.edge_name, outputs)
         for route in routed:
             self._route(route, outputs[route.edge_name], vec, node, frame)
         for name in np_.loop_exit_names:
             self._record_exit(frame, name, outputs[name])
         if np_.stop_signal is not None:
             if np_.stop_signal not in outputs:
-                raise ValueError(f"node {node!r} must return its loop's stop signal {np_.stop_signal!r}")
+                raise self._missing_output(node, np_.stop_signal, outputs)
             if self.plan.loops[np_.frame].defer_stop_check:
                 frame.deferred_stop = outputs[np_.stop_signal]
             elif read_stop(outputs[np_.stop_signal]):
@@ -203,6 +229,51 @@ class WalkTracker:
         frame.remaining.discard(node)
         self._maybe_end_iteration(frame)
         return self._effects()
+
+    def _self_loop_done(self, lean: _SelfLoopStep, node: str, outputs: dict[str, Any]) -> Effects:
+        """``node_done`` for a ``_SelfLoopStep`` node: the same checks and effects, in one pass."""
+        frame = self.frames[lean.frame]
+        if lean.defer_stop_check and frame.deferred_stop is not None and read_stop(frame.deferred_stop):
+            frame.stop = True  # the previous iteration already stopped: this one ran speculatively; drop it
+            frame.remaining.discard(node)
+            self._maybe_end_iteration(frame, discard_current=True)
+            return self._effects()
+        for name in lean.outputs:
+            if name not in outputs:
+                raise self._missing_output(node, name, outputs)
+        for name, modality in lean.emits:
+            value = outputs[name]
+            if not (type(value) is list and not value):  # an empty list: nothing this iteration
+                self._emits.append(Emitted(name, value, modality, node))
+        if lean.stop_signal is not None:
+            if lean.defer_stop_check:
+                frame.deferred_stop = outputs[lean.stop_signal]
+            elif read_stop(outputs[lean.stop_signal]):
+                frame.stop = True
+        self._next_self_iteration(frame, node, self._routed[node][0], outputs)
+        return self._effects()
+
+    def _missing_output(self, node: str, name: str, outputs: dict[str, Any]) -> ValueError:
+        if name == self.plan.nodes[node].stop_signal:
+            return ValueError(f"node {node!r} must return its loop's stop signal {name!r}")
+        return ValueError(f"node {node!r} (walk {self.plan.walk!r}) returned no output {name!r}; "
+                          f"it returned {sorted(outputs)}")
+
+    def _lean_steps(self) -> dict[str, _SelfLoopStep]:
+        """The nodes ``_self_loop_done`` handles: the body of a top-level self-loop that routes its
+        outputs only back to itself and to the client, and has no exits."""
+        out = {}
+        for loop, invariant in self._self_loops.items():
+            lp = self.plan.loops[loop]
+            np_ = self.plan.nodes[lp.body_nodes[0]]
+            if lp.parent is not None or lp.exits or np_.loop_exit_names or any(
+                    r.kind not in (RouteKind.FEEDBACK, RouteKind.EMIT) for r in np_.routes):
+                continue
+            names = tuple(dict.fromkeys([r.edge_name for r in np_.routes]
+                                        + ([np_.stop_signal] if np_.stop_signal else [])))
+            emits = tuple((r.edge_name, r.modality) for r in np_.routes if r.kind is RouteKind.EMIT)
+            out[np_.name] = _SelfLoopStep((loop, ()), loop, names, emits, np_.stop_signal, lp.defer_stop_check)
+        return out
 
     def _next_self_iteration(self, frame: _Frame, node: str, invariant: tuple[str, ...], outputs) -> None:
         """Fast path for a loop whose body is one node feeding itself (AR decode, rollouts): the next
@@ -378,11 +449,11 @@ class WalkTracker:
             self._maybe_start_loop(child)
         elif kind is RouteKind.EMIT:
             if not (isinstance(value, list) and not value):  # an empty list: nothing this iteration
-                self._fx.emits.append(Emitted(route.edge_name, value, route.modality, src))
+                self._emits.append(Emitted(route.edge_name, value, route.modality, src))
         elif kind is RouteKind.STATE:
-            self._fx.state[route.edge_name] = value
+            self._state[route.edge_name] = value
         elif kind is RouteKind.STREAM:
-            self._fx.pushes.append(Pushed(route.partition, route.dest, route.edge_name, list(value)))
+            self._pushes.append(Pushed(route.partition, route.dest, route.edge_name, list(value)))
 
     def _deliver(self, node: str, vec: Vec, name: str, value: Any) -> None:
         slot = self.slots.setdefault((node, vec), {})

@@ -33,6 +33,7 @@ class WorkItem:
     params: Mapping[str, Any]
     home: int
     queued_at: float = 0.0  # time.monotonic() when it joined its module's queue on this worker
+    walk_ref: Any = None  # the home worker's record of the walk, when the item runs there (no lookup)
 
     @property
     def walk_key(self) -> WalkKey:

@@ -37,6 +37,7 @@ from mstar.runtime.kv_admission import KVAdmission
 from mstar.runtime.messages import (
     CONDUCTOR,
     Emit,
+    Emits,
     ExecNode,
     FreeKV,
     FreeRequest,
@@ -85,6 +86,7 @@ class _Walk:
     offsets: dict[StreamKey, int]  # items pushed by this partition's earlier walks
     state: dict[str, Any] = field(default_factory=dict)  # values routed TO_STATE
     pushed: Counter[StreamKey] = field(default_factory=Counter)  # items this walk pushed
+    live: bool = True  # False once removed from Worker.walks (an item may still refer to it)
 
 
 class Worker:
@@ -117,6 +119,7 @@ class Worker:
                           StatsRequest: self._stats_request, Shutdown: self._shutdown, TPCall: self._tp_call,
                           TPStatsBarrier: self._tp_stats_barrier, TPShard: self._tp_shard}
         self._stats_barrier = StatsBarrier()
+        self._emits: list[Emit] = []  # this step's values for clients, sent as one Emits (_tell)
         stages = module_stages(routing, model, set(nodes))
         consumers = {p: sorted(routing.consumers_of(p)) for p in routing.graph.partitions}
         # an item is ahead (never overdue) while a consumer homed here holds its unconsumed chunks
@@ -162,7 +165,23 @@ class Worker:
         return blocks_in_memory(module.kv_spec, limits.kv_block_size, limits.kv_cache_memory_gib)
 
     # -- messages ------------------------------------------------------------------------------
+    def _tell(self, msg: Any) -> None:
+        """Send ``msg`` to the conductor after the values for clients gathered so far."""
+        self._flush_emits()
+        self.transport.send(CONDUCTOR, msg)
+
+    def _flush_emits(self) -> None:
+        if self._emits:
+            self.transport.send(CONDUCTOR, Emits(self._emits))
+            self._emits = []
+
     def handle(self, msg: Any) -> None:
+        try:
+            self._handle(msg)
+        finally:
+            self._flush_emits()
+
+    def _handle(self, msg: Any) -> None:
         rid = getattr(msg, "request_id", None)
         if rid is not None and rid in self._freed and not isinstance(msg, FreeRequest):
             return
@@ -242,7 +261,7 @@ class Worker:
         elif msg.caches:
             self._fail(msg.request_id, f"rank {self.rank} received KV of {msg.module!r}, which it does not hold",
                        FailureKind.INTERNAL)
-        self.transport.send(CONDUCTOR, KVMoved(msg.request_id, msg.token))
+        self._tell(KVMoved(msg.request_id, msg.token))
 
     def _stats_request(self, msg: StatsRequest) -> None:
         if self.tp is not None:
@@ -250,11 +269,11 @@ class Worker:
                 self.transport.send(rank, TPStatsBarrier(msg.token))
             if self.tp.follows and not self._stats_barrier.arrived(msg.token, from_leader=False):
                 return  # answered when the leader's barrier arrives
-        self.transport.send(CONDUCTOR, StatsReply(msg.token, self.rank, self.stats()))
+        self._tell(StatsReply(msg.token, self.rank, self.stats()))
 
     def _tp_stats_barrier(self, msg: TPStatsBarrier) -> None:
         if self._stats_barrier.arrived(msg.token, from_leader=True):
-            self.transport.send(CONDUCTOR, StatsReply(msg.token, self.rank, self.stats()))
+            self._tell(StatsReply(msg.token, self.rank, self.stats()))
 
     def _tp_call(self, msg: TPCall) -> None:
         self._tp_follower.call(msg)
@@ -274,7 +293,7 @@ class Worker:
         """Carry out what a tracker call caused: the one place a walk's values leave the tracker."""
         rid = w.key.request_id
         for e in fx.emits:
-            self.transport.send(CONDUCTOR, Emit(rid, e.name, e.value, e.modality, e.node, w.walk))
+            self._emits.append(Emit(rid, e.name, e.value, e.modality, e.node, w.walk))
         if fx.state:
             w.state.update(fx.state)
         for p in fx.pushes:
@@ -298,7 +317,7 @@ class Worker:
             target = self.routing.rank_of(r.node, w.walk)
             if target == rank:
                 self._enqueue(WorkItem(next(self._seq), rid, partition, w.walk, walk_seq, r.node, r.iteration,
-                                       r.inputs, chunks, w.params, rank))
+                                       r.inputs, chunks, w.params, rank, walk_ref=w))
             else:
                 self.transport.send(target, ExecNode(rid, partition, w.walk, walk_seq, r.node, r.iteration,
                                                      r.inputs, chunks, w.params, self.rank))
@@ -318,8 +337,9 @@ class Worker:
     def _walk_done(self, w: _Walk) -> None:
         if self.walks.pop(w.key, None) is None:
             return
+        w.live = False
         rid, partition, _ = w.key
-        self.transport.send(CONDUCTOR, WalkDone(rid, partition, w.walk, w.state, encode_counts(w.pushed)))
+        self._tell(WalkDone(rid, partition, w.walk, w.state, encode_counts(w.pushed)))
         buf = self.streams.get(PartitionKey(rid, partition))
         if buf is not None:
             buf.walk_running = False
@@ -337,7 +357,7 @@ class Worker:
         ended = buf.all_ended(self.routing.producers[pkey.partition])
         if buf.has_pending() or ended:
             buf.notified = True
-            self.transport.send(CONDUCTOR, PartitionReady(pkey.request_id, pkey.partition,
+            self._tell(PartitionReady(pkey.request_id, pkey.partition,
                                                           ended and not buf.has_pending()))
 
     # -- execution -----------------------------------------------------------------------------
@@ -355,6 +375,12 @@ class Worker:
 
     def step(self) -> bool:
         """Run one batched forward, if any work is queued. Returns whether anything changed."""
+        try:
+            return self._step()
+        finally:
+            self._flush_emits()
+
+    def _step(self) -> bool:
         picked = self.next_batch()
         if picked is None:
             return False
@@ -375,8 +401,8 @@ class Worker:
                 log.debug("request %s failed: %s", item.request_id, "".join(traceback.format_exception(out)))
                 self._fail(item.request_id, str(out), out.kind)
             elif item.home == rank:
-                w = walks.get(WalkKey(item.request_id, item.partition, item.walk_seq))
-                if w is None:
+                w = item.walk_ref or walks.get(WalkKey(item.request_id, item.partition, item.walk_seq))
+                if w is None or not w.live:
                     continue
                 try:
                     self._apply(w, w.tracker.node_done(item.node, item.iteration, out))
@@ -397,11 +423,11 @@ class Worker:
 
     def _fail(self, rid: str, error: str, kind: FailureKind) -> None:
         self._free(rid)
-        self.transport.send(CONDUCTOR, RequestFailed(rid, error, kind))
+        self._tell(RequestFailed(rid, error, kind))
 
     def _free(self, rid: str) -> None:
         for key in [k for k in self.walks if k.request_id == rid]:
-            del self.walks[key]
+            self.walks.pop(key).live = False
         for key in [k for k in self.streams if k.request_id == rid]:
             del self.streams[key]
         for q in self.queues.values():

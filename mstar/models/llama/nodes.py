@@ -23,7 +23,7 @@ from mstar.layers.attention_backends import AttentionBackend
 from mstar.layers.llama import LlamaBackbone, pack_linears
 from mstar.layers.prepack import PrepackedLinear, can_prepack
 from mstar.layers.sampling import SamplingParams, request_sampling, sample
-from mstar.model.decode import ParamsMemo, generation_done, stop_token_set
+from mstar.model.decode import ParamsMemo, generation_done_rows, stop_token_set
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
 from mstar.models.llama.config import LlamaConfig
 
@@ -134,7 +134,8 @@ class LlamaCausalLM(NodeSubmodule):
                 ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         ei = engine_inputs
         hidden = self.model(ids, ei)
-        last = hidden[ei.last_token_rows().to(hidden.device)]
+        # one token per request (a decode step): every row is a request's last
+        last = hidden if hidden.shape[0] == ei.batch_size else hidden[ei.last_token_rows().to(hidden.device)]
         return self.step_outputs(self.sample_next(last, ei), ei)
 
     @staticmethod
@@ -150,12 +151,15 @@ class LlamaCausalLM(NodeSubmodule):
         return sample(logits, ei.extras["sampling"], self.seen_lists(ei), ei.extras["step"]).cpu()
 
     def step_outputs(self, tokens: torch.Tensor, engine_inputs: EngineInputs) -> dict[str, list[torch.Tensor]]:
-        ei = engine_inputs
-        seen, params, steps, stops = (ei.extras[k] for k in ("seen", "sampling", "step", "stop_ids"))
-        # one tensor per quantity for the whole batch, split into per-request views
+        """Per request: its new token (int64 [1], a view of one batch tensor), ``seen`` and the loop's
+        ``stop`` flag (a bool: the tracker reads it, nothing else does)."""
+        x = engine_inputs.extras
+        seen = x["seen"]
         out_tokens = list(tokens.clone().view(-1, 1).unbind(0))
-        done = [generation_done(tok, steps[i], params[i], stops[i]) for i, tok in enumerate(tokens.tolist())]
-        out_stop = list(torch.tensor(done).unbind(0))
-        empty = torch.zeros(0, dtype=torch.long)
-        out_seen = [empty if s is None else torch.cat([s.cpu(), t]) for s, t in zip(seen, out_tokens)]
+        out_stop = generation_done_rows(tokens.tolist(), x["step"], x["sampling"], x["stop_ids"])
+        empty = torch.zeros(0, dtype=torch.long)  # carried by requests without a repetition penalty
+        if all(s is None for s in seen):
+            out_seen = [empty] * len(out_tokens)
+        else:
+            out_seen = [empty if s is None else torch.cat([s.cpu(), t]) for s, t in zip(seen, out_tokens)]
         return {"token": out_tokens, "seen": out_seen, "stop": out_stop}

@@ -372,6 +372,29 @@ class KVCacheManager:
         bs = self.block_size
         return [table.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
 
+    def append_token(self, request_id: str, cache_name: str) -> tuple[int, int, list[int]] | None:
+        """``append_slots(request_id, cache_name, 1)`` for a decode step's usual case (the sequence
+        exists; its last block has room and is its own, or it is full and a free block is taken):
+        (tokens before, the token's slot, the live block list: read it, do not keep it). None, with
+        nothing changed, in every other case (``append_slots`` then decides)."""
+        table = self._tables.get((request_id, cache_name))
+        if table is None:
+            return None
+        cur, bs, blocks, pool = table.num_tokens, self.block_size, table.blocks, self.pool
+        off = cur % bs
+        if off:
+            last = blocks[-1]
+            # shared (copy-on-write) or named as a cached prefix: append_slots handles both
+            if pool._refcounts[last] != 1 or last in pool._hash_of:
+                return None
+        elif len(blocks) * bs == cur and pool.num_free:
+            last = pool.allocate()
+            blocks.append(last)
+        else:
+            return None
+        table.num_tokens = cur + 1
+        return cur, last * bs + off, blocks
+
     def adopt_prefix(self, request_id: str, cache_name: str, hashes: Sequence[int]) -> int:
         """Start an empty sequence with the cached blocks of its longest cached prefix (``hashes`` from
         ``prefix_hashes``); returns the tokens it now holds (a multiple of the block size, maybe 0).
