@@ -73,7 +73,8 @@ def _params(max_tokens: int) -> dict[str, Any]:
 class StepOverhead:
     """The runtime's own time in a run of decode steps: per step, ``Worker.step`` minus the module's
     ``forward`` (median over the steps after the first, which holds the prefill), and the wall time
-    outside the steps (the conductor, handles, the driver loop) per step."""
+    outside the steps (submitting, the conductor, handles, the driver loop) per step, up to the end
+    of the last request."""
 
     in_step_us: float
     between_steps_us: float
@@ -99,12 +100,18 @@ class MstarSystem(_InProcess):
         return [int(t) for v in out.tensors("token") for t in v.reshape(-1).tolist()]
 
     def concurrent(self, prompts: list[list[int]], max_tokens: int) -> Run:
+        return self._concurrent(prompts, max_tokens)[0]
+
+    def _concurrent(self, prompts: list[list[int]], max_tokens: int) -> tuple[Run, float]:
+        """The run, and its time until the last request ended (before the tokens are read out)."""
         with self.rt.held():  # every request arrives in the same step
             t0 = time.perf_counter()
             handles = [self.rt.submit({"input_ids": torch.tensor(p)}, _params(max_tokens)) for p in prompts]
-        tokens = [self._tokens(h.result()) for h in handles]
+        outs = [h.result() for h in handles]
+        ended = time.perf_counter() - t0
+        tokens = [self._tokens(out) for out in outs]
         wall = time.perf_counter() - t0
-        return Run(wall, tokens, [wall] * len(prompts))
+        return Run(wall, tokens, [wall] * len(prompts)), ended
 
     def one(self, prompt: list[int], max_tokens: int) -> list[int]:
         [out] = self.rt.generate([{"input_ids": torch.tensor(prompt)}], _params(max_tokens))
@@ -138,13 +145,15 @@ class MstarSystem(_InProcess):
 
         worker.step, module.forward = timed_step, timed_forward
         try:
-            run = self.concurrent(prompts, max_tokens)
+            _, ended = self._concurrent(prompts, max_tokens)
         finally:
             del worker.step, module.forward
         if len(stepped) < 2:
             raise RuntimeError("the overhead run made fewer than two steps with a forward")
         in_step = statistics.median(t - f for t, f in stepped[1:])  # the first one holds the prefill
-        return StepOverhead(1e6 * in_step, 1e6 * (run.wall_s - total[0]) / len(forwards), len(forwards))
+        # between: from the submits to the last request's end, outside the steps (reading the
+        # tokens out of the outputs afterwards is the client's work, not the runtime's)
+        return StepOverhead(1e6 * in_step, 1e6 * (ended - total[0]) / len(forwards), len(forwards))
 
     def close(self) -> None:
         self.rt.shutdown()

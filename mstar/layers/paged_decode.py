@@ -35,6 +35,7 @@ from mstar.layers.paged_attention import (
     _store,
     _table_row,
     attend_decode_rows,
+    long_tensor,
     paged_attention,
 )
 
@@ -53,8 +54,12 @@ def _tables(plan: DecodeRows, device: torch.device) -> tuple[torch.Tensor, torch
     lengths (memoized on the plan)."""
     if plan.kernel_tables is None:
         width = max(row.num_blocks for row in plan.per_row)
-        tables = torch.tensor([row.ids + [0] * (width - row.num_blocks) for row in plan.per_row], dtype=torch.int64)
-        ctx = torch.tensor([row.ctx for row in plan.per_row], dtype=torch.int64)
+        flat = []
+        for row in plan.per_row:
+            flat += row.ids
+            flat += [0] * (width - row.num_blocks)
+        tables = long_tensor(flat).view(len(plan.per_row), width)
+        ctx = long_tensor([row.ctx for row in plan.per_row])
         plan.kernel_tables = (tables.to(device), ctx.to(device))
     return plan.kernel_tables
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from mstar.layers.paged_attention import AttentionMetadata, QueryMode, copy_blocks
+from mstar.layers.paged_attention import AttentionMetadata, QueryMode, copy_blocks, long_tensor
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSequence, NodeInputs, NodeSubmodule
 from mstar.runtime.kv.block_pool import BlockPool, KVCacheManager, OutOfBlocks, prefix_hashes
 from mstar.runtime.kv.sizing import as_blocks, cdiv
@@ -53,7 +53,7 @@ class _KVPlan:
         tensor from the Python ints when every sequence has one token (a decode step), else one
         ``arange`` per sequence."""
         if all(n == 1 for _, n in self.positions):
-            return torch.tensor([first for first, _ in self.positions], dtype=torch.long)
+            return long_tensor([first for first, _ in self.positions])
         return torch.cat([torch.arange(first, first + n, dtype=torch.long) for first, n in self.positions])
 
     def mark(self) -> tuple[int, int]:
