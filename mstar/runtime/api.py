@@ -279,7 +279,9 @@ class Runtime:
         busy = False
         try:
             while not self._stop:
-                did = not self._commands.empty() and self._run_commands()
+                # the queue's deque read without its lock (an item put meanwhile is seen next time
+                # round: putting it also wakes the loop)
+                did = bool(self._commands.queue) and self._run_commands()
                 did = driver.pump(conductor, did) or did
                 if driver.lost is not None:  # a rank is down: other ranks may hold state of any request
                     self._fail_all(FailureKind.WORKER_LOST, driver.lost)

@@ -221,9 +221,10 @@ class KVCacheEngine(StatelessEngine):
         self.preemptions = 0
 
     def cache_len(self, item: WorkItem) -> int:
-        swapped = self._swapped.get(item.request_id)
-        if swapped is not None and item.node in swapped.tables:
-            return swapped.tables[item.node][1]
+        if self._swapped:
+            swapped = self._swapped.get(item.request_id)
+            if swapped is not None and item.node in swapped.tables:
+                return swapped.tables[item.node][1]
         return self.manager.num_tokens(item.request_id, item.node)
 
     def _forward(self, batch: list[Prepared]) -> list[dict]:

@@ -74,13 +74,15 @@ class Effects:
 
 @dataclass(frozen=True, slots=True)
 class _SelfLoopStep:
-    """What finishing an iteration of a top-level self-loop's node does when its only routes besides
-    the feedback are to the client (an AR decode step): looked up once per walk, not per step."""
+    """What finishing an iteration of a self-loop's node does when its only routes besides the feedback
+    are to the client (an AR decode step, a nested fixed loop like a code predictor's): looked up once
+    per walk, not per step."""
 
-    frame: tuple[str, tuple]  # the loop's frame key
     loop: str
+    nested: bool  # the loop has a parent loop (its frame is keyed by the parent's iteration)
     outputs: tuple[str, ...]  # every output the node must return
     emits: tuple[tuple[str, str | None], ...]  # (edge name, modality)
+    exits: tuple[str, ...]  # outputs that leave the loop when it ends
     stop_signal: str | None
     defer_stop_check: bool
 
@@ -198,7 +200,7 @@ class WalkTracker:
         self.running.discard(key)
         lean = self._lean.get(node)
         if lean is not None:
-            return self._self_loop_done(lean, node, outputs)
+            return self._self_loop_done(lean, node, vec, outputs)
         np_ = self.plan.nodes[node]
         frame = self.frames[(np_.frame, vec[:-1] if np_.frame is not None else ())]
         if np_.stop_signal is not None and self.plan.loops[np_.frame].defer_stop_check:
@@ -230,9 +232,9 @@ class WalkTracker:
         self._maybe_end_iteration(frame)
         return self._effects()
 
-    def _self_loop_done(self, lean: _SelfLoopStep, node: str, outputs: dict[str, Any]) -> Effects:
+    def _self_loop_done(self, lean: _SelfLoopStep, node: str, vec: Vec, outputs: dict[str, Any]) -> Effects:
         """``node_done`` for a ``_SelfLoopStep`` node: the same checks and effects, in one pass."""
-        frame = self.frames[lean.frame]
+        frame = self.frames[(lean.loop, vec[:-1] if lean.nested else ())]
         if lean.defer_stop_check and frame.deferred_stop is not None and read_stop(frame.deferred_stop):
             frame.stop = True  # the previous iteration already stopped: this one ran speculatively; drop it
             frame.remaining.discard(node)
@@ -245,6 +247,8 @@ class WalkTracker:
             value = outputs[name]
             if not (type(value) is list and not value):  # an empty list: nothing this iteration
                 self._emits.append(Emitted(name, value, modality, node))
+        for name in lean.exits:
+            self._record_exit(frame, name, outputs[name])
         if lean.stop_signal is not None:
             if lean.defer_stop_check:
                 frame.deferred_stop = outputs[lean.stop_signal]
@@ -260,19 +264,19 @@ class WalkTracker:
                           f"it returned {sorted(outputs)}")
 
     def _lean_steps(self) -> dict[str, _SelfLoopStep]:
-        """The nodes ``_self_loop_done`` handles: the body of a top-level self-loop that routes its
-        outputs only back to itself and to the client, and has no exits."""
+        """The nodes ``_self_loop_done`` handles: the body of a self-loop that routes its outputs only
+        back to itself, to the client and out of the loop (its exits)."""
         out = {}
-        for loop, invariant in self._self_loops.items():
+        for loop in self._self_loops:
             lp = self.plan.loops[loop]
             np_ = self.plan.nodes[lp.body_nodes[0]]
-            if lp.parent is not None or lp.exits or np_.loop_exit_names or any(
-                    r.kind not in (RouteKind.FEEDBACK, RouteKind.EMIT) for r in np_.routes):
+            if any(r.kind not in (RouteKind.FEEDBACK, RouteKind.EMIT) for r in np_.routes):
                 continue
-            names = tuple(dict.fromkeys([r.edge_name for r in np_.routes]
+            names = tuple(dict.fromkeys([r.edge_name for r in np_.routes] + list(np_.loop_exit_names)
                                         + ([np_.stop_signal] if np_.stop_signal else [])))
             emits = tuple((r.edge_name, r.modality) for r in np_.routes if r.kind is RouteKind.EMIT)
-            out[np_.name] = _SelfLoopStep((loop, ()), loop, names, emits, np_.stop_signal, lp.defer_stop_check)
+            out[np_.name] = _SelfLoopStep(loop, lp.parent is not None, names, emits, tuple(np_.loop_exit_names),
+                                          np_.stop_signal, lp.defer_stop_check)
         return out
 
     def _next_self_iteration(self, frame: _Frame, node: str, invariant: tuple[str, ...], outputs) -> None:
