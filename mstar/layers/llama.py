@@ -56,6 +56,7 @@ __all__ = [
     "RMSNorm",
     "check_llama_architecture",
     "pack_linears",
+    "token_embedding",
 ]
 
 
@@ -385,6 +386,16 @@ def _lean_layer(layer: nn.Module, dtype: torch.dtype) -> _LeanLayer | None:
     return _LeanLayer(attn, n1, n2, a[0], a[1], m[0], m[1])
 
 
+def token_embedding(num: int, dim: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> nn.Embedding:
+    """``nn.Embedding(num, dim)``; on the meta device without its random initialisation (its values
+    are replaced anyway, and torch's meta ``normal_`` imports ``torch._dynamo``: ~1 s at a process's
+    first model build, a worker process's included)."""
+    if device is not None and torch.device(device).type == "meta":
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim, dtype=dtype, device="meta"))
+    return nn.Embedding(num, dim, dtype=dtype, device=device)
+
+
 class LlamaBackbone(nn.Module):
     """Token embedding -> decoder layers -> final norm, over a flat batch of new tokens.
 
@@ -400,7 +411,7 @@ class LlamaBackbone(nn.Module):
         check_llama_architecture(cfg)
         kw = {"dtype": dtype, "device": device}
         backend = default_backend() if backend is None else backend
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.embed_tokens = token_embedding(cfg.vocab_size, cfg.hidden_size, **kw)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i, backend=backend, **kw)
                                      for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)

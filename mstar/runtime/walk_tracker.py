@@ -62,8 +62,7 @@ class Pushed:
 
 @dataclass(slots=True)
 class Effects:
-    """What one call into the tracker caused, for the worker to apply (read-only: an empty field may
-    be shared between records)."""
+    """What one call into the tracker caused, for the worker to apply."""
 
     ready: list[ReadyNode]
     emits: list[Emitted]
@@ -177,19 +176,11 @@ class WalkTracker:
         return self._effects()
 
     def _effects(self) -> Effects:
-        """Hand over what happened since the last call (ready nodes are now running); a list that got
-        nothing is handed over as it is and stays the tracker's (``Effects`` is read-only)."""
+        """Hand over what happened since the last call (ready nodes are now running)."""
         fx = Effects(self.ready, self._emits, self._state, self._pushes, self.done)
-        if self.ready:
-            for r in self.ready:
-                self.running.add((r.node, r.iteration))
-            self.ready = []
-        if self._emits:
-            self._emits = []
-        if self._state:
-            self._state = {}
-        if self._pushes:
-            self._pushes = []
+        for r in self.ready:
+            self.running.add((r.node, r.iteration))
+        self.ready, self._emits, self._state, self._pushes = [], [], {}, []
         return fx
 
     def node_done(self, node: str, vec: Vec, outputs: dict[str, Any]) -> Effects:

@@ -357,8 +357,7 @@ class Worker:
         ended = buf.all_ended(self.routing.producers[pkey.partition])
         if buf.has_pending() or ended:
             buf.notified = True
-            self._tell(PartitionReady(pkey.request_id, pkey.partition,
-                                                          ended and not buf.has_pending()))
+            self._tell(PartitionReady(pkey.request_id, pkey.partition, ended and not buf.has_pending()))
 
     # -- execution -----------------------------------------------------------------------------
     def next_batch(self) -> tuple[str, list[WorkItem]] | None:

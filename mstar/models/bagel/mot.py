@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from mstar.layers.attention_backends import AttentionBackend, default_backend
-from mstar.layers.llama import LlamaMLP, RMSNorm
+from mstar.layers.llama import LlamaMLP, RMSNorm, token_embedding
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary
 from mstar.model.submodule import KVSpec
 from mstar.models.bagel.config import BagelLLMConfig
@@ -207,7 +207,7 @@ class MoTModel(nn.Module):
                  device: torch.device | str | None = None, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.embed_tokens = token_embedding(cfg.vocab_size, cfg.hidden_size, **kw)
         self.layers = nn.ModuleList([MoTDecoderLayer(cfg, i, backend=backend, **kw)
                                      for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
