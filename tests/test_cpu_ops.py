@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import mstar.layers.cpu_ops as cpu_ops_mod
-from mstar.layers.llama import RMSNorm
+from mstar.layers.norms import RMSNorm
 from mstar.layers.prepack import prepack_mode
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary
 

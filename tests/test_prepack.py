@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mstar.layers.cpu_ops import ops
-from mstar.layers.llama import RMSNorm
+from mstar.layers.norms import RMSNorm
 from mstar.layers.prepack import (
     PrepackedLinear,
     onednn_available,

@@ -268,10 +268,10 @@ def test_kv_plan_positions_decode_rows_and_prompts():
     sequence order either way."""
     import torch
 
-    from mstar.runtime.engine import _KVPlan
+    from mstar.runtime.kv.records import KVPlan
 
-    plan = _KVPlan(positions=[(7, 1), (0, 1), (130, 1)])
+    plan = KVPlan(positions=[(7, 1), (0, 1), (130, 1)])
     assert torch.equal(plan.position_tensor(), torch.tensor([7, 0, 130]))
-    plan = _KVPlan(positions=[(7, 1), (0, 3), (4, 0), (130, 2)])
+    plan = KVPlan(positions=[(7, 1), (0, 3), (4, 0), (130, 2)])
     got = plan.position_tensor()
     assert got.dtype == torch.long and torch.equal(got, torch.tensor([7, 0, 1, 2, 130, 131]))

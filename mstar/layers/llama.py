@@ -43,6 +43,7 @@ from torch import nn
 
 from mstar.layers.attention_backends import AttentionBackend, default_backend
 from mstar.layers.cpu_ops import ops
+from mstar.layers.norms import RMSNorm
 from mstar.layers.paged_attention import paged_attention
 from mstar.layers.prepack import PrepackedLinear, can_prepack, hooked
 from mstar.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary
@@ -53,7 +54,6 @@ __all__ = [
     "LlamaBackbone",
     "LlamaDecoderLayer",
     "LlamaMLP",
-    "RMSNorm",
     "check_llama_architecture",
     "pack_linears",
     "token_embedding",
@@ -129,41 +129,6 @@ def packed_weight(packed: torch.Tensor | None, linears: tuple[nn.Linear, ...], v
         if lin.weight is not view:
             return None
     return packed
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm; statistics in float32, the weight applied in the input's dtype."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
-        self.eps = eps
-        self.compiled = False  # through the compiled kernel (``prepack``)
-        self._kernel: Any = None
-
-    def prepack(self) -> bool:
-        """Use the compiled RMSNorm (``mstar.layers.cpu_ops``) for float32 CPU inputs from now on."""
-        self._kernel = ops()  # looked up once: ops() reads the environment at every call
-        self.compiled = self._kernel is not None
-        return self.compiled
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compiled and x.dtype in _COMPILED_DTYPES and self.weight.dtype == x.dtype and x.device.type == "cpu":
-            if x.dim() == 2 and x.is_contiguous():
-                return self._kernel.rms_norm(x, self.weight, self.eps)
-            # e.g. per-head q/k norms [T, heads, D]: one copy into rows, then the kernel
-            rows = x.reshape(-1, x.shape[-1]).contiguous()
-            return self._kernel.rms_norm(rows, self.weight, self.eps).view(x.shape)
-        if x.dtype == torch.float32:  # the same arithmetic without the (no-op) casts' dispatch cost
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-        in_dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(in_dtype)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
 class LlamaAttention(nn.Module):

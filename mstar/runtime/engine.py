@@ -28,67 +28,14 @@ from typing import Any
 
 import torch
 
-from mstar.layers.paged_attention import AttentionMetadata, QueryMode, copy_blocks, long_tensor
+from mstar.layers.paged_attention import AttentionMetadata, QueryMode, copy_blocks
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSequence, NodeInputs, NodeSubmodule
 from mstar.runtime.kv.block_pool import BlockPool, KVCacheManager, OutOfBlocks, prefix_hashes
+from mstar.runtime.kv.records import KVPlan, PrefixUse, SwappedKV
 from mstar.runtime.kv.sizing import as_blocks, cdiv
 from mstar.runtime.work_items import DEFERRED, ItemError, Prepared, WorkItem
 
 __all__ = ["DEFERRED", "ItemError", "KVCacheEngine", "Prepared", "StatelessEngine", "WorkItem"]
-
-
-@dataclass
-class _KVPlan:
-    """The attention bookkeeping of one batch, sequence by sequence."""
-
-    query_lens: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)
-    context_lens: list[int] = field(default_factory=list)
-    modes: list[QueryMode] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    positions: list[tuple[int, int]] = field(default_factory=list)  # (first position, tokens) per sequence
-
-    def position_tensor(self) -> torch.Tensor:
-        """Every planned token's absolute position, sequence after sequence (int64 [tokens]): one
-        tensor from the Python ints when every sequence has one token (a decode step), else one
-        ``arange`` per sequence."""
-        if all(n == 1 for _, n in self.positions):
-            return long_tensor([first for first, _ in self.positions])
-        return torch.cat([torch.arange(first, first + n, dtype=torch.long) for first, n in self.positions])
-
-    def mark(self) -> tuple[int, int]:
-        return len(self.query_lens), len(self.slots)
-
-    def reset(self, mark: tuple[int, int]) -> None:
-        """Forget the sequences added since ``mark``."""
-        seqs, slots = mark
-        for name in ("query_lens", "tables", "context_lens", "modes", "positions"):
-            del getattr(self, name)[seqs:]
-        del self.slots[slots:]
-
-
-@dataclass(slots=True)
-class _PrefixUse:
-    """An item's prompt, for the prefix cache: which cache, its full-block hashes, tokens reused."""
-
-    request_id: str
-    cache_name: str
-    hashes: list[int]
-    num_tokens: int
-    reused: int
-
-
-@dataclass
-class _Swapped:
-    """A preempted request's KV blocks in host memory: ``tables`` index into the saved blocks."""
-
-    tables: dict[str, tuple[list[int], int]]  # cache name -> (block indices, num_tokens)
-    k: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_heads, head_dim]
-    v: list[torch.Tensor]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k[0].shape[0] if self.k else 0
 
 
 @dataclass
@@ -210,14 +157,14 @@ class KVCacheEngine(StatelessEngine):
         self.prefix_caching = prefix_caching
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache (items that ran)
         self.prefix_hit_tokens = 0  # of which were reused
-        self._prefix_uses: dict[int, _PrefixUse] = {}  # id(Prepared run) -> its prompt, this batch
+        self._prefix_uses: dict[int, PrefixUse] = {}  # id(Prepared run) -> its prompt, this batch
         spec = module.kv_spec
         self.manager = KVCacheManager(BlockPool(num_blocks, block_size))
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=spec.dtype, device=device),
                            torch.zeros(shape, dtype=spec.dtype, device=device)) for _ in range(spec.num_layers)]
         self._appended: list[tuple[str, str, int]] = []
-        self._swapped: dict[str, _Swapped] = {}
+        self._swapped: dict[str, SwappedKV] = {}
         self.preemptions = 0
 
     def cache_len(self, item: WorkItem) -> int:
@@ -232,7 +179,7 @@ class KVCacheEngine(StatelessEngine):
         then run one forward over the others."""
         self._appended = []
         self._prefix_uses = {}
-        plan = _KVPlan()
+        plan = KVPlan()
         runs = self._plan_batch(batch, plan)  # what each item runs (None: deferred)
         admitted = [r for r in runs if r is not None]
         if not admitted:
@@ -249,7 +196,7 @@ class KVCacheEngine(StatelessEngine):
         self._register_prefixes()
         return [DEFERRED if r is None else next(outs) for r in runs]
 
-    def _plan_batch(self, batch: list[Prepared], plan: _KVPlan) -> list[Prepared | None]:
+    def _plan_batch(self, batch: list[Prepared], plan: KVPlan) -> list[Prepared | None]:
         """``_plan_item`` of every item; a decode step's token (one causal-append token, nothing
         forked, listed or swapped out) is planned inline when ``KVCacheManager.append_token`` can
         take it (the same slots and entries as ``_plan_single``)."""
@@ -275,7 +222,7 @@ class KVCacheEngine(StatelessEngine):
             runs.append(self._plan_item(p, plan))
         return runs
 
-    def _plan_item(self, p: Prepared, plan: _KVPlan) -> Prepared | None:
+    def _plan_item(self, p: Prepared, plan: KVPlan) -> Prepared | None:
         """Swap the item's request in if needed and plan all its sequences; returns what the forward
         runs (the item, or a copy without the tokens a cached prefix supplies), or None (nothing
         planned: no room now)."""
@@ -323,7 +270,7 @@ class KVCacheEngine(StatelessEngine):
             run = Prepared(p.item, dataclasses.replace(ni, tensor_inputs=tensors, num_tokens=n - reused,
                                                        prefix_ids=None),
                            dataclasses.replace(p.info, cache_len=reused))
-        self._prefix_uses[id(run)] = _PrefixUse(rid, name, hashes, n, reused)
+        self._prefix_uses[id(run)] = PrefixUse(rid, name, hashes, n, reused)
         return run
 
     def _register_prefixes(self) -> None:
@@ -341,7 +288,7 @@ class KVCacheEngine(StatelessEngine):
             for k_cache, v_cache in self.kv_caches:
                 copy_blocks(k_cache, v_cache, pairs)
 
-    def _plan_single(self, rid: str, ni: NodeInputs, node: str, plan: _KVPlan) -> None:
+    def _plan_single(self, rid: str, ni: NodeInputs, node: str, plan: KVPlan) -> None:
         """``_plan_sequence`` for an item's one causal-append sequence (no fork, no sequences list: a
         prompt or a decode step): the same manager calls and plan entries, without a ``KVSequence``."""
         m, name, n = self.manager, ni.cache_name or node, ni.num_tokens
@@ -354,7 +301,7 @@ class KVCacheEngine(StatelessEngine):
         plan.modes.append(QueryMode.CAUSAL_APPEND)
         plan.positions.append((before, n))
 
-    def _plan_sequence(self, rid: str, seq: KVSequence, plan: _KVPlan) -> None:
+    def _plan_sequence(self, rid: str, seq: KVSequence, plan: KVPlan) -> None:
         """Fork / allocate the sequence's cache slots (recording appends for a rollback) and add its
         attention bookkeeping to ``plan``."""
         m, name, mode = self.manager, seq.cache_name, QueryMode(seq.mode)
@@ -411,7 +358,7 @@ class KVCacheEngine(StatelessEngine):
         blocks, tables = self.manager.snapshot(request_id)
         idx = torch.tensor(blocks, dtype=torch.long, device=self.kv_caches[0][0].device)
         # indexing copies; .to("cpu") then moves device caches to host and leaves host ones as they are
-        self._swapped[request_id] = _Swapped(tables, [k[idx].to("cpu") for k, _ in self.kv_caches],
+        self._swapped[request_id] = SwappedKV(tables, [k[idx].to("cpu") for k, _ in self.kv_caches],
                                              [v[idx].to("cpu") for _, v in self.kv_caches])
         self.manager.free_request(request_id)
         self.preemptions += int(preempted)
@@ -457,7 +404,7 @@ class KVCacheEngine(StatelessEngine):
             m.free_request(request_id)
         return out
 
-    def _export_swapped(self, saved: _Swapped) -> dict[str, Any]:
+    def _export_swapped(self, saved: SwappedKV) -> dict[str, Any]:
         bs = self.manager.block_size
         out = {}
         for name, (blocks, num_tokens) in saved.tables.items():
@@ -504,7 +451,7 @@ class KVCacheEngine(StatelessEngine):
                 ks[layer].append(as_blocks(c["k"][layer], nb, bs, cache.dtype))
                 vs[layer].append(as_blocks(c["v"][layer], nb, bs, cache.dtype))
         empty = torch.zeros((0, *cache.shape[1:]), dtype=cache.dtype)
-        self._swapped[request_id] = _Swapped(tables, [torch.cat([empty, *k]) for k in ks],
+        self._swapped[request_id] = SwappedKV(tables, [torch.cat([empty, *k]) for k in ks],
                                              [torch.cat([empty, *v]) for v in vs])
 
     def stats(self) -> dict[str, Any]:

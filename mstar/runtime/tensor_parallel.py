@@ -27,7 +27,6 @@ sizes (KV resharding), and a rank in two TP groups.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import os
 from contextlib import contextmanager

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from mstar.layers.attention_backends import AttentionBackend, default_backend
-from mstar.layers.llama import LlamaMLP, RMSNorm, token_embedding
+from mstar.layers.llama import LlamaMLP, token_embedding
+from mstar.layers.norms import RMSNorm
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary
 from mstar.model.submodule import KVSpec
 from mstar.models.bagel.config import BagelLLMConfig

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mstar.layers.llama import RMSNorm
+from mstar.layers.norms import RMSNorm
 from mstar.layers.prepack import prepack_linears, prepack_requested
 from mstar.model.checkpoint import (
     DTYPES,

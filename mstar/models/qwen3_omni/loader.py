@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.layers.llama import RMSNorm
+from mstar.layers.norms import RMSNorm
 from mstar.layers.prepack import prepack_linears, prepack_requested
 from mstar.model.checkpoint import CheckpointError, check_load_format, load_into
 from mstar.models.llama.loader import checkpoint_files

@@ -35,7 +35,7 @@ from torch import nn
 
 from mstar.layers.attention_backends import AttentionBackend
 from mstar.layers.cpu_ops import ops
-from mstar.layers.llama import RMSNorm
+from mstar.layers.norms import RMSNorm
 from mstar.layers.prepack import PrepackableLinear
 from mstar.models.qwen3_omni.config import CodePredictorConfig, TalkerConfig
 from mstar.models.qwen3_omni.moe import SwiGLU

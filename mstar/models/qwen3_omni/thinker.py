@@ -34,7 +34,8 @@ from torch import nn
 
 from mstar.layers.attention_backends import AttentionBackend, default_backend
 from mstar.layers.cpu_ops import ops
-from mstar.layers.llama import RMSNorm, y_rotatable
+from mstar.layers.llama import y_rotatable
+from mstar.layers.norms import RMSNorm
 from mstar.layers.paged_attention import paged_attention
 from mstar.layers.prepack import PrepackableLinear, PrepackedGroup
 from mstar.layers.rotary import apply_rotary, compute_inv_freq
