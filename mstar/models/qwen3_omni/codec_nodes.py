@@ -31,13 +31,17 @@ class CodePredictorNode(NodeSubmodule):
         super().__init__()
         self.predictor = predictor
         self._sampling = ParamsMemo(predictor_sampling)
+        self._groups = predictor.config.num_code_groups  # read at every step: not through the module
 
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
         frame, j = fwd_info.iteration[-2], fwd_info.iteration[-1]
-        return NodeInputs(extras={"j": j, "seed_step": frame * self.predictor.config.num_code_groups + j,
+        code = inputs["code"][0]
+        if code.dim() != 1:  # the previous step's code comes as [1] already
+            code = code.reshape(-1)
+        return NodeInputs(extras={"j": j, "seed_step": frame * self._groups + j,
                                   "sampling": self._sampling(fwd_info.params),
-                                  "hidden": inputs["talker_hidden"][0], "code": inputs["code"][0].reshape(-1),
+                                  "hidden": inputs["talker_hidden"][0], "code": code,
                                   "cache": inputs["cp_cache"][0], "sum": inputs["cp_sum"][0]})
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
