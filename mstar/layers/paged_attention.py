@@ -110,6 +110,9 @@ class AttentionMetadata:
     # per-batch memo of the decode rows' gather plan (the same for every layer of a forward)
     _decode_plan: Any = field(default=None, repr=False, compare=False)
     _batch_plan: Any = field(default=None, repr=False, compare=False)
+    # ``build``'s Python values (cu_seqlens_q, context_lens as lists; every slot >= 0), so the batch
+    # plan reads them instead of converting the tensors back
+    _host: tuple[list[int], list[int], bool] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -138,14 +141,19 @@ class AttentionMetadata:
                 cu.append(cu[-1] + int(n))
         if slot_mapping is None:
             slot_mapping = [-1] * cu[-1]
-        slots = (torch.as_tensor(slot_mapping, dtype=torch.int64, device=device)
-                 if isinstance(slot_mapping, torch.Tensor) else _on(long_tensor(slot_mapping), device))
+        if isinstance(slot_mapping, torch.Tensor):
+            slots, written = torch.as_tensor(slot_mapping, dtype=torch.int64, device=device), False
+        else:
+            slots = _on(long_tensor(slot_mapping), device)
+            written = len(slot_mapping) > 0 and bool(min(slot_mapping) >= 0)
+        ctx = [int(n) for n in context_lens]
         return cls(
             cu_seqlens_q=_on(long_tensor(cu), device),
             slot_mapping=slots,
             block_tables=block_tables,
-            context_lens=_on(long_tensor(context_lens), device),
+            context_lens=_on(long_tensor(ctx), device),
             modes=list(modes) if all(type(m) is QueryMode for m in modes) else [QueryMode(m) for m in modes],
+            _host=(cu, ctx, written),
         )
 
 
@@ -365,12 +373,16 @@ def _batch_plan(meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: to
     plan = meta._batch_plan
     if plan is not None:
         return plan
-    cu = meta.cu_seqlens_q.tolist()
-    ctx = meta.context_lens.tolist()
+    if meta._host is not None:  # the lists the metadata was built from
+        cu, ctx, written = meta._host
+    else:
+        cu, ctx, written = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist(), False
     _validate(q, k, v, k_cache, meta, cu, ctx)
     writes = [i for i, mode in enumerate(meta.modes) if mode.writes and cu[i + 1] > cu[i]]
     rows = [r for i in writes for r in range(cu[i], cu[i + 1])]
-    slots = meta.slot_mapping.to(device=k_cache.device, dtype=torch.int64)
+    slots = meta.slot_mapping
+    if slots.device != k_cache.device or slots.dtype != torch.int64:
+        slots = slots.to(device=k_cache.device, dtype=torch.int64)
     write_rows, write_slots = None, None
     if rows:
         if len(rows) == q.shape[0]:
@@ -378,8 +390,8 @@ def _batch_plan(meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: to
         else:
             write_rows = torch.tensor(rows, dtype=torch.int64, device=q.device)
             write_slots = slots.index_select(0, write_rows.to(slots.device))
-        keep = write_slots >= 0  # a negative slot is never written
-        if not bool(keep.all()):
+        keep = None if written else write_slots >= 0  # a negative slot is never written
+        if keep is not None and not bool(keep.all()):
             sel = keep.nonzero().squeeze(1)
             write_rows = (sel if write_rows is None else write_rows.index_select(0, sel.to(write_rows.device)))
             write_slots = write_slots.index_select(0, sel)
