@@ -543,3 +543,35 @@ def test_random_stress_with_shared_prompts_keeps_contents_right():
     for rid in live:
         sim.free_request(rid)
     assert sim.mgr.pool.num_used == 0 and reused > 100
+
+
+def test_append_token_matches_append_slots_or_leaves_it_the_case():
+    """A decode step's fast append gives the slots and tables ``append_slots(.., 1)`` gives, across
+    block boundaries; a shared last block (after a fork), a named prefix block, a full pool or a
+    missing table get None with nothing changed."""
+    fast, ref = KVCacheManager(BlockPool(8, 4)), KVCacheManager(BlockPool(8, 4))
+    for mgr in (fast, ref):
+        mgr.append_slots("r", "c", 3)
+    for _ in range(6):  # through two block boundaries
+        before = ref.num_tokens("r", "c")
+        got = fast.append_token("r", "c")
+        assert got is not None
+        assert (got[0], [got[1]], list(got[2])) == (before, ref.append_slots("r", "c", 1), ref.block_table("r", "c"))
+        check_invariants(fast)
+    assert fast.append_token("r", "other") is None
+
+    mgr = KVCacheManager(BlockPool(8, 4))
+    mgr.append_slots("r", "c", 2)
+    mgr.fork("r", "c", "d")  # the half-full last block is now shared
+    before = snapshot(mgr)
+    assert mgr.append_token("r", "c") is None and snapshot(mgr) == before
+
+    mgr = KVCacheManager(BlockPool(2, 4))
+    mgr.append_slots("r", "c", 8)  # every block taken, the last one full
+    assert mgr.append_token("r", "c") is None and mgr.num_tokens("r", "c") == 8
+
+    mgr = KVCacheManager(BlockPool(8, 4))
+    mgr.append_slots("r", "c", 4)
+    mgr.register_prefix("r", "c", prefix_hashes([1, 2, 3, 4], 4))
+    mgr.truncate("r", "c", 3)  # the named block is partly written again
+    assert mgr.append_token("r", "c") is None

@@ -212,11 +212,7 @@ class KVCacheEngine(StatelessEngine):
                     before, slot, blocks = got
                     appended.append((rid, name, before))
                     plan.slots.append(slot)
-                    plan.context_lens.append(before + 1)
-                    plan.query_lens.append(1)
-                    plan.tables.append(list(blocks))
-                    plan.modes.append(causal)
-                    plan.positions.append((before, 1))
+                    plan.add(causal, before, 1, before + 1, list(blocks))
                     runs.append(p)
                     continue
             runs.append(self._plan_item(p, plan))
@@ -295,11 +291,7 @@ class KVCacheEngine(StatelessEngine):
         before = m.num_tokens(rid, name)
         plan.slots += m.append_slots(rid, name, n)
         self._appended.append((rid, name, before))
-        plan.context_lens.append(before + n)
-        plan.query_lens.append(n)
-        plan.tables.append(m.block_table(rid, name))
-        plan.modes.append(QueryMode.CAUSAL_APPEND)
-        plan.positions.append((before, n))
+        plan.add(QueryMode.CAUSAL_APPEND, before, n, before + n, m.block_table(rid, name))
 
     def _plan_sequence(self, rid: str, seq: KVSequence, plan: KVPlan) -> None:
         """Fork / allocate the sequence's cache slots (recording appends for a rollback) and add its
@@ -315,15 +307,12 @@ class KVCacheEngine(StatelessEngine):
             if not m.has(rid, name):
                 m.append_slots(rid, name, 0)
             plan.slots += [-1] * seq.num_tokens
-            plan.context_lens.append(before)
+            context = before
         else:
             plan.slots += m.append_slots(rid, name, seq.num_tokens)
             self._appended.append((rid, name, before))
-            plan.context_lens.append(before + seq.num_tokens)
-        plan.query_lens.append(seq.num_tokens)
-        plan.tables.append(m.block_table(rid, name))
-        plan.modes.append(mode)
-        plan.positions.append((before, seq.num_tokens))
+            context = before + seq.num_tokens
+        plan.add(mode, before, seq.num_tokens, context, m.block_table(rid, name))
 
     def _rollback(self, batch: list[Prepared]) -> None:
         """Undo this batch's cache appends so the items can be retried one by one."""

@@ -177,6 +177,11 @@ class BlockPool:
         self._check(block)
         return self._refcounts[block]
 
+    def writable(self, block: int) -> bool:
+        """Held by one table and not named as a cached prefix: a token may be written into it as it is
+        (no copy-on-write, no prefix to forget). Unchecked: for the decode path's hot loop."""
+        return self._refcounts[block] == 1 and block not in self._hash_of
+
     def __repr__(self) -> str:
         return (f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"used={self.num_used}, free={self.num_free}, cached={self.num_cached})")
@@ -384,8 +389,7 @@ class KVCacheManager:
         off = cur % bs
         if off:
             last = blocks[-1]
-            # shared (copy-on-write) or named as a cached prefix: append_slots handles both
-            if pool._refcounts[last] != 1 or last in pool._hash_of:
+            if not pool.writable(last):  # shared (copy-on-write) or a named prefix: append_slots handles both
                 return None
         elif len(blocks) * bs == cur and pool.num_free:
             last = pool.allocate()

@@ -24,6 +24,15 @@ class KVPlan:
     slots: list[int] = field(default_factory=list)
     positions: list[tuple[int, int]] = field(default_factory=list)  # (first position, tokens) per sequence
 
+    def add(self, mode: QueryMode, first: int, n: int, context_len: int, table: list[int]) -> None:
+        """One sequence's entries (its slots are added by the caller): ``n`` queries from position
+        ``first``, attending to ``context_len`` cached tokens through ``table``."""
+        self.query_lens.append(n)
+        self.tables.append(table)
+        self.context_lens.append(context_len)
+        self.modes.append(mode)
+        self.positions.append((first, n))
+
     def position_tensor(self) -> torch.Tensor:
         """Every planned token's absolute position, sequence after sequence (int64 [tokens]): one
         tensor from the Python ints when every sequence has one token (a decode step), else one
