@@ -17,6 +17,7 @@ from mstar.bench.bagel_oracle import (
     generate_image,
     greedy_decode,
 )
+from mstar.layers.prepack import prepack_requested
 from mstar.models.bagel.model import BagelTiny
 from mstar.models.bagel.nodes import CombineCFG
 from mstar.placement import Placement
@@ -31,6 +32,15 @@ def text(s: str) -> torch.Tensor:
 def image(seed: int, h: int = 40, w: int = 52) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8)
+
+
+def same_bits_or_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """The same bits where the projections run through the panel kernel (a row's result does not depend
+    on the batch); close on the plain path (F.linear's blocking changes with the row count)."""
+    if prepack_requested():
+        assert torch.equal(a, b)
+    else:
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +201,7 @@ def test_batch_invariance_of_generated_latents(model):
         handles = [rt.submit(inp, {**base, "seed": s}) for inp, s in reqs]
         together = [latents(h.result()) for h in handles]
     for a, b in zip(alone, together):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        same_bits_or_close(a, b)
 
 
 def test_cfg_parallel_placement_gives_the_same_image(model):
@@ -206,7 +216,7 @@ def test_cfg_parallel_placement_gives_the_same_image(model):
         ranks = rt.stats()["ranks"]
         assert sum(ranks[1]["batch_sizes"]["LLM"].values()) > 0  # the cfg_text view ran on rank 1
         assert sum(ranks[2]["batch_sizes"]["LLM"].values()) > 0  # the cfg_img view ran on rank 2
-    torch.testing.assert_close(latents(out), single, rtol=0, atol=1e-5)
+    same_bits_or_close(latents(out), single)
 
 
 @pytest.mark.parametrize("inputs, params, match", [

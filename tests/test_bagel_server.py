@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from mstar.layers.prepack import prepack_requested
 from mstar.models.bagel.model import BagelTiny
 from tests.server_utils import running_server
 
@@ -55,7 +56,11 @@ def test_text_to_image_through_the_sdk(server, client):
     assert imgs[0].shape == (32, 48, 3) and not np.array_equal(imgs[0], imgs[1])  # seeds 7 and 8
     (ref,) = engine.runtime.generate([{"text_ids": [tokens(engine, "a red cube")]}],
                                      {"target": "image", "height": 32, "width": 48, "seed": 7, "num_timesteps": 5})
-    assert np.array_equal(imgs[0], ref.tensors("image_output")[0].numpy())
+    alone = ref.tensors("image_output")[0].numpy()
+    if prepack_requested():  # row-invariant projections: the same pixels as the request alone
+        assert np.array_equal(imgs[0], alone)
+    else:  # F.linear's rounding changes with the batch: a pixel may truncate to its neighbour
+        assert np.abs(imgs[0].astype(int) - alone.astype(int)).max() <= 1
 
 
 def test_n_images_run_as_concurrent_requests(server, client):

@@ -19,6 +19,8 @@
 #include <type_traits>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -287,6 +289,66 @@ inline float max_of(const float* p, int64_t n) {
   return m;
 }
 
+// 2^x for x <= 0, lane by lane, for the block kernel's softmax (its scores are in log2 units: the
+// queries carry log2(e)): x clamped to -126 (2^-126 is lost in any sum it joins, where the largest
+// term is 1), n = round(x), r = x - n in [-1/2, 1/2] (exact), 2^r by a degree-6 polynomial (a
+// relative-error fit made for this file: ~1.3 ulp in float32 with fused multiply-adds), times 2^n.
+constexpr float kExp2C[7] = {1.0f, 0.6931472f, 0.24022646f, 0.055503286f, 0.009618489f, 0.001339993f,
+                             0.00015345792f};
+
+template <typename V>
+inline V exp2_poly(V r) {
+  V p = V{} + kExp2C[6];
+  p = p * r + kExp2C[5];
+  p = p * r + kExp2C[4];
+  p = p * r + kExp2C[3];
+  p = p * r + kExp2C[2];
+  p = p * r + kExp2C[1];
+  return p * r + kExp2C[0];
+}
+
+#if defined(__AVX512F__)
+inline vf16 exp2_nonpositive(vf16 x) {
+  const __m512 c = _mm512_max_ps(reinterpret_cast<__m512>(x), _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vf16 p = exp2_poly(reinterpret_cast<vf16>(_mm512_sub_ps(c, n)));
+  return reinterpret_cast<vf16>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), n));  // p * 2^n, exact
+}
+#else
+inline vf8 exp2_nonpositive(vf8 x) {
+  const vf8 lo = vf8{} - 126.0f, magic = vf8{} + 12582912.0f;  // 1.5 * 2^23: rounds to an integer
+  x = x < lo ? lo : x;
+  const vf8 n = (x + magic) - magic;
+  const vf8 p = exp2_poly(x - n);
+  const vi8 bits = (__builtin_convertvector(n, vi8) + 127) << 23;
+  vf8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+#endif
+
+inline float exp2_nonpositive(float x) { return exp2_nonpositive(vexp{} + x)[0]; }
+
+// The largest lane of a register, halving in a tree (the same value in any order).
+inline float max_lanes(vf8 a) {
+  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3), c = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const vf4 m4 = b > c ? b : c;
+  const float x = m4[0] > m4[2] ? m4[0] : m4[2], y = m4[1] > m4[3] ? m4[1] : m4[3];
+  return x > y ? x : y;
+}
+inline float max_lanes(vf16 a) {
+  const vf8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
+  const vf8 c = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  return max_lanes(b > c ? b : c);
+}
+
+// The lanes of a register folded in a fixed tree.
+inline float fold_lanes(vf16 a) { return fold(a); }
+inline float fold_lanes(vf8 a) {
+  const vf4 s4 = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
 struct Layout {
   int64_t block_size, kv_heads, head_dim, group, table_width;
 };
@@ -539,9 +601,10 @@ torch::Tensor decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
 // thread computes a task. Keys are taken in chunks of kChunk from key 0 (an online softmax over the
 // chunks), and every query row's arithmetic depends only on its own query, its visible keys and
 // that fixed chunking:
-//   s[j]  = sum_d q[d] * k[j][d]                   d ascending, one accumulator per (row, key)
-//   chunk: m' = max(m, max_j s[j]) (j ascending);  p[j] = exp(s[j] - m');  a = exp(m - m')
-//          l = l * a + sum_j p[j] (16 lanes, fixed tree);  o = o * a, then o += p[j] * v[j], j ascending
+//   s[j]  = sum_d q'[d] * k[j][d]                  d ascending, one accumulator per (row, key), with
+//                                                  q' = q * (scale * log2 e): scores in log2 units
+//   chunk: m' = max(m, max_j s[j]);  p[j] = 2^(s[j] - m');  a = 2^(m - m')
+//          l = l * a + sum_j p[j] (register lanes, fixed tree);  o = o * a, then o += p[j] * v[j], j ascending
 //   out = o * (1 / l)
 // so a row's output is the same bits whatever tile, batch or thread count computes it.
 namespace {
@@ -683,46 +746,143 @@ inline void products_rows(int64_t, const float*, const float*, const float*, con
 constexpr bool kPartialGroups = false;  // AVX2: whole groups (the padding rows computed and dropped)
 #endif
 
+// kt[i][j] = key j's element i (kt: [d][kChunk]) for the chunk's nk keys (rows[j]: key j's row).
+// On AVX-512: 16 keys x 16 elements at a time, as floats, transposed in registers (four rounds of
+// two-source shuffles, each exchanging blocks of S between row pairs S apart); the rest one by one.
+template <typename T>
+inline void transpose_keys_scalar(const void* const* rows, int64_t j0, int64_t nk, int64_t d, float* kt) {
+  for (int64_t j = j0; j < nk; ++j) {
+    const T* k = static_cast<const T*>(rows[j]);
+    for (int64_t i = 0; i < d; ++i) kt[i * kChunk + j] = to_float(k[i]);
+  }
+}
+
+#if defined(__AVX512F__)
+template <int S, std::size_t... E>
+inline void exchange_round(vf16* r, std::index_sequence<E...>) {
+  for (int i = 0; i < kLanes; ++i) {
+    if (i & S) continue;
+    const vf16 a = r[i], b = r[i + S];
+    r[i] = __builtin_shufflevector(a, b, ((E & S) ? 16 + E - S : E)...);
+    r[i + S] = __builtin_shufflevector(a, b, ((E & S) ? 16 + E : E + S)...);
+  }
+}
+
+inline void transpose16(vf16* r) {
+  constexpr auto lanes = std::make_index_sequence<kLanes>{};
+  exchange_round<8>(r, lanes);
+  exchange_round<4>(r, lanes);
+  exchange_round<2>(r, lanes);
+  exchange_round<1>(r, lanes);
+}
+#endif
+
+template <typename T>
+inline void transpose_keys(const void* const* rows, int64_t nk, int64_t d, float* kt) {
+  int64_t j0 = 0;
+#if defined(__AVX512F__)
+  for (; j0 + kLanes <= nk; j0 += kLanes)  // d is a multiple of 16
+    for (int64_t i0 = 0; i0 < d; i0 += kLanes) {
+      vf16 r[kLanes];
+      for (int j = 0; j < kLanes; ++j) r[j] = load16(static_cast<const T*>(rows[j0 + j]) + i0);
+      transpose16(r);
+      for (int i = 0; i < kLanes; ++i) std::memcpy(kt + (i0 + i) * kChunk + j0, &r[i], sizeof(vf16));
+    }
+#endif
+  transpose_keys_scalar<T>(rows, j0, nk, d, kt);
+}
+
 struct BlockScratch {
   std::vector<float> qt, kt, vf, scores, o, m, l;
   std::vector<const float*> vr;  // each key's value row of the chunk (in the cache, or in vf)
+  std::vector<const void*> kr;   // each key's key row of the chunk (in the cache)
 };
+
+// One row's softmax step over a chunk's scores p[0, nk) (log2 units), of which the first `valid`
+// are its keys: m' = max(m, max p) (the first chunk: max p), p <- 2^(p - m') for the valid keys and 0
+// for the rest, l <- l * 2^(m - m') + sum p (register lanes, then a fixed fold), o <- o * 2^(m - m').
+inline void softmax_row(float* p, int64_t valid, int64_t nk, bool first, float& m, float& l, float* o,
+                        int64_t d) {
+  constexpr int64_t W = kExpLanes;
+  vexp lane{};
+  for (int64_t l = 0; l < W; ++l) lane[l] = static_cast<float>(l);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  vexp mv = vexp{} + neg_inf;
+  int64_t j = 0;
+  for (; j + W <= valid; j += W) {
+    vexp v;
+    std::memcpy(&v, p + j, sizeof v);
+    mv = v > mv ? v : mv;
+  }
+  if (j < valid) {  // p has room for whole registers up to nk rounded up (a multiple of 32)
+    vexp v;
+    std::memcpy(&v, p + j, sizeof v);
+    v = lane < static_cast<float>(valid - j) ? v : vexp{} + neg_inf;
+    mv = v > mv ? v : mv;
+  }
+  const float mc = max_lanes(mv);
+  const float m_new = first || mc > m ? mc : m;
+  vexp acc{};
+  for (j = 0; j < nk; j += W) {
+    vexp v;
+    std::memcpy(&v, p + j, sizeof v);
+    v = exp2_nonpositive(v - m_new);
+    if (j + W > valid) v = lane < static_cast<float>(valid - j) ? v : vexp{};
+    acc += v;
+    std::memcpy(p + j, &v, sizeof v);
+  }
+  const float chunk_sum = fold_lanes(acc);
+  if (first) {
+    l = chunk_sum;
+  } else {
+    const float a = exp2_nonpositive(m - m_new);
+    l = l * a + chunk_sum;
+    for (int64_t i = 0; i < d; ++i) o[i] *= a;
+  }
+  m = m_new;
+}
 
 template <typename T>
 void block_task(const BlockTask& tk, const float* q, const T* kc, const T* vc, const int64_t* table,
                 int64_t ctx, int64_t n, bool causal, int64_t q_start, const Layout& ly, int64_t q_heads,
                 float scale, float* out, BlockScratch& s) {
-  const int64_t d = ly.head_dim, kvh = tk.head / ly.group, row_stride = ly.kv_heads * d;
+  const int64_t d = ly.head_dim, kvh = tk.head / ly.group, row_stride = ly.kv_heads * d, bs = ly.block_size;
   const int64_t rows = tk.r1 - tk.r0, padded = (rows + kRowGroup - 1) / kRowGroup * kRowGroup;
   s.qt.assign(padded * d, 0.0f);
   s.o.assign(padded * d, 0.0f);
   s.kt.resize(d * kChunk);
   s.vf.resize(kChunk * d);
   s.vr.resize(kChunk);
+  s.kr.resize(kChunk);
   s.scores.resize(padded * kChunk);
   s.m.assign(padded, 0.0f);
   s.l.assign(padded, 0.0f);
   std::vector<int64_t> lim(padded, 0);
+  const float qscale = scale * 1.44269504088896341f;  // scores in log2 units: softmax by 2^x
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = q + ((q_start + tk.r0 + r) * q_heads + tk.head) * d;
-    for (int64_t i = 0; i < d; ++i) s.qt[r * d + i] = src[i] * scale;
+    for (int64_t i = 0; i < d; ++i) s.qt[r * d + i] = src[i] * qscale;
     lim[r] = causal ? ctx - n + 1 + tk.r0 + r : ctx;
   }
   const int64_t keys = causal ? ctx - n + tk.r1 : ctx;  // the most any row of the tile sees
+  // key t's row: table[t / bs] * bs + t % bs; walked block by block (no division per key), the
+  // prefetch cursor kBlockPrefetchKeys keys ahead of the read cursor
+  int64_t blk = 0, off = 0, pblk = kBlockPrefetchKeys / bs, poff = kBlockPrefetchKeys % bs;
   for (int64_t c0 = 0; c0 < keys; c0 += kChunk) {
     const int64_t nk = std::min(kChunk, keys - c0);
     // this chunk's keys transposed ([d][kChunk]) and values ([kChunk][d]) as floats; the scores of
     // the columns past nk (left over from an earlier chunk) are never read
     for (int64_t j = 0; j < nk; ++j) {
       if (c0 + j + kBlockPrefetchKeys < keys) {  // across chunk ends too
-        const int64_t ahead = slot_of(table, c0 + j + kBlockPrefetchKeys, ly.block_size) * row_stride + kvh * d;
+        const int64_t ahead = (table[pblk] * bs + poff) * row_stride + kvh * d;
         prefetch(kc + ahead, d);
         prefetch(vc + ahead, d);
+        if (++poff == bs) poff = 0, ++pblk;
       }
-      const int64_t slot = slot_of(table, c0 + j, ly.block_size) * row_stride + kvh * d;
-      const T* k = kc + slot;
+      const int64_t slot = (table[blk] * bs + off) * row_stride + kvh * d;
+      if (++off == bs) off = 0, ++blk;
+      s.kr[j] = kc + slot;
       const T* v = vc + slot;
-      for (int64_t i = 0; i < d; ++i) s.kt[i * kChunk + j] = to_float(k[i]);
       if constexpr (std::is_same_v<T, float>) {
         s.vr[j] = v;  // float32 values are read in place
       } else {
@@ -730,6 +890,7 @@ void block_task(const BlockTask& tk, const float* q, const T* kc, const T* vc, c
         s.vr[j] = s.vf.data() + j * d;
       }
     }
+    transpose_keys<T>(s.kr.data(), nk, d, s.kt.data());
     for (int64_t g = 0; g < padded; g += kRowGroup) {
       if (kPartialGroups && rows - g < kRowGroup)
         products_rows(rows - g, s.qt.data() + g * d, s.kt.data(), nullptr, nullptr, d, nk,
@@ -744,21 +905,7 @@ void block_task(const BlockTask& tk, const float* q, const T* kc, const T* vc, c
         std::fill(p, p + kChunk, 0.0f);
         continue;
       }
-      const float mc = max_of(p, valid);
-      const bool first = c0 == 0;
-      const float m_new = first || mc > s.m[r] ? mc : s.m[r];
-      exp_shifted(p, valid, m_new);
-      std::fill(p + valid, p + kChunk, 0.0f);
-      const float chunk_sum = sum(p, valid);
-      if (first) {
-        s.l[r] = chunk_sum;
-      } else {
-        const float a = exp_nonpositive(s.m[r] - m_new);
-        s.l[r] = s.l[r] * a + chunk_sum;
-        float* o = s.o.data() + r * d;
-        for (int64_t i = 0; i < d; ++i) o[i] *= a;
-      }
-      s.m[r] = m_new;
+      softmax_row(p, valid, nk, c0 == 0, s.m[r], s.l[r], s.o.data() + r * d, d);
     }
     for (int64_t g = 0; g < padded; g += kRowGroup) {
       const float* p = s.scores.data() + g * kChunk;

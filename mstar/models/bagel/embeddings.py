@@ -15,6 +15,8 @@ import math
 import torch
 from torch import nn
 
+from mstar.layers.prepack import PrepackableLinear
+
 __all__ = [
     "PositionEmbedding",
     "TimestepEmbedder",
@@ -85,9 +87,9 @@ class TimestepEmbedder(nn.Module):
         kw = {"dtype": dtype, "device": device}
         self.frequency_embedding_size = frequency_embedding_size
         self.mlp = nn.Sequential(
-            nn.Linear(frequency_embedding_size, hidden_size, bias=True, **kw),
+            PrepackableLinear(frequency_embedding_size, hidden_size, bias=True, **kw),
             nn.SiLU(),
-            nn.Linear(hidden_size, hidden_size, bias=True, **kw),
+            PrepackableLinear(hidden_size, hidden_size, bias=True, **kw),
         )
 
     @staticmethod

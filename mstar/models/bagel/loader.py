@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from mstar.layers.llama import LlamaMLP
+from mstar.layers.prepack import prepack_linears, prepack_requested
 from mstar.model.checkpoint import CheckpointError, load_into, resolve_dtype
 from mstar.models.bagel.config import BagelLLMConfig, BagelSpec
 from mstar.models.bagel.nodes import BagelLLMNode, SpecialTokens
@@ -153,6 +155,11 @@ def build_components(spec: BagelSpec, need: Iterable[str], tokens: SpecialTokens
         if not dummy:
             load_into(llm, _read_prefixed(path / "ema.safetensors", LLM_PREFIXES, dtype),
                       what="ema.safetensors (LLM)")
+        if prepack_requested():  # projections through the panel kernel: a row's result is the same in any batch
+            for sub in llm.modules():
+                if isinstance(sub, LlamaMLP):
+                    sub.pack_weights()  # gate/up as one weight: prepacked with the SiLU-mul fused
+            prepack_linears(llm)
         out["LLM"] = llm.eval()
     if "vit_encoder" in need:
         with torch.random.fork_rng(devices=[]):
@@ -161,6 +168,8 @@ def build_components(spec: BagelSpec, need: Iterable[str], tokens: SpecialTokens
         if not dummy:
             load_into(vit, _read_prefixed(path / "ema.safetensors", VIT_PREFIXES, dtype),
                       what="ema.safetensors (ViT)")
+        if prepack_requested():
+            prepack_linears(vit)
         out["vit"] = vit.eval()
     if need & {"vae_encoder", "vae_decoder"}:
         if dummy:

@@ -30,6 +30,7 @@ from torch import nn
 from mstar.layers.attention_backends import AttentionBackend, default_backend
 from mstar.layers.llama import LlamaMLP, token_embedding
 from mstar.layers.norms import RMSNorm
+from mstar.layers.prepack import PrepackableLinear
 from mstar.layers.rotary import RotaryEmbedding, apply_rotary
 from mstar.model.submodule import KVSpec
 from mstar.models.bagel.config import BagelLLMConfig
@@ -117,10 +118,10 @@ class MoTAttention(nn.Module):
         kw = {"dtype": dtype, "device": device}
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         for sfx in ("", GEN_SUFFIX):
-            setattr(self, f"q_proj{sfx}", nn.Linear(cfg.hidden_size, q_out, bias=True, **kw))
-            setattr(self, f"k_proj{sfx}", nn.Linear(cfg.hidden_size, kv_out, bias=True, **kw))
-            setattr(self, f"v_proj{sfx}", nn.Linear(cfg.hidden_size, kv_out, bias=True, **kw))
-            setattr(self, f"o_proj{sfx}", nn.Linear(q_out, cfg.hidden_size, bias=False, **kw))
+            setattr(self, f"q_proj{sfx}", PrepackableLinear(cfg.hidden_size, q_out, bias=True, **kw))
+            setattr(self, f"k_proj{sfx}", PrepackableLinear(cfg.hidden_size, kv_out, bias=True, **kw))
+            setattr(self, f"v_proj{sfx}", PrepackableLinear(cfg.hidden_size, kv_out, bias=True, **kw))
+            setattr(self, f"o_proj{sfx}", PrepackableLinear(q_out, cfg.hidden_size, bias=False, **kw))
             if self.qk_norm:
                 setattr(self, f"q_norm{sfx}", RMSNorm(self.head_dim, cfg.rms_norm_eps, **kw))
                 setattr(self, f"k_norm{sfx}", RMSNorm(self.head_dim, cfg.rms_norm_eps, **kw))
@@ -247,7 +248,7 @@ class MoTLLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = MoTModel(cfg, dtype=dtype, device=device, backend=backend)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        self.lm_head = PrepackableLinear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
 
     def kv_spec(self, dtype: torch.dtype = torch.float32) -> KVSpec:
         """The paged-cache shape this LLM attends over (one cache shared by both weight sets)."""

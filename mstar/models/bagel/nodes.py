@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from mstar.layers.paged_attention import QueryMode
+from mstar.layers.prepack import PrepackableLinear
 from mstar.layers.sampling import SamplingParams, sample
 from mstar.layers.sampling import request_sampling as sampling_from_request
 from mstar.model import KVSequence, NodeInputs, NodeSubmodule
@@ -71,7 +72,7 @@ class BagelLLMNode(NodeSubmodule):
         self.language_model = MoTLLM(cfg, dtype=dtype)
         self.time_embedder = TimestepEmbedder(h).to(dtype)
         self.vae2llm = nn.Linear(latent_dim, h, dtype=dtype)
-        self.llm2vae = nn.Linear(h, latent_dim, dtype=dtype)
+        self.llm2vae = PrepackableLinear(h, latent_dim, dtype=dtype)
         self.latent_pos_embed = PositionEmbedding(max_latent_size, h).to(dtype)
         self.max_latent_size = max_latent_size
         self.tokens = tokens

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.layers.prepack import PrepackableLinear
 from mstar.model.validation import check_int
 from mstar.models.bagel.embeddings import PositionEmbedding, flattened_position_ids, patchify
 
@@ -123,11 +124,11 @@ def conv_patch_weight_to_linear(weight: torch.Tensor) -> torch.Tensor:
 class _Connector(nn.Module):
     def __init__(self, in_dim: int, out_dim: int, act: str, **kw: Any) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(in_dim, out_dim, **kw)
+        self.fc1 = PrepackableLinear(in_dim, out_dim, **kw)
         from transformers.activations import ACT2FN
 
         self.act = ACT2FN[act]
-        self.fc2 = nn.Linear(out_dim, out_dim, **kw)
+        self.fc2 = PrepackableLinear(out_dim, out_dim, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
