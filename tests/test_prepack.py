@@ -182,3 +182,32 @@ def test_bias_fused_into_the_panel_store_is_the_add_after_it(dtype):
             rows = x.reshape(-1, n_in)
             with pytest.raises(RuntimeError, match="does not combine"):
                 ops().linear(rows, lin.prepacked.packed, n_out // 2, True, None, lin.bias.detach()[:n_out // 2])
+
+
+@pytest.mark.skipif(ops() is None, reason="the compiled kernels are not built here")
+def test_gelu_in_the_panel_store_is_close_to_torch_and_row_invariant():
+    """``PrepackableLinear.forward_gelu``: the GELU (erf form) computed in the kernel's store is
+    within float32 rounding of ``F.gelu`` of the plain product, over large negative and positive
+    inputs too, widths that are not a whole number of panels and without a bias; a row's result is
+    the same bits alone and in a batch; a bfloat16 input takes the plain path."""
+    import torch.nn.functional as F
+
+    from mstar.layers.prepack import PrepackableLinear
+
+    torch.manual_seed(6)
+    for n_in, n_out, bias in [(256, 1024, True), (100, 70, True), (64, 130, False)]:
+        lin = PrepackableLinear(n_in, n_out, bias=bias)
+        assert lin.prepack()
+        x = torch.randn(33, n_in) * 3.0  # pre-activations from about -60 to 60
+        with torch.inference_mode():
+            ref = F.gelu(F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double()))
+            got = lin.forward_gelu(x)
+            torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=2e-6)
+            assert (got - F.gelu(lin(x))).abs().max() < 2e-6  # the same product, PyTorch's GELU
+            for r in (0, 5, 32):
+                assert torch.equal(lin.forward_gelu(x[r:r + 1]), got[r:r + 1])
+            assert torch.equal(lin.to(torch.bfloat16).forward_gelu(x.bfloat16()),
+                               F.gelu(lin(x.bfloat16())))
+    with pytest.raises(RuntimeError, match="gelu needs"):
+        ops().linear(torch.randn(2, 64), lin.to(torch.float32).prepacked.packed, 130, False,
+                     torch.randn(2, 130), None, True)

@@ -109,6 +109,20 @@ class PrepackedLinear:
         """Packed from this very tensor, which has not changed since (same version)."""
         return source is self.source and source._version == self.version
 
+    def gelu_fusable(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """``gelu(self(x, bias=bias))`` can run as one kernel call (``linear_gelu``)."""
+        return (self.mode == "panel" and not self.silu_mul and x.dtype == torch.float32
+                and (bias is None or (bias.dtype == torch.float32 and bias.dim() == 1 and bias.is_contiguous())))
+
+    def linear_gelu(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``gelu(x @ W.T + bias)`` (the erf form) with the GELU computed in the kernel's store
+        (``gelu_fusable`` must hold): within float32 rounding of PyTorch's GELU, not its bits."""
+        shape = x.shape
+        if x.dim() != 2 or not x.is_contiguous():
+            x = x.reshape(-1, shape[-1]).contiguous()
+        y = self._kernel.linear(x, self.packed, self.n_out, False, None, bias, True)
+        return y.view(*shape[:-1], y.shape[-1]) if len(shape) != 2 else y
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T``, then ``+= bias`` (in place, as ``y.add_(bias)``), then ``+ residual`` (a new
@@ -185,6 +199,15 @@ class PrepackableLinear(nn.Linear):
         if pre is not None:
             return pre(x, bias=self.bias)  # the bias added in the kernel's store where it can be
         return super().forward(x)
+
+    def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """``F.gelu(self(x))``; on the prepacked float32 path the GELU is computed in the kernel's
+        store (within float32 rounding of ``F.gelu``, not its bits). Runs the module (and its
+        hooks) when it has hooks."""
+        pre = None if hooked(self) else self._usable(x)
+        if pre is not None and pre.gelu_fusable(x, self.bias):
+            return pre.linear_gelu(x, self.bias)
+        return F.gelu(self(x))
 
     def forward_plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)``, the bias and the residual added in the kernel's store where the

@@ -12,10 +12,12 @@
 // the multiply-adds are the CPU's bf16 dot products (two k per instruction, half the traffic).
 //
 // Epilogues fused into the store: `silu_mul` (panels interleave 32 gate and 32 up columns; the
-// output is silu(gate) * up, N/2 columns) and `residual` (y += residual, element by element).
+// output is silu(gate) * up, N/2 columns), `residual` (y += residual, element by element), `bias`,
+// and `gelu` (float32: gelu(y + bias), vec_math.h).
 #include <torch/extension.h>
 
 #include "parallel.h"
+#include "vec_math.h"
 
 #include <immintrin.h>
 #include <sys/mman.h>
@@ -27,6 +29,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -91,6 +94,7 @@ struct Epilogue {
   const TY* residual;  // [M, n_out] or null
   int64_t n_out;       // columns of the output
   const TY* bias = nullptr;  // [n_out] or null: added to the product as stored (then the residual, if any)
+  bool gelu = false;         // float32 output only, no residual: gelu(product + bias) (vec_math.h)
 };
 
 inline void put(float v, float* y) { *y = v; }
@@ -104,6 +108,22 @@ template <typename TY>
 inline void store_row(const vf16 (&acc)[4], int64_t col0, TY* yr, const TY* res, const Epilogue<TY>& ep) {
   float out[kPanel];
   std::memcpy(out, acc, sizeof out);
+  if constexpr (std::is_same_v<TY, float>) {
+    if (ep.gelu) {  // (product + bias), then GELU, a register at a time; the columns past n_out are dropped
+      const int64_t n = std::min<int64_t>(kPanel, ep.n_out - col0);
+      float b[kPanel] = {0};
+      if (ep.bias != nullptr) std::memcpy(b, ep.bias + col0, sizeof(float) * n);
+      vf16 g[4];
+      for (int v = 0; v < 4; ++v) {
+        vf16 bv;
+        std::memcpy(&bv, b + v * kVec, sizeof bv);
+        g[v] = mstar_vec::gelu_erf<vf16, vi16>(acc[v] + bv);
+      }
+      std::memcpy(out, g, sizeof out);
+      std::memcpy(yr + col0, out, sizeof(float) * n);
+      return;
+    }
+  }
   if (ep.silu_mul) {  // columns [0, 32) are gate, [32, 64) up, of output columns col0/2 + [0, 32)
     const int64_t c0 = col0 / 2, n = std::min<int64_t>(kPanel / 2, ep.n_out - c0);
     for (int64_t c = 0; c < n; ++c) put(silu(out[c]) * out[kPanel / 2 + c], yr + c0 + c);
@@ -535,7 +555,7 @@ void linear_into(const torch::Tensor& x, const torch::Tensor& packed, torch::Ten
 // with silu_mul); residual [M, n_out] of the output's dtype, or none. The output has x's dtype
 // (pair-packed weights: x is rounded to bfloat16 first); accumulation is float32 either way.
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, bool silu_mul,
-                     c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> bias) {
+                     c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> bias, bool gelu) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "input must be contiguous [rows, in]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "input must be float32 or bfloat16");
@@ -563,10 +583,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, bool 
                     bias->size(0) == n_out,
                 "bias must be contiguous [out] of the input's dtype");
   }
+  TORCH_CHECK(!gelu || (out_dtype == torch::kFloat32 && !silu_mul && !has_res),
+              "gelu needs a float32 output without silu_mul or a residual");
   if (x.size(0) == 0) return y;
   if (out_dtype == torch::kFloat32) {
     Epilogue<float> ep{silu_mul, has_res ? residual->data_ptr<float>() : nullptr, n_out,
-                       has_bias ? bias->data_ptr<float>() : nullptr};
+                       has_bias ? bias->data_ptr<float>() : nullptr, gelu};
     linear_into(input, packed, y, ep);
   } else {
     Epilogue<c10::BFloat16> ep{silu_mul, has_res ? residual->data_ptr<c10::BFloat16>() : nullptr, n_out,
@@ -1071,7 +1093,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tile_unit_available", &amx_usable, "pair-packed linears with this input size run on the tile unit (AMX)",
         py::arg("in_features"));
   m.def("linear", &linear, "x @ W over a packed weight, with optional fused epilogues", py::arg("x"),
-        py::arg("packed"), py::arg("n_out"), py::arg("silu_mul"), py::arg("residual"), py::arg("bias") = py::none());
+        py::arg("packed"), py::arg("n_out"), py::arg("silu_mul"), py::arg("residual"), py::arg("bias") = py::none(),
+        py::arg("gelu") = false);
   m.def("narrow_conv1d", &narrow_conv1d, "stride-1 convolution of a padded input with 1, 8 or a multiple of 16 output channels",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("dilation") = 1, py::arg("residual") = py::none());
   m.def("snake_beta", &snake_beta, "x + inv_beta * sin(alpha * x)^2 over [batch, channels, time]",

@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include "parallel.h"
+#include "vec_math.h"
 
 #include <immintrin.h>
 
@@ -289,43 +290,10 @@ inline float max_of(const float* p, int64_t n) {
   return m;
 }
 
-// 2^x for x <= 0, lane by lane, for the block kernel's softmax (its scores are in log2 units: the
-// queries carry log2(e)): x clamped to -126 (2^-126 is lost in any sum it joins, where the largest
-// term is 1), n = round(x), r = x - n in [-1/2, 1/2] (exact), 2^r by a degree-6 polynomial (a
-// relative-error fit made for this file: ~1.3 ulp in float32 with fused multiply-adds), times 2^n.
-constexpr float kExp2C[7] = {1.0f, 0.6931472f, 0.24022646f, 0.055503286f, 0.009618489f, 0.001339993f,
-                             0.00015345792f};
-
-template <typename V>
-inline V exp2_poly(V r) {
-  V p = V{} + kExp2C[6];
-  p = p * r + kExp2C[5];
-  p = p * r + kExp2C[4];
-  p = p * r + kExp2C[3];
-  p = p * r + kExp2C[2];
-  p = p * r + kExp2C[1];
-  return p * r + kExp2C[0];
-}
-
-#if defined(__AVX512F__)
-inline vf16 exp2_nonpositive(vf16 x) {
-  const __m512 c = _mm512_max_ps(reinterpret_cast<__m512>(x), _mm512_set1_ps(-126.0f));
-  const __m512 n = _mm512_roundscale_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const vf16 p = exp2_poly(reinterpret_cast<vf16>(_mm512_sub_ps(c, n)));
-  return reinterpret_cast<vf16>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), n));  // p * 2^n, exact
-}
-#else
-inline vf8 exp2_nonpositive(vf8 x) {
-  const vf8 lo = vf8{} - 126.0f, magic = vf8{} + 12582912.0f;  // 1.5 * 2^23: rounds to an integer
-  x = x < lo ? lo : x;
-  const vf8 n = (x + magic) - magic;
-  const vf8 p = exp2_poly(x - n);
-  const vi8 bits = (__builtin_convertvector(n, vi8) + 127) << 23;
-  vf8 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-#endif
+// 2^x for x <= 0 (vec_math.h), for the block kernel's softmax: its scores are in log2 units (the
+// queries carry log2 e).
+inline vf16 exp2_nonpositive(vf16 x) { return mstar_vec::exp2_nonpositive<vf16, vi16>(x); }
+inline vf8 exp2_nonpositive(vf8 x) { return mstar_vec::exp2_nonpositive<vf8, vi8>(x); }
 
 inline float exp2_nonpositive(float x) { return exp2_nonpositive(vexp{} + x)[0]; }
 

@@ -112,12 +112,13 @@ class Block(nn.Module):
                      attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The block over tokens ``x`` [L, dim] with ``attend(q, k, v)`` on rows [L, heads, head_dim]
         (the runtime's paged attention): ``forward``'s values. The projections after attention and the
-        MLP go through their prepacked weights with bias and residual in the kernel's store, unless a
-        hook is registered on them (then the modules run)."""
+        MLP go through their prepacked weights with bias and residual in the kernel's store, and the
+        GELU MLP's activation in its first projection's store (within float32 rounding of ``nn.GELU``,
+        not its bits), unless a hook is registered on them (then the modules run)."""
         attn, mlp = self.attn, self.mlp
         q, k, v = attn.qkv_rows(self.norm1(x), cos, sin)
         o = attend(q, k, v)
         x = attn.proj.forward_plus(o.reshape(o.shape[0], -1), x)
-        if isinstance(mlp, GeluMLP) and not hooked(mlp):
-            return mlp.fc2.forward_plus(mlp.act(mlp.fc1(self.norm2(x))), x)
+        if isinstance(mlp, GeluMLP) and not hooked(mlp, mlp.act) and mlp.act.approximate == "none":
+            return mlp.fc2.forward_plus(mlp.fc1.forward_gelu(self.norm2(x)), x)
         return x + mlp(self.norm2(x))

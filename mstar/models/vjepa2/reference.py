@@ -4,7 +4,7 @@ parity tests and side-by-side benchmarks.
 The reference's only use of timm is ``from timm.models.layers import drop_path`` (stochastic depth, the
 identity at inference). timm would pull torchvision, which this project does not install, so a
 minimal stand-in for ``timm`` / ``timm.models`` / ``timm.models.layers`` is put into ``sys.modules``
-before the import -- only when timm itself is not importable.
+for the import (and taken out after it) -- only when timm itself is not importable.
 """
 
 from __future__ import annotations
@@ -23,25 +23,32 @@ def _drop_path(x: Any, drop_prob: float = 0.0, training: bool = False) -> Any:
     raise NotImplementedError("timm stand-in: drop_path is only supported in eval / with drop_prob 0")
 
 
-def _install_timm_stub() -> None:
+def _install_timm_stub() -> list[str]:
+    """The stand-in's module names put into ``sys.modules`` (none when timm is importable)."""
     if "timm.models.layers" in sys.modules or importlib.util.find_spec("timm") is not None:
-        return  # already there, or the real timm is installed: let the reference use it
+        return []  # already there, or the real timm is installed: let the reference use it
     timm = types.ModuleType("timm")
     models = types.ModuleType("timm.models")
     layers = types.ModuleType("timm.models.layers")
     layers.drop_path = _drop_path  # type: ignore[attr-defined]
     timm.models = models  # type: ignore[attr-defined]
     models.layers = layers  # type: ignore[attr-defined]
-    sys.modules.update({"timm": timm, "timm.models": models, "timm.models.layers": layers})
+    stand_ins = {"timm": timm, "timm.models": models, "timm.models.layers": layers}
+    sys.modules.update(stand_ins)
+    return list(stand_ins)
 
 
 def import_reference() -> types.SimpleNamespace:
     """``ns.VisionTransformerPredictorAC``, ``ns.VisionTransformer``, ``ns.modules``; ImportError if absent."""
     if importlib.util.find_spec("vjepa2") is None:
         raise ImportError(INSTALL_HINT)
-    _install_timm_stub()
-    from vjepa2.models import ac_predictor, vision_transformer
-    from vjepa2.models.utils import modules
+    installed = _install_timm_stub()
+    try:
+        from vjepa2.models import ac_predictor, vision_transformer
+        from vjepa2.models.utils import modules
+    finally:  # only for the import: a stand-in left in sys.modules (no __spec__) broke later
+        for name in installed:  # importlib.util.find_spec("timm") calls, diffusers' import among them
+            sys.modules.pop(name, None)
 
     return types.SimpleNamespace(VisionTransformerPredictorAC=ac_predictor.VisionTransformerPredictorAC,
                                  VisionTransformer=vision_transformer.VisionTransformer, modules=modules)
