@@ -122,6 +122,32 @@ def test_rms_norm_and_rotary_match_pytorch(ext, threads):
     assert torch.equal(out[:, (heads + kv_heads) * d:], y[:, (heads + kv_heads) * d:])  # v untouched
 
 
+def test_layer_norm_matches_pytorch_and_is_row_invariant(ext, threads):
+    """``PrepackableLayerNorm``: float32 rows through the compiled LayerNorm, within float32 rounding of
+    ``nn.LayerNorm`` (widths with and without a tail of 16), a row the same bits alone and in the
+    batch; 3-D inputs take ``nn.LayerNorm``'s path; hooks see the call."""
+    from mstar.layers.norms import PrepackableLayerNorm
+
+    for h in (256, 200):
+        x = _rand(37, h, seed=14) * 3 + 1.5
+        norm = PrepackableLayerNorm(h, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * _rand(h, seed=15))
+            norm.bias.copy_(0.1 * _rand(h, seed=16))
+        ref = F.layer_norm(x, (h,), norm.weight, norm.bias, 1e-6)
+        assert norm.prepack()
+        got = norm(x)
+        torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+        for i in (0, 20, 36):
+            assert torch.equal(norm(x[i:i + 1].contiguous()), got[i:i + 1])
+        assert torch.equal(norm(x.unsqueeze(0)), F.layer_norm(x.unsqueeze(0), (h,), norm.weight, norm.bias, 1e-6))
+        handle = norm.register_forward_hook(lambda m, a, out: None)
+        assert torch.equal(norm(x), got)  # hooks run around forward: the same path
+        handle.remove()
+    with pytest.raises(RuntimeError, match="weight and bias"):
+        ext.layer_norm(x, norm.weight.detach()[:10], norm.bias.detach(), 1e-6)
+
+
 def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
     def broken(verbose=False):
         raise RuntimeError("no compiler\nmore lines")

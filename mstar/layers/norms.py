@@ -1,5 +1,6 @@
 """``RMSNorm``: the root-mean-square norm of the Llama-style families (Llama, Orpheus, BAGEL,
-Qwen3-Omni), through the compiled kernel (``mstar.layers.cpu_ops``) once ``prepack()`` ran."""
+Qwen3-Omni), and ``PrepackableLayerNorm`` (V-JEPA 2-AC), both through the compiled kernels
+(``mstar.layers.cpu_ops``) once ``prepack()`` ran."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from mstar.layers.cpu_ops import ops
 
-__all__ = ["RMSNorm"]
+__all__ = ["PrepackableLayerNorm", "RMSNorm"]
 
 _COMPILED_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled norm takes
 
@@ -48,3 +49,25 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class PrepackableLayerNorm(nn.LayerNorm):
+    """An ``nn.LayerNorm`` (same parameters and state-dict names) whose ``prepack()`` sends float32
+    rows ``[L, H]`` of an affine norm through the compiled LayerNorm: a row's result does not depend
+    on the batch, and is within float32 rounding of ``nn.LayerNorm``'s (which sums in another order).
+    Other inputs (3-D, another dtype or device) take ``nn.LayerNorm``'s path."""
+
+    _kernel: Any = None
+
+    def prepack(self) -> bool:
+        if self.weight is None or self.bias is None or len(self.normalized_shape) != 1:
+            return False
+        self._kernel = ops()  # looked up once: ops() reads the environment at every call
+        return self._kernel is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self._kernel
+        if (k is not None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
+                and x.device.type == "cpu" and self.weight.dtype == torch.float32):
+            return k.layer_norm(x, self.weight, self.bias, self.eps)
+        return super().forward(x)

@@ -695,6 +695,51 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
+// LayerNorm of each row of x [T, H] (float32): (x - mean) * rstd * weight + bias, rstd =
+// 1 / sqrt(var + eps), var = mean((x - mean)^2) (two passes). Both sums are 16 lane-wise partial sums
+// folded in a fixed tree, so a row's result is the same bits in any batch; it is within float32
+// rounding of PyTorch's LayerNorm (which sums in another order), not its bits.
+void layer_norm_rows(const float* xp, const float* wp, const float* bp, float* op, int64_t T_, int64_t H, float e) {
+  mstar_cpu::parallel_tasks((T_ + 15) / 16, [&](int64_t task) {
+    for (int64_t t = task * 16; t < std::min(T_, task * 16 + 16); ++t) {
+      const float* row = xp + t * H;
+      auto lane_sum = [&](auto term) {  // sum over the row of term(x), 16 lanes then a fixed tree
+        float lanes[kVec] = {0};
+        int64_t i = 0;
+        vf16 acc = {0};
+        for (; i + kVec <= H; i += kVec) acc += term(load(row + i));
+        std::memcpy(lanes, &acc, sizeof acc);
+        for (int64_t l = 0; i < H; ++i, ++l) lanes[l] += term(vf16{} + row[i])[0];
+        for (int64_t w = kVec / 2; w >= 1; w /= 2)
+          for (int64_t l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+        return lanes[0];
+      };
+      const float mean = lane_sum([](vf16 v) { return v; }) / static_cast<float>(H);
+      const float var = lane_sum([mean](vf16 v) { return (v - mean) * (v - mean); }) / static_cast<float>(H);
+      const float rstd = 1.0f / std::sqrt(var + e);
+      float* o = op + t * H;
+      int64_t j = 0;
+      for (; j + kVec <= H; j += kVec) {
+        const vf16 y = (load(row + j) - mean) * rstd * load(wp + j) + load(bp + j);
+        std::memcpy(o + j, &y, sizeof y);
+      }
+      for (; j < H; ++j) o[j] = (row[j] - mean) * rstd * wp[j] + bp[j];
+    }
+  });
+}
+
+torch::Tensor layer_norm(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
+              "input must be contiguous float32 [rows, hidden]");
+  for (const auto* p : {&weight, &bias})
+    TORCH_CHECK(p->dim() == 1 && p->size(0) == x.size(1) && p->is_contiguous() && p->scalar_type() == torch::kFloat32,
+                "weight and bias must be float32 [hidden]");
+  auto out = torch::empty_like(x);
+  layer_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), bias.data_ptr<float>(), out.data_ptr<float>(),
+                  x.size(0), x.size(1), static_cast<float>(eps));
+  return out;
+}
+
 // fn(v, c, s) for heads [0, heads) of each row t of y [T, >= heads * D]: v the head's D values, c / s
 // row t's tables; rows in tasks of 16.
 template <typename T, typename Fn>
@@ -1085,6 +1130,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_block_", &paged_block_, "multi-token (causal or bidirectional) attention over a paged KV cache, into out");
   m.def("argmax_rows", &argmax_rows, "index of each row's maximum (torch.argmax semantics)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a float32 matrix");
+  m.def("layer_norm", &layer_norm, "LayerNorm (with weight and bias) over the rows of a float32 matrix");
   m.def("rotary_", &rotary_, "rotary embedding, in place, over the first heads of each row");
   m.def("rotary_pairs_", &rotary_pairs_, "rotary embedding of adjacent channel pairs, in place, over the first heads of each row (float32; PyTorch's rounding)");
   m.def("pack", &pack, "pack a [in, out] weight into column panels", py::arg("w"), py::arg("silu_mul"),

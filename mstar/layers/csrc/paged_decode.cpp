@@ -802,6 +802,8 @@ inline void softmax_row(float* p, int64_t valid, int64_t nk, bool first, float& 
   const float chunk_sum = fold_lanes(acc);
   if (first) {
     l = chunk_sum;
+  } else if (m_new == m) {  // a = 2^0 = 1 exactly: l * 1 + sum and o * 1 are these bits
+    l = l + chunk_sum;
   } else {
     const float a = exp2_nonpositive(m - m_new);
     l = l * a + chunk_sum;

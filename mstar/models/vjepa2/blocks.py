@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.cpu_ops import ops
+from mstar.layers.norms import PrepackableLayerNorm
 from mstar.layers.prepack import PrepackableLinear, hooked
 from mstar.models.vjepa2.config import swiglu_hidden
 from mstar.models.vjepa2.frame_cache import BlockAttention, KVLayer
@@ -93,9 +94,9 @@ class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, mlp_hidden: int, qkv_bias: bool, use_silu: bool,
                  wide_silu: bool, eps: float) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.norm1 = PrepackableLayerNorm(dim, eps=eps)
         self.attn = Attention(dim, num_heads, qkv_bias)
-        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        self.norm2 = PrepackableLayerNorm(dim, eps=eps)
         self.mlp: nn.Module = SwiGLUMLP(dim, mlp_hidden, wide_silu) if use_silu else GeluMLP(dim, mlp_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
