@@ -355,3 +355,28 @@ def test_store_kv_writes_what_the_pytorch_store_writes(rows_dtype, cache_dtype):
         _store(*ref, k, v, plan)
         store_kv(*got, k, v, plan)
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def test_fused_block_step_equals_the_backend_forward(ext):
+    """``CompiledPagedBackend.fused_block``: a batch of append sequences only (causal chunks and frame
+    blocks; the queries strided rows of a packed projection) is planned once and each layer's call
+    stores the same cache and returns the same bits as ``forward``; a batch with decode or read-only
+    rows gets no plan, and a call with other shapes returns None."""
+    specs = [(CAUSAL, 5, 5), (BLOCK, 66, 330), (CAUSAL, 129, 129), (BLOCK, 7, 130)]
+    layout = (8, 4, 32, 16)
+    q, k, v, k_cache, v_cache, meta = _block_batch(specs, layout)
+    packed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # [T, (8 + 4 + 4) * 32]
+    qs, ks, vs = packed[:, :256].view(q.shape), packed[:, 256:384].view(k.shape), packed[:, 384:].view(v.shape)
+    backend = CompiledPagedBackend()
+    kr, vr = k_cache.clone(), v_cache.clone()
+    step = backend.fused_block(qs, ks, vs, k_cache, v_cache, meta)
+    assert step is not None
+    for layer in range(2):  # planned once, used for every layer
+        out = step(qs, ks, vs, k_cache, v_cache)
+        ref = backend.forward(qs, ks, vs, kr, vr, meta)
+        assert torch.equal(out, ref) and torch.equal(k_cache, kr) and torch.equal(v_cache, vr), layer
+    assert step(qs[:-1], ks[:-1], vs[:-1], k_cache, v_cache) is None
+    assert step(qs, ks, vs, k_cache.bfloat16(), v_cache.bfloat16()) is None
+    for others in ([(CAUSAL, 1, 50)], [(READ, 3, 40)]):
+        q2, k2, v2, kc2, vc2, meta2 = _block_batch(specs + others, layout)
+        assert backend.fused_block(q2, k2, v2, kc2, vc2, meta2) is None

@@ -39,7 +39,7 @@ from mstar.layers.paged_attention import (
     paged_attention,
 )
 
-__all__ = ["CompiledPagedBackend", "FusedDecode", "build", "kernel", "paged_block", "paged_decode", "store_kv"]
+__all__ = ["CompiledPagedBackend", "FusedBlock", "FusedDecode", "build", "kernel", "paged_block", "paged_decode", "store_kv"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -196,6 +196,35 @@ class FusedDecode:
         return self.ext.decode_step(q, k, v, k_cache, v_cache, self.write_slots, self.tables, self.ctx, scale)
 
 
+@dataclass(frozen=True)
+class FusedBlock:
+    """A batch of multi-token append sequences only (prefill chunks, frame blocks; every row stored,
+    no decode or read-only rows), planned once for all the layers of a forward: each layer stores
+    its K/V (``store_kv_``) and attends (``paged_block_``) with the batch's slots and block arguments.
+    ``__call__`` computes what ``CompiledPagedBackend.forward`` does for the batch (the same kernel
+    calls), for any layer whose inputs and caches have the planned layer's dtypes and shapes (else
+    None: call ``forward``)."""
+
+    ext: Any
+    write_slots: torch.Tensor
+    args: _BlockArgs
+    shapes: tuple  # (q, k, cache) shapes and dtypes it was planned for
+
+    def __call__(self, q, k, v, k_cache, v_cache, scale: float | None = None) -> torch.Tensor | None:
+        if ((q.shape, q.dtype, k.shape, k.dtype, k_cache.shape, k_cache.dtype) != self.shapes
+                or v.shape != k.shape or v.dtype != k.dtype or v_cache.shape != k_cache.shape
+                or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+                or not (_rows_ok(k) and _rows_ok(v))):
+            return None
+        a = self.args
+        self.ext.store_kv_(k, v, k_cache, v_cache, self.write_slots)
+        q = q.contiguous()  # the kernel's layout (rows of a packed projection output are strided)
+        out = torch.empty_like(q)  # every row is a sequence's query: the kernel writes them all
+        self.ext.paged_block_(out, q, k_cache, v_cache, a.tables, a.ctx, a.q_start, a.q_len, a.causal,
+                              1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+        return out
+
+
 class CompiledPagedBackend(AttentionBackend):
     """Paged attention with decode rows and multi-token append sequences through the compiled CPU
     kernels (module docstring). A batch of decode rows only (every decode step) takes one kernel call
@@ -212,6 +241,23 @@ class CompiledPagedBackend(AttentionBackend):
                 return out
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale, decode=paged_decode, block=paged_block,
                                store=store_kv)
+
+    def fused_block(self, q, k, v, k_cache, v_cache, meta) -> FusedBlock | None:
+        """The batch's planned block step (``FusedBlock``) where ``forward`` would store every row and
+        compute every sequence in the block kernel (float32 queries, append sequences only); None
+        where it would not (then call ``forward``)."""
+        ext = kernel()
+        if (ext is None or q.dim() != 3 or q.device.type != "cpu" or q.dtype != torch.float32
+                or q.shape[-1] % 16 or k_cache.dtype not in _DTYPES or k.dtype not in _DTYPES):
+            return None
+        plan = _batch_plan(meta, q, k, v, k_cache)
+        if plan.decode is not None or plan.write_rows is not None or plan.write_slots is None or not plan.others:
+            return None
+        args = _block_args(meta, plan, k_cache, q.shape[0])
+        if args.rest or args.rows is not None:
+            return None
+        return FusedBlock(ext, plan.write_slots, args, (q.shape, q.dtype, k.shape, k.dtype, k_cache.shape,
+                                                        k_cache.dtype))
 
     def fused_decode(self, q, k, v, k_cache, v_cache, meta) -> FusedDecode | None:
         """The batch's fused decode step (``FusedDecode``) where ``forward`` would take it; None where it

@@ -123,10 +123,18 @@ class PredictorNode(NodeSubmodule):
         x = x.flatten(0, 2)  # [sequences * block_tokens, D]
         tables = [self._rope(f, x.device) for f in frames]
         cos, sin = torch.cat([tc for tc, _ in tables]), torch.cat([ts for _, ts in tables])
+        planned: list = []  # the compiled backend's block step, planned at the first layer for all
+
+        def attend(q, k, v, kc, vc):
+            if not planned:
+                step = getattr(self.backend, "fused_block", None)
+                planned.append(step(q, k, v, kc, vc, ei.attention) if step is not None else None)
+            out = planned[0](q, k, v, kc, vc) if planned[0] is not None else None
+            return self.backend.forward(q, k, v, kc, vc, ei.attention) if out is None else out
+
         for layer, blk in enumerate(p.predictor_blocks):
             k_cache, v_cache = ei.kv_caches[layer]
-            x = blk.forward_rows(x, cos, sin, lambda q, k, v, kc=k_cache, vc=v_cache:
-                                 self.backend.forward(q, k, v, kc, vc, ei.attention))
+            x = blk.forward_rows(x, cos, sin, lambda q, k, v, kc=k_cache, vc=v_cache: attend(q, k, v, kc, vc))
         pred = p._readout(x.view(n_seq, 1, c.block_tokens, -1)).view(n_seq, n, -1)
         pred = F.layer_norm(pred, (pred.shape[-1],))  # fed back normalised, as the reference wrapper
         next_state = compute_new_pose(state.view(n_seq, -1), action.view(n_seq, -1))
