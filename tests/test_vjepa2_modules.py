@@ -305,5 +305,10 @@ def test_block_forward_rows_fuses_bias_residual_and_gelu():
         assert seen == [torch.Size([40, 96])]
         handle = blk.mlp.act.register_forward_hook(lambda m, a, out: seen.append(out.shape))
         assert torch.equal(blk.forward_rows(x, cos, sin, attend), ref)  # a hooked GELU: the modules' bits
+        assert blk.lean() is None
         handle.remove()
         assert seen[-1] == torch.Size([40, 384])
+        # the lean path: the same kernel calls, the same bits; none once a weight changed
+        assert torch.equal(blk.lean()(x, cos, sin, attend), blk.forward_rows(x, cos, sin, attend))
+        blk.mlp.fc1.weight.mul_(1.0)  # in place: a new version of the packed weight
+        assert blk.lean() is None

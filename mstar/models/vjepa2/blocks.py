@@ -9,6 +9,7 @@ a token of frame ``t`` sees every token of frames ``0..t`` (its own frame bidire
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ from mstar.models.vjepa2.config import swiglu_hidden
 from mstar.models.vjepa2.frame_cache import BlockAttention, KVLayer
 from mstar.models.vjepa2.rope import rotate
 
-__all__ = ["Attention", "Block", "GeluMLP", "SwiGLUMLP"]
+__all__ = ["Attention", "Block", "GeluMLP", "LeanBlock", "SwiGLUMLP"]
 
 
 class Attention(nn.Module):
@@ -90,6 +91,53 @@ class SwiGLUMLP(nn.Module):
         return self.fc3(F.silu(self.fc1(x)) * self.fc2(x))
 
 
+@dataclass(frozen=True)
+class LeanBlock:
+    """``Block.forward_rows`` as direct kernel calls (``Block.lean``): the same calls with the same
+    arguments, so the same bits, without the modules' calls and checks. Each linear is ``(kernel,
+    packed weight, output columns, bias or None)``, each norm ``(kernel, weight, bias, eps)``."""
+
+    norm1: tuple
+    qkv: tuple
+    heads: int
+    head_dim: int
+    proj: tuple
+    norm2: tuple
+    fc1: tuple
+    fc2: tuple
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """x: float32 contiguous [L, dim]; cos / sin float32 contiguous (``Block.lean``'s caller checks)."""
+        (n1, w1, b1, e1), (n2, w2, b2, e2) = self.norm1, self.norm2
+        kq, pq, nq, bq = self.qkv
+        y = kq.linear(n1.layer_norm(x, w1, b1, e1), pq, nq, False, None, bq)
+        kq.rotary_pairs_(y, cos, sin, 2 * self.heads, self.head_dim)
+        y = y.unflatten(1, (3, self.heads, self.head_dim))
+        o = attend(y[:, 0], y[:, 1], y[:, 2])
+        kp, pp, np_, bp = self.proj
+        x = kp.linear(o.reshape(o.shape[0], -1), pp, np_, False, x, bp)
+        k1, p1, m1, c1 = self.fc1
+        k2, p2, m2, c2 = self.fc2
+        return k2.linear(k1.linear(n2.layer_norm(x, w2, b2, e2), p1, m1, False, None, c1, True), p2, m2, False, x, c2)
+
+
+def _lean_linear(lin: PrepackableLinear) -> tuple | None:
+    pre, b = lin.prepacked, lin.bias
+    if (pre is None or pre.mode != "panel" or pre.silu_mul or not pre.fresh(lin.weight)
+            or lin.weight.dtype != torch.float32
+            or (b is not None and not (b.dtype == torch.float32 and b.dim() == 1 and b.is_contiguous()))):
+        return None
+    return pre._kernel, pre.packed, pre.n_out, b
+
+
+def _lean_norm(norm: nn.Module) -> tuple | None:
+    k = getattr(norm, "_kernel", None)
+    if k is None or norm.weight is None or norm.weight.dtype != torch.float32 or norm.bias.dtype != torch.float32:
+        return None
+    return k, norm.weight, norm.bias, norm.eps
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, mlp_hidden: int, qkv_bias: bool, use_silu: bool,
                  wide_silu: bool, eps: float) -> None:
@@ -108,6 +156,21 @@ class Block(nn.Module):
                       attend: BlockAttention) -> torch.Tensor:
         x = x + self.attn.forward_block(self.norm1(x), cos, sin, cache_layer, attend)
         return x + self.mlp(self.norm2(x))
+
+    def lean(self) -> LeanBlock | None:
+        """This block's ``forward_rows`` as direct kernel calls (the same bits), or None where it would
+        not take the kernels: a hook on any of its modules, a weight not prepacked or changed since,
+        a SwiGLU MLP or a tanh GELU, norms without the compiled kernel."""
+        attn, mlp = self.attn, self.mlp
+        if (not isinstance(mlp, GeluMLP) or mlp.act.approximate != "none"
+                or hooked(self, attn, mlp, self.norm1, self.norm2, attn.qkv, attn.proj, mlp.fc1, mlp.act, mlp.fc2)):
+            return None
+        parts = (_lean_norm(self.norm1), _lean_linear(attn.qkv), _lean_linear(attn.proj), _lean_norm(self.norm2),
+                 _lean_linear(mlp.fc1), _lean_linear(mlp.fc2))
+        if any(p is None for p in parts):
+            return None
+        n1, qkv, proj, n2, fc1, fc2 = parts
+        return LeanBlock(n1, qkv, attn.num_heads, attn.head_dim, proj, n2, fc1, fc2)
 
     def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from mstar.layers.attention_backends import AttentionBackend, default_backend
 from mstar.layers.paged_attention import QueryMode
 from mstar.model import KVSequence, KVSpec, NodeInputs, NodeSubmodule
+from mstar.models.vjepa2.blocks import LeanBlock
 from mstar.models.vjepa2.encoder import VJepaEncoder, encode_frames
 from mstar.models.vjepa2.pose import compute_new_pose
 from mstar.models.vjepa2.predictor import ACPredictor
@@ -132,9 +133,16 @@ class PredictorNode(NodeSubmodule):
             out = planned[0](q, k, v, kc, vc) if planned[0] is not None else None
             return self.backend.forward(q, k, v, kc, vc, ei.attention) if out is None else out
 
-        for layer, blk in enumerate(p.predictor_blocks):
+        blocks = list(p.predictor_blocks)
+        if (x.dtype == torch.float32 and x.is_contiguous() and cos.dtype == sin.dtype == torch.float32
+                and cos.is_contiguous() and sin.is_contiguous()):
+            lean = [blk.lean() for blk in blocks]  # checked once per forward: the kernels directly
+            if all(fn is not None for fn in lean):
+                blocks = lean
+        for layer, blk in enumerate(blocks):
             k_cache, v_cache = ei.kv_caches[layer]
-            x = blk.forward_rows(x, cos, sin, lambda q, k, v, kc=k_cache, vc=v_cache: attend(q, k, v, kc, vc))
+            run = blk if isinstance(blk, LeanBlock) else blk.forward_rows
+            x = run(x, cos, sin, lambda q, k, v, kc=k_cache, vc=v_cache: attend(q, k, v, kc, vc))
         pred = p._readout(x.view(n_seq, 1, c.block_tokens, -1)).view(n_seq, n, -1)
         pred = F.layer_norm(pred, (pred.shape[-1],))  # fed back normalised, as the reference wrapper
         next_state = compute_new_pose(state.view(n_seq, -1), action.view(n_seq, -1))
