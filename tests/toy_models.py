@@ -56,6 +56,12 @@ class TinyAttentionLM(NodeSubmodule):
                           extras={"params": SamplingParams.from_dict({"temperature": 0.0, **fwd_info.params.get("sampling", {})}),
                                   "step": step, "max_tokens": fwd_info.params.get("max_tokens", 8)})
 
+    def continue_batch(self, graph_walk, engine_inputs, tensors, outputs):
+        """The next decode step of every row (the worker's lockstep path, runtime/decode_cohort.py)."""
+        x = engine_inputs.extras
+        return ({"ids": torch.cat(outputs["token"]).long()},
+                {"params": x["params"], "step": [s + 1 for s in x["step"]], "max_tokens": x["max_tokens"]})
+
     def forward(self, graph_walk, engine_inputs, ids):
         ei = engine_inputs
         if bool((ids == POISON).any()):

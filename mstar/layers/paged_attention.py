@@ -123,6 +123,16 @@ class AttentionMetadata:
         return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
     @classmethod
+    def decode(cls, block_tables: list[list[int]], context_lens: list[int], slot_mapping: list[int]) -> AttentionMetadata:
+        """``build`` for a decode batch on the host: one causal-append query per sequence, each written
+        to its (non-negative) slot; ``context_lens`` Python ints."""
+        n = len(context_lens)
+        cu = list(range(n + 1))
+        return cls(cu_seqlens_q=long_tensor(cu), slot_mapping=long_tensor(slot_mapping), block_tables=block_tables,
+                   context_lens=long_tensor(context_lens), modes=[QueryMode.CAUSAL_APPEND] * n,
+                   _host=(cu, context_lens, True))
+
+    @classmethod
     def build(
         cls,
         query_lens: Sequence[int],

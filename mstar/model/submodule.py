@@ -140,6 +140,17 @@ class NodeSubmodule(torch.nn.Module):
                 **tensors: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         raise NotImplementedError
 
+    def continue_batch(self, graph_walk: str | None, engine_inputs: EngineInputs, tensors: Mapping[str, torch.Tensor],
+                       outputs: Mapping[str, list[Any]]) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]] | None:
+        """Optional, for the node of a self-loop that feeds itself (an AR decode step): the batch of
+        the loop's next iteration, from this forward's batch (``engine_inputs``, ``tensors``) and its
+        ``outputs``, for EVERY row, as if each row's fed-back outputs had gone through
+        ``prepare_inputs``: ``(tensors, extras)``, each tensor one row per request. The runtime keeps
+        the rows that go on (a KV node's rows of one decode token each) and skips ``prepare_inputs``
+        for them. None (the default, or whenever the shortcut does not hold): the runtime prepares
+        every row."""
+        return None
+
     def release(self, request_id: str) -> None:
         """Drop what this node keeps for a request between its forwards (a streaming decoder's state):
         the runtime calls it on every rank when the request ends, fails or is aborted. Nodes that

@@ -47,6 +47,11 @@ class KVAdmission:
     def _age(self, rid: str) -> int:
         return self._arrival.get(rid, 1 << 62)
 
+    def unhindered(self, base: str) -> bool:
+        """No request waits for blocks of ``base`` (no item is gated): a batch may run without
+        ``run``'s bookkeeping."""
+        return base not in self._gate and not self.waiting[base]
+
     def run(self, base: str, batch: list[WorkItem]) -> list | None:
         """Run a batch. On a KV module the items that cannot get their blocks now (``DEFERRED``) go
         back to the front of the queue, in order; None when no item ran."""

@@ -55,6 +55,13 @@ class ModuleScheduler:
     def stamp(item: WorkItem) -> None:
         item.queued_at = time.monotonic()
 
+    @staticmethod
+    def stamp_all(items: list[WorkItem]) -> None:
+        """``stamp`` for items queued together."""
+        now = time.monotonic()
+        for item in items:
+            item.queued_at = now
+
     def pick(self, queues: Mapping[str, deque[WorkItem]], skip: Collection[str]) -> str | None:
         """The module to run next among the non-empty queues not in ``skip``; None when there is none."""
         heads = [(q[0].seq, base) for base, q in queues.items() if q and base not in skip]

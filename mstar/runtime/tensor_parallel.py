@@ -231,6 +231,8 @@ class _Mirror:
     not sent: the follower's engine makes them itself while repeating the outer call.
     """
 
+    continues_batches = False  # a follower prepares every item it is sent: the leader does the same
+
     def _init_mirror(self, module: str, followers: tuple[int, ...], transport: Any) -> None:
         self._tp_module, self._tp_followers, self._tp_transport = module, followers, transport
         self._tp_depth = 0

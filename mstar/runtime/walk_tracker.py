@@ -71,6 +71,28 @@ class Effects:
     done: bool = False  # the walk ended
 
 
+@dataclass(slots=True)
+class Continued:
+    """``continue_self_loop``'s answer: the self-loop's next iteration is running with these inputs,
+    and these outputs of the finished one go to the client."""
+
+    iteration: Vec
+    inputs: dict[str, Any]
+    emits: tuple[tuple[str, str | None], ...]  # (edge name, modality); an empty list value sends nothing
+
+
+@dataclass(frozen=True, slots=True)
+class LockstepBound:
+    """What running a self-loop's next iterations without the tracker must respect
+    (``WalkTracker.lockstep_bound``)."""
+
+    steps_left: int  # usual continuations left before the loop's bound
+    stop_signal: str | None
+    defer_stop_check: bool
+    outputs: tuple[str, ...]  # every output the node must return
+    emits: tuple[tuple[str, str | None], ...]  # (edge name, modality) sent to the client
+
+
 @dataclass(frozen=True, slots=True)
 class _SelfLoopStep:
     """What finishing an iteration of a self-loop's node does when its only routes besides the feedback
@@ -217,7 +239,7 @@ class WalkTracker:
             elif read_stop(outputs[np_.stop_signal]):
                 frame.stop = True
         if fast is not None:
-            self._next_self_iteration(frame, node, fast, outputs)
+            self._next_self_iteration(frame, node, outputs)
             return self._effects()
         frame.remaining.discard(node)
         self._maybe_end_iteration(frame)
@@ -245,8 +267,47 @@ class WalkTracker:
                 frame.deferred_stop = outputs[lean.stop_signal]
             elif read_stop(outputs[lean.stop_signal]):
                 frame.stop = True
-        self._next_self_iteration(frame, node, self._routed[node][0], outputs)
+        self._next_self_iteration(frame, node, outputs)
         return self._effects()
+
+    def continue_self_loop(self, node: str, vec: Vec, outputs: dict[str, Any]) -> Continued | None:
+        """``node_done`` for the usual iteration of a ``_SelfLoopStep`` node (an AR decode step): the
+        loop goes on, so the next iteration is running when this returns, and nothing but the client
+        values it names is routed. None, with nothing changed, in every other case (the last
+        iteration, a stop, a speculative iteration to drop, a node of another kind, a missing
+        output): then ``node_done`` decides. The worker's steady decode path calls it once per row."""
+        lean = self._lean.get(node)
+        if lean is None:
+            return None
+        key = (node, vec)
+        running = self.running
+        if key not in running:
+            return None
+        frame = self.frames[(lean.loop, vec[:-1] if lean.nested else ())]
+        if frame.stop or frame.it + 1 >= self.plan.loops[lean.loop].max_iters:
+            return None
+        stop = lean.stop_signal
+        if lean.defer_stop_check:
+            if frame.deferred_stop is not None and read_stop(frame.deferred_stop):
+                return None
+        elif stop is not None and (stop not in outputs or read_stop(outputs[stop])):
+            return None
+        for name in lean.outputs:
+            if name not in outputs:
+                return None
+        invariant = frame.invariant
+        if invariant is None:  # the frame's first continuation: look its invariant inputs up
+            invariant = self._invariant_inputs(frame, node)
+        for name in lean.exits:
+            self._record_exit(frame, name, outputs[name])
+        if lean.defer_stop_check and stop is not None:
+            frame.deferred_stop = outputs[stop]
+        running.discard(key)
+        frame.it += 1
+        nxt = frame.base + (frame.it,)
+        running.add((node, nxt))
+        return Continued(nxt, {inp: invariant[inp] if inp in invariant else outputs[inp]
+                               for inp in self.plan.nodes[node].inputs}, lean.emits)
 
     def _missing_output(self, node: str, name: str, outputs: dict[str, Any]) -> ValueError:
         if name == self.plan.nodes[node].stop_signal:
@@ -270,7 +331,7 @@ class WalkTracker:
                                           np_.stop_signal, lp.defer_stop_check)
         return out
 
-    def _next_self_iteration(self, frame: _Frame, node: str, invariant: tuple[str, ...], outputs) -> None:
+    def _next_self_iteration(self, frame: _Frame, node: str, outputs) -> None:
         """Fast path for a loop whose body is one node feeding itself (AR decode, rollouts): the next
         iteration's inputs are this iteration's feedback plus the invariant inputs, directly."""
         frame.it += 1
@@ -279,15 +340,50 @@ class WalkTracker:
             frame.remaining.discard(node)
             self._finish_loop(frame)
             return
-        np_ = self.plan.nodes[node]
         fixed = frame.invariant
-        if fixed is None:  # the same values at every iteration of this frame
-            fixed = frame.invariant = {
-                inp: self.walk_inputs[inp] if np_.inputs[inp].kind is InputKind.WALK_INPUT
-                else self._lookup_outer(frame, node, inp) for inp in invariant}
+        if fixed is None:
+            fixed = self._invariant_inputs(frame, node)
         # carried inputs: the feedback edge has the input's name; inputs keep the node's input order
-        inputs = {inp: fixed[inp] if inp in fixed else outputs[inp] for inp in np_.inputs}
+        inputs = {inp: fixed[inp] if inp in fixed else outputs[inp] for inp in self.plan.nodes[node].inputs}
         self.ready.append(ReadyNode(node, frame.base + (frame.it,), inputs, {}))
+
+    def _invariant_inputs(self, frame: _Frame, node: str) -> dict[str, Any]:
+        """A self-loop node's inputs that are the same at every iteration of ``frame``: looked up at its
+        first continuation and kept on the frame."""
+        np_ = self.plan.nodes[node]
+        frame.invariant = {
+            inp: self.walk_inputs[inp] if np_.inputs[inp].kind is InputKind.WALK_INPUT
+            else self._lookup_outer(frame, node, inp) for inp in self._routed[node][0]}
+        return frame.invariant
+
+    # -- the worker's lockstep decode path ---------------------------------------------------------
+    def lockstep_bound(self, node: str, vec: Vec) -> LockstepBound | None:
+        """For a running iteration of a ``_SelfLoopStep`` node without loop exits: what the worker
+        needs to run its next iterations without calling the tracker (``advance_self_loop`` catches up
+        later). None for any other node instance."""
+        lean = self._lean.get(node)
+        if lean is None or lean.exits or (node, vec) not in self.running:
+            return None
+        frame = self.frames.get((lean.loop, vec[:-1] if lean.nested else ()))
+        if frame is None or frame.stop or frame.invariant is None or frame.it != vec[-1]:
+            return None
+        return LockstepBound(self.plan.loops[lean.loop].max_iters - 1 - frame.it, lean.stop_signal,
+                             lean.defer_stop_check, lean.outputs, lean.emits)
+
+    def advance_self_loop(self, node: str, vec: Vec, to: Vec, outputs: dict[str, Any]) -> dict[str, Any]:
+        """Catch up on the iterations of a ``_SelfLoopStep`` node the worker ran in lockstep, from
+        ``vec`` (the iteration this tracker saw start) to ``to`` (the one running now): each was a
+        usual continuation (no stop, within the bound, no exits; the worker checked), ``outputs`` the
+        last finished one's. Returns the running iteration's inputs."""
+        lean = self._lean[node]
+        frame = self.frames[(lean.loop, vec[:-1] if lean.nested else ())]
+        self.running.discard((node, vec))
+        frame.it = to[-1]
+        self.running.add((node, to))
+        if lean.defer_stop_check and lean.stop_signal is not None:
+            frame.deferred_stop = outputs[lean.stop_signal]
+        fixed = frame.invariant
+        return {inp: fixed[inp] if inp in fixed else outputs[inp] for inp in self.plan.nodes[node].inputs}
 
     def stream_ready(self) -> Effects:
         """New stream chunks arrived: retry nodes waiting on a stream input."""

@@ -130,6 +130,25 @@ class LlamaCausalLM(NodeSubmodule):
                           extras={"sampling": sp, "step": step, "seen": seen, "stop_ids": stop_ids},
                           prefix_ids=ids if step == 0 and "input_ids" in inputs else None, token_inputs=("ids",))
 
+    def continue_batch(self, graph_walk: str | None, engine_inputs: EngineInputs, tensors: Mapping[str, torch.Tensor],
+                       outputs: Mapping[str, list[Any]]) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]] | None:
+        """A decode step's next batch: each row's new token as its ids, its step one further, its
+        seen tokens (a repetition penalty's) the fed-back ``seen``; what ``prepare_inputs`` makes of
+        the fed-back ``token`` and ``seen``. Not when a subclass prepares its inputs in its own way."""
+        if type(self).prepare_inputs is not LlamaCausalLM.prepare_inputs:
+            return None
+        x = engine_inputs.extras
+        seen, tokens = x["seen"], outputs.get("token")
+        if tokens is None:
+            return None
+        ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0].reshape(-1)
+        if ids.dtype != torch.long or ids.shape[0] != len(tokens):
+            return None
+        if seen.count(None) != len(seen):  # rows with a repetition penalty count the new token too
+            seen = [None if s is None else t.reshape(-1) for s, t in zip(seen, outputs["seen"])]
+        return {"ids": ids}, {"sampling": x["sampling"], "step": [s + 1 for s in x["step"]], "seen": seen,
+                              "stop_ids": x["stop_ids"]}
+
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs,
                 ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         ei = engine_inputs

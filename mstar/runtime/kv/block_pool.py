@@ -399,6 +399,38 @@ class KVCacheManager:
         table.num_tokens = cur + 1
         return cur, last * bs + off, blocks
 
+    def append_tokens(self, keys: Sequence[tuple[str, str]]) -> tuple[list[int], list[int], list[list[int]]] | None:
+        """``append_token`` for one token of each (request id, cache name) sequence, in order: (tokens
+        before, slots, the live block lists: read them, do not keep them). None, with nothing
+        changed, when any of them needs ``append_slots``."""
+        tables, bs, pool = self._tables, self.block_size, self.pool
+        writable = pool.writable
+        before, slots, lists = [], [], []
+        for key in keys:
+            table = tables.get(key)
+            if table is None:
+                break
+            cur, blocks = table.num_tokens, table.blocks
+            off = cur % bs
+            if off:
+                last = blocks[-1]
+                if not writable(last):
+                    break
+            elif len(blocks) * bs == cur and pool.num_free:
+                last = pool.allocate()
+                blocks.append(last)
+            else:
+                break
+            table.num_tokens = cur + 1
+            before.append(cur)
+            slots.append(last * bs + off)
+            lists.append(blocks)
+        else:
+            return before, slots, lists
+        for (rid, name), n in zip(keys, before):
+            self.truncate(rid, name, n)
+        return None
+
     def adopt_prefix(self, request_id: str, cache_name: str, hashes: Sequence[int]) -> int:
         """Start an empty sequence with the cached blocks of its longest cached prefix (``hashes`` from
         ``prefix_hashes``); returns the tokens it now holds (a multiple of the block size, maybe 0).
