@@ -46,6 +46,8 @@ class DecodeCohort:
     bound: LockstepBound  # of the first row; every row's node is the same
     steps_left: int  # lockstep forwards every row may still take before a loop's bound
     request_ids: set[str]  # of every row it started with (a message for one ends the cohort)
+    needs: frozenset[str]  # the outputs every row's node must return
+    flat: bool  # every row's loop is a top-level one (its iterations are ``(i,)``)
 
     def is_batch(self, batch: list[WorkItem]) -> bool:
         items = self.items

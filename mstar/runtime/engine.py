@@ -106,10 +106,13 @@ class StatelessEngine:
     def _call(self, batch: list, ei: EngineInputs, tensors: dict[str, torch.Tensor]) -> list[dict]:
         return self._rows(self._call_raw(batch, ei, tensors), len(batch))
 
-    def _call_raw(self, batch: list, ei: EngineInputs, tensors: dict[str, torch.Tensor]) -> dict[str, list]:
-        """The module's forward over the batch: its outputs as it returned them, checked."""
-        walks = set(ei.walks)
-        walk = walks.pop() if len(walks) == 1 else None
+    def _call_raw(self, batch: list, ei: EngineInputs, tensors: dict[str, torch.Tensor],
+                  walk: str | None | bool = False) -> dict[str, list]:
+        """The module's forward over the batch: its outputs as it returned them, checked. ``walk``: the
+        batch's one walk (None: several), when the caller knows it."""
+        if walk is False:
+            walks = set(ei.walks)
+            walk = walks.pop() if len(walks) == 1 else None
         if torch.is_inference_mode_enabled():  # the runtime's loops run in it (entering costs ~20 us a step)
             out = self.module.forward(walk, ei, **tensors)
         else:
@@ -235,13 +238,14 @@ class KVCacheEngine(StatelessEngine):
         ones = [1] * n
         ei = EngineInputs(walks=walks, nodes=nodes, request_ids=rids, infos=infos, splits={k: ones for k in tensors},
                           extras=extras)
-        self._copy_pending()
+        if self.manager.has_pending_copies:
+            self._copy_pending()
         ei.attention = AttentionMetadata.decode(tables, [b + 1 for b in before], slots)
         ei.kv_caches = self.kv_caches
         ei.positions = long_tensor(before)
         ei.num_tokens = ones
         try:
-            out = self._call_raw(items, ei, tensors)
+            out = self._call_raw(items, ei, tensors, last.walk)
         except Exception:  # noqa: BLE001 - run's general path retries and isolates the failure
             self._undo_appends([(rid, name, b) for (rid, name), b in zip(keys, before)])
             return None

@@ -169,8 +169,16 @@ class RequestHandle:
 
     # -- the conductor's side (``RequestSink``), called on the runtime's thread ---------------------
     def on_item(self, msg: Emit) -> None:
-        self._output.outputs.setdefault(msg.name, []).append(msg.value)
-        self._deliver(msg)
+        outputs = self._output.outputs
+        values = outputs.get(msg.name)
+        if values is None:
+            values = outputs[msg.name] = []
+        values.append(msg.value)
+        with self._lock:
+            if self._aqueue is not None:
+                self._mailbox.post(self._aqueue, msg)
+            else:
+                self._events.put_locked(msg)
 
     def on_end(self, status: RequestStatus, error: str | None, failure: FailureKind | None) -> None:
         out = self._output

@@ -49,7 +49,7 @@ class WalkDone:
 
 
 @register_message
-@dataclass
+@dataclass(slots=True)
 class Emit:
     """Worker -> conductor: a value for the client (EMIT_TO_CLIENT)."""
 

@@ -463,7 +463,8 @@ class Worker:
                 return
             steps = min(steps, b.steps_left)
         self._cohorts[base] = DecodeCohort(base, items, walks, [it.iteration for it in items], rows, outputs,
-                                           bound, steps, {it.request_id for it in items})
+                                           bound, steps, {it.request_id for it in items}, frozenset(bound.outputs),
+                                           all(len(it.iteration) == 1 for it in items))
 
     def _lockstep(self, cohort: DecodeCohort) -> bool:
         """One forward of the cohort (the module's whole batch); False, with nothing changed, when it
@@ -477,22 +478,35 @@ class Worker:
         self.admission.stalled.clear()
         items, walks, n = cohort.items, cohort.walks, len(cohort.items)
         self.batch_hist[base][n] += 1
-        leaving = cohort.leaving(out) if out.keys() >= set(cohort.bound.outputs) else list(range(n))
+        leaving = cohort.leaving(out) if out.keys() >= cohort.needs else list(range(n))
         seq = self._seq
         columns = [(name, modality, out[name]) for name, modality in cohort.bound.emits]
         if not leaving and all(w.live for w in walks):  # the usual step: every row sends its values, goes on
             emits = self._emits  # (nothing in this loop sends them: ``_tell`` replaces the list)
-            for item, w, *values in zip(items, walks, *(col for _, _, col in columns)):
-                rid, node = item.request_id, item.node
-                for (name, modality, _), v in zip(columns, values):
+            if len(columns) == 1:  # one client value per row (a token): the loop without an inner one
+                name, modality, col = columns[0]
+                for item, w, v in zip(items, walks, col):
                     value = v if type(v) is list else as_values(v)
                     if value:
-                        emits.append(Emit(rid, name, value, modality, node, w.walk))
-                it = item.iteration
-                item.seq, item.iteration = next(seq), (*it[:-1], it[-1] + 1)
+                        emits.append(Emit(item.request_id, name, value, modality, item.node, w.walk))
+            else:
+                for item, w, *values in zip(items, walks, *(col for _, _, col in columns)):
+                    rid, node = item.request_id, item.node
+                    for (name, modality, _), v in zip(columns, values):
+                        value = v if type(v) is list else as_values(v)
+                        if value:
+                            emits.append(Emit(rid, name, value, modality, node, w.walk))
+            if cohort.flat:  # a top-level loop's iterations: (i,) -> (i + 1,)
+                for item in items:
+                    item.seq, item.iteration = next(seq), (item.iteration[0] + 1,)
+            else:
+                for item in items:
+                    it = item.iteration
+                    item.seq, item.iteration = next(seq), (*it[:-1], it[-1] + 1)
             self.scheduler.stamp_all(items)
             self.queues[base].extend(items)
-            cohort.rows = list(range(n))
+            if len(cohort.rows) != n or cohort.rows[-1] != n - 1:  # rows ascend: this is range(n)
+                cohort.rows = list(range(n))
             cohort.outputs = out
             cohort.steps_left -= 1
             return True

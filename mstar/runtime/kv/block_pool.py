@@ -462,6 +462,10 @@ class KVCacheManager:
         """A copy of the queued copy-on-write copies, without draining them."""
         return list(self._pending)
 
+    @property
+    def has_pending_copies(self) -> bool:
+        return bool(self._pending)
+
     def pop_pending_copies(self) -> list[tuple[int, int]]:
         """Drain the queued ``(src_block, dst_block)`` copy-on-write copies, oldest first."""
         pending, self._pending = self._pending, []
