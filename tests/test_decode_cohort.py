@@ -179,3 +179,31 @@ def test_continue_declines_what_node_done_must_decide(defer):
         assert t.continue_self_loop("LLM", (2,), {"token": [3], "stop": [False]}) is None  # the bound (3)
         fx = t.node_done("LLM", (2,), {"token": [3], "stop": [False]})
         assert fx.done and [e.value for e in fx.emits] == [[3]]
+
+
+def test_a_row_failing_in_the_lockstep_fails_alone():
+    """A forward that raises in the lockstep goes back to the general path, which isolates the row."""
+    from tests.toy_models import TinyAttentionLM
+
+    class FailAtStep(TinyAttentionLM):
+        def forward(self, graph_walk, engine_inputs, ids):
+            for info, step in zip(engine_inputs.infos, engine_inputs.extras["step"]):
+                if info.params.get("fail_at") == step:
+                    raise ValueError(f"request {info.request_id} fails at step {step}")
+            return super().forward(graph_walk, engine_inputs, ids)
+
+    class FailingLM(ToyLM):
+        def build_submodules(self, node_names):
+            return {"LLM": FailAtStep(self.seed)}
+
+    ref = TinyAttentionLM(0)
+    prompts = [[3, 4], [9, 2], [5, 6, 7, 8]]
+    params = [{"max_tokens": 20}, {"max_tokens": 20, "fail_at": 9}, {"max_tokens": 20}]
+    with Runtime(FailingLM()) as rt:
+        with rt.held():
+            handles = [rt.submit({"input_ids": torch.tensor(p)}, q) for p, q in zip(prompts, params)]
+        bad = handles[1].result(timeout=60)
+        assert bad.status is RequestStatus.FAILED and "fails at step 9" in bad.error
+        for i in (0, 2):
+            assert tokens(handles[i].result(timeout=60)) == ref.reference_generate(prompts[i], 20)
+        assert continued(rt) > 0 and kv_blocks_in_use(rt) == 0 and rt.stats()["ranks"][0]["walks"] == 0
