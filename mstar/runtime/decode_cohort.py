@@ -4,12 +4,12 @@ After a forward, the items whose walk simply goes on (``WalkTracker.continue_sel
 iteration of an AR decode step, nothing routed but client values) are requeued as they are. When
 every one of them can go on without the tracker (``WalkTracker.lockstep_bound``) and the engine can
 make their next batch from the last one (``KVCacheEngine.decode_rows``), they form a
-``DecodeCohort``. While the module's next batch is exactly the cohort, the worker runs it through
-``KVCacheEngine.run_rows`` and, per row, only sends the client values and requeues the item: the
-rows' trackers, and their items' inputs, are not touched. They are caught up
-(``WalkTracker.advance_self_loop``) when a row leaves (a stop, the loop's bound) and, for every row,
-before anything else may look at them: a message reaching the worker, a batch that is not the
-cohort.
+``DecodeCohort``. While the module's next batch is exactly the cohort, ``Lockstep`` (the worker's
+part that keeps the cohorts) runs it through ``KVCacheEngine.run_rows`` and, per row, only sends the
+client values and requeues the item: the rows' trackers, and their items' inputs, are not touched.
+They are caught up (``WalkTracker.advance_self_loop``) when a row leaves (a stop, the loop's bound)
+and, for every row, before anything else may look at them: a message reaching the worker, a batch
+that is not the cohort.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mstar.runtime.failures import FailureKind, describe
+from mstar.runtime.messages import Emit, StatsRequest
 from mstar.runtime.walk_tracker import LockstepBound, read_stop
 from mstar.runtime.work_items import WorkItem
 
-__all__ = ["DecodeCohort", "as_values", "row_outputs"]
+__all__ = ["DecodeCohort", "Lockstep", "as_values", "row_outputs"]
 
 
 def as_values(v: Any) -> list:
@@ -69,3 +71,165 @@ class DecodeCohort:
         if all(type(f) is bool for f in flags):
             return [i for i, f in enumerate(flags) if f] if True in flags else []
         return [i for i, f in enumerate(flags) if read_stop(as_values(f))]
+
+
+class Lockstep:
+    """A worker's cohorts (one per module at most) and the steps it runs through them: a part of the
+    ``Worker`` (``worker.lockstep``), like its ``KVAdmission``, using the worker's engines, queues
+    and outgoing client values."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.cohorts: dict[str, DecodeCohort] = {}
+
+    def form(self, base: str, items: list[WorkItem], walks: list[Any]) -> None:
+        """Make the requeued continuations of a forward (``items``, with their walks) a cohort when
+        all of them may go on in lockstep."""
+        eng = self.worker.engines[base]
+        if not getattr(eng, "continues_batches", False):
+            return
+        found = eng.decode_rows(items)
+        if found is None:
+            return
+        rows, outputs = found
+        first = items[0]
+        bound = walks[0].tracker.lockstep_bound(first.node, first.iteration)
+        if bound is None:
+            return
+        steps = bound.steps_left
+        for it, w in zip(items, walks):
+            b = w.tracker.lockstep_bound(it.node, it.iteration)
+            if it.node != first.node or b is None or b.stop_signal != bound.stop_signal \
+                    or b.defer_stop_check != bound.defer_stop_check or b.emits != bound.emits:
+                return
+            steps = min(steps, b.steps_left)
+        self.cohorts[base] = DecodeCohort(base, items, walks, [it.iteration for it in items], rows, outputs,
+                                          bound, steps, {it.request_id for it in items}, frozenset(bound.outputs),
+                                          all(len(it.iteration) == 1 for it in items))
+
+    def run(self, base: str, batch: list[WorkItem]) -> bool:
+        """Run ``batch`` (the module's next batch) in lockstep if it is the module's cohort: True when
+        done. Otherwise the cohort ends (its rows caught up) and the worker runs the batch."""
+        cohort = self.cohorts[base]
+        if cohort.is_batch(batch) and self._step(cohort):
+            return True
+        self.dissolve(base)
+        return False
+
+    def _step(self, cohort: DecodeCohort) -> bool:
+        """One forward of the cohort (the module's whole batch); False, with nothing changed, when it
+        cannot run that way."""
+        worker, base = self.worker, cohort.base
+        if cohort.steps_left <= 0 or not worker.admission.unhindered(base):
+            return False
+        out = worker.engines[base].run_rows(cohort.items, cohort.rows)
+        if out is None:
+            return False
+        worker.admission.stalled.clear()
+        items, walks, n = cohort.items, cohort.walks, len(cohort.items)
+        worker.batch_hist[base][n] += 1
+        leaving = cohort.leaving(out) if out.keys() >= cohort.needs else list(range(n))
+        seq = worker._seq
+        columns = [(name, modality, out[name]) for name, modality in cohort.bound.emits]
+        if not leaving and all(w.live for w in walks):  # the usual step: every row sends its values, goes on
+            emits = worker._emits  # (nothing in this loop sends them: the worker's ``_tell`` replaces the list)
+            if len(columns) == 1:  # one client value per row (a token): the loop without an inner one
+                name, modality, col = columns[0]
+                for item, w, v in zip(items, walks, col):
+                    value = v if type(v) is list else as_values(v)
+                    if value:
+                        emits.append(Emit(item.request_id, name, value, modality, item.node, w.walk))
+            else:
+                for item, w, *values in zip(items, walks, *(col for _, _, col in columns)):
+                    rid, node = item.request_id, item.node
+                    for (name, modality, _), v in zip(columns, values):
+                        value = v if type(v) is list else as_values(v)
+                        if value:
+                            emits.append(Emit(rid, name, value, modality, node, w.walk))
+            if cohort.flat:  # a top-level loop's iterations: (i,) -> (i + 1,)
+                for item in items:
+                    item.seq, item.iteration = next(seq), (item.iteration[0] + 1,)
+            else:
+                for item in items:
+                    it = item.iteration
+                    item.seq, item.iteration = next(seq), (*it[:-1], it[-1] + 1)
+            worker.scheduler.stamp_all(items)
+            worker.queues[base].extend(items)
+            if len(cohort.rows) != n or cohort.rows[-1] != n - 1:  # rows ascend: this is range(n)
+                cohort.rows = list(range(n))
+            cohort.outputs = out
+            cohort.steps_left -= 1
+            return True
+        kept_items, kept_walks, kept_seen, kept_rows = [], [], [], []
+        leave = iter(leaving)
+        next_leave = next(leave, -1)
+        for i, item in enumerate(items):
+            w = walks[i]
+            if i == next_leave:
+                next_leave = next(leave, -1)
+                if w.live:
+                    self._leave(cohort, i, out)
+                continue
+            if not w.live:
+                continue
+            rid, node = item.request_id, item.node
+            for name, modality, col in columns:
+                value = as_values(col[i])
+                if value:  # (a row that left may have sent the list: ``_tell`` replaces it)
+                    worker._emits.append(Emit(rid, name, value, modality, node, w.walk))
+            it = item.iteration
+            item.seq, item.iteration = next(seq), (*it[:-1], it[-1] + 1)
+            worker._enqueue(item)
+            kept_items.append(item)
+            kept_walks.append(w)
+            kept_seen.append(cohort.seen[i])
+            kept_rows.append(i)
+        if kept_items:
+            cohort.items, cohort.walks, cohort.seen, cohort.rows = kept_items, kept_walks, kept_seen, kept_rows
+            cohort.outputs = out
+            cohort.steps_left -= 1
+        else:
+            del self.cohorts[base]
+        return True
+
+    def _catch_up(self, cohort: DecodeCohort, i: int) -> None:
+        """Bring row ``i``'s tracker and item up to date (``WalkTracker.advance_self_loop``)."""
+        item, seen = cohort.items[i], cohort.seen[i]
+        if item.iteration != seen:
+            item.inputs = cohort.walks[i].tracker.advance_self_loop(
+                item.node, seen, item.iteration, row_outputs(cohort.outputs, cohort.rows[i]))
+            if item.chunks:
+                item.chunks = {}
+            cohort.seen[i] = item.iteration
+
+    def _leave(self, cohort: DecodeCohort, i: int, out: dict[str, list]) -> None:
+        """Row ``i``'s iteration ended its lockstep: catch its tracker up, then hand it the iteration."""
+        worker, item, w = self.worker, cohort.items[i], cohort.walks[i]
+        try:
+            self._catch_up(cohort, i)
+            worker._apply(w, w.tracker.node_done(item.node, item.iteration, row_outputs(out, i)))
+        except Exception as e:  # noqa: BLE001 - one request's error must not stop the worker
+            worker._fail(item.request_id, describe(e), FailureKind.of(e))
+
+    def before(self, msg: Any) -> None:
+        """A message reached the worker: end every cohort if handling it may look at one of their walks
+        or items. A request's messages touch only that request's state (a new request's items end the
+        cohort at the next step instead, the batch being another); others (stats aside) are taken to
+        touch anything."""
+        rid = getattr(msg, "request_id", None)
+        if rid is None:
+            if not isinstance(msg, StatsRequest):
+                self.dissolve()
+        elif any(rid in c.request_ids for c in self.cohorts.values()):
+            self.dissolve()
+
+    def dissolve(self, base: str | None = None) -> None:
+        """End a module's cohort (every cohort when ``base`` is None): every row's tracker and item up
+        to date."""
+        for b in [base] if base is not None else list(self.cohorts):
+            cohort = self.cohorts.pop(b, None)
+            if cohort is None:
+                continue
+            for i, w in enumerate(cohort.walks):
+                if w.live:
+                    self.worker._guarded(cohort.items[i].request_id, lambda i=i: self._catch_up(cohort, i))

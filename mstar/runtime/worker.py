@@ -30,7 +30,7 @@ from mstar.runtime.engine import (
     StatelessEngine,
     WorkItem,
 )
-from mstar.runtime.decode_cohort import DecodeCohort, as_values, row_outputs
+from mstar.runtime.decode_cohort import Lockstep
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.keys import PartitionKey, StreamKey, WalkKey, decode_counts, encode_counts
 from mstar.runtime.kv.sizing import blocks_in_memory
@@ -121,7 +121,7 @@ class Worker:
                           TPStatsBarrier: self._tp_stats_barrier, TPShard: self._tp_shard}
         self._stats_barrier = StatsBarrier()
         self._emits: list[Emit] = []  # this step's values for clients, sent as one Emits (_tell)
-        self._cohorts: dict[str, DecodeCohort] = {}  # per module: its rows decoding in lockstep
+        self.lockstep = Lockstep(self)  # per module, its rows decoding in lockstep (decode_cohort.py)
         stages = module_stages(routing, model, set(nodes))
         consumers = {p: sorted(routing.consumers_of(p)) for p in routing.graph.partitions}
         # an item is ahead (never overdue) while a consumer homed here holds its unconsumed chunks
@@ -179,8 +179,8 @@ class Worker:
 
     def handle(self, msg: Any) -> None:
         try:
-            if self._cohorts and self._reaches_cohort(msg):
-                self._dissolve()
+            if self.lockstep.cohorts:
+                self.lockstep.before(msg)
             self._handle(msg)
         finally:
             self._flush_emits()
@@ -388,11 +388,8 @@ class Worker:
         if picked is None:
             return False
         base, batch = picked
-        cohort = self._cohorts.get(base)
-        if cohort is not None:
-            if cohort.is_batch(batch) and self._lockstep(cohort):
-                return True
-            self._dissolve(base)
+        if base in self.lockstep.cohorts and self.lockstep.run(base, batch):
+            return True
         results = self.admission.run(base, batch)
         if results is None:
             if self.admission.relieve(base):
@@ -437,149 +434,8 @@ class Worker:
                 self.transport.send(item.home, NodeResult(item.request_id, item.partition, item.walk_seq,
                                                           item.node, item.iteration, out))
         if continued:
-            self._form_cohort(base, continued, continued_walks)
+            self.lockstep.form(base, continued, continued_walks)
         return True
-
-    # -- the steady decode path (decode_cohort.py) ------------------------------------------------
-    def _form_cohort(self, base: str, items: list[WorkItem], walks: list[_Walk]) -> None:
-        """Make the requeued continuations of a forward a ``DecodeCohort`` when all of them may go on
-        in lockstep."""
-        eng = self.engines[base]
-        if not getattr(eng, "continues_batches", False):
-            return
-        found = eng.decode_rows(items)
-        if found is None:
-            return
-        rows, outputs = found
-        first = items[0]
-        bound = walks[0].tracker.lockstep_bound(first.node, first.iteration)
-        if bound is None:
-            return
-        steps = bound.steps_left
-        for it, w in zip(items, walks):
-            b = w.tracker.lockstep_bound(it.node, it.iteration)
-            if it.node != first.node or b is None or b.stop_signal != bound.stop_signal \
-                    or b.defer_stop_check != bound.defer_stop_check or b.emits != bound.emits:
-                return
-            steps = min(steps, b.steps_left)
-        self._cohorts[base] = DecodeCohort(base, items, walks, [it.iteration for it in items], rows, outputs,
-                                           bound, steps, {it.request_id for it in items}, frozenset(bound.outputs),
-                                           all(len(it.iteration) == 1 for it in items))
-
-    def _lockstep(self, cohort: DecodeCohort) -> bool:
-        """One forward of the cohort (the module's whole batch); False, with nothing changed, when it
-        cannot run that way (the general path then runs the batch)."""
-        base = cohort.base
-        if cohort.steps_left <= 0 or not self.admission.unhindered(base):
-            return False
-        out = self.engines[base].run_rows(cohort.items, cohort.rows)
-        if out is None:
-            return False
-        self.admission.stalled.clear()
-        items, walks, n = cohort.items, cohort.walks, len(cohort.items)
-        self.batch_hist[base][n] += 1
-        leaving = cohort.leaving(out) if out.keys() >= cohort.needs else list(range(n))
-        seq = self._seq
-        columns = [(name, modality, out[name]) for name, modality in cohort.bound.emits]
-        if not leaving and all(w.live for w in walks):  # the usual step: every row sends its values, goes on
-            emits = self._emits  # (nothing in this loop sends them: ``_tell`` replaces the list)
-            if len(columns) == 1:  # one client value per row (a token): the loop without an inner one
-                name, modality, col = columns[0]
-                for item, w, v in zip(items, walks, col):
-                    value = v if type(v) is list else as_values(v)
-                    if value:
-                        emits.append(Emit(item.request_id, name, value, modality, item.node, w.walk))
-            else:
-                for item, w, *values in zip(items, walks, *(col for _, _, col in columns)):
-                    rid, node = item.request_id, item.node
-                    for (name, modality, _), v in zip(columns, values):
-                        value = v if type(v) is list else as_values(v)
-                        if value:
-                            emits.append(Emit(rid, name, value, modality, node, w.walk))
-            if cohort.flat:  # a top-level loop's iterations: (i,) -> (i + 1,)
-                for item in items:
-                    item.seq, item.iteration = next(seq), (item.iteration[0] + 1,)
-            else:
-                for item in items:
-                    it = item.iteration
-                    item.seq, item.iteration = next(seq), (*it[:-1], it[-1] + 1)
-            self.scheduler.stamp_all(items)
-            self.queues[base].extend(items)
-            if len(cohort.rows) != n or cohort.rows[-1] != n - 1:  # rows ascend: this is range(n)
-                cohort.rows = list(range(n))
-            cohort.outputs = out
-            cohort.steps_left -= 1
-            return True
-        kept_items, kept_walks, kept_seen, kept_rows = [], [], [], []
-        leave = iter(leaving)
-        next_leave = next(leave, -1)
-        for i, item in enumerate(items):
-            w = walks[i]
-            if i == next_leave:
-                next_leave = next(leave, -1)
-                if w.live:
-                    self._leave_cohort(cohort, i, out)
-                continue
-            if not w.live:
-                continue
-            rid, node = item.request_id, item.node
-            for name, modality, col in columns:
-                value = as_values(col[i])
-                if value:  # (a row that left may have sent them: ``_tell`` replaces the list)
-                    self._emits.append(Emit(rid, name, value, modality, node, w.walk))
-            it = item.iteration
-            item.seq, item.iteration = next(seq), (*it[:-1], it[-1] + 1)
-            self._enqueue(item)
-            kept_items.append(item)
-            kept_walks.append(w)
-            kept_seen.append(cohort.seen[i])
-            kept_rows.append(i)
-        if kept_items:
-            cohort.items, cohort.walks, cohort.seen, cohort.rows = kept_items, kept_walks, kept_seen, kept_rows
-            cohort.outputs = out
-            cohort.steps_left -= 1
-        else:
-            del self._cohorts[base]
-        return True
-
-    def _catch_up(self, cohort: DecodeCohort, i: int) -> None:
-        """Bring row ``i``'s tracker and item up to date (``WalkTracker.advance_self_loop``)."""
-        item, seen = cohort.items[i], cohort.seen[i]
-        if item.iteration != seen:
-            item.inputs = cohort.walks[i].tracker.advance_self_loop(
-                item.node, seen, item.iteration, row_outputs(cohort.outputs, cohort.rows[i]))
-            if item.chunks:
-                item.chunks = {}
-            cohort.seen[i] = item.iteration
-
-    def _leave_cohort(self, cohort: DecodeCohort, i: int, out: dict[str, list]) -> None:
-        """Row ``i``'s iteration ended its lockstep: catch its tracker up, then hand it the iteration."""
-        item, w = cohort.items[i], cohort.walks[i]
-        try:
-            self._catch_up(cohort, i)
-            self._apply(w, w.tracker.node_done(item.node, item.iteration, row_outputs(out, i)))
-        except Exception as e:  # noqa: BLE001 - one request's error must not stop the worker
-            self._fail(item.request_id, describe(e), FailureKind.of(e))
-
-    def _reaches_cohort(self, msg: Any) -> bool:
-        """Whether handling ``msg`` may look at a walk or item of a cohort. A request's messages touch
-        only that request's state (a new request's items end the cohort at the next step instead,
-        the batch being another); others (stats aside) are taken to touch anything."""
-        rid = getattr(msg, "request_id", None)
-        if rid is None:
-            return not isinstance(msg, StatsRequest)
-        return any(rid in c.request_ids for c in self._cohorts.values())
-
-    def _dissolve(self, base: str | None = None) -> None:
-        """End a module's cohort (every cohort when ``base`` is None): every row's tracker and item up
-        to date."""
-        for b in [base] if base is not None else list(self._cohorts):
-            cohort = self._cohorts.pop(b, None)
-            if cohort is None:
-                continue
-            for i, w in enumerate(cohort.walks):
-                if w.live:
-                    self._guarded(cohort.items[i].request_id, lambda i=i: self._catch_up(cohort, i))
 
     # -- failures and cleanup --------------------------------------------------------------------
     def _guarded(self, rid: str, fn) -> None:
