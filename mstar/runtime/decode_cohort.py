@@ -20,14 +20,9 @@ from typing import Any
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.messages import Emit, StatsRequest
 from mstar.runtime.walk_tracker import LockstepBound, read_stop
-from mstar.runtime.work_items import WorkItem
+from mstar.runtime.work_items import WorkItem, as_values
 
-__all__ = ["DecodeCohort", "Lockstep", "as_values", "row_outputs"]
-
-
-def as_values(v: Any) -> list:
-    """One request's output value as the list an edge carries (a list the module made is kept)."""
-    return v if type(v) is list else list(v) if isinstance(v, (list, tuple)) else [v]
+__all__ = ["DecodeCohort", "Lockstep", "row_outputs"]
 
 
 def row_outputs(out: dict[str, list], row: int) -> dict[str, list]:
@@ -232,4 +227,4 @@ class Lockstep:
                 continue
             for i, w in enumerate(cohort.walks):
                 if w.live:
-                    self.worker._guarded(cohort.items[i].request_id, lambda i=i: self._catch_up(cohort, i))
+                    self.worker._guarded(cohort.items[i].request_id, lambda c=cohort, i=i: self._catch_up(c, i))

@@ -14,7 +14,7 @@ from mstar.model.submodule import ForwardInfo, KVSequence, NodeInputs
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.keys import WalkKey
 
-__all__ = ["DEFERRED", "ItemError", "Prepared", "WorkItem"]
+__all__ = ["DEFERRED", "ItemError", "Prepared", "WorkItem", "as_values"]
 
 
 @dataclass(slots=True)
@@ -73,3 +73,8 @@ class ItemError(Exception):
         super().__init__(f"node {item.node!r} (walk {item.walk!r}) failed: {describe(error)}")
         self.item = item
         self.kind = FailureKind.of(error)
+
+
+def as_values(v: Any) -> list:
+    """One request's output value as the list an edge carries (a list the module made is kept)."""
+    return v if type(v) is list else list(v) if isinstance(v, (list, tuple)) else [v]

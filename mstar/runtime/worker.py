@@ -23,6 +23,7 @@ from typing import Any
 
 from mstar.layers.tensor_parallel import apply_tp, shardable
 from mstar.model.base import ModelDef
+from mstar.runtime.decode_cohort import Lockstep
 from mstar.runtime.engine import (
     DEFERRED,
     ItemError,
@@ -30,7 +31,6 @@ from mstar.runtime.engine import (
     StatelessEngine,
     WorkItem,
 )
-from mstar.runtime.decode_cohort import Lockstep
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.keys import PartitionKey, StreamKey, WalkKey, decode_counts, encode_counts
 from mstar.runtime.kv.sizing import blocks_in_memory

@@ -5,13 +5,12 @@ preempted request's blocks in host memory."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from mstar.layers.paged_attention import QueryMode, long_tensor
 
-__all__ = ["DecodeRows", "KVPlan", "PrefixUse", "SwappedKV"]
+__all__ = ["KVPlan", "PrefixUse", "SwappedKV"]
 
 
 @dataclass
@@ -76,15 +75,3 @@ class SwappedKV:
     def num_blocks(self) -> int:
         return self.k[0].shape[0] if self.k else 0
 
-
-@dataclass(slots=True)
-class DecodeRows:
-    """A forward whose every row was one decode token, kept so that the next step of the rows that go
-    on can be made from it (``KVCacheEngine.continue_rows``)."""
-
-    items: list[Any]  # the WorkItems, one per row
-    walk: str | None  # the walk the forward ran for (None: several)
-    ei: Any  # its EngineInputs
-    tensors: dict[str, torch.Tensor]
-    outputs: dict[str, list]  # what the module returned
-    keys: list[tuple[str, str]]  # each row's KV sequence: (request id, cache name)

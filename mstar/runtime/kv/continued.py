@@ -1,0 +1,131 @@
+"""The KV engine's steady decode path: a forward whose every row was one decode token is kept
+(``ContinuableBatch``), and ``run_rows`` runs the next iterations of its rows from it, without
+``prepare_inputs`` or per-item planning (the worker's lockstep rows, ``runtime/decode_cohort.py``).
+``ContinuedRows`` is a part of ``KVCacheEngine`` (a base class), using its manager, caches and
+module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mstar.layers.paged_attention import AttentionMetadata, QueryMode, long_tensor
+from mstar.model.submodule import EngineInputs, NodeSubmodule
+
+if TYPE_CHECKING:
+    from mstar.runtime.work_items import Prepared, WorkItem
+
+__all__ = ["ContinuableBatch", "ContinuedRows"]
+
+
+@dataclass(slots=True)
+class ContinuableBatch:
+    """A forward whose every row was one decode token, kept so that the next step of the rows that go
+    on can be made from it (``ContinuedRows.run_rows``)."""
+
+    items: list[Any]  # the WorkItems, one per row
+    walk: str | None  # the walk the forward ran for (None: several)
+    ei: EngineInputs
+    tensors: dict[str, torch.Tensor]
+    outputs: dict[str, list]  # what the module returned
+    keys: list[tuple[str, str]]  # each row's KV sequence: (request id, cache name)
+
+
+class ContinuedRows:
+    """``KVCacheEngine``'s steady decode path."""
+
+    continues_batches = True  # a tensor-parallel leader, whose followers repeat ``run``, says no
+
+    def _init_continued(self) -> None:
+        self._decode: ContinuableBatch | None = None  # the last forward, when its rows may go on
+        self._forwards = 0  # forwards of the current ``run`` (more than one: items were isolated)
+        self.continued_forwards = 0  # forwards made by ``run_rows``
+
+    def decode_rows(self, items: list[WorkItem]) -> tuple[list[int], dict[str, list]] | None:
+        """Each item's row in the last forward and that forward's outputs, when its rows may go on
+        (each one decode token through a module that can continue a batch,
+        ``NodeSubmodule.continue_batch``) and every item ran in it; else None."""
+        last = self._decode
+        if last is None or not items:
+            return None
+        row_of = {id(it): i for i, it in enumerate(last.items)}
+        rows = [row_of.get(id(it)) for it in items]
+        return None if None in rows else (rows, last.outputs)
+
+    def run(self, items: list[WorkItem]) -> list:
+        self._decode, self._forwards = None, 0
+        results = super().run(items)
+        if self._forwards != 1:  # failures re-ran items one by one: no batch to continue
+            self._decode = None
+        return results
+
+    def run_rows(self, items: list[WorkItem], rows: list[int]) -> dict[str, list] | None:
+        """One forward of ``items``, the next iterations of the last forward's ``rows``
+        (``decode_rows``), without ``prepare_inputs``: their tensors from the module's
+        ``continue_batch``, their KV slots through ``KVCacheManager.append_tokens``. The module's
+        outputs as it returned them; None, with nothing changed, when that does not hold (the
+        module declines, a row needs the general planning, the forward failed): ``run`` then
+        prepares the items."""
+        last, self._decode = self._decode, None
+        if last is None or (self._swapped and any(it.request_id in self._swapped for it in items)):
+            return None
+        nxt = self.module.continue_batch(last.walk, last.ei, last.tensors, last.outputs)
+        if nxt is None:
+            return None
+        tensors, extras = nxt
+        n, prev = len(rows), last.ei
+        for t in tensors.values():
+            if t.shape[0] != len(last.items):
+                return None
+        if n == len(last.items) and rows[-1] == n - 1:  # every row goes on (rows ascend): the per-row lists stay
+            keys, infos, walks, nodes, rids = last.keys, prev.infos, prev.walks, prev.nodes, prev.request_ids
+        else:
+            idx = long_tensor(rows)
+            tensors = {k: t.index_select(0, idx) for k, t in tensors.items()}
+            extras = {k: [v[r] for r in rows] for k, v in extras.items()}
+            keys, infos = [last.keys[r] for r in rows], [prev.infos[r] for r in rows]
+            walks, nodes, rids = [it.walk for it in items], [it.node for it in items], [it.request_id for it in items]
+        planned = self.manager.append_tokens(keys)
+        if planned is None:
+            return None
+        before, slots, tables = planned
+        for info, item, b in zip(infos, items, before):  # each row's ForwardInfo, brought up to date
+            info.iteration, info.cache_len = item.iteration, b
+        ones = [1] * n
+        ei = EngineInputs(walks=walks, nodes=nodes, request_ids=rids, infos=infos, splits={k: ones for k in tensors},
+                          extras=extras)
+        if self.manager.has_pending_copies:
+            self._copy_pending()
+        ei.attention = AttentionMetadata.decode(tables, [b + 1 for b in before], slots)
+        ei.kv_caches = self.kv_caches
+        ei.positions = long_tensor(before)
+        ei.num_tokens = ones
+        try:
+            out = self._call_raw(items, ei, tensors, last.walk)
+        except Exception:  # noqa: BLE001 - run's general path retries and isolates the failure
+            self._undo_appends([(rid, name, b) for (rid, name), b in zip(keys, before)])
+            return None
+        self._decode = ContinuableBatch(items, last.walk, ei, tensors, out, keys)
+        self.continued_forwards += 1
+        return out
+
+    def _keep_decode(self, admitted: list[Prepared], ei: EngineInputs, tensors: dict[str, torch.Tensor],
+                     out: dict[str, list]) -> None:
+        """Remember a forward whose rows may continue: each one decode token of its own causal cache,
+        through a module that can continue a batch."""
+        self._forwards += 1
+        if not self.continues_batches or type(self.module).continue_batch is NodeSubmodule.continue_batch:
+            return
+        causal = QueryMode.CAUSAL_APPEND
+        keys = []
+        for p in admitted:
+            ni = p.inputs
+            if ni.num_tokens != 1 or ni.sequences is not None or ni.fork_from is not None or ni.mode is not causal \
+                    or ni.prefix_ids is not None:
+                return
+            keys.append((p.item.request_id, ni.cache_name or p.item.node))
+        walks = set(ei.walks)
+        self._decode = ContinuableBatch([p.item for p in admitted], walks.pop() if len(walks) == 1 else None, ei,
+                                  tensors, out, keys)
