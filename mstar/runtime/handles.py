@@ -2,8 +2,9 @@
 the streamed ``StreamItem`` s; ``result()`` for the ``RequestOutput``), ``RequestError``.
 
 The conductor calls the handle's ``on_item`` / ``on_end`` (``RequestSink``) on the runtime's thread;
-the handle queues the ``Emit`` message as it is and the consumer turns it into a ``StreamItem``, so
-the runtime's thread does the least per item. Handles iterated on one event loop share a
+the handle logs the ``Emit`` message as it is (one list append; a wake-up only when a consumer
+waits) and the consumer turns it into a ``StreamItem``, so the runtime's thread does the least per
+item. Handles iterated on one event loop share a
 ``_LoopMailbox``: one wake-up of the loop per burst of items.
 """
 
@@ -12,10 +13,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -60,63 +59,27 @@ class RequestOutput:
         return [t for value in self.outputs.get(name, []) for t in value]
 
 
-def _stream_item(ev: Emit | None) -> StreamItem | None:
+def _stream_item(ev: Emit) -> StreamItem:
     """The client's view of an ``Emit`` (built on the consumer's side, off the runtime's thread)."""
-    return None if ev is None else StreamItem(ev.name, ev.value, ev.modality, ev.node, ev.walk)
-
-
-class _Events:
-    """A handle's undelivered items for a synchronous consumer: an unbounded FIFO whose ``put_locked``
-    (on the runtime's thread, once per item, holding ``lock``) only notifies when a consumer is
-    waiting. ``lock`` is also the handle's: one lock per delivered item."""
-
-    def __init__(self) -> None:
-        self._items: deque = deque()
-        self.lock = threading.Lock()
-        self._cond = threading.Condition(self.lock)
-        self._waiting = 0
-
-    def put_locked(self, ev: Any) -> None:
-        self._items.append(ev)
-        if self._waiting:
-            self._cond.notify()
-
-    def put(self, ev: Any) -> None:
-        with self.lock:
-            self.put_locked(ev)
-
-    def get(self) -> Any:
-        with self._cond:
-            while not self._items:
-                self._waiting += 1
-                try:
-                    self._cond.wait()
-                finally:
-                    self._waiting -= 1
-            return self._items.popleft()
-
-    def drain_locked(self) -> list:
-        items = list(self._items)
-        self._items.clear()
-        return items
+    return StreamItem(ev.name, ev.value, ev.modality, ev.node, ev.walk)
 
 
 class _LoopMailbox:
-    """Items for the handles iterated on one event loop, handed over in bursts: the driver thread
-    appends, and only the first item since the loop last emptied the box schedules a wake-up
-    (``call_soon_threadsafe``, a write to the loop's self-pipe). A decode step of 16 requests then
-    wakes the loop once, not 16 times, and the loop thread takes the GIL from the runtime's thread
-    once per burst."""
+    """Wake-ups of the handles iterated on one event loop, handed over in bursts: the driver thread
+    appends a handle whose consumer waits, and only the first one since the loop last emptied the
+    box schedules a wake-up (``call_soon_threadsafe``, a write to the loop's self-pipe). A decode
+    step of 16 requests then wakes the loop once, not 16 times, and the loop thread takes the GIL
+    from the runtime's thread once per burst."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = weakref.ref(loop)  # the registry's key: a strong reference would keep it forever
         self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue, Emit | None]] = []
+        self._woken: list[asyncio.Event] = []
         self._scheduled = False
 
-    def post(self, aqueue: asyncio.Queue, ev: Emit | None) -> None:
+    def post(self, event: asyncio.Event) -> None:
         with self._lock:
-            self._items.append((aqueue, ev))
+            self._woken.append(event)
             if self._scheduled:
                 return
             self._scheduled = True
@@ -127,15 +90,15 @@ class _LoopMailbox:
             loop.call_soon_threadsafe(self._flush)
         except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
             with self._lock:
-                self._items.clear()
+                self._woken.clear()
                 self._scheduled = False
 
     def _flush(self) -> None:
         with self._lock:
-            items, self._items = self._items, []
+            woken, self._woken = self._woken, []
             self._scheduled = False
-        for aqueue, ev in items:
-            aqueue.put_nowait(_stream_item(ev))
+        for event in woken:
+            event.set()
 
 
 _mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its _LoopMailbox
@@ -151,47 +114,64 @@ def _mailbox(loop: asyncio.AbstractEventLoop) -> _LoopMailbox:
 
 
 class RequestHandle:
-    """A submitted request: iterate it (sync or async) for its streamed items.
+    """A submitted request: iterate it (sync or async) for its streamed items; ``result()`` for its
+    ``RequestOutput`` once it ended.
 
-    Items also accumulate in ``result().outputs``. Async iteration binds the handle to the running
-    event loop: the driver thread then hands items over through the loop's ``_LoopMailbox`` (no
-    thread per waiting request, one wake-up per burst of items).
+    Every item delivered is appended to one log, in order (the end as a last ``None``); consumers
+    read it through one shared cursor, so iterations of a handle go on where the previous one
+    stopped. The runtime's thread only appends and, when a consumer waits, wakes it: a sync one
+    through the handle's condition, an async one through its event loop's ``_LoopMailbox`` (no
+    thread per waiting request, one wake-up of the loop per burst of items). The outputs of
+    ``result()`` are gathered from the log when first read.
     """
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self._events = _Events()  # Emit messages (None: the end) until a consumer takes them
+        self._log: list[Emit | None] = []  # every delivered item; None last, once the request ended
+        self._read = 0  # the consumers' shared cursor into the log
         self._output = RequestOutput(request_id, RequestStatus.WAITING)
+        self._gathered = False  # the output's values were gathered from the log
         self._done = threading.Event()
-        self._lock = self._events.lock  # guards the switch to async delivery and the FIFO
-        self._mailbox: _LoopMailbox | None = None
-        self._aqueue: asyncio.Queue | None = None
+        self._cond = threading.Condition(threading.Lock())  # consumers' cursor and waits
+        self._waiting = 0  # sync consumers waiting in ``_cond``
+        self._mailbox: _LoopMailbox | None = None  # an async consumer's event loop
+        self._wake: asyncio.Event | None = None  # set (on that loop) when the async consumer waits
+        self._async_waiting = False
 
     # -- the conductor's side (``RequestSink``), called on the runtime's thread ---------------------
+    # Lock-free: a consumer registers as waiting before it checks the log a last time, and the
+    # runtime's thread appends before it reads the registration (each step atomic under the GIL), so
+    # an item is either seen by that check or followed by a wake-up.
     def on_item(self, msg: Emit) -> None:
-        outputs = self._output.outputs
-        values = outputs.get(msg.name)
-        if values is None:
-            values = outputs[msg.name] = []
-        values.append(msg.value)
-        with self._lock:
-            if self._aqueue is not None:
-                self._mailbox.post(self._aqueue, msg)
-            else:
-                self._events.put_locked(msg)
+        self._log.append(msg)
+        if self._waiting or self._async_waiting:
+            self._notify()
 
     def on_end(self, status: RequestStatus, error: str | None, failure: FailureKind | None) -> None:
         out = self._output
         out.status, out.error, out.failure = status, error, failure
+        self._log.append(None)
         self._done.set()
-        self._deliver(None)
+        self._notify()
 
-    def _deliver(self, ev: Emit | None) -> None:
-        with self._lock:
-            if self._aqueue is not None:
-                self._mailbox.post(self._aqueue, ev)
-            else:
-                self._events.put_locked(ev)
+    def _notify(self) -> None:
+        if self._waiting:
+            with self._cond:
+                self._cond.notify_all()
+        if self._async_waiting:
+            self._mailbox.post(self._wake)
+
+    # -- the consumers' side --------------------------------------------------------------------
+    def _take(self) -> Emit | None:
+        """The next unread item (None: the end, which stays unread), or ``...`` when none is there
+        yet. Holding ``_cond``."""
+        log = self._log
+        if self._read >= len(log):
+            return ...
+        ev = log[self._read]
+        if ev is not None:
+            self._read += 1
+        return ev
 
     def _end_of_stream(self) -> None:
         if self._output.status is RequestStatus.FAILED:
@@ -199,34 +179,57 @@ class RequestHandle:
                                self._output.failure or FailureKind.INTERNAL)
 
     def __iter__(self) -> Iterator[StreamItem]:
-        if self._aqueue is not None:
+        if self._mailbox is not None:
             raise RuntimeError("this handle is being iterated asynchronously")
         while True:
-            ev = self._events.get()
+            with self._cond:
+                ev = self._take()
+                if ev is ...:
+                    self._waiting += 1
+                    try:
+                        while (ev := self._take()) is ...:
+                            self._cond.wait()
+                    finally:
+                        self._waiting -= 1
             if ev is None:
-                self._events.put(None)  # later iterations end at once too
                 self._end_of_stream()
                 return
             yield _stream_item(ev)
 
     async def __aiter__(self):
-        with self._lock:
-            if self._aqueue is None:
-                self._mailbox = _mailbox(asyncio.get_running_loop())
-                self._aqueue = asyncio.Queue()
-                for ev in self._events.drain_locked():
-                    self._aqueue.put_nowait(_stream_item(ev))
+        if self._mailbox is None:
+            self._wake = asyncio.Event()
+            self._mailbox = _mailbox(asyncio.get_running_loop())
+        wake = self._wake
         while True:
-            ev = await self._aqueue.get()
+            with self._cond:
+                ev = self._take()
+            while ev is ...:
+                wake.clear()
+                self._async_waiting = True
+                with self._cond:
+                    ev = self._take()
+                if ev is ...:
+                    await wake.wait()
+                self._async_waiting = False
             if ev is None:
-                self._aqueue.put_nowait(None)
                 self._end_of_stream()
                 return
-            yield ev
+            yield _stream_item(ev)
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        with self._cond:
+            if not self._gathered:
+                outputs = self._output.outputs
+                for ev in self._log:
+                    if ev is not None:
+                        values = outputs.get(ev.name)
+                        if values is None:
+                            values = outputs[ev.name] = []
+                        values.append(ev.value)
+                self._gathered = True
         return self._output
 
     @property

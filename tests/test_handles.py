@@ -1,0 +1,141 @@
+"""``RequestHandle``'s hand-over between the runtime's thread (``on_item`` / ``on_end``, lock-free)
+and its consumers (sync and async iteration, ``result``): every item once, in order, no wake-up lost."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from mstar.runtime.conductor import RequestStatus
+from mstar.runtime.failures import FailureKind
+from mstar.runtime.handles import RequestError, RequestHandle
+from mstar.runtime.messages import Emit
+
+N = 3000
+
+
+def _emit(i: int, name: str = "token") -> Emit:
+    return Emit("r", name, [torch.tensor([i])], "text", "llm", "decode")
+
+
+def _produce(h: RequestHandle, n: int, status: RequestStatus = RequestStatus.FINISHED) -> threading.Thread:
+    """A thread playing the runtime's: ``n`` items in bursts, then the end."""
+
+    def run() -> None:
+        for i in range(n):
+            h.on_item(_emit(i, "token" if i % 3 else "other"))
+            if i % 97 == 0:
+                threading.Event().wait(0.0005)  # let the consumer catch up and wait again
+        h.on_end(status, "boom" if status is RequestStatus.FAILED else None,
+                 FailureKind.INTERNAL if status is RequestStatus.FAILED else None)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_sync_iteration_sees_every_item_in_order() -> None:
+    h = RequestHandle("r")
+    t = _produce(h, N)
+    got = [int(item.value[0]) for item in h]
+    t.join()
+    assert got == list(range(N))
+    assert list(h) == []  # a later iteration ends at once
+    out = h.result(timeout=10)
+    assert out.finished
+    assert [int(v) for v in out.tensors("other")] == list(range(0, N, 3))
+    assert len(out.tensors("token")) == N - len(range(0, N, 3))
+
+
+def test_iterations_share_one_cursor_and_results_gather_once() -> None:
+    h = RequestHandle("r")
+    for i in range(5):
+        h.on_item(_emit(i))
+    it = iter(h)
+    assert [int(next(it).value[0]) for _ in range(2)] == [0, 1]
+    h.on_end(RequestStatus.FINISHED, None, None)
+    assert [int(x.value[0]) for x in h] == [2, 3, 4]  # a new iteration goes on where the first stopped
+    first = h.result()
+    assert h.result() is first and len(first.tensors("token")) == 5
+
+
+def test_async_iteration_sees_every_item_in_order() -> None:
+    async def consume(h: RequestHandle) -> list[int]:
+        return [int(item.value[0]) async for item in h]
+
+    async def main() -> list[list[int]]:
+        handles = [RequestHandle(f"r{i}") for i in range(4)]  # several handles on one loop's mailbox
+        threads = [_produce(h, N // 4) for h in handles]
+        got = await asyncio.gather(*(consume(h) for h in handles))
+        for t in threads:
+            t.join()
+        return got
+
+    for got in asyncio.run(main()):
+        assert got == list(range(N // 4))
+
+
+def test_failure_ends_either_iteration_with_the_error() -> None:
+    h = RequestHandle("r")
+    t = _produce(h, 50, RequestStatus.FAILED)
+    with pytest.raises(RequestError, match="boom"):
+        for _ in h:
+            pass
+    t.join()
+
+
+
+def test_async_after_sync_goes_on_and_sync_after_async_is_refused() -> None:
+    h = RequestHandle("r")
+    for i in range(4):
+        h.on_item(_emit(i))
+    assert int(next(iter(h)).value[0]) == 0
+    h.on_end(RequestStatus.FINISHED, None, None)
+
+    async def consume() -> list[int]:
+        return [int(item.value[0]) async for item in h]
+
+    assert asyncio.run(consume()) == [1, 2, 3]
+    with pytest.raises(RuntimeError, match="asynchronously"):
+        next(iter(h))
+
+
+def _ping_pong(h: RequestHandle, acks: threading.Semaphore, n: int) -> threading.Thread:
+    """The runtime's thread delivers item i only after the consumer took item i - 1: each item
+    must wake a waiting consumer by itself (the end's wake-up would hide a lost one)."""
+    missed: list[int] = []
+
+    def run() -> None:
+        for i in range(n):
+            h.on_item(_emit(i))
+            if not acks.acquire(timeout=10):
+                missed.append(i)
+                break
+        h.on_end(RequestStatus.FINISHED, None, None)
+
+    t = threading.Thread(target=run)
+    t.missed = missed
+    t.start()
+    return t
+
+
+def test_each_item_wakes_a_waiting_consumer() -> None:
+    h, acks = RequestHandle("r"), threading.Semaphore(0)
+    t = _ping_pong(h, acks, 200)
+    for _ in h:
+        acks.release()
+    t.join()
+    assert t.missed == []
+
+    async def consume(h: RequestHandle, acks: threading.Semaphore) -> None:
+        async for _ in h:
+            acks.release()
+
+    h, acks = RequestHandle("r"), threading.Semaphore(0)
+    t = _ping_pong(h, acks, 200)
+    asyncio.run(consume(h, acks))
+    t.join()
+    assert t.missed == []
