@@ -12,6 +12,8 @@ from mstar.runtime.failures import FailureKind
 from mstar.runtime.keys import StreamKey, decode_counts, encode_counts
 from mstar.runtime.messages import (
     Emit,
+    EmitRows,
+    Emits,
     FreeRequest,
     KVMoved,
     MigrateKV,
@@ -47,6 +49,9 @@ class Sink:
 
     def on_item(self, msg):
         self.items.append(msg.value)
+
+    def on_row(self, rows, i):
+        self.items.append(rows.value(i))
 
     def on_end(self, status, error, failure):
         self.end = (status, error, failure)
@@ -162,3 +167,13 @@ def test_streams_end_with_the_counts_each_consumer_expects():
 def test_stream_keys_survive_any_name():
     key = StreamKey("a/b", "n/o/d", 'e"x')
     assert StreamKey.decode(key.encode()) == key
+
+
+def test_emit_rows_reach_each_live_request_in_row_order():
+    c, _ = conductor(ToyLM())
+    a, b = submit(c, "a"), submit(c, "b")
+    rows = EmitRows(["a", "gone", "b", "a"], ["decode"] * 4, "token", None, "LLM",
+                    [torch.tensor([1]), torch.tensor([2]), [], (torch.tensor([4]),)])
+    c.handle(Emits([Emit("b", "token", [torch.tensor(0)], None, "LLM", "decode"), rows]))
+    assert [[int(t) for t in v] for v in a.items] == [[1], [4]]  # a tensor row as a one-tensor list
+    assert [[int(t) for t in v] for v in b.items] == [[0]]  # an empty row sends nothing

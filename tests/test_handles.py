@@ -12,7 +12,7 @@ import torch
 from mstar.runtime.conductor import RequestStatus
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.handles import RequestError, RequestHandle
-from mstar.runtime.messages import Emit
+from mstar.runtime.messages import Emit, EmitRows
 
 N = 3000
 
@@ -139,3 +139,14 @@ def test_each_item_wakes_a_waiting_consumer() -> None:
     asyncio.run(consume(h, acks))
     t.join()
     assert t.missed == []
+
+
+def test_rows_of_a_batched_emit_read_as_items() -> None:
+    rows = EmitRows(["x", "r"], ["a", "decode"], "token", "text", "llm", [torch.tensor([9]), torch.tensor([7])])
+    h = RequestHandle("r")
+    h.on_item(_emit(6))
+    h.on_row(rows, 1)
+    h.on_end(RequestStatus.FINISHED, None, None)
+    items = list(h)
+    assert [(int(i.value[0]), i.walk, i.modality) for i in items] == [(6, "decode", "text"), (7, "decode", "text")]
+    assert [int(t) for t in h.result().tensors("token")] == [6, 7]

@@ -17,6 +17,7 @@ from mstar.model.base import ModelDef, WalkState
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.messages import (
     Emit,
+    EmitRows,
     Emits,
     FreeKV,
     FreeRequest,
@@ -51,6 +52,8 @@ class RequestSink(Protocol):
     """Where a request's results go (its ``RequestHandle``); called on the conductor's thread."""
 
     def on_item(self, msg: Emit) -> None: ...
+
+    def on_row(self, rows: EmitRows, i: int) -> None: ...
 
     def on_end(self, status: RequestStatus, error: str | None, failure: FailureKind | None) -> None: ...
 
@@ -152,6 +155,14 @@ class Conductor:
         if type(msg) is Emits:
             requests = self.requests
             for e in msg.items:
+                if type(e) is EmitRows:
+                    i = 0
+                    for rid, v in zip(e.request_ids, e.values):
+                        req = requests.get(rid)
+                        if req is not None and not ((type(v) is list or type(v) is tuple) and not v):
+                            req.sink.on_row(e, i)
+                        i += 1
+                    continue
                 req = requests.get(e.request_id)
                 if req is not None:  # else a late value of a finished request
                     req.sink.on_item(e)

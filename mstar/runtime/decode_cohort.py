@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mstar.runtime.failures import FailureKind, describe
-from mstar.runtime.messages import Emit, StatsRequest
+from mstar.runtime.messages import Emit, EmitRows, StatsRequest
 from mstar.runtime.walk_tracker import LockstepBound, read_stop
 from mstar.runtime.work_items import WorkItem, as_values
 
@@ -45,6 +45,8 @@ class DecodeCohort:
     request_ids: set[str]  # of every row it started with (a message for one ends the cohort)
     needs: frozenset[str]  # the outputs every row's node must return
     flat: bool  # every row's loop is a top-level one (its iterations are ``(i,)``)
+    request_id_list: list[str] | None = None  # per item (made at the first usual step; replaced, never changed)
+    walk_names: list[str] | None = None  # per item: its walk's name (ditto)
 
     def is_batch(self, batch: list[WorkItem]) -> bool:
         items = self.items
@@ -127,20 +129,14 @@ class Lockstep:
         seq = worker._seq
         columns = [(name, modality, out[name]) for name, modality in cohort.bound.emits]
         if not leaving and all(w.live for w in walks):  # the usual step: every row sends its values, goes on
-            emits = worker._emits  # (nothing in this loop sends them: the worker's ``_tell`` replaces the list)
-            if len(columns) == 1:  # one client value per row (a token): the loop without an inner one
-                name, modality, col = columns[0]
-                for item, w, v in zip(items, walks, col):
-                    value = v if type(v) is list else as_values(v)
-                    if value:
-                        emits.append(Emit(item.request_id, name, value, modality, item.node, w.walk))
-            else:
-                for item, w, *values in zip(items, walks, *(col for _, _, col in columns)):
-                    rid, node = item.request_id, item.node
-                    for (name, modality, _), v in zip(columns, values):
-                        value = v if type(v) is list else as_values(v)
-                        if value:
-                            emits.append(Emit(rid, name, value, modality, node, w.walk))
+            rids, names = cohort.request_id_list, cohort.walk_names
+            if rids is None:
+                rids = cohort.request_id_list = [it.request_id for it in items]
+                names = cohort.walk_names = [w.walk for w in walks]
+            node = items[0].node
+            emits = worker._emits  # (nothing in this step sends them: the worker's ``_tell`` replaces the list)
+            for name, modality, col in columns:  # one message per output, for every row
+                emits.append(EmitRows(rids, names, name, modality, node, list(col)))
             if cohort.flat:  # a top-level loop's iterations: (i,) -> (i + 1,)
                 for item in items:
                     item.seq, item.iteration = next(seq), (item.iteration[0] + 1,)
@@ -181,6 +177,7 @@ class Lockstep:
             kept_rows.append(i)
         if kept_items:
             cohort.items, cohort.walks, cohort.seen, cohort.rows = kept_items, kept_walks, kept_seen, kept_rows
+            cohort.request_id_list = cohort.walk_names = None
             cohort.outputs = out
             cohort.steps_left -= 1
         else:

@@ -20,7 +20,7 @@ import torch
 
 from mstar.runtime.conductor import RequestStatus
 from mstar.runtime.failures import FailureKind
-from mstar.runtime.messages import Emit
+from mstar.runtime.messages import Emit, EmitRows
 
 __all__ = ["RequestError", "RequestHandle", "RequestOutput", "StreamItem"]
 
@@ -59,8 +59,16 @@ class RequestOutput:
         return [t for value in self.outputs.get(name, []) for t in value]
 
 
-def _stream_item(ev: Emit) -> StreamItem:
-    """The client's view of an ``Emit`` (built on the consumer's side, off the runtime's thread)."""
+_Row = tuple  # (EmitRows, row): one row of an ``EmitRows``, as a handle's log holds it
+
+
+def _emit_of(entry: Emit | _Row) -> Emit:
+    return entry[0].emit(entry[1]) if type(entry) is tuple else entry
+
+
+def _stream_item(entry: Emit | _Row) -> StreamItem:
+    """The client's view of a logged item (built on the consumer's side, off the runtime's thread)."""
+    ev = _emit_of(entry)
     return StreamItem(ev.name, ev.value, ev.modality, ev.node, ev.walk)
 
 
@@ -127,7 +135,7 @@ class RequestHandle:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self._log: list[Emit | None] = []  # every delivered item; None last, once the request ended
+        self._log: list[Emit | _Row | None] = []  # every delivered item; None last, once the request ended
         self._read = 0  # the consumers' shared cursor into the log
         self._output = RequestOutput(request_id, RequestStatus.WAITING)
         self._gathered = False  # the output's values were gathered from the log
@@ -147,6 +155,12 @@ class RequestHandle:
         if self._waiting or self._async_waiting:
             self._notify()
 
+    def on_row(self, rows: EmitRows, i: int) -> None:
+        """Row ``i`` of ``rows`` is this request's item (kept as it is: made an ``Emit`` when read)."""
+        self._log.append((rows, i))
+        if self._waiting or self._async_waiting:
+            self._notify()
+
     def on_end(self, status: RequestStatus, error: str | None, failure: FailureKind | None) -> None:
         out = self._output
         out.status, out.error, out.failure = status, error, failure
@@ -162,7 +176,7 @@ class RequestHandle:
             self._mailbox.post(self._wake)
 
     # -- the consumers' side --------------------------------------------------------------------
-    def _take(self) -> Emit | None:
+    def _take(self) -> Emit | _Row | None:
         """The next unread item (None: the end, which stays unread), or ``...`` when none is there
         yet. Holding ``_cond``."""
         log = self._log
@@ -223,12 +237,18 @@ class RequestHandle:
         with self._cond:
             if not self._gathered:
                 outputs = self._output.outputs
-                for ev in self._log:
-                    if ev is not None:
-                        values = outputs.get(ev.name)
-                        if values is None:
-                            values = outputs[ev.name] = []
-                        values.append(ev.value)
+                for entry in self._log:
+                    if type(entry) is tuple:  # a row of an EmitRows: its value, without making an Emit
+                        rows, i = entry
+                        name, value = rows.name, rows.value(i)
+                    elif entry is not None:
+                        name, value = entry.name, entry.value
+                    else:
+                        continue
+                    values = outputs.get(name)
+                    if values is None:
+                        values = outputs[name] = []
+                    values.append(value)
                 self._gathered = True
         return self._output
 

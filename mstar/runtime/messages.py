@@ -62,12 +62,38 @@ class Emit:
 
 
 @register_message
+@dataclass(slots=True)
+class EmitRows:
+    """Worker -> conductor: the client values of one output of a batched forward, a row each (what
+    an ``Emit`` per row would say, made once per forward): row ``i``'s value for ``request_ids[i]``
+    is ``values[i]`` (a module's per-row value: a list, a tuple, or one tensor; an empty list or
+    tuple sends nothing)."""
+
+    request_ids: list[str]
+    walks: list[str]
+    name: str
+    modality: str | None
+    node: str
+    values: list
+
+    def value(self, i: int) -> list:
+        """Row ``i``'s value as the list an ``Emit`` carries."""
+        v = self.values[i]
+        return v if type(v) is list else list(v) if type(v) is tuple else [v]
+
+    def emit(self, i: int) -> Emit:
+        """Row ``i`` as an ``Emit``."""
+        return Emit(self.request_ids[i], self.name, self.value(i), self.modality, self.node, self.walks[i])
+
+
+@register_message
 @dataclass
 class Emits:
-    """Worker -> conductor: the ``Emit`` messages of one worker step (or one handled message), in
-    order, as one message; whatever the worker tells the conductor next is sent after them."""
+    """Worker -> conductor: the ``Emit`` / ``EmitRows`` messages of one worker step (or one handled
+    message), in order, as one message; whatever the worker tells the conductor next is sent after
+    them."""
 
-    items: list[Emit]
+    items: list[Emit | EmitRows]
     request_id: None = None  # the items carry their requests
 
 
