@@ -237,17 +237,22 @@ class RequestHandle:
         with self._cond:
             if not self._gathered:
                 outputs = self._output.outputs
-                for entry in self._log:
+                name, values = None, None
+                for entry in self._log:  # (a loop of its own: every token of a long request)
                     if type(entry) is tuple:  # a row of an EmitRows: its value, without making an Emit
                         rows, i = entry
-                        name, value = rows.name, rows.value(i)
+                        v = rows.values[i]
+                        value = v if type(v) is list else list(v) if type(v) is tuple else [v]
+                        if rows.name != name:
+                            name = rows.name
+                            values = outputs.setdefault(name, [])
                     elif entry is not None:
-                        name, value = entry.name, entry.value
+                        value = entry.value
+                        if entry.name != name:
+                            name = entry.name
+                            values = outputs.setdefault(name, [])
                     else:
                         continue
-                    values = outputs.get(name)
-                    if values is None:
-                        values = outputs[name] = []
                     values.append(value)
                 self._gathered = True
         return self._output

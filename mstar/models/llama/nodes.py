@@ -51,6 +51,8 @@ class LlamaCausalLM(NodeSubmodule):
         self.prepacked: PrepackedLinear | None = None  # the LM head, prepacked
         # a request's SamplingParams and stop ids: built once, not at every step
         self._sampling_memo: ParamsMemo[tuple[SamplingParams, frozenset[int]]] = ParamsMemo(self._build_sampling)
+        # the last ``step_outputs``' per-row tokens and the batch tensor they are rows of
+        self._token_rows: tuple[list[torch.Tensor], torch.Tensor] | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -141,7 +143,11 @@ class LlamaCausalLM(NodeSubmodule):
         seen, tokens = x["seen"], outputs.get("token")
         if tokens is None:
             return None
-        ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0].reshape(-1)
+        made = self._token_rows
+        if made is not None and made[0] is tokens:  # this module's rows, untouched: their batch tensor
+            ids = made[1]
+        else:
+            ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0].reshape(-1)
         if ids.dtype != torch.long or ids.shape[0] != len(tokens):
             return None
         if seen.count(None) != len(seen):  # rows with a repetition penalty count the new token too
@@ -174,7 +180,9 @@ class LlamaCausalLM(NodeSubmodule):
         ``stop`` flag (a bool: the tracker reads it, nothing else does)."""
         x = engine_inputs.extras
         seen = x["seen"]
-        out_tokens = list(tokens.clone().view(-1, 1).unbind(0))
+        batch = tokens.clone()
+        out_tokens = list(batch.view(-1, 1).unbind(0))
+        self._token_rows = (out_tokens, batch)
         out_stop = generation_done_rows(tokens.tolist(), x["step"], x["sampling"], x["stop_ids"])
         empty = torch.zeros(0, dtype=torch.long)  # carried by requests without a repetition penalty
         if all(s is None for s in seen):
