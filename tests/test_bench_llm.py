@@ -99,9 +99,9 @@ def test_table_and_goals():
     assert len(goals) == 2  # no overhead measured: no line for it
     res.overhead = StepOverhead(150.0, 30.0, 127)
     assert lb.goal_lines(res)[2].endswith("150 us a step outside the forward (median of 127 steps) + 30 us between "
-                                          "steps = 180 us; goal <= 200 us: **met**")
+                                          "steps = 180 us (the median of 3 runs); goal <= 200 us: **met**")
     res.overhead = StepOverhead(400.0, 100.0, 127)
-    assert lb.goal_lines(res)[2].endswith("= 500 us; goal <= 200 us: **not met**")
+    assert lb.goal_lines(res)[2].endswith("= 500 us (the median of 3 runs); goal <= 200 us: **not met**")
     data = lb.to_json(res)
     json.dumps(data)
     assert data["stats"][1]["agreement"]["fraction"] == 0.0
@@ -121,7 +121,7 @@ def test_tiny_suite_end_to_end_with_hf(cache, tmp_path):
             assert s.agreement.total == (3 if s.workload == "concurrent" else 2)
             assert s.agreement.fraction == 1.0, s.agreement.describe()
     assert len(res.prompt_lengths) == 3
-    oh = res.overhead  # measured on one more mstar concurrent run: a prefill and at least 5 decode steps
+    oh = res.overhead  # measured on three more mstar concurrent runs (each a prefill and at least 5 decode steps)
     assert oh is not None and oh.steps >= 6 and oh.in_step_us > 0 and oh.between_steps_us >= 0
     text = lb.describe(res) + lb.format_table(res)
     assert "make bench-peers" in text and "hf" in text

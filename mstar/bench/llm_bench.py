@@ -317,11 +317,14 @@ def run_llm_bench(*, cache_dir: str | Path | None = None, shape: LlmShape = BENC
                     say(f"repeat {r + 1}/{repeats} {w} {s}: {run.tok_s:.1f} tok/s, "
                         f"{run.ms_per_token:.2f} ms/token, wall {run.wall_s:.2f} s")
         overhead = None
-        if "concurrent" in workloads:  # one more mstar run, its steps and forwards timed
-            quiet(running["mstar"])
-            overhead = running["mstar"].step_overhead(work["concurrent"], max_tokens)
-            say(f"mstar runtime overhead: {overhead.in_step_us:.0f} us a step outside the forward, "
-                f"{overhead.between_steps_us:.0f} us between steps")
+        if "concurrent" in workloads:  # three more mstar runs, their steps and forwards timed: the median
+            measured = []
+            for _ in range(OVERHEAD_RUNS):
+                quiet(running["mstar"])
+                measured.append(running["mstar"].step_overhead(work["concurrent"], max_tokens))
+                say(f"mstar runtime overhead: {measured[-1].in_step_us:.0f} us a step outside the forward, "
+                    f"{measured[-1].between_steps_us:.0f} us between steps")
+            overhead = sorted(measured, key=lambda o: o.total_us)[len(measured) // 2]
     finally:
         for s in running.values():
             s.close()
@@ -369,6 +372,7 @@ def format_table(result: LlmBenchResult) -> str:
 
 GOALS = {"concurrent": 1.5, "b1": 1.5}  # ours / vLLM CPU
 OVERHEAD_GOAL_US = 200  # mstar's runtime time per decode step at the concurrent workload, outside the forward
+OVERHEAD_RUNS = 3  # timed runs of the overhead; the one of median total is reported
 
 
 def goal_lines(result: LlmBenchResult) -> list[str]:
@@ -385,7 +389,7 @@ def goal_lines(result: LlmBenchResult) -> list[str]:
         met = "met" if oh.total_us <= OVERHEAD_GOAL_US else "not met"
         out.append(f"- mstar's runtime overhead, {result.concurrency} concurrent: {oh.in_step_us:.0f} us a step "
                    f"outside the forward (median of {oh.steps} steps) + {oh.between_steps_us:.0f} us between "
-                   f"steps = {oh.total_us:.0f} us; goal <= {OVERHEAD_GOAL_US} us: **{met}**")
+                   f"steps = {oh.total_us:.0f} us (the median of {OVERHEAD_RUNS} runs); goal <= {OVERHEAD_GOAL_US} us: **{met}**")
     return out
 
 

@@ -44,15 +44,26 @@ class StreamItem:
 
 @dataclass
 class RequestOutput:
+    """A request's end: its status and, in ``outputs``, every value emitted to it (edge name -> the
+    values in emission order), gathered from the handle's log when first read, on the reader's thread."""
+
     request_id: str
     status: RequestStatus
     error: str | None = None
-    outputs: dict[str, list[list[torch.Tensor]]] = field(default_factory=dict)  # edge name -> emitted values
     failure: FailureKind | None = None  # why it did not finish (FAILED or ABORTED)
+    _log: list = field(default_factory=list, repr=False, compare=False)  # the handle's, complete once ended
+    _outputs: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def outputs(self) -> dict[str, list[list[torch.Tensor]]]:
+        out = self._outputs
+        if out is None:
+            out = self._outputs = _gather(self._log)
+        return out
 
     def tensors(self, name: str) -> list[torch.Tensor]:
         """Every tensor emitted on ``name``, flattened in emission order."""
@@ -60,6 +71,29 @@ class RequestOutput:
 
 
 _Row = tuple  # (EmitRows, row): one row of an ``EmitRows``, as a handle's log holds it
+
+
+def _gather(log: list) -> dict[str, list[list[torch.Tensor]]]:
+    """A handle's logged items as ``RequestOutput.outputs``."""
+    outputs: dict[str, list] = {}
+    name, values = None, None
+    for entry in log:  # (a loop of its own: every token of a long request)
+        if type(entry) is tuple:  # a row of an EmitRows: its value, without making an Emit
+            rows, i = entry
+            v = rows.values[i]
+            value = v if type(v) is list else list(v) if type(v) is tuple else [v]
+            if rows.name != name:
+                name = rows.name
+                values = outputs.setdefault(name, [])
+        elif entry is not None:
+            value = entry.value
+            if entry.name != name:
+                name = entry.name
+                values = outputs.setdefault(name, [])
+        else:
+            continue
+        values.append(value)
+    return outputs
 
 
 def _emit_of(entry: Emit | _Row) -> Emit:
@@ -137,8 +171,7 @@ class RequestHandle:
         self.request_id = request_id
         self._log: list[Emit | _Row | None] = []  # every delivered item; None last, once the request ended
         self._read = 0  # the consumers' shared cursor into the log
-        self._output = RequestOutput(request_id, RequestStatus.WAITING)
-        self._gathered = False  # the output's values were gathered from the log
+        self._output = RequestOutput(request_id, RequestStatus.WAITING, _log=self._log)
         self._done = threading.Event()
         self._cond = threading.Condition(threading.Lock())  # consumers' cursor and waits
         self._waiting = 0  # sync consumers waiting in ``_cond``
@@ -234,27 +267,6 @@ class RequestHandle:
     def result(self, timeout: float | None = None) -> RequestOutput:
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
-        with self._cond:
-            if not self._gathered:
-                outputs = self._output.outputs
-                name, values = None, None
-                for entry in self._log:  # (a loop of its own: every token of a long request)
-                    if type(entry) is tuple:  # a row of an EmitRows: its value, without making an Emit
-                        rows, i = entry
-                        v = rows.values[i]
-                        value = v if type(v) is list else list(v) if type(v) is tuple else [v]
-                        if rows.name != name:
-                            name = rows.name
-                            values = outputs.setdefault(name, [])
-                    elif entry is not None:
-                        value = entry.value
-                        if entry.name != name:
-                            name = entry.name
-                            values = outputs.setdefault(name, [])
-                    else:
-                        continue
-                    values.append(value)
-                self._gathered = True
         return self._output
 
     @property
