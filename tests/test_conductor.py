@@ -177,3 +177,22 @@ def test_emit_rows_reach_each_live_request_in_row_order():
     c.handle(Emits([Emit("b", "token", [torch.tensor(0)], None, "LLM", "decode"), rows]))
     assert [[int(t) for t in v] for v in a.items] == [[1], [4]]  # a tensor row as a one-tensor list
     assert [[int(t) for t in v] for v in b.items] == [[0]]  # an empty row sends nothing
+
+
+def test_emit_rows_sinks_are_looked_up_again_once_a_request_ends():
+    c, _ = conductor(ToyLM())
+    a, b = submit(c, "a"), submit(c, "b")
+    rids = ["a", "b"]  # the same list at every step, as a worker's lockstep rows send it
+
+    def step(k):
+        c.handle(Emits([EmitRows(rids, ["decode"] * 2, "token", None, "LLM", [torch.tensor([k]), torch.tensor([k])])]))
+
+    step(1)
+    step(2)
+    c.abort("b")
+    step(3)  # b ended: its row is dropped, a's still delivered
+    c2 = submit(c, "c")  # a start: looked up again too
+    step(4)
+    assert [int(v[0]) for v in a.items] == [1, 2, 3, 4]
+    assert [int(v[0]) for v in b.items] == [1, 2] and b.end[0] is RequestStatus.ABORTED
+    assert c2.items == []

@@ -96,6 +96,7 @@ class Conductor:
         self.requests: dict[str, _Request] = {}
         self._stats_calls: dict[int, _StatsCall] = {}
         self._ids = itertools.count()
+        self._row_sinks: tuple[list[str], list] | None = None  # (a request_ids list, its rows' on_row or None)
 
     def submit(self, request_id: str, inputs: dict[str, list], params: dict[str, Any], sink: RequestSink) -> None:
         """Admit a request (inputs already validated by the caller)."""
@@ -114,6 +115,7 @@ class Conductor:
             parts[p] = _Partition(st)
         req = _Request(request_id, params, parts, sink, RequestStatus.RUNNING)
         self.requests[request_id] = req
+        self._row_sinks = None  # looked up again: the rows find the requests as they are now
         for p in graph.root_partitions:
             self._advance(req, p)
 
@@ -156,12 +158,7 @@ class Conductor:
             requests = self.requests
             for e in msg.items:
                 if type(e) is EmitRows:
-                    i = 0
-                    for rid, v in zip(e.request_ids, e.values):
-                        req = requests.get(rid)
-                        if req is not None and not ((type(v) is list or type(v) is tuple) and not v):
-                            req.sink.on_row(e, i)
-                        i += 1
+                    self._deliver_rows(e)
                     continue
                 req = requests.get(e.request_id)
                 if req is not None:  # else a late value of a finished request
@@ -201,6 +198,27 @@ class Conductor:
             self._end(req, RequestStatus.FAILED, msg.error, msg.kind)
         else:
             raise TypeError(f"conductor: unexpected message {type(msg).__name__}")
+
+    def _deliver_rows(self, e: EmitRows) -> None:
+        """Each live row of ``e`` to its request's sink. The sinks of a row list are looked up once
+        while no request starts or ends: a worker's lockstep rows send the same ``request_ids`` list
+        at every step (inline; over the wire each message brings its own, looked up afresh)."""
+        rids = e.request_ids
+        cached = self._row_sinks
+        if cached is not None and cached[0] is rids:
+            sinks = cached[1]
+        else:
+            requests = self.requests
+            sinks = []
+            for rid in rids:
+                req = requests.get(rid)
+                sinks.append(None if req is None else req.sink.on_row)
+            self._row_sinks = (rids, sinks)
+        i = 0
+        for on_row, v in zip(sinks, e.values):
+            if on_row is not None and not ((type(v) is list or type(v) is tuple) and not v):
+                on_row(e, i)
+            i += 1
 
     def _advance(self, req: _Request, partition: str) -> None:
         """Ask the model for the partition's next walk and dispatch it (a walk boundary)."""
@@ -272,6 +290,7 @@ class Conductor:
             return
         req.status, req.error = status, error
         del self.requests[req.request_id]
+        self._row_sinks = None  # a list of sinks may hold the request's
         for rank in range(self.routing.num_ranks):
             self.transport.send(rank, FreeRequest(req.request_id))
         req.sink.on_end(status, error, failure)
