@@ -1,4 +1,4 @@
-"""Tests for the paged KV-cache bookkeeping (mstar.runtime.kv.block_pool)."""
+"""Tests for the paged KV-cache bookkeeping (mstar.runtime.kv.block_pool, mstar.runtime.kv.cache_manager)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mstar.runtime.kv.block_pool import BlockPool, BlockTable, KVCacheManager, OutOfBlocks, prefix_hashes
+from mstar.runtime.kv.block_pool import BlockPool, OutOfBlocks, prefix_hashes
+from mstar.runtime.kv.cache_manager import BlockTable, KVCacheManager
 
 
 def check_invariants(mgr: KVCacheManager) -> None:

@@ -25,7 +25,8 @@ from mstar.layers.paged_attention import (
     paged_attention,
     write_kv,
 )
-from mstar.runtime.kv.block_pool import BlockPool, KVCacheManager
+from mstar.runtime.kv.block_pool import BlockPool
+from mstar.runtime.kv.cache_manager import KVCacheManager
 
 CAUSAL, BLOCK, READ = QueryMode.CAUSAL_APPEND, QueryMode.BLOCK_APPEND, QueryMode.READ_ONLY
 TOL = {"atol": 1e-5, "rtol": 1e-5}

@@ -19,7 +19,8 @@ from typing import Any
 
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.messages import Emit, EmitRows, StatsRequest
-from mstar.runtime.walk_tracker import LockstepBound, read_stop
+from mstar.runtime.self_loops import LockstepBound
+from mstar.runtime.walk_records import read_stop
 from mstar.runtime.work_items import WorkItem, as_values
 
 __all__ = ["DecodeCohort", "Lockstep", "row_outputs"]

@@ -30,7 +30,8 @@ import torch
 
 from mstar.layers.paged_attention import AttentionMetadata, QueryMode, copy_blocks
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSequence, NodeInputs, NodeSubmodule
-from mstar.runtime.kv.block_pool import BlockPool, KVCacheManager, OutOfBlocks, prefix_hashes
+from mstar.runtime.kv.block_pool import BlockPool, OutOfBlocks, prefix_hashes
+from mstar.runtime.kv.cache_manager import KVCacheManager
 from mstar.runtime.kv.continued import ContinuedRows
 from mstar.runtime.kv.records import KVPlan, PrefixUse, SwappedKV
 from mstar.runtime.kv.sizing import as_blocks, cdiv

@@ -22,90 +22,13 @@ are read from a ``StreamSource`` (the partition's stream buffer), a plain data o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mstar.graph.plan import InputBinding, InputKind, NodePlan, RouteKind, WalkPlan
+from mstar.runtime.self_loops import Continued, LockstepBound, SelfLoops
+from mstar.runtime.walk_records import Effects, Emitted, Frame, Pushed, ReadyNode, Vec, read_stop
 
-Vec = tuple[int, ...]
-
-
-@dataclass(slots=True)
-class ReadyNode:
-    """A node instance whose inputs are all present."""
-
-    node: str
-    iteration: Vec
-    inputs: dict[str, Any]
-    stream_chunks: dict[str, Any]  # input name -> Chunk, for STREAM inputs
-
-
-@dataclass(slots=True)
-class Emitted:
-    """A value routed to the client (EMIT_TO_CLIENT)."""
-
-    name: str
-    value: Any
-    modality: str | None
-    node: str  # producing node, or "loop L" for a loop's exit
-
-
-@dataclass(slots=True)
-class Pushed:
-    """Items streamed to input ``name`` of node ``node`` in consumer partition ``partition``."""
-
-    partition: str
-    node: str
-    name: str
-    items: list
-
-
-@dataclass(slots=True)
-class Effects:
-    """What one call into the tracker caused, for the worker to apply."""
-
-    ready: list[ReadyNode]
-    emits: list[Emitted]
-    state: dict[str, Any]  # values routed TO_STATE
-    pushes: list[Pushed]
-    done: bool = False  # the walk ended
-
-
-@dataclass(slots=True)
-class Continued:
-    """``continue_self_loop``'s answer: the self-loop's next iteration is running with these inputs,
-    and these outputs of the finished one go to the client."""
-
-    iteration: Vec
-    inputs: dict[str, Any]
-    emits: tuple[tuple[str, str | None], ...]  # (edge name, modality); an empty list value sends nothing
-
-
-@dataclass(frozen=True, slots=True)
-class LockstepBound:
-    """What running a self-loop's next iterations without the tracker must respect
-    (``WalkTracker.lockstep_bound``)."""
-
-    steps_left: int  # usual continuations left before the loop's bound
-    stop_signal: str | None
-    defer_stop_check: bool
-    outputs: tuple[str, ...]  # every output the node must return
-    emits: tuple[tuple[str, str | None], ...]  # (edge name, modality) sent to the client
-
-
-@dataclass(frozen=True, slots=True)
-class _SelfLoopStep:
-    """What finishing an iteration of a self-loop's node does when its only routes besides the feedback
-    are to the client (an AR decode step, a nested fixed loop like a code predictor's): looked up once
-    per walk, not per step."""
-
-    loop: str
-    nested: bool  # the loop has a parent loop (its frame is keyed by the parent's iteration)
-    outputs: tuple[str, ...]  # every output the node must return
-    emits: tuple[tuple[str, str | None], ...]  # (edge name, modality)
-    exits: tuple[str, ...]  # outputs that leave the loop when it ends
-    stop_signal: str | None
-    defer_stop_check: bool
+__all__ = ["Continued", "Effects", "LockstepBound", "ReadyNode", "StreamSource", "WalkTracker", "read_stop"]
 
 
 class StreamSource(Protocol):
@@ -113,42 +36,7 @@ class StreamSource(Protocol):
         """The next chunk for a stream input, or None when none is ready yet."""
 
 
-def read_stop(value: Any) -> bool:
-    """A stop signal is a per-request value: a bool, or a tensor / list whose entries are all truthy."""
-    if isinstance(value, (list, tuple)):
-        if len(value) == 1:  # the usual value: one flag in a list
-            return read_stop(value[0])
-        for v in value:
-            if not read_stop(v):
-                return False
-        return bool(value)
-    if getattr(value, "ndim", None) == 0:  # one flag (a 0-d tensor): its truth, without a reduction
-        return bool(value)
-    if hasattr(value, "numel"):
-        return bool(value.numel() > 0 and bool(value.all()))
-    return bool(value)
-
-
-@dataclass(slots=True)
-class _Frame:
-    loop: str | None
-    base: Vec  # iteration vector of the parent frame's current iteration
-    it: int = 0
-    started: bool = False
-    remaining: set[str] = field(default_factory=set)  # members still running in this iteration
-    outer_vals: dict[tuple[str, str], Any] = field(default_factory=dict)  # (node, input) -> value
-    carried: dict[tuple[str, str], Any] = field(default_factory=dict)  # fed back for the next iteration
-    exit_vals: dict[str, Any] = field(default_factory=dict)
-    stop: bool = False
-    deferred_stop: Any = None  # stop flag of the previous iteration, read one iteration late
-    invariant: dict[str, Any] | None = None  # a self-loop's invariant inputs, looked up once per frame
-
-    @property
-    def vec(self) -> Vec:
-        return self.base + (self.it,) if self.loop is not None else self.base
-
-
-class WalkTracker:
+class WalkTracker(SelfLoops):
     """Runs the dataflow of ``plan`` for one request.
 
     ``streams`` supplies the chunks of STREAM inputs (``pull`` returns None when none is ready: the
@@ -165,7 +53,7 @@ class WalkTracker:
         self._emits: list[Emitted] = []
         self._state: dict[str, Any] = {}
         self._pushes: list[Pushed] = []
-        self.frames: dict[tuple[str | None, Vec], _Frame] = {}
+        self.frames: dict[tuple[str | None, Vec], Frame] = {}
         self.slots: dict[tuple[str, Vec], dict[str, Any]] = {}
         self.waiting_streams: dict[tuple[str, Vec], set[str]] = {}
         self.chunks: dict[tuple[str, Vec], dict[str, Any]] = {}
@@ -192,7 +80,7 @@ class WalkTracker:
 
     # -- public --------------------------------------------------------------------------------
     def start(self) -> Effects:
-        top = _Frame(None, ())
+        top = Frame(None, ())
         self.frames[(None, ())] = top
         self._start_iteration(top)
         return self._effects()
@@ -245,145 +133,11 @@ class WalkTracker:
         self._maybe_end_iteration(frame)
         return self._effects()
 
-    def _self_loop_done(self, lean: _SelfLoopStep, node: str, vec: Vec, outputs: dict[str, Any]) -> Effects:
-        """``node_done`` for a ``_SelfLoopStep`` node: the same checks and effects, in one pass."""
-        frame = self.frames[(lean.loop, vec[:-1] if lean.nested else ())]
-        if lean.defer_stop_check and frame.deferred_stop is not None and read_stop(frame.deferred_stop):
-            frame.stop = True  # the previous iteration already stopped: this one ran speculatively; drop it
-            frame.remaining.discard(node)
-            self._maybe_end_iteration(frame, discard_current=True)
-            return self._effects()
-        for name in lean.outputs:
-            if name not in outputs:
-                raise self._missing_output(node, name, outputs)
-        for name, modality in lean.emits:
-            value = outputs[name]
-            if not (type(value) is list and not value):  # an empty list: nothing this iteration
-                self._emits.append(Emitted(name, value, modality, node))
-        for name in lean.exits:
-            self._record_exit(frame, name, outputs[name])
-        if lean.stop_signal is not None:
-            if lean.defer_stop_check:
-                frame.deferred_stop = outputs[lean.stop_signal]
-            elif read_stop(outputs[lean.stop_signal]):
-                frame.stop = True
-        self._next_self_iteration(frame, node, outputs)
-        return self._effects()
-
-    def continue_self_loop(self, node: str, vec: Vec, outputs: dict[str, Any]) -> Continued | None:
-        """``node_done`` for the usual iteration of a ``_SelfLoopStep`` node (an AR decode step): the
-        loop goes on, so the next iteration is running when this returns, and nothing but the client
-        values it names is routed. None, with nothing changed, in every other case (the last
-        iteration, a stop, a speculative iteration to drop, a node of another kind, a missing
-        output): then ``node_done`` decides. The worker's steady decode path calls it once per row."""
-        lean = self._lean.get(node)
-        if lean is None:
-            return None
-        key = (node, vec)
-        running = self.running
-        if key not in running:
-            return None
-        frame = self.frames[(lean.loop, vec[:-1] if lean.nested else ())]
-        if frame.stop or frame.it + 1 >= self.plan.loops[lean.loop].max_iters:
-            return None
-        stop = lean.stop_signal
-        if lean.defer_stop_check:
-            if frame.deferred_stop is not None and read_stop(frame.deferred_stop):
-                return None
-        elif stop is not None and (stop not in outputs or read_stop(outputs[stop])):
-            return None
-        for name in lean.outputs:
-            if name not in outputs:
-                return None
-        invariant = frame.invariant
-        if invariant is None:  # the frame's first continuation: look its invariant inputs up
-            invariant = self._invariant_inputs(frame, node)
-        for name in lean.exits:
-            self._record_exit(frame, name, outputs[name])
-        if lean.defer_stop_check and stop is not None:
-            frame.deferred_stop = outputs[stop]
-        running.discard(key)
-        frame.it += 1
-        nxt = frame.base + (frame.it,)
-        running.add((node, nxt))
-        return Continued(nxt, {inp: invariant[inp] if inp in invariant else outputs[inp]
-                               for inp in self.plan.nodes[node].inputs}, lean.emits)
-
     def _missing_output(self, node: str, name: str, outputs: dict[str, Any]) -> ValueError:
         if name == self.plan.nodes[node].stop_signal:
             return ValueError(f"node {node!r} must return its loop's stop signal {name!r}")
         return ValueError(f"node {node!r} (walk {self.plan.walk!r}) returned no output {name!r}; "
                           f"it returned {sorted(outputs)}")
-
-    def _lean_steps(self) -> dict[str, _SelfLoopStep]:
-        """The nodes ``_self_loop_done`` handles: the body of a self-loop that routes its outputs only
-        back to itself, to the client and out of the loop (its exits)."""
-        out = {}
-        for loop in self._self_loops:
-            lp = self.plan.loops[loop]
-            np_ = self.plan.nodes[lp.body_nodes[0]]
-            if any(r.kind not in (RouteKind.FEEDBACK, RouteKind.EMIT) for r in np_.routes):
-                continue
-            names = tuple(dict.fromkeys([r.edge_name for r in np_.routes] + list(np_.loop_exit_names)
-                                        + ([np_.stop_signal] if np_.stop_signal else [])))
-            emits = tuple((r.edge_name, r.modality) for r in np_.routes if r.kind is RouteKind.EMIT)
-            out[np_.name] = _SelfLoopStep(loop, lp.parent is not None, names, emits, tuple(np_.loop_exit_names),
-                                          np_.stop_signal, lp.defer_stop_check)
-        return out
-
-    def _next_self_iteration(self, frame: _Frame, node: str, outputs) -> None:
-        """Fast path for a loop whose body is one node feeding itself (AR decode, rollouts): the next
-        iteration's inputs are this iteration's feedback plus the invariant inputs, directly."""
-        frame.it += 1
-        lp = self.plan.loops[frame.loop]
-        if frame.stop or frame.it >= lp.max_iters:
-            frame.remaining.discard(node)
-            self._finish_loop(frame)
-            return
-        fixed = frame.invariant
-        if fixed is None:
-            fixed = self._invariant_inputs(frame, node)
-        # carried inputs: the feedback edge has the input's name; inputs keep the node's input order
-        inputs = {inp: fixed[inp] if inp in fixed else outputs[inp] for inp in self.plan.nodes[node].inputs}
-        self.ready.append(ReadyNode(node, frame.base + (frame.it,), inputs, {}))
-
-    def _invariant_inputs(self, frame: _Frame, node: str) -> dict[str, Any]:
-        """A self-loop node's inputs that are the same at every iteration of ``frame``: looked up at its
-        first continuation and kept on the frame."""
-        np_ = self.plan.nodes[node]
-        frame.invariant = {
-            inp: self.walk_inputs[inp] if np_.inputs[inp].kind is InputKind.WALK_INPUT
-            else self._lookup_outer(frame, node, inp) for inp in self._routed[node][0]}
-        return frame.invariant
-
-    # -- the worker's lockstep decode path ---------------------------------------------------------
-    def lockstep_bound(self, node: str, vec: Vec) -> LockstepBound | None:
-        """For a running iteration of a ``_SelfLoopStep`` node without loop exits: what the worker
-        needs to run its next iterations without calling the tracker (``advance_self_loop`` catches up
-        later). None for any other node instance."""
-        lean = self._lean.get(node)
-        if lean is None or lean.exits or (node, vec) not in self.running:
-            return None
-        frame = self.frames.get((lean.loop, vec[:-1] if lean.nested else ()))
-        if frame is None or frame.stop or frame.invariant is None or frame.it != vec[-1]:
-            return None
-        return LockstepBound(self.plan.loops[lean.loop].max_iters - 1 - frame.it, lean.stop_signal,
-                             lean.defer_stop_check, lean.outputs, lean.emits)
-
-    def advance_self_loop(self, node: str, vec: Vec, to: Vec, outputs: dict[str, Any]) -> dict[str, Any]:
-        """Catch up on the iterations of a ``_SelfLoopStep`` node the worker ran in lockstep, from
-        ``vec`` (the iteration this tracker saw start) to ``to`` (the one running now): each was a
-        usual continuation (no stop, within the bound, no exits; the worker checked), ``outputs`` the
-        last finished one's. Returns the running iteration's inputs."""
-        lean = self._lean[node]
-        frame = self.frames[(lean.loop, vec[:-1] if lean.nested else ())]
-        self.running.discard((node, vec))
-        frame.it = to[-1]
-        self.running.add((node, to))
-        if lean.defer_stop_check and lean.stop_signal is not None:
-            frame.deferred_stop = outputs[lean.stop_signal]
-        fixed = frame.invariant
-        return {inp: fixed[inp] if inp in fixed else outputs[inp] for inp in self.plan.nodes[node].inputs}
 
     def stream_ready(self) -> Effects:
         """New stream chunks arrived: retry nodes waiting on a stream input."""
@@ -403,27 +157,6 @@ class WalkTracker:
     def waiting_on_stream(self) -> bool:
         return bool(self.waiting_streams)
 
-    def _find_self_loops(self) -> dict[str, tuple[str, ...]]:
-        """Loops whose body is one node, every input of which is fed back by that node or invariant:
-        loop name -> the node's invariant inputs."""
-        out = {}
-        for name, lp in self.plan.loops.items():
-            if len(lp.body_nodes) != 1 or lp.inner_loops:
-                continue
-            np_ = self.plan.nodes[lp.body_nodes[0]]
-            invariant, ok = [], True
-            for inp, b in np_.inputs.items():
-                if b.kind is InputKind.CARRIED and b.producer.name == np_.name and not b.producer.is_loop \
-                        and b.initial.kind in (InputKind.WALK_INPUT, InputKind.OUTER):
-                    continue
-                if b.kind in (InputKind.WALK_INPUT, InputKind.OUTER):
-                    invariant.append(inp)
-                else:
-                    ok = False
-            if ok and all(r.dest == np_.name for r in np_.routes if r.kind is RouteKind.FEEDBACK):
-                out[name] = tuple(invariant)
-        return out
-
     # -- frames --------------------------------------------------------------------------------
     def _outer_requirements(self) -> dict[str, set[tuple[str, str]]]:
         """Per loop: the (node, input) values its parent frame must hand in before it can start."""
@@ -435,10 +168,10 @@ class WalkTracker:
                 needs[r.loop].add((r.dest, r.edge_name))
         return needs
 
-    def _frame_of(self, loop: str | None, vec: Vec) -> _Frame:
+    def _frame_of(self, loop: str | None, vec: Vec) -> Frame:
         return self.frames[(loop, vec)]
 
-    def _start_iteration(self, frame: _Frame) -> None:
+    def _start_iteration(self, frame: Frame) -> None:
         frame.started = True
         nodes, loops, members = self._members[frame.loop]
         frame.remaining = set(members)
@@ -450,13 +183,13 @@ class WalkTracker:
             if not np_.input_names:
                 self._check_ready(name, vec)
         for loop in loops:
-            child = _Frame(loop, vec)
+            child = Frame(loop, vec)
             self.frames[(loop, vec)] = child
             self._maybe_start_loop(child)
         if not frame.remaining:
             self._maybe_end_iteration(frame)
 
-    def _bind_start(self, frame: _Frame, np_: NodePlan, inp: str, b: InputBinding, vec: Vec) -> None:
+    def _bind_start(self, frame: Frame, np_: NodePlan, inp: str, b: InputBinding, vec: Vec) -> None:
         if b.kind is InputKind.CARRIED:
             if frame.it > 0:
                 self._deliver(np_.name, vec, inp, frame.carried.pop((np_.name, inp)))
@@ -474,8 +207,8 @@ class WalkTracker:
                 self.chunks.setdefault((np_.name, vec), {})[inp] = chunk
                 self._deliver(np_.name, vec, inp, list(chunk.items))
 
-    def _lookup_outer(self, frame: _Frame, node: str, inp: str) -> Any:
-        f: _Frame | None = frame
+    def _lookup_outer(self, frame: Frame, node: str, inp: str) -> Any:
+        f: Frame | None = frame
         while f is not None:
             if (node, inp) in f.outer_vals:
                 return f.outer_vals[(node, inp)]
@@ -485,13 +218,13 @@ class WalkTracker:
             f = self.frames[(parent_loop, f.base[:-1] if parent_loop is not None else ())]
         raise RuntimeError(f"walk {self.plan.walk!r}: no value for {node}.{inp} entering its loop")
 
-    def _maybe_start_loop(self, frame: _Frame) -> None:
+    def _maybe_start_loop(self, frame: Frame) -> None:
         if frame.started:
             return
         if self._outer_needs[frame.loop] <= frame.outer_vals.keys():
             self._start_iteration(frame)
 
-    def _maybe_end_iteration(self, frame: _Frame, discard_current: bool = False) -> None:
+    def _maybe_end_iteration(self, frame: Frame, discard_current: bool = False) -> None:
         if frame.remaining:
             return
         if frame.loop is None:
@@ -505,7 +238,7 @@ class WalkTracker:
         else:
             self._start_iteration(frame)
 
-    def _finish_loop(self, frame: _Frame) -> None:
+    def _finish_loop(self, frame: Frame) -> None:
         lp = self.plan.loops[frame.loop]
         parent = self._frame_of(lp.parent, frame.base[:-1] if lp.parent is not None else ())
         for ex in lp.exits:
@@ -521,14 +254,14 @@ class WalkTracker:
         return {e.name for e in self.plan.loops[parent_loop].exits
                 if e.producer.is_loop and e.producer.name == child_loop}
 
-    def _record_exit(self, frame: _Frame, name: str, value: Any) -> None:
+    def _record_exit(self, frame: Frame, name: str, value: Any) -> None:
         if name in self._accumulated[frame.loop]:
             frame.exit_vals.setdefault(name, []).extend(value if isinstance(value, list) else [value])
         else:
             frame.exit_vals[name] = value
 
     # -- values --------------------------------------------------------------------------------
-    def _route(self, route, value: Any, vec: Vec, src: str, frame: _Frame) -> None:
+    def _route(self, route, value: Any, vec: Vec, src: str, frame: Frame) -> None:
         kind = route.kind
         if kind is RouteKind.LOCAL:
             self._deliver(route.dest, vec, route.edge_name, value)

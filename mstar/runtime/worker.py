@@ -69,7 +69,8 @@ from mstar.runtime.tensor_parallel import (
     build_tp_engine,
 )
 from mstar.runtime.tp_follower import TPFollower, TPShard
-from mstar.runtime.walk_tracker import Effects, ReadyNode, WalkTracker
+from mstar.runtime.walk_records import Effects, ReadyNode
+from mstar.runtime.walk_tracker import WalkTracker
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,220 @@
+"""A ``WalkTracker``'s self-loops: loops whose body is one node fed back by itself (an AR decode
+step, a rollout, a code predictor's step). Their iterations skip the general routing: the next
+iteration's inputs are the node's fed-back outputs plus inputs that are the same at every iteration
+(``_next_self_iteration``), and a node whose outputs only feed itself, reach the client or leave the
+loop is finished in one pass (``_SelfLoopStep``, looked up once per walk). ``continue_self_loop``
+answers the usual iteration without an ``Effects``; ``lockstep_bound`` / ``advance_self_loop`` let
+the worker run several iterations before the tracker catches up (``runtime/decode_cohort.py``).
+
+``SelfLoops`` is a base class of ``WalkTracker``, using its plan, frames and routing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mstar.graph.plan import InputKind, RouteKind
+from mstar.runtime.walk_records import Effects, Emitted, ReadyNode, Vec, read_stop
+
+if TYPE_CHECKING:
+    from mstar.runtime.walk_records import Frame
+
+__all__ = ["Continued", "LockstepBound", "SelfLoops"]
+
+
+@dataclass(slots=True)
+class Continued:
+    """``continue_self_loop``'s answer: the self-loop's next iteration is running with these inputs,
+    and these outputs of the finished one go to the client."""
+
+    iteration: Vec
+    inputs: dict[str, Any]
+    emits: tuple[tuple[str, str | None], ...]  # (edge name, modality); an empty list value sends nothing
+
+
+@dataclass(frozen=True, slots=True)
+class LockstepBound:
+    """What running a self-loop's next iterations without the tracker must respect
+    (``WalkTracker.lockstep_bound``)."""
+
+    steps_left: int  # usual continuations left before the loop's bound
+    stop_signal: str | None
+    defer_stop_check: bool
+    outputs: tuple[str, ...]  # every output the node must return
+    emits: tuple[tuple[str, str | None], ...]  # (edge name, modality) sent to the client
+
+
+@dataclass(frozen=True, slots=True)
+class _SelfLoopStep:
+    """What finishing an iteration of a self-loop's node does when its only routes besides the feedback
+    are to the client (an AR decode step, a nested fixed loop like a code predictor's): looked up once
+    per walk, not per step."""
+
+    loop: str
+    nested: bool  # the loop has a parent loop (its frame is keyed by the parent's iteration)
+    outputs: tuple[str, ...]  # every output the node must return
+    emits: tuple[tuple[str, str | None], ...]  # (edge name, modality)
+    exits: tuple[str, ...]  # outputs that leave the loop when it ends
+    stop_signal: str | None
+    defer_stop_check: bool
+
+
+class SelfLoops:
+    """``WalkTracker``'s self-loop paths (module docstring). The tracker sets ``_self_loops`` (loop ->
+    its node's invariant inputs, ``_find_self_loops``) and ``_lean`` (node -> ``_SelfLoopStep``,
+    ``_lean_steps``) when it is built."""
+
+    def _find_self_loops(self) -> dict[str, tuple[str, ...]]:
+        """Loops whose body is one node, every input of which is fed back by that node or invariant:
+        loop name -> the node's invariant inputs."""
+        out = {}
+        for name, lp in self.plan.loops.items():
+            if len(lp.body_nodes) != 1 or lp.inner_loops:
+                continue
+            np_ = self.plan.nodes[lp.body_nodes[0]]
+            invariant, ok = [], True
+            for inp, b in np_.inputs.items():
+                if b.kind is InputKind.CARRIED and b.producer.name == np_.name and not b.producer.is_loop \
+                        and b.initial.kind in (InputKind.WALK_INPUT, InputKind.OUTER):
+                    continue
+                if b.kind in (InputKind.WALK_INPUT, InputKind.OUTER):
+                    invariant.append(inp)
+                else:
+                    ok = False
+            if ok and all(r.dest == np_.name for r in np_.routes if r.kind is RouteKind.FEEDBACK):
+                out[name] = tuple(invariant)
+        return out
+
+    def _lean_steps(self) -> dict[str, _SelfLoopStep]:
+        """The nodes ``_self_loop_done`` handles: the body of a self-loop that routes its outputs only
+        back to itself, to the client and out of the loop (its exits)."""
+        out = {}
+        for loop in self._self_loops:
+            lp = self.plan.loops[loop]
+            np_ = self.plan.nodes[lp.body_nodes[0]]
+            if any(r.kind not in (RouteKind.FEEDBACK, RouteKind.EMIT) for r in np_.routes):
+                continue
+            names = tuple(dict.fromkeys([r.edge_name for r in np_.routes] + list(np_.loop_exit_names)
+                                        + ([np_.stop_signal] if np_.stop_signal else [])))
+            emits = tuple((r.edge_name, r.modality) for r in np_.routes if r.kind is RouteKind.EMIT)
+            out[np_.name] = _SelfLoopStep(loop, lp.parent is not None, names, emits, tuple(np_.loop_exit_names),
+                                          np_.stop_signal, lp.defer_stop_check)
+        return out
+
+    def _self_loop_done(self, lean: _SelfLoopStep, node: str, vec: Vec, outputs: dict[str, Any]) -> Effects:
+        """``node_done`` for a ``_SelfLoopStep`` node: the same checks and effects, in one pass."""
+        frame = self.frames[(lean.loop, vec[:-1] if lean.nested else ())]
+        if lean.defer_stop_check and frame.deferred_stop is not None and read_stop(frame.deferred_stop):
+            frame.stop = True  # the previous iteration already stopped: this one ran speculatively; drop it
+            frame.remaining.discard(node)
+            self._maybe_end_iteration(frame, discard_current=True)
+            return self._effects()
+        for name in lean.outputs:
+            if name not in outputs:
+                raise self._missing_output(node, name, outputs)
+        for name, modality in lean.emits:
+            value = outputs[name]
+            if not (type(value) is list and not value):  # an empty list: nothing this iteration
+                self._emits.append(Emitted(name, value, modality, node))
+        for name in lean.exits:
+            self._record_exit(frame, name, outputs[name])
+        if lean.stop_signal is not None:
+            if lean.defer_stop_check:
+                frame.deferred_stop = outputs[lean.stop_signal]
+            elif read_stop(outputs[lean.stop_signal]):
+                frame.stop = True
+        self._next_self_iteration(frame, node, outputs)
+        return self._effects()
+
+    def _next_self_iteration(self, frame: Frame, node: str, outputs) -> None:
+        """Fast path for a loop whose body is one node feeding itself (AR decode, rollouts): the next
+        iteration's inputs are this iteration's feedback plus the invariant inputs, directly."""
+        frame.it += 1
+        lp = self.plan.loops[frame.loop]
+        if frame.stop or frame.it >= lp.max_iters:
+            frame.remaining.discard(node)
+            self._finish_loop(frame)
+            return
+        fixed = frame.invariant
+        if fixed is None:
+            fixed = self._invariant_inputs(frame, node)
+        # carried inputs: the feedback edge has the input's name; inputs keep the node's input order
+        inputs = {inp: fixed[inp] if inp in fixed else outputs[inp] for inp in self.plan.nodes[node].inputs}
+        self.ready.append(ReadyNode(node, frame.base + (frame.it,), inputs, {}))
+
+    def _invariant_inputs(self, frame: Frame, node: str) -> dict[str, Any]:
+        """A self-loop node's inputs that are the same at every iteration of ``frame``: looked up at its
+        first continuation and kept on the frame."""
+        np_ = self.plan.nodes[node]
+        frame.invariant = {
+            inp: self.walk_inputs[inp] if np_.inputs[inp].kind is InputKind.WALK_INPUT
+            else self._lookup_outer(frame, node, inp) for inp in self._routed[node][0]}
+        return frame.invariant
+
+    def continue_self_loop(self, node: str, vec: Vec, outputs: dict[str, Any]) -> Continued | None:
+        """``node_done`` for the usual iteration of a ``_SelfLoopStep`` node (an AR decode step): the
+        loop goes on, so the next iteration is running when this returns, and nothing but the client
+        values it names is routed. None, with nothing changed, in every other case (the last
+        iteration, a stop, a speculative iteration to drop, a node of another kind, a missing
+        output): then ``node_done`` decides. The worker's steady decode path calls it once per row."""
+        lean = self._lean.get(node)
+        if lean is None:
+            return None
+        key = (node, vec)
+        running = self.running
+        if key not in running:
+            return None
+        frame = self.frames[(lean.loop, vec[:-1] if lean.nested else ())]
+        if frame.stop or frame.it + 1 >= self.plan.loops[lean.loop].max_iters:
+            return None
+        stop = lean.stop_signal
+        if lean.defer_stop_check:
+            if frame.deferred_stop is not None and read_stop(frame.deferred_stop):
+                return None
+        elif stop is not None and (stop not in outputs or read_stop(outputs[stop])):
+            return None
+        for name in lean.outputs:
+            if name not in outputs:
+                return None
+        invariant = frame.invariant
+        if invariant is None:  # the frame's first continuation: look its invariant inputs up
+            invariant = self._invariant_inputs(frame, node)
+        for name in lean.exits:
+            self._record_exit(frame, name, outputs[name])
+        if lean.defer_stop_check and stop is not None:
+            frame.deferred_stop = outputs[stop]
+        running.discard(key)
+        frame.it += 1
+        nxt = frame.base + (frame.it,)
+        running.add((node, nxt))
+        return Continued(nxt, {inp: invariant[inp] if inp in invariant else outputs[inp]
+                               for inp in self.plan.nodes[node].inputs}, lean.emits)
+
+    # -- the worker's lockstep decode path ---------------------------------------------------------
+    def lockstep_bound(self, node: str, vec: Vec) -> LockstepBound | None:
+        """For a running iteration of a ``_SelfLoopStep`` node without loop exits: what the worker
+        needs to run its next iterations without calling the tracker (``advance_self_loop`` catches up
+        later). None for any other node instance."""
+        lean = self._lean.get(node)
+        if lean is None or lean.exits or (node, vec) not in self.running:
+            return None
+        frame = self.frames.get((lean.loop, vec[:-1] if lean.nested else ()))
+        if frame is None or frame.stop or frame.invariant is None or frame.it != vec[-1]:
+            return None
+        return LockstepBound(self.plan.loops[lean.loop].max_iters - 1 - frame.it, lean.stop_signal,
+                             lean.defer_stop_check, lean.outputs, lean.emits)
+
+    def advance_self_loop(self, node: str, vec: Vec, to: Vec, outputs: dict[str, Any]) -> dict[str, Any]:
+        """Catch up on the iterations of a ``_SelfLoopStep`` node the worker ran in lockstep, from
+        ``vec`` (the iteration this tracker saw start) to ``to`` (the one running now): each was a
+        usual continuation (no stop, within the bound, no exits; the worker checked), ``outputs`` the
+        last finished one's. Returns the running iteration's inputs."""
+        lean = self._lean[node]
+        frame = self.frames[(lean.loop, vec[:-1] if lean.nested else ())]
+        self.running.discard((node, vec))
+        frame.it = to[-1]
+        self.running.add((node, to))
+        if lean.defer_stop_check and lean.stop_signal is not None:
+            frame.deferred_stop = outputs[lean.stop_signal]
+        fixed = frame.invariant
+        return {inp: fixed[inp] if inp in fixed else outputs[inp] for inp in self.plan.nodes[node].inputs}
