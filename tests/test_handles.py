@@ -60,6 +60,7 @@ def test_iterations_share_one_cursor_and_results_gather_once() -> None:
     assert [int(x.value[0]) for x in h] == [2, 3, 4]  # a new iteration goes on where the first stopped
     first = h.result()
     assert h.result() is first and len(first.tensors("token")) == 5
+    assert repr(first).endswith("outputs={'token': 5 values})")  # names and counts, not the tensors
 
 
 def test_async_iteration_sees_every_item_in_order() -> None:

@@ -42,7 +42,7 @@ class StreamItem:
     walk: str
 
 
-@dataclass
+@dataclass(repr=False)
 class RequestOutput:
     """A request's end: its status and, in ``outputs``, every value emitted to it (edge name -> the
     values in emission order), gathered from the handle's log when first read, on the reader's thread."""
@@ -64,6 +64,12 @@ class RequestOutput:
         if out is None:
             out = self._outputs = _gather(self._log)
         return out
+
+    def __repr__(self) -> str:
+        counts = {name: len(values) for name, values in self.outputs.items()}
+        failure = "" if self.failure is None else f", failure={self.failure!r}"
+        return (f"RequestOutput(request_id={self.request_id!r}, status={self.status!r}, error={self.error!r}"
+                f"{failure}, outputs={{{', '.join(f'{k!r}: {n} values' for k, n in counts.items())}}})")
 
     def tensors(self, name: str) -> list[torch.Tensor]:
         """Every tensor emitted on ``name``, flattened in emission order."""
