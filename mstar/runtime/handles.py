@@ -86,8 +86,7 @@ def _gather(log: list) -> dict[str, list[list[torch.Tensor]]]:
     for entry in log:  # (a loop of its own: every token of a long request)
         if type(entry) is tuple:  # a row of an EmitRows: its value, without making an Emit
             rows, i = entry
-            v = rows.values[i]
-            value = v if type(v) is list else list(v) if type(v) is tuple else [v]
+            value = rows.value(i)
             if rows.name != name:
                 name = rows.name
                 values = outputs.setdefault(name, [])

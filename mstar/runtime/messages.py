@@ -14,6 +14,7 @@ from typing import Any
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.keys import WalkKey
 from mstar.runtime.serialization import register_message
+from mstar.runtime.work_items import as_values
 
 CONDUCTOR = -1  # address of the conductor; workers are addressed by rank
 
@@ -78,8 +79,7 @@ class EmitRows:
 
     def value(self, i: int) -> list:
         """Row ``i``'s value as the list an ``Emit`` carries."""
-        v = self.values[i]
-        return v if type(v) is list else list(v) if type(v) is tuple else [v]
+        return as_values(self.values[i])
 
     def emit(self, i: int) -> Emit:
         """Row ``i`` as an ``Emit``."""
