@@ -208,6 +208,41 @@ def test_fused_decode_step_equals_store_then_kernel(ext, threads, dtype):
         CompiledPagedBackend().forward(q, k, v, kc, vc, bad)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_only_metadata_takes_the_short_plan_with_the_same_bits(ext, dtype):
+    """Metadata built as decode rows only (``AttentionMetadata.decode``) gives the fused step its slots,
+    block ids and lengths without the general batch plan: the same output and cache bits as the same
+    metadata through the plan, with block lists longer than needed too; bad metadata is refused."""
+    ctx_lens = [3, 16, 17, 64, 100]
+    hq, hkv, d, bs = 8, 2, 32, 16
+    _, _, k_cache, v_cache, tables = _random_rows(ctx_lens, (hq, hkv, d, bs), True, seed=5, dtype=dtype)
+    spare = k_cache.shape[0] - 1
+    tables = [t + [spare] * (i % 3) for i, t in enumerate(tables)]  # some lists longer than needed
+    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, ctx_lens)]
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(len(ctx_lens), hq, d, generator=gen).to(dtype)
+    k, v = (torch.randn(len(ctx_lens), hkv, d, generator=gen).to(dtype) for _ in range(2))
+    short = AttentionMetadata.decode(tables, ctx_lens, slots)
+    assert short._all_decode and _meta(tables, ctx_lens)._all_decode is False  # (no slot written there)
+    planned = AttentionMetadata.decode(tables, ctx_lens, slots)
+    planned._all_decode = False
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = CompiledPagedBackend().forward(q, k, v, kc, vc, short)
+    assert short._decode_args is not None and short._batch_plan is None  # the plan was not made
+    kr, vr = k_cache.clone(), v_cache.clone()
+    ref = CompiledPagedBackend().forward(q, k, v, kr, vr, planned)
+    assert planned._decode_args is None and planned._batch_plan is not None
+    assert torch.equal(out, ref) and torch.equal(kc, kr) and torch.equal(vc, vr)
+    few = [list(t) for t in tables]
+    few[3] = few[3][:2]  # 64 tokens need 4 blocks of 16
+    with pytest.raises(ValueError, match="sequence 3 has 2 blocks, 4 needed"):
+        CompiledPagedBackend().forward(q, k, v, kc, vc, AttentionMetadata.decode(few, ctx_lens, slots))
+    with pytest.raises(ValueError, match="inconsistent"):
+        CompiledPagedBackend().forward(q[:4], k[:4], v[:4], kc, vc, AttentionMetadata.decode(tables, ctx_lens, slots))
+    with pytest.raises(ValueError, match="context_len 0"):
+        CompiledPagedBackend().forward(q, k, v, kc, vc, AttentionMetadata.decode(tables, [0, *ctx_lens[1:]], slots))
+
 # ------------------------------------------------------------------ multi-token sequences (paged_block)
 def _block_batch(specs, layout, seed=0, dtype=torch.float32):
     """A scattered cache holding every sequence of ``specs`` ((mode, new tokens, context)) and the

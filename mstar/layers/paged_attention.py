@@ -113,6 +113,10 @@ class AttentionMetadata:
     # ``build``'s Python values (cu_seqlens_q, context_lens as lists; every slot >= 0), so the batch
     # plan reads them instead of converting the tensors back
     _host: tuple[list[int], list[int], bool] | None = field(default=None, repr=False, compare=False)
+    # built as one-token causal appends only, every slot written (``decode``; ``build`` of such a batch):
+    # the compiled decode step reads the tensors above directly (``paged_decode._decode_only_args``)
+    _all_decode: bool = field(default=False, repr=False, compare=False)
+    _decode_args: Any = field(default=None, repr=False, compare=False)  # that step's memo
 
     @property
     def num_seqs(self) -> int:
@@ -130,7 +134,7 @@ class AttentionMetadata:
         cu = list(range(n + 1))
         return cls(cu_seqlens_q=long_tensor(cu), slot_mapping=long_tensor(slot_mapping), block_tables=block_tables,
                    context_lens=long_tensor(context_lens), modes=[QueryMode.CAUSAL_APPEND] * n,
-                   _host=(cu, context_lens, True))
+                   _host=(cu, context_lens, True), _all_decode=n > 0)
 
     @classmethod
     def build(
@@ -143,7 +147,8 @@ class AttentionMetadata:
         device: torch.device | str | None = None,
     ) -> AttentionMetadata:
         """Convenience constructor from Python lists (``slot_mapping=None`` means "write nothing": all -1)."""
-        if all(n == 1 for n in query_lens):  # a decode batch: one query per sequence
+        one_each = all(n == 1 for n in query_lens)
+        if one_each:  # a decode batch: one query per sequence
             cu = list(range(len(query_lens) + 1))
         else:
             cu = [0]
@@ -157,13 +162,16 @@ class AttentionMetadata:
             slots = _on(long_tensor(slot_mapping), device)
             written = len(slot_mapping) > 0 and bool(min(slot_mapping) >= 0)
         ctx = [int(n) for n in context_lens]
+        modes = list(modes) if all(type(m) is QueryMode for m in modes) else [QueryMode(m) for m in modes]
         return cls(
             cu_seqlens_q=_on(long_tensor(cu), device),
             slot_mapping=slots,
             block_tables=block_tables,
             context_lens=_on(long_tensor(ctx), device),
-            modes=list(modes) if all(type(m) is QueryMode for m in modes) else [QueryMode(m) for m in modes],
+            modes=modes,
             _host=(cu, ctx, written),
+            _all_decode=(one_each and written and len(modes) == len(cu) - 1
+                         and all(m is QueryMode.CAUSAL_APPEND for m in modes)),
         )
 
 

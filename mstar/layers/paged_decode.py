@@ -34,6 +34,7 @@ from mstar.layers.paged_attention import (
     _BatchPlan,
     _store,
     _table_row,
+    _validate,
     attend_decode_rows,
     long_tensor,
     paged_attention,
@@ -163,11 +164,40 @@ def _fused_args(q, k, v, k_cache, v_cache, meta) -> tuple[torch.Tensor, torch.Te
             and v_cache.is_contiguous() and k.shape == v.shape and k.shape[0] == q.shape[0]
             and _rows_ok(q) and _rows_ok(k) and _rows_ok(v)):
         return None
+    if meta._all_decode and isinstance(meta.block_tables, list):
+        return _decode_only_args(q, k, v, k_cache, meta)
     plan = _batch_plan(meta, q, k, v, k_cache)
     if not plan.direct or plan.write_rows is not None or plan.write_slots is None:
         return None
     tables, ctx = _tables(plan.decode, q.device)
     return plan.write_slots, tables, ctx
+
+
+def _decode_only_args(q, k, v, k_cache, meta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_fused_args`` of a batch built as decode rows only (``AttentionMetadata._all_decode``): the
+    metadata's own slot and context tensors and one padded table of its block lists, without the
+    general batch plan and its per-row records (memoized on the metadata: every layer reuses it).
+    The kernel reads the same slots, block ids and lengths as through the plan."""
+    if meta._decode_args is not None:
+        return meta._decode_args
+    cu, ctx, _ = meta._host
+    tables, n = meta.block_tables, len(ctx)
+    if (q.dim() != 3 or k.shape != v.shape or k.shape[0] != n or q.shape[0] != n or k.shape[2] != q.shape[2]
+            or q.shape[1] % k.shape[1] or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]) or len(cu) != n + 1
+            or len(tables) != n or meta.slot_mapping.shape[0] != n or min(ctx) < 1):
+        _validate(q, k, v, k_cache, meta, cu, ctx)  # raises the precise error
+    block_size, width = k_cache.shape[1], max(map(len, tables))
+    flat: list[int] = []
+    for i, row in enumerate(tables):
+        if len(row) * block_size < ctx[i]:
+            _table_row(tables, i, -(-ctx[i] // block_size))  # raises: too few blocks
+        flat += row
+        if len(row) < width:
+            flat += [0] * (width - len(row))
+    device = q.device
+    args = (meta.slot_mapping.to(device), long_tensor(flat).view(n, width).to(device), meta.context_lens.to(device))
+    meta._decode_args = args
+    return args
 
 
 def _fused_step(ext: Any, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor | None:
