@@ -576,3 +576,31 @@ def test_append_token_matches_append_slots_or_leaves_it_the_case():
     mgr.register_prefix("r", "c", prefix_hashes([1, 2, 3, 4], 4))
     mgr.truncate("r", "c", 3)  # the named block is partly written again
     assert mgr.append_token("r", "c") is None
+
+
+def test_append_to_held_tables_is_append_tokens_and_refuses_a_freed_table():
+    """A decode batch holds its rows' tables (``tables_of``) across steps: ``append_to`` gives what
+    ``append_tokens`` gives by key; a row that cannot take the fast append undoes the rows before it;
+    a table freed since (and one registered again under its key) is refused with nothing changed."""
+    held, ref = KVCacheManager(BlockPool(16, 4)), KVCacheManager(BlockPool(16, 4))
+    keys = [("a", "c"), ("b", "c"), ("c", "c")]
+    for mgr in (held, ref):
+        for (rid, name), n in zip(keys, (3, 4, 5)):
+            mgr.append_slots(rid, name, n)
+    tables = held.tables_of(keys)
+    assert tables is not None and held.tables_of([*keys, ("x", "c")]) is None
+    for _ in range(6):  # across block boundaries
+        got, want = held.append_to(tables), ref.append_tokens(keys)
+        assert got is not None and (got[0], got[1], [list(b) for b in got[2]]) == (want[0], want[1],
+                                                                                    [list(b) for b in want[2]])
+        check_invariants(held)
+    held.fork("c", "c", "d")  # row "c"'s half-full last block is now shared: it takes ``append_slots``
+    before = snapshot(held)
+    assert held.append_to(tables) is None and snapshot(held) == before  # rows "a" and "b" undone
+    held.free("c", "d")
+    held.free("b", "c")
+    before = snapshot(held)
+    assert tables[1].freed and held.append_to(tables) is None and snapshot(held) == before
+    held.append_slots("b", "c", 2)  # a new table under the freed one's key: the held list is still refused
+    assert held.append_to(tables) is None and held.append_to(held.tables_of(keys)) is not None
+    check_invariants(held)

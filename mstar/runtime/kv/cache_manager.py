@@ -32,6 +32,7 @@ class BlockTable:
 
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    freed: bool = False  # forgotten by its manager (``KVCacheManager.free``): a holder must not use it
 
 
 Key = tuple[str, str]
@@ -220,16 +221,27 @@ class KVCacheManager:
         table.num_tokens = cur + 1
         return cur, last * bs + off, blocks
 
+    def tables_of(self, keys: Sequence[tuple[str, str]]) -> list[BlockTable] | None:
+        """The live tables of the (request id, cache name) sequences, in order (for ``append_to``); None
+        when one does not exist."""
+        tables = [self._tables.get(key) for key in keys]
+        return None if None in tables else tables
+
     def append_tokens(self, keys: Sequence[tuple[str, str]]) -> tuple[list[int], list[int], list[list[int]]] | None:
         """``append_token`` for one token of each (request id, cache name) sequence, in order: (tokens
         before, slots, the live block lists: read them, do not keep them). None, with nothing
         changed, when any of them needs ``append_slots``."""
-        tables, bs, pool = self._tables, self.block_size, self.pool
+        tables = self.tables_of(keys)
+        return None if tables is None else self.append_to(tables)
+
+    def append_to(self, tables: Sequence[BlockTable]) -> tuple[list[int], list[int], list[list[int]]] | None:
+        """``append_tokens`` of tables from ``tables_of``, held across steps (a decode batch's rows; a
+        table freed since is refused)."""
+        bs, pool = self.block_size, self.pool
         writable = pool.writable
         before, slots, lists = [], [], []
-        for key in keys:
-            table = tables.get(key)
-            if table is None:
+        for table in tables:
+            if table.freed:
                 break
             cur, blocks = table.num_tokens, table.blocks
             off = cur % bs
@@ -248,8 +260,8 @@ class KVCacheManager:
             lists.append(blocks)
         else:
             return before, slots, lists
-        for (rid, name), n in zip(keys, before):
-            self.truncate(rid, name, n)
+        for table, n in zip(tables, before):
+            self._truncate(table, n)
         return None
 
     def adopt_prefix(self, request_id: str, cache_name: str, hashes: Sequence[int]) -> int:
@@ -319,7 +331,9 @@ class KVCacheManager:
 
     def truncate(self, request_id: str, cache_name: str, num_tokens: int) -> None:
         """Drop tokens past ``num_tokens``, releasing whole blocks no longer covered. KeyError if absent."""
-        table = self._get(request_id, cache_name)
+        self._truncate(self._get(request_id, cache_name), num_tokens)
+
+    def _truncate(self, table: BlockTable, num_tokens: int) -> None:
         if not 0 <= num_tokens <= table.num_tokens:
             raise ValueError(f"cannot truncate a sequence of {table.num_tokens} tokens to {num_tokens}")
         keep = cdiv(num_tokens, self.block_size)
@@ -333,6 +347,7 @@ class KVCacheManager:
         table = self._tables.pop((request_id, cache_name), None)
         if table is None:
             return
+        table.freed = True
         for b in reversed(table.blocks):
             self.pool.decref(b)
         names = self._by_request.get(request_id)

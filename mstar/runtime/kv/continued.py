@@ -31,6 +31,7 @@ class ContinuableBatch:
     tensors: dict[str, torch.Tensor]
     outputs: dict[str, list]  # what the module returned
     keys: list[tuple[str, str]]  # each row's KV sequence: (request id, cache name)
+    tables: list[Any]  # and its table (``KVCacheManager.tables_of``), so a step looks none up
 
 
 class ContinuedRows:
@@ -80,17 +81,18 @@ class ContinuedRows:
             if t.shape[0] != len(last.items):
                 return None
         if n == len(last.items) and rows[-1] == n - 1:  # every row goes on (rows ascend): the per-row lists stay
-            keys, infos, walks, nodes, rids = last.keys, prev.infos, prev.walks, prev.nodes, prev.request_ids
+            keys, tables, infos, walks, nodes = last.keys, last.tables, prev.infos, prev.walks, prev.nodes
+            rids = prev.request_ids
         else:
             idx = long_tensor(rows)
             tensors = {k: t.index_select(0, idx) for k, t in tensors.items()}
             extras = {k: [v[r] for r in rows] for k, v in extras.items()}
-            keys, infos = [last.keys[r] for r in rows], [prev.infos[r] for r in rows]
+            keys, tables, infos = [last.keys[r] for r in rows], [last.tables[r] for r in rows], [prev.infos[r] for r in rows]
             walks, nodes, rids = [it.walk for it in items], [it.node for it in items], [it.request_id for it in items]
-        planned = self.manager.append_tokens(keys)
+        planned = self.manager.append_to(tables)
         if planned is None:
             return None
-        before, slots, tables = planned
+        before, slots, block_lists = planned
         for info, item, b in zip(infos, items, before):  # each row's ForwardInfo, brought up to date
             info.iteration, info.cache_len = item.iteration, b
         ones = [1] * n
@@ -98,7 +100,7 @@ class ContinuedRows:
                           extras=extras)
         if self.manager.has_pending_copies:
             self._copy_pending()
-        ei.attention = AttentionMetadata.decode(tables, [b + 1 for b in before], slots)
+        ei.attention = AttentionMetadata.decode(block_lists, [b + 1 for b in before], slots)
         ei.kv_caches = self.kv_caches
         ei.positions = long_tensor(before)
         ei.num_tokens = ones
@@ -107,7 +109,7 @@ class ContinuedRows:
         except Exception:  # noqa: BLE001 - run's general path retries and isolates the failure
             self._undo_appends([(rid, name, b) for (rid, name), b in zip(keys, before)])
             return None
-        self._decode = ContinuableBatch(items, last.walk, ei, tensors, out, keys)
+        self._decode = ContinuableBatch(items, last.walk, ei, tensors, out, keys, tables)
         self.continued_forwards += 1
         return out
 
@@ -126,6 +128,9 @@ class ContinuedRows:
                     or ni.prefix_ids is not None:
                 return
             keys.append((p.item.request_id, ni.cache_name or p.item.node))
+        tables = self.manager.tables_of(keys)
+        if tables is None:
+            return
         walks = set(ei.walks)
         self._decode = ContinuableBatch([p.item for p in admitted], walks.pop() if len(walks) == 1 else None, ei,
-                                  tensors, out, keys)
+                                        tensors, out, keys, tables)
