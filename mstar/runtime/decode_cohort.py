@@ -138,14 +138,14 @@ class Lockstep:
             emits = worker._emits  # (nothing in this step sends them: the worker's ``_tell`` replaces the list)
             for name, modality, col in columns:  # one message per output, for every row
                 emits.append(EmitRows(rids, names, name, modality, node, list(col)))
+            now = worker.scheduler.now()  # each item requeued (``ModuleScheduler.stamp``): a new seq and time
             if cohort.flat:  # a top-level loop's iterations: (i,) -> (i + 1,)
                 for item in items:
-                    item.seq, item.iteration = next(seq), (item.iteration[0] + 1,)
+                    item.seq, item.iteration, item.queued_at = next(seq), (item.iteration[0] + 1,), now
             else:
                 for item in items:
                     it = item.iteration
-                    item.seq, item.iteration = next(seq), (*it[:-1], it[-1] + 1)
-            worker.scheduler.stamp_all(items)
+                    item.seq, item.iteration, item.queued_at = next(seq), (*it[:-1], it[-1] + 1), now
             worker.queues[base].extend(items)
             if len(cohort.rows) != n or cohort.rows[-1] != n - 1:  # rows ascend: this is range(n)
                 cohort.rows = list(range(n))
