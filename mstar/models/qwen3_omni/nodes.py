@@ -347,10 +347,20 @@ class TalkerNode(NodeSubmodule):
                                positions[:, :-1], delta)
 
     # -- forward --------------------------------------------------------------------------------------
-    def _prefill_embeds(self, req: _PrefillRequest, tts: torch.Tensor) -> torch.Tensor:
+    def _project_text(self, reqs: list) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The text projection of every row the batch reads, in one call: ``tts_bos/eos/pad`` [3, H]
+        and each request's text rows (None for a decode step without a streamed token). A row's
+        result does not depend on the others where the projection is prepacked (``mstar.layers.prepack``)."""
+        rows = [r.text_rows if isinstance(r, _PrefillRequest) else r.text_row for r in reqs]
+        given = [x for x in rows if x is not None]
+        projected = self.lm.text_projection(torch.cat([self.tts_rows, *given]).to(self.lm.codec_head.weight))
+        pieces = iter(projected.split([self.tts_rows.shape[0]] + [x.shape[0] for x in given]))
+        tts = next(pieces)
+        return tts, [None if x is None else next(pieces) for x in rows]
+
+    def _prefill_embeds(self, req: _PrefillRequest, tts: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         lm, ids = self.lm, self.ids
         w = lm.codec_head.weight
-        text = lm.text_projection(req.text_rows.to(w))
         n_user = req.is_media.numel()
         user = text.new_empty(n_user, text.shape[-1])
         user[~req.is_media] = text[:-3]
@@ -361,18 +371,18 @@ class TalkerNode(NodeSubmodule):
                                              req.speaker, ids.codec_pad]))
         return torch.cat([user, header + torch.cat([codec.new_zeros(3, codec.shape[-1]), codec])])
 
-    def _decode_embed(self, req: _DecodeRequest, tts: torch.Tensor) -> torch.Tensor:
-        if req.text_row is not None:
-            text = self.lm.text_projection(req.text_row.to(self.lm.codec_head.weight))
-        else:
+    @staticmethod
+    def _decode_embed(req: _DecodeRequest, tts: torch.Tensor, text: torch.Tensor | None) -> torch.Tensor:
+        if text is None:  # no streamed token: tts_eos right after the thinker's last one, then tts_pad
             text = tts[1:2] if req.tts == "eos" else tts[2:3]
         return req.codec_sum.to(text) + text
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
         ei = engine_inputs
-        tts = self.lm.text_projection(self.tts_rows.to(self.lm.codec_head.weight))
-        embeds = torch.cat([self._prefill_embeds(r, tts) if isinstance(r, _PrefillRequest) else
-                            self._decode_embed(r, tts) for r in ei.extras["req"]])
+        reqs = ei.extras["req"]
+        tts, texts = self._project_text(reqs)
+        embeds = torch.cat([self._prefill_embeds(r, tts, t) if isinstance(r, _PrefillRequest) else
+                            self._decode_embed(r, tts, t) for r, t in zip(reqs, texts)])
         positions = torch.cat([r.positions for r in ei.extras["req"]], dim=1)
         hidden = self.lm(embeds, ei, mrope_positions=positions).hidden
         last = hidden[ei.last_token_rows().to(hidden.device)]
