@@ -151,3 +151,34 @@ def test_rows_of_a_batched_emit_read_as_items() -> None:
     items = list(h)
     assert [(int(i.value[0]), i.walk, i.modality) for i in items] == [(6, "decode", "text"), (7, "decode", "text")]
     assert [int(t) for t in h.result().tensors("token")] == [6, 7]
+
+
+def test_rows_are_logged_without_a_tuple_each_and_read_in_order() -> None:
+    """A row is logged as its ``EmitRows`` and index (no tuple kept per row for the collector to walk);
+    sync and async readers, and the gathered outputs, see rows and single items in delivery order."""
+    steps = [EmitRows(["r", "s"], ["decode", "decode"], "token", "text", "llm", [torch.tensor([k]), torch.tensor([-k])])
+             for k in range(5)]
+    other = EmitRows(["s", "r"], ["w", "decode"], "code", None, "cp", [torch.tensor([0]), torch.tensor([50])])
+
+    def fill(h: RequestHandle) -> None:
+        for k, rows in enumerate(steps):
+            h.on_row(rows, 0)
+            if k == 2:
+                h.on_item(_emit(99))
+                h.on_row(other, 1)
+        h.on_end(RequestStatus.FINISHED, None, None)
+
+    want = [("token", 0), ("token", 1), ("token", 2), ("token", 99), ("code", 50), ("token", 3), ("token", 4)]
+    h = RequestHandle("r")
+    fill(h)
+    assert not any(type(e) is tuple for e in h._log)
+    assert [(i.name, int(i.value[0])) for i in h] == want
+
+    async def read(h: RequestHandle) -> list:
+        return [(i.name, int(i.value[0])) async for i in h]
+
+    h = RequestHandle("r")
+    fill(h)
+    assert asyncio.run(read(h)) == want
+    out = h.result().outputs
+    assert {k: [int(v[0]) for v in vals] for k, vals in out.items()} == {"token": [0, 1, 2, 99, 3, 4], "code": [50]}

@@ -76,19 +76,21 @@ class RequestOutput:
         return [t for value in self.outputs.get(name, []) for t in value]
 
 
-_Row = tuple  # (EmitRows, row): one row of an ``EmitRows``, as a handle's log holds it
+_Row = tuple  # (EmitRows, row): one row of an ``EmitRows``, as a consumer takes it from a handle's log
+# A handle's log holds such a row as its two parts, one after the other (appended together: no tuple
+# kept per row and step, which the garbage collector would walk until the request ends).
 
 
 def _gather(log: list) -> dict[str, list[list[torch.Tensor]]]:
     """A handle's logged items as ``RequestOutput.outputs``."""
     outputs: dict[str, list] = {}
     name, values = None, None
-    for entry in log:  # (a loop of its own: every token of a long request)
-        if type(entry) is tuple:  # a row of an EmitRows: its value, without making an Emit
-            rows, i = entry
-            value = rows.value(i)
-            if rows.name != name:
-                name = rows.name
+    entries = iter(log)
+    for entry in entries:  # (a loop of its own: every token of a long request)
+        if type(entry) is EmitRows:  # a row of it (the index follows): its value, without making an Emit
+            value = entry.value(next(entries))
+            if entry.name != name:
+                name = entry.name
                 values = outputs.setdefault(name, [])
         elif entry is not None:
             value = entry.value
@@ -174,7 +176,8 @@ class RequestHandle:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self._log: list[Emit | _Row | None] = []  # every delivered item; None last, once the request ended
+        # every delivered item (an EmitRows row as two entries, ``_gather``); None last, once the request ended
+        self._log: list[Emit | EmitRows | int | None] = []
         self._read = 0  # the consumers' shared cursor into the log
         self._output = RequestOutput(request_id, RequestStatus.WAITING, _log=self._log)
         self._done = threading.Event()
@@ -195,7 +198,7 @@ class RequestHandle:
 
     def on_row(self, rows: EmitRows, i: int) -> None:
         """Row ``i`` of ``rows`` is this request's item (kept as it is: made an ``Emit`` when read)."""
-        self._log.append((rows, i))
+        self._log += (rows, i)  # both at once (one call under the GIL): a consumer never sees half
         if self._waiting or self._async_waiting:
             self._notify()
 
@@ -221,6 +224,9 @@ class RequestHandle:
         if self._read >= len(log):
             return ...
         ev = log[self._read]
+        if type(ev) is EmitRows:  # a row: its index is the next entry
+            self._read += 2
+            return ev, log[self._read - 1]
         if ev is not None:
             self._read += 1
         return ev
