@@ -518,3 +518,32 @@ def test_vision_tower_equals_transformers(hf, checkpoint):
     torch.testing.assert_close(torch.cat(ours.embeds), torch.cat(ref.pooler_output), rtol=1e-5, atol=1e-6)
     for mine, theirs in zip(ours.deepstack, ref.deepstack_features):
         torch.testing.assert_close(torch.cat(mine), torch.cat(theirs), rtol=1e-5, atol=1e-6)
+
+
+def test_resize_mlp_rows_are_batch_invariant_where_it_says_so():
+    """The Talker projects every request's text rows in one call only where ``row_invariant`` holds
+    (the prepacked panel kernel): then each row is the same bits alone and among others."""
+    from mstar.layers.prepack import prepack_mode
+    from mstar.models.qwen3_omni.talker import ResizeMLP
+
+    torch.manual_seed(0)
+    mlp = ResizeMLP(32, 64, 48)
+    x = torch.randn(37, 32)
+    assert not mlp.row_invariant(x)  # the plain path: no promise
+    if prepack_mode() != "panel":
+        pytest.skip("the compiled panel kernel is not built here")
+    assert mlp.linear_fc1.prepack() and mlp.linear_fc2.prepack()
+    assert mlp.row_invariant(x) and not mlp.row_invariant(x.double())
+    together = mlp(x)
+    parts = torch.cat([mlp(x[:1]), mlp(x[1:5]), mlp(x[5:])])
+    assert torch.equal(together, parts)
+    torch.testing.assert_close(together, ResizeMLP.forward(_plain(mlp), x), rtol=1e-5, atol=1e-5)
+
+
+def _plain(mlp):
+    """A copy of ``mlp`` on the plain path."""
+    from mstar.models.qwen3_omni.talker import ResizeMLP
+
+    out = ResizeMLP(mlp.linear_fc1.in_features, mlp.linear_fc1.out_features, mlp.linear_fc2.out_features)
+    out.load_state_dict(mlp.state_dict())
+    return out

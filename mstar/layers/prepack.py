@@ -200,6 +200,12 @@ class PrepackableLinear(nn.Linear):
             return pre(x, bias=self.bias)  # the bias added in the kernel's store where it can be
         return super().forward(x)
 
+    def row_invariant(self, x: torch.Tensor) -> bool:
+        """``self(x)`` takes the panel kernel: each row of the result is the same bits in any batch
+        (the plain and oneDNN paths may round a row differently with the number of rows)."""
+        pre = self._usable(x)
+        return pre is not None and pre.mode == "panel"
+
     def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
         """``F.gelu(self(x))``; on the prepacked float32 path the GELU is computed in the kernel's
         store (within float32 rounding of ``F.gelu``, not its bits). Runs the module (and its

@@ -348,12 +348,16 @@ class TalkerNode(NodeSubmodule):
 
     # -- forward --------------------------------------------------------------------------------------
     def _project_text(self, reqs: list) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """The text projection of every row the batch reads, in one call: ``tts_bos/eos/pad`` [3, H]
-        and each request's text rows (None for a decode step without a streamed token). A row's
-        result does not depend on the others where the projection is prepacked (``mstar.layers.prepack``)."""
+        """The text projection of ``tts_bos/eos/pad`` [3, H] and of each request's text rows (None for
+        a decode step without a streamed token): in one call where a row's result does not depend on
+        the others (the prepacked panel kernel), else one call per request, as the reference makes it."""
+        w, proj = self.lm.codec_head.weight, self.lm.text_projection
         rows = [r.text_rows if isinstance(r, _PrefillRequest) else r.text_row for r in reqs]
         given = [x for x in rows if x is not None]
-        projected = self.lm.text_projection(torch.cat([self.tts_rows, *given]).to(self.lm.codec_head.weight))
+        tts_rows = self.tts_rows.to(w)
+        if not proj.row_invariant(tts_rows):
+            return proj(tts_rows), [None if x is None else proj(x.to(w)) for x in rows]
+        projected = proj(torch.cat([self.tts_rows, *given]).to(w))
         pieces = iter(projected.split([self.tts_rows.shape[0]] + [x.shape[0] for x in given]))
         tts = next(pieces)
         return tts, [None if x is None else next(pieces) for x in rows]

@@ -53,6 +53,10 @@ class ResizeMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.silu(self.linear_fc1(x)))
 
+    def row_invariant(self, x: torch.Tensor) -> bool:
+        """Each row of ``self(x)`` is the same bits however many rows ``x`` has (``PrepackableLinear``)."""
+        return self.linear_fc1.row_invariant(x) and self.linear_fc2.row_invariant(x)
+
 
 def suppress_mask(cfg: TalkerConfig) -> torch.Tensor:
     """bool ``[vocab]``: True for the codec ids the talker never samples."""
