@@ -148,7 +148,9 @@ class NodeSubmodule(torch.nn.Module):
         ``prepare_inputs``: ``(tensors, extras)``, each tensor one row per request. The runtime keeps
         the rows that go on (a KV node's rows of one decode token each) and skips ``prepare_inputs``
         for them. None (the default, or whenever the shortcut does not hold): the runtime prepares
-        every row."""
+        every row. The next forward of the same rows may get this forward's ``EngineInputs`` object
+        again, brought up to date (``extras``, ``attention``, ``positions``): read it during the
+        forward and here, do not keep it."""
         return None
 
     def release(self, request_id: str) -> None:

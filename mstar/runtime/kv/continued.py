@@ -80,7 +80,8 @@ class ContinuedRows:
         for t in tensors.values():
             if t.shape[0] != len(last.items):
                 return None
-        if n == len(last.items) and rows[-1] == n - 1:  # every row goes on (rows ascend): the per-row lists stay
+        same = n == len(last.items) and rows[-1] == n - 1
+        if same:  # every row goes on (rows ascend): the per-row lists stay
             keys, tables, infos, walks, nodes = last.keys, last.tables, prev.infos, prev.walks, prev.nodes
             rids = prev.request_ids
         else:
@@ -95,15 +96,18 @@ class ContinuedRows:
         before, slots, block_lists = planned
         for info, item, b in zip(infos, items, before):  # each row's ForwardInfo, brought up to date
             info.iteration, info.cache_len = item.iteration, b
-        ones = [1] * n
-        ei = EngineInputs(walks=walks, nodes=nodes, request_ids=rids, infos=infos, splits={k: ones for k in tensors},
-                          extras=extras)
+        if same:  # the last forward's inputs, brought up to date (the same rows, lists and splits; a module
+            ei = prev  # does not keep its ``EngineInputs`` past its forward: ``NodeSubmodule.continue_batch``)
+            ei.extras = extras
+        else:
+            ones = [1] * n
+            ei = EngineInputs(walks=walks, nodes=nodes, request_ids=rids, infos=infos,
+                              splits={k: ones for k in tensors}, extras=extras, kv_caches=self.kv_caches,
+                              num_tokens=ones)
         if self.manager.has_pending_copies:
             self._copy_pending()
         ei.attention = AttentionMetadata.decode(block_lists, [b + 1 for b in before], slots)
-        ei.kv_caches = self.kv_caches
         ei.positions = long_tensor(before)
-        ei.num_tokens = ones
         try:
             out = self._call_raw(items, ei, tensors, last.walk)
         except Exception:  # noqa: BLE001 - run's general path retries and isolates the failure
