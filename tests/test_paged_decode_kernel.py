@@ -415,3 +415,34 @@ def test_fused_block_step_equals_the_backend_forward(ext):
     for others in ([(CAUSAL, 1, 50)], [(READ, 3, 40)]):
         q2, k2, v2, kc2, vc2, meta2 = _block_batch(specs + others, layout)
         assert backend.fused_block(q2, k2, v2, kc2, vc2, meta2) is None
+
+
+def test_next_decode_is_a_fresh_decode_metadata(ext):
+    """The runtime's decode rows carry one metadata from step to step (``next_decode``): the next
+    step's fields, the fused step's output and caches are those of a fresh ``AttentionMetadata.decode``."""
+    ctx_lens = [5, 16, 31]
+    hq, hkv, d, bs = 4, 2, 16, 16
+    _, _, k_cache, v_cache, tables = _random_rows([n + 1 for n in ctx_lens], (hq, hkv, d, bs), True, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(len(ctx_lens), hq, d, generator=gen)
+    k, v = (torch.randn(len(ctx_lens), hkv, d, generator=gen) for _ in range(2))
+
+    def slots(lens):
+        return [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)]
+
+    carried = AttentionMetadata.decode(tables, ctx_lens, slots(ctx_lens))
+    CompiledPagedBackend().forward(q, k, v, k_cache.clone(), v_cache.clone(), carried)  # memoizes its plan
+    nxt = [n + 1 for n in ctx_lens]
+    carried.next_decode(tables, nxt, slots(nxt))
+    fresh = AttentionMetadata.decode(tables, nxt, slots(nxt))
+    assert carried._decode_args is None and carried._host == fresh._host
+    for name in ("cu_seqlens_q", "slot_mapping", "context_lens"):
+        assert torch.equal(getattr(carried, name), getattr(fresh, name))
+    kc, vc, kf, vf = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+    assert torch.equal(CompiledPagedBackend().forward(q, k, v, kc, vc, carried),
+                       CompiledPagedBackend().forward(q, k, v, kf, vf, fresh))
+    assert torch.equal(kc, kf) and torch.equal(vc, vf)
+    with pytest.raises(ValueError, match="same number of sequences"):
+        carried.next_decode(tables[:2], nxt[:2], slots(nxt)[:2])
+    with pytest.raises(ValueError, match="same number of sequences"):
+        _meta(tables, ctx_lens).next_decode(tables, nxt, slots(nxt))  # not built as decode rows

@@ -136,6 +136,17 @@ class AttentionMetadata:
                    context_lens=long_tensor(context_lens), modes=[QueryMode.CAUSAL_APPEND] * n,
                    _host=(cu, context_lens, True), _all_decode=n > 0)
 
+    def next_decode(self, block_tables: list[list[int]], context_lens: list[int], slot_mapping: list[int]) -> None:
+        """Make this metadata (from ``decode``) the next step's of the same sequences, in place: their
+        new block lists, context lengths and slots; ``cu_seqlens_q`` and ``modes`` stay (one query
+        each). For the runtime's decode rows, whose last forward no longer reads it."""
+        if not self._all_decode or len(context_lens) != len(self.modes) or len(slot_mapping) != len(self.modes):
+            raise ValueError("next_decode continues a decode batch of the same number of sequences")
+        self.slot_mapping, self.context_lens = long_tensor(slot_mapping), long_tensor(context_lens)
+        self.block_tables = block_tables
+        self._host = (self._host[0], context_lens, True)
+        self._decode_plan = self._batch_plan = self._decode_args = None
+
     @classmethod
     def build(
         cls,

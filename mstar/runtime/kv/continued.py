@@ -106,14 +106,22 @@ class ContinuedRows:
                               num_tokens=ones)
         if self.manager.has_pending_copies:
             self._copy_pending()
-        ei.attention = AttentionMetadata.decode(block_lists, [b + 1 for b in before], slots)
+        meta = ei.attention if same else None
+        if meta is not None and meta._all_decode:  # the same rows' last metadata, their next step's now
+            meta.next_decode(block_lists, [b + 1 for b in before], slots)
+        else:
+            ei.attention = AttentionMetadata.decode(block_lists, [b + 1 for b in before], slots)
         ei.positions = long_tensor(before)
         try:
             out = self._call_raw(items, ei, tensors, last.walk)
         except Exception:  # noqa: BLE001 - run's general path retries and isolates the failure
             self._undo_appends([(rid, name, b) for (rid, name), b in zip(keys, before)])
             return None
-        self._decode = ContinuableBatch(items, last.walk, ei, tensors, out, keys, tables)
+        if same:  # the same rows: the record brought up to date
+            last.ei, last.tensors, last.outputs = ei, tensors, out
+            self._decode = last
+        else:
+            self._decode = ContinuableBatch(items, last.walk, ei, tensors, out, keys, tables)
         self.continued_forwards += 1
         return out
 
