@@ -48,6 +48,7 @@ class DecodeCohort:
     flat: bool  # every row's loop is a top-level one (its iterations are ``(i,)``)
     request_id_list: list[str] | None = None  # per item (made at the first usual step; replaced, never changed)
     walk_names: list[str] | None = None  # per item: its walk's name (ditto)
+    ended_seen: int = -1  # the worker's ``walks_ended`` when every row's walk was last seen live
 
     def is_batch(self, batch: list[WorkItem]) -> bool:
         items = self.items
@@ -129,7 +130,8 @@ class Lockstep:
         leaving = cohort.leaving(out) if out.keys() >= cohort.needs else list(range(n))
         seq = worker._seq
         columns = [(name, modality, out[name]) for name, modality in cohort.bound.emits]
-        if not leaving and all(w.live for w in walks):  # the usual step: every row sends its values, goes on
+        if not leaving and (worker.walks_ended == cohort.ended_seen or self._all_live(cohort)):
+            # the usual step: every row sends its values, goes on
             rids, names = cohort.request_id_list, cohort.walk_names
             if rids is None:
                 rids = cohort.request_id_list = [it.request_id for it in items]
@@ -183,6 +185,13 @@ class Lockstep:
             cohort.steps_left -= 1
         else:
             del self.cohorts[base]
+        return True
+
+    def _all_live(self, cohort: DecodeCohort) -> bool:
+        """Every row's walk is live (looked at again only after some walk of the worker ended)."""
+        if not all(w.live for w in cohort.walks):
+            return False
+        cohort.ended_seen = self.worker.walks_ended
         return True
 
     def _catch_up(self, cohort: DecodeCohort, i: int) -> None:

@@ -107,6 +107,7 @@ class Worker:
         self.queues: dict[str, deque[WorkItem]] = {b: deque() for b in self.engines}
         self._queue_of = {node: self.queues[model.module_of(node)] for node in nodes}
         self.walks: dict[WalkKey, _Walk] = {}
+        self.walks_ended = 0  # walks made not live so far (a lockstep cohort rechecks its rows when it moves)
         self.streams: dict[PartitionKey, StreamBuffer] = {}
         self._seq = itertools.count()
         self.running = True
@@ -343,6 +344,7 @@ class Worker:
         if self.walks.pop(w.key, None) is None:
             return
         w.live = False
+        self.walks_ended += 1
         rid, partition, _ = w.key
         self._tell(WalkDone(rid, partition, w.walk, w.state, encode_counts(w.pushed)))
         buf = self.streams.get(PartitionKey(rid, partition))
@@ -453,6 +455,7 @@ class Worker:
     def _free(self, rid: str) -> None:
         for key in [k for k in self.walks if k.request_id == rid]:
             self.walks.pop(key).live = False
+            self.walks_ended += 1
         for key in [k for k in self.streams if k.request_id == rid]:
             del self.streams[key]
         for q in self.queues.values():
