@@ -142,7 +142,10 @@ class AttentionMetadata:
         each). For the runtime's decode rows, whose last forward no longer reads it."""
         if not self._all_decode or len(context_lens) != len(self.modes) or len(slot_mapping) != len(self.modes):
             raise ValueError("next_decode continues a decode batch of the same number of sequences")
-        self.slot_mapping, self.context_lens = long_tensor(slot_mapping), long_tensor(context_lens)
+        slots, ctx, device = long_tensor(slot_mapping), long_tensor(context_lens), self.slot_mapping.device
+        if device.type != "cpu":  # where ``build`` put them
+            slots, ctx = slots.to(device), ctx.to(device)
+        self.slot_mapping, self.context_lens = slots, ctx
         self.block_tables = block_tables
         self._host = (self._host[0], context_lens, True)
         self._decode_plan = self._batch_plan = self._decode_args = None
