@@ -10,7 +10,7 @@ import torch
 
 import mstar.layers.paged_decode as paged_decode_mod
 from mstar.layers.attention_backends import TorchPagedBackend, default_backend, get_backend
-from mstar.layers.paged_attention import AttentionMetadata, paged_attention
+from mstar.layers.paged_attention import AttentionMetadata, HostLongs, paged_attention
 from mstar.layers.paged_decode import CompiledPagedBackend, paged_decode
 from tests.test_paged_attention import (
     BLOCK,
@@ -417,6 +417,18 @@ def test_fused_block_step_equals_the_backend_forward(ext):
         assert backend.fused_block(q2, k2, v2, kc2, vc2, meta2) is None
 
 
+def test_host_longs_write_in_place():
+    """``HostLongs``: a tensor over Python ints whose values ``write`` replaces in the same memory;
+    another number of values is refused with nothing changed."""
+    longs = HostLongs([3, 1, 4])
+    t = longs.tensor
+    assert t.dtype == torch.int64 and t.tolist() == [3, 1, 4]
+    assert longs.write([2, 7, 1]) and longs.tensor is t and t.tolist() == [2, 7, 1]
+    assert not longs.write([1, 2]) and t.tolist() == [2, 7, 1]
+    empty = HostLongs([])
+    assert empty.tensor.shape == (0,) and not empty.write([])
+
+
 def test_next_decode_is_a_fresh_decode_metadata(ext):
     """The runtime's decode rows carry one metadata from step to step (``next_decode``): the next
     step's fields, the fused step's output and caches are those of a fresh ``AttentionMetadata.decode``."""
@@ -432,9 +444,11 @@ def test_next_decode_is_a_fresh_decode_metadata(ext):
 
     carried = AttentionMetadata.decode(tables, ctx_lens, slots(ctx_lens))
     CompiledPagedBackend().forward(q, k, v, k_cache.clone(), v_cache.clone(), carried)  # memoizes its plan
+    held = carried.slot_mapping, carried.context_lens
     nxt = [n + 1 for n in ctx_lens]
     carried.next_decode(tables, nxt, slots(nxt))
     fresh = AttentionMetadata.decode(tables, nxt, slots(nxt))
+    assert carried.slot_mapping is held[0] and carried.context_lens is held[1]  # rewritten in place
     assert carried._decode_args is None and carried._host == fresh._host
     for name in ("cu_seqlens_q", "slot_mapping", "context_lens"):
         assert torch.equal(getattr(carried, name), getattr(fresh, name))
@@ -444,5 +458,6 @@ def test_next_decode_is_a_fresh_decode_metadata(ext):
     assert torch.equal(kc, kf) and torch.equal(vc, vf)
     with pytest.raises(ValueError, match="same number of sequences"):
         carried.next_decode(tables[:2], nxt[:2], slots(nxt)[:2])
+    assert carried.context_lens.tolist() == nxt  # a refused call changed nothing
     with pytest.raises(ValueError, match="same number of sequences"):
         _meta(tables, ctx_lens).next_decode(tables, nxt, slots(nxt))  # not built as decode rows

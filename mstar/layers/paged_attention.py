@@ -77,6 +77,29 @@ def long_tensor(values: Iterable[int]) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.int64) if buf else torch.zeros(0, dtype=torch.int64)
 
 
+class HostLongs:
+    """An int64 CPU tensor over an ``array`` of Python ints, written again in place by ``write``:
+    plain CPython, no torch call. For values one forward reads and the next reads anew (the runtime's
+    decode rows: their slots, context lengths, positions). Between two forwards of decode rows
+    nothing else is torch work, so a new tensor there was the first torch call after the forward,
+    and paid for its cold code (~20 us a step at 16 rows)."""
+
+    __slots__ = ("buf", "tensor")
+
+    def __init__(self, values: Iterable[int]) -> None:
+        self.buf = array("q", values)
+        self.tensor = torch.frombuffer(self.buf, dtype=torch.int64) if self.buf else torch.zeros(0, dtype=torch.int64)
+
+    def write(self, values: Sequence[int]) -> bool:
+        """The tensor's values replaced by ``values`` (True); False, with nothing changed, when their
+        number differs."""
+        buf = self.buf
+        if len(values) != len(buf) or not buf:
+            return False
+        buf[:] = array("q", values)
+        return True
+
+
 def _on(x: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
     return x if device is None else x.to(device)
 
@@ -117,6 +140,8 @@ class AttentionMetadata:
     # the compiled decode step reads the tensors above directly (``paged_decode._decode_only_args``)
     _all_decode: bool = field(default=False, repr=False, compare=False)
     _decode_args: Any = field(default=None, repr=False, compare=False)  # that step's memo
+    # the slot and context tensors' host buffers (``decode`` on the host): ``next_decode`` writes them
+    _longs: tuple[HostLongs, HostLongs] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -132,20 +157,25 @@ class AttentionMetadata:
         to its (non-negative) slot; ``context_lens`` Python ints."""
         n = len(context_lens)
         cu = list(range(n + 1))
-        return cls(cu_seqlens_q=long_tensor(cu), slot_mapping=long_tensor(slot_mapping), block_tables=block_tables,
-                   context_lens=long_tensor(context_lens), modes=[QueryMode.CAUSAL_APPEND] * n,
-                   _host=(cu, context_lens, True), _all_decode=n > 0)
+        slots, ctx = HostLongs(slot_mapping), HostLongs(context_lens)
+        return cls(cu_seqlens_q=long_tensor(cu), slot_mapping=slots.tensor, block_tables=block_tables,
+                   context_lens=ctx.tensor, modes=[QueryMode.CAUSAL_APPEND] * n,
+                   _host=(cu, context_lens, True), _all_decode=n > 0, _longs=(slots, ctx))
 
     def next_decode(self, block_tables: list[list[int]], context_lens: list[int], slot_mapping: list[int]) -> None:
         """Make this metadata (from ``decode``) the next step's of the same sequences, in place: their
         new block lists, context lengths and slots; ``cu_seqlens_q`` and ``modes`` stay (one query
-        each). For the runtime's decode rows, whose last forward no longer reads it."""
+        each). For the runtime's decode rows, whose last forward no longer reads it: the slot and
+        context tensors of host metadata are the same objects, their values rewritten."""
         if not self._all_decode or len(context_lens) != len(self.modes) or len(slot_mapping) != len(self.modes):
             raise ValueError("next_decode continues a decode batch of the same number of sequences")
-        slots, ctx, device = long_tensor(slot_mapping), long_tensor(context_lens), self.slot_mapping.device
-        if device.type != "cpu":  # where ``build`` put them
-            slots, ctx = slots.to(device), ctx.to(device)
-        self.slot_mapping, self.context_lens = slots, ctx
+        longs = self._longs  # the tensors written in place (the last forward is done with them)
+        if not (longs is not None and longs[0].write(slot_mapping) and longs[1].write(context_lens)):
+            slots, ctx, device = HostLongs(slot_mapping), HostLongs(context_lens), self.slot_mapping.device
+            if device.type != "cpu":  # where ``build`` put them
+                self.slot_mapping, self.context_lens, self._longs = slots.tensor.to(device), ctx.tensor.to(device), None
+            else:
+                self.slot_mapping, self.context_lens, self._longs = slots.tensor, ctx.tensor, (slots, ctx)
         self.block_tables = block_tables
         self._host = (self._host[0], context_lens, True)
         self._decode_plan = self._batch_plan = self._decode_args = None

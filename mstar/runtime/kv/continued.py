@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mstar.layers.paged_attention import AttentionMetadata, QueryMode, long_tensor
+from mstar.layers.paged_attention import AttentionMetadata, HostLongs, QueryMode, long_tensor
 from mstar.model.submodule import EngineInputs, NodeSubmodule
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ class ContinuableBatch:
     outputs: dict[str, list]  # what the module returned
     keys: list[tuple[str, str]]  # each row's KV sequence: (request id, cache name)
     tables: list[Any]  # and its table (``KVCacheManager.tables_of``), so a step looks none up
+    positions: HostLongs | None = None  # ``ei.positions``' host buffer, when ``run_rows`` made it
 
 
 class ContinuedRows:
@@ -111,17 +112,20 @@ class ContinuedRows:
             meta.next_decode(block_lists, [b + 1 for b in before], slots)
         else:
             ei.attention = AttentionMetadata.decode(block_lists, [b + 1 for b in before], slots)
-        ei.positions = long_tensor(before)
+        pos = last.positions if same else None  # the same rows' positions tensor, rewritten in place
+        if pos is None or not pos.write(before):
+            pos = HostLongs(before)
+            ei.positions = pos.tensor
         try:
             out = self._call_raw(items, ei, tensors, last.walk)
         except Exception:  # noqa: BLE001 - run's general path retries and isolates the failure
             self._undo_appends([(rid, name, b) for (rid, name), b in zip(keys, before)])
             return None
         if same:  # the same rows: the record brought up to date
-            last.ei, last.tensors, last.outputs = ei, tensors, out
+            last.ei, last.tensors, last.outputs, last.positions = ei, tensors, out, pos
             self._decode = last
         else:
-            self._decode = ContinuableBatch(items, last.walk, ei, tensors, out, keys, tables)
+            self._decode = ContinuableBatch(items, last.walk, ei, tensors, out, keys, tables, pos)
         self.continued_forwards += 1
         return out
 
