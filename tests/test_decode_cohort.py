@@ -158,6 +158,52 @@ def test_advance_equals_continuing_one_iteration_at_a_time(defer):
     assert many.lockstep_bound("LLM", (3,)) is None  # not running
 
 
+def test_lockstep_exits_equal_continuing_a_nested_loop_with_exits():
+    """A fixed inner loop whose node feeds itself and leaves values at the loop's exits (a code
+    predictor's codes, accumulated, and its running sum): iterations run in lockstep, their exit
+    values handed over through ``lockstep_exits``, then caught up, route the same values at the
+    loop's end as continuing one iteration at a time."""
+    from mstar.graph import Loop, Sequential
+
+    head = GraphNode("head", ["x"], [GraphEdge("step", "code"), GraphEdge("step", "total")])
+    inner = Loop(GraphNode("step", ["code", "total"], [GraphEdge("step", "code"), GraphEdge("step", "total")]),
+                 max_iters=6, outputs=[GraphEdge("tail", "code"), GraphEdge("tail", "total")],
+                 accumulate=["code"], name="inner")
+    tail = GraphNode("tail", ["code", "total"], [GraphEdge(EMIT_TO_CLIENT, "frame")])
+    plan = WalkGraph([Walk("w", Loop(Sequential([head, inner, tail]), max_iters=3, name="outer"),
+                           inputs=["x"])]).plan("w")
+
+    def outputs(i):
+        return {"code": [torch.tensor([10 + i])], "total": [torch.tensor([float(i)])]}
+
+    ended = []
+    for lockstep in (False, True):
+        t = WalkTracker(plan, {"x": [torch.zeros(1)]})
+        [r] = t.start().ready
+        [r] = t.node_done("head", r.iteration, {"code": [torch.tensor([9])], "total": [torch.tensor([0.0])]}).ready
+        assert r.node == "step" and r.iteration == (0, 0)
+        assert t.lockstep_exits("step", (0, 0)) is not None and t.lockstep_exits("head", (0,)) is None
+        c = t.continue_self_loop("step", (0, 0), outputs(0))  # the first continuation: looked up
+        assert c.iteration == (0, 1)
+        if lockstep:
+            bound = t.lockstep_bound("step", (0, 1))
+            assert bound is not None and bound.steps_left == 4 and bound.exits == ("code", "total")
+            exits = t.lockstep_exits("step", (0, 1))
+            for i in range(1, 5):  # what the worker does for iterations 1..4, then catches up
+                exits.add([outputs(i)[name][0] for name in bound.exits])
+            inputs = t.advance_self_loop("step", (0, 1), (0, 5), outputs(4))
+        else:
+            for i in range(1, 5):
+                c = t.continue_self_loop("step", (0, i), outputs(i))
+            inputs = c.inputs
+        assert inputs == {"code": outputs(4)["code"], "total": outputs(4)["total"]}
+        [r] = t.node_done("step", (0, 5), outputs(5)).ready  # the loop's last iteration: its end
+        assert r.node == "tail"
+        ended.append(r.inputs)
+    assert [int(c) for c in ended[0]["code"]] == [int(c) for c in ended[1]["code"]] == list(range(10, 16))
+    assert torch.equal(ended[0]["total"][0], ended[1]["total"][0]) and float(ended[1]["total"][0]) == 5.0
+
+
 @pytest.mark.parametrize("defer", [False, True])
 def test_continue_declines_what_node_done_must_decide(defer):
     plan = _loop_plan(defer, max_iters=3)

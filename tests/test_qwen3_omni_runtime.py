@@ -228,6 +228,29 @@ def test_audio_needs_an_assistant_turn_at_the_end(runtime):
         runtime.submit({"input_ids": chat(151652, 151655, 151653)}, {})
 
 
+def test_code_predictor_lockstep_gives_the_general_paths_speech(runtime):
+    """The code predictor's steps of a batch go on in lockstep (``ContinuedStatelessEngine``, the
+    loop's codes and sum handed to its exits as they come): with the talker and predictor sampled
+    (seeded) and requests of different lengths, every output equals the general path's, where each
+    step is prepared and finished by the tracker."""
+    from mstar.runtime.stateless_rows import ContinuedStatelessEngine
+
+    params = [{"audio": True, "max_tokens": n, "voice": "Ethan", "talker_sampling": {"seed": 3 + n, "max_tokens": m, "ignore_eos": True}}
+              for n, m in ((8, 30), (6, 12), (4, 21))]
+    engine = runtime.local_engine("code_predictor")
+    before = engine.continued_forwards
+    lockstep = [ours(out) for out in runtime.generate([{"input_ids": p} for p in PROMPTS], params)]
+    assert engine.continued_forwards > before
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ContinuedStatelessEngine, "continues_batches", False)
+        before = engine.continued_forwards
+        general = [ours(out) for out in runtime.generate([{"input_ids": p} for p in PROMPTS], params)]
+        assert engine.continued_forwards == before
+    for (text, codes, wav), (t2, c2, w2) in zip(lockstep, general):
+        assert text == t2 and torch.equal(codes, c2) and torch.equal(wav, w2) and codes.shape[0] >= 11
+    assert kv_blocks_in_use(runtime) == 0 and runtime.stats()["ranks"][0]["walks"] == 0
+
+
 def test_tiny_model_samples_speech_reproducibly():
     """qwen3-omni-tiny with the reference's sampling defaults (talker and code predictor sampled),
     seeded: two runs give the same audio, whose length follows its frame count."""

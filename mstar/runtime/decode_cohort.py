@@ -9,7 +9,9 @@ part that keeps the cohorts) runs it through ``KVCacheEngine.run_rows`` and, per
 client values and requeues the item: the rows' trackers, and their items' inputs, are not touched.
 They are caught up (``WalkTracker.advance_self_loop``) when a row leaves (a stop, the loop's bound)
 and, for every row, before anything else may look at them: a message reaching the worker, a batch
-that is not the cohort.
+that is not the cohort. A loop with exits (a code predictor's, nested in its talker's loop) gets
+each lockstep iteration's exit values as it runs (``WalkTracker.lockstep_exits``): those are what
+its end routes on.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.messages import Emit, EmitRows, StatsRequest
-from mstar.runtime.self_loops import LockstepBound
+from mstar.runtime.self_loops import LockstepBound, LoopExits
 from mstar.runtime.walk_records import read_stop
 from mstar.runtime.work_items import WorkItem, as_values
 
@@ -49,6 +51,7 @@ class DecodeCohort:
     request_id_list: list[str] | None = None  # per item (made at the first usual step; replaced, never changed)
     walk_names: list[str] | None = None  # per item: its walk's name (ditto)
     ended_seen: int = -1  # the worker's ``walks_ended`` when every row's walk was last seen live
+    exits: list[LoopExits] | None = None  # per item, when the loop has exits: where its iterations' values go
 
     def is_batch(self, batch: list[WorkItem]) -> bool:
         items = self.items
@@ -102,9 +105,14 @@ class Lockstep:
                     or b.defer_stop_check != bound.defer_stop_check or b.emits != bound.emits:
                 return
             steps = min(steps, b.steps_left)
+        exits = None
+        if bound.exits:
+            exits = [w.tracker.lockstep_exits(it.node, it.iteration) for it, w in zip(items, walks)]
+            if None in exits:
+                return
         self.cohorts[base] = DecodeCohort(base, items, walks, [it.iteration for it in items], rows, outputs,
                                           bound, steps, {it.request_id for it in items}, frozenset(bound.outputs),
-                                          all(len(it.iteration) == 1 for it in items))
+                                          all(len(it.iteration) == 1 for it in items), exits=exits)
 
     def run(self, base: str, batch: list[WorkItem]) -> bool:
         """Run ``batch`` (the module's next batch) in lockstep if it is the module's cohort: True when
@@ -140,6 +148,9 @@ class Lockstep:
             emits = worker._emits  # (nothing in this step sends them: the worker's ``_tell`` replaces the list)
             for name, modality, col in columns:  # one message per output, for every row
                 emits.append(EmitRows(rids, names, name, modality, node, list(col)))
+            if cohort.exits is not None:  # each row's values of the loop's exits
+                for ex, values in zip(cohort.exits, zip(*[out[name] for name in cohort.bound.exits])):
+                    ex.add(values)
             now = worker.scheduler.now()  # each item requeued (``ModuleScheduler.stamp``): a new seq and time
             if cohort.flat:  # a top-level loop's iterations: (i,) -> (i + 1,)
                 for item in items:
@@ -155,6 +166,7 @@ class Lockstep:
             cohort.steps_left -= 1
             return True
         kept_items, kept_walks, kept_seen, kept_rows = [], [], [], []
+        exits, kept_exits = cohort.exits, []
         leave = iter(leaving)
         next_leave = next(leave, -1)
         for i, item in enumerate(items):
@@ -171,6 +183,9 @@ class Lockstep:
                 value = as_values(col[i])
                 if value:  # (a row that left may have sent the list: ``_tell`` replaces it)
                     worker._emits.append(Emit(rid, name, value, modality, node, w.walk))
+            if exits is not None:
+                exits[i].add([out[name][i] for name in cohort.bound.exits])
+                kept_exits.append(exits[i])
             it = item.iteration
             item.seq, item.iteration = next(seq), (*it[:-1], it[-1] + 1)
             worker._enqueue(item)
@@ -180,6 +195,8 @@ class Lockstep:
             kept_rows.append(i)
         if kept_items:
             cohort.items, cohort.walks, cohort.seen, cohort.rows = kept_items, kept_walks, kept_seen, kept_rows
+            if exits is not None:
+                cohort.exits = kept_exits
             cohort.request_id_list = cohort.walk_names = None
             cohort.outputs = out
             cohort.steps_left -= 1

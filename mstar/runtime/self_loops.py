@@ -4,7 +4,8 @@ iteration's inputs are the node's fed-back outputs plus inputs that are the same
 (``_next_self_iteration``), and a node whose outputs only feed itself, reach the client or leave the
 loop is finished in one pass (``_SelfLoopStep``, looked up once per walk). ``continue_self_loop``
 answers the usual iteration without an ``Effects``; ``lockstep_bound`` / ``advance_self_loop`` let
-the worker run several iterations before the tracker catches up (``runtime/decode_cohort.py``).
+the worker run several iterations before the tracker catches up (``runtime/decode_cohort.py``), the
+values its iterations give the loop's exits handed over as they come (``lockstep_exits``).
 
 ``SelfLoops`` is a base class of ``WalkTracker``, using its plan, frames and routing."""
 
@@ -14,12 +15,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mstar.graph.plan import InputKind, RouteKind
-from mstar.runtime.walk_records import Effects, Emitted, ReadyNode, Vec, read_stop
+from mstar.runtime.walk_records import Effects, Emitted, ReadyNode, Vec, put_exit, read_stop
+from mstar.runtime.work_items import as_values
 
 if TYPE_CHECKING:
     from mstar.runtime.walk_records import Frame
 
-__all__ = ["Continued", "LockstepBound", "SelfLoops"]
+__all__ = ["Continued", "LockstepBound", "LoopExits", "SelfLoops"]
 
 
 @dataclass(slots=True)
@@ -42,6 +44,24 @@ class LockstepBound:
     defer_stop_check: bool
     outputs: tuple[str, ...]  # every output the node must return
     emits: tuple[tuple[str, str | None], ...]  # (edge name, modality) sent to the client
+    exits: tuple[str, ...] = ()  # outputs whose values leave the loop when it ends (``lockstep_exits``)
+
+
+@dataclass(slots=True)
+class LoopExits:
+    """Where the iterations a worker runs in lockstep leave their values of the loop's exits: the
+    loop instance's record (``WalkTracker.lockstep_exits``), as ``node_done`` would (a code
+    predictor's codes, accumulated over its steps, and its running sum)."""
+
+    vals: dict[str, Any]  # the frame's exit values
+    names: tuple[str, ...]  # ``LockstepBound.exits``
+    accumulated: tuple[bool, ...]  # per name: its values are gathered over the iterations
+
+    def add(self, values: Any) -> None:
+        """One iteration's value of each exit, in ``names`` order (as the module returned them)."""
+        vals = self.vals
+        for name, acc, value in zip(self.names, self.accumulated, values):
+            put_exit(vals, name, acc, as_values(value))
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,17 +212,30 @@ class SelfLoops:
 
     # -- the worker's lockstep decode path ---------------------------------------------------------
     def lockstep_bound(self, node: str, vec: Vec) -> LockstepBound | None:
-        """For a running iteration of a ``_SelfLoopStep`` node without loop exits: what the worker
-        needs to run its next iterations without calling the tracker (``advance_self_loop`` catches up
-        later). None for any other node instance."""
+        """For a running iteration of a ``_SelfLoopStep`` node: what the worker needs to run its next
+        iterations without calling the tracker (``advance_self_loop`` catches up later; a loop with
+        exits takes their values through ``lockstep_exits``). None for any other node instance."""
         lean = self._lean.get(node)
-        if lean is None or lean.exits or (node, vec) not in self.running:
+        if lean is None or (node, vec) not in self.running:
             return None
         frame = self.frames.get((lean.loop, vec[:-1] if lean.nested else ()))
         if frame is None or frame.stop or frame.invariant is None or frame.it != vec[-1]:
             return None
         return LockstepBound(self.plan.loops[lean.loop].max_iters - 1 - frame.it, lean.stop_signal,
-                             lean.defer_stop_check, lean.outputs, lean.emits)
+                             lean.defer_stop_check, lean.outputs, lean.emits, lean.exits)
+
+    def lockstep_exits(self, node: str, vec: Vec) -> LoopExits | None:
+        """Where the worker puts the exit values of the lockstep iterations of the loop instance whose
+        iteration ``vec`` of ``node`` runs (``lockstep_bound`` said yes to it): each iteration's, in
+        order, once it ran as a usual continuation, as ``continue_self_loop`` records them."""
+        lean = self._lean.get(node)
+        if lean is None or not lean.exits:
+            return None
+        frame = self.frames.get((lean.loop, vec[:-1] if lean.nested else ()))
+        if frame is None:
+            return None
+        accumulated = self._accumulated[lean.loop]
+        return LoopExits(frame.exit_vals, lean.exits, tuple(name in accumulated for name in lean.exits))
 
     def advance_self_loop(self, node: str, vec: Vec, to: Vec, outputs: dict[str, Any]) -> dict[str, Any]:
         """Catch up on the iterations of a ``_SelfLoopStep`` node the worker ran in lockstep, from

@@ -70,6 +70,14 @@ def read_stop(value: Any) -> bool:
     return bool(value)
 
 
+def put_exit(vals: dict[str, Any], name: str, accumulated: bool, value: Any) -> None:
+    """A loop iteration's value of the exit ``name`` into its frame's ``exit_vals``: appended to the
+    values so far when the exit accumulates, else the latest."""
+    if accumulated:
+        vals.setdefault(name, []).extend(value if isinstance(value, list) else [value])
+    else:
+        vals[name] = value
+
 
 @dataclass(slots=True)
 class Frame:

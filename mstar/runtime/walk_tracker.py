@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from mstar.graph.plan import InputBinding, InputKind, NodePlan, RouteKind, WalkPlan
 from mstar.runtime.self_loops import Continued, LockstepBound, SelfLoops
-from mstar.runtime.walk_records import Effects, Emitted, Frame, Pushed, ReadyNode, Vec, read_stop
+from mstar.runtime.walk_records import Effects, Emitted, Frame, Pushed, ReadyNode, Vec, put_exit, read_stop
 
 __all__ = ["Continued", "Effects", "LockstepBound", "ReadyNode", "StreamSource", "WalkTracker", "read_stop"]
 
@@ -255,10 +255,7 @@ class WalkTracker(SelfLoops):
                 if e.producer.is_loop and e.producer.name == child_loop}
 
     def _record_exit(self, frame: Frame, name: str, value: Any) -> None:
-        if name in self._accumulated[frame.loop]:
-            frame.exit_vals.setdefault(name, []).extend(value if isinstance(value, list) else [value])
-        else:
-            frame.exit_vals[name] = value
+        put_exit(frame.exit_vals, name, name in self._accumulated[frame.loop], value)
 
     # -- values --------------------------------------------------------------------------------
     def _route(self, route, value: Any, vec: Vec, src: str, frame: Frame) -> None:

@@ -58,6 +58,7 @@ from mstar.runtime.messages import (
 )
 from mstar.runtime.routing import Routing
 from mstar.runtime.scheduling import ModuleScheduler, module_stages
+from mstar.runtime.stateless_rows import ContinuedStatelessEngine
 from mstar.runtime.streams import StreamBuffer, holds_chunks
 from mstar.runtime.tensor_parallel import (
     StatsBarrier,
@@ -147,7 +148,7 @@ class Worker:
             else:
                 self.engines[base] = (KVCacheEngine(module, self._pool_blocks(module), limits.kv_block_size, device,
                                                     prefix_caching=limits.prefix_caching)
-                                      if module.kv_spec is not None else StatelessEngine(module))
+                                      if module.kv_spec is not None else ContinuedStatelessEngine(module))
             self.max_batch[base] = min(self.max_batch.get(base, 1 << 30), placement.max_batch_size(node))
 
     def _tp_engine(self, base: str, module, device: str) -> StatelessEngine:

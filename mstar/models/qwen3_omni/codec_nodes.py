@@ -23,6 +23,11 @@ from mstar.models.qwen3_omni.talker import CodePredictor
 __all__ = ["Code2WavNode", "CodePredictorNode", "FrameAssembler"]
 
 
+def _one(value):
+    """A row's value as ``prepare_inputs`` reads it from an edge: the first of its list."""
+    return value if isinstance(value, torch.Tensor) else value[0]
+
+
 class CodePredictorNode(NodeSubmodule):
     """Iteration j of ``code_groups``: code j+1 of the frame (``code``), the grown ``cp_cache`` and
     ``cp_sum`` + the new code's embedding."""
@@ -43,6 +48,22 @@ class CodePredictorNode(NodeSubmodule):
                                   "sampling": self._sampling(fwd_info.params),
                                   "hidden": inputs["talker_hidden"][0], "code": code,
                                   "cache": inputs["cp_cache"][0], "sum": inputs["cp_sum"][0]})
+
+    def continue_batch(self, graph_walk: str | None, engine_inputs: EngineInputs, tensors: Mapping[str, torch.Tensor],
+                       outputs: Mapping[str, list]) -> tuple[dict[str, torch.Tensor], dict[str, list]] | None:
+        """The next step of every row, as ``prepare_inputs`` makes it of the fed-back ``code``,
+        ``cp_cache`` and ``cp_sum``: the step and seed one further, the talker hidden and sampling
+        the same."""
+        x = engine_inputs.extras
+        if type(self).prepare_inputs is not CodePredictorNode.prepare_inputs:
+            return None
+        codes, caches, sums = outputs.get("code"), outputs.get("cp_cache"), outputs.get("cp_sum")
+        if codes is None or caches is None or sums is None:
+            return None
+        return {}, {"j": [j + 1 for j in x["j"]], "seed_step": [s + 1 for s in x["seed_step"]],
+                    "sampling": x["sampling"], "hidden": x["hidden"],
+                    "code": [_one(c).reshape(-1) for c in codes], "cache": [_one(c) for c in caches],
+                    "sum": [_one(s) for s in sums]}
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
         x = engine_inputs.extras

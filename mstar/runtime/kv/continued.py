@@ -17,7 +17,17 @@ from mstar.model.submodule import EngineInputs, NodeSubmodule
 if TYPE_CHECKING:
     from mstar.runtime.work_items import Prepared, WorkItem
 
-__all__ = ["ContinuableBatch", "ContinuedRows"]
+__all__ = ["ContinuableBatch", "ContinuedRows", "rows_in"]
+
+
+def rows_in(last: Any, items: list[WorkItem]) -> tuple[list[int], dict[str, list]] | None:
+    """Each item's row in a kept forward ``last`` (its ``items`` and ``outputs``) and those outputs,
+    when every item ran in it; else None (also for no forward or no items)."""
+    if last is None or not items:
+        return None
+    row_of = {id(it): i for i, it in enumerate(last.items)}
+    rows = [row_of.get(id(it)) for it in items]
+    return None if None in rows else (rows, last.outputs)
 
 
 @dataclass(slots=True)
@@ -49,12 +59,7 @@ class ContinuedRows:
         """Each item's row in the last forward and that forward's outputs, when its rows may go on
         (each one decode token through a module that can continue a batch,
         ``NodeSubmodule.continue_batch``) and every item ran in it; else None."""
-        last = self._decode
-        if last is None or not items:
-            return None
-        row_of = {id(it): i for i, it in enumerate(last.items)}
-        rows = [row_of.get(id(it)) for it in items]
-        return None if None in rows else (rows, last.outputs)
+        return rows_in(self._decode, items)
 
     def run(self, items: list[WorkItem]) -> list:
         self._decode, self._forwards = None, 0
