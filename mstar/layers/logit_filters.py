@@ -47,10 +47,10 @@ def apply_repetition_penalty(
         raise ValueError(f"seen_tokens has {len(seen_tokens)} entries for a batch of {batch}")
     rows: list[int] = []
     cols: list[int] = []
-    for i, toks in enumerate(seen_tokens):
-        if pen[i].item() == 1.0 or toks is None or len(toks) == 0:
+    for i, (p_i, toks) in enumerate(zip(pen.tolist(), seen_tokens)):  # Python floats: no tensor op a row
+        if p_i == 1.0 or toks is None or len(toks) == 0:
             continue
-        uniq = set(int(t) for t in toks)
+        uniq = set(map(int, toks))
         lo, hi = min(uniq), max(uniq)
         if lo < 0 or hi >= vocab:
             raise ValueError(f"seen token id out of range [0, {vocab}) in row {i}: {lo if lo < 0 else hi}")
