@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar.layers.paged_attention import long_tensor
 from mstar.model.submodule import EngineInputs, NodeSubmodule
 from mstar.runtime.engine import StatelessEngine
-from mstar.runtime.kv.continued import rows_in
+from mstar.runtime.kv.continued import next_inputs, rows_in, select_rows
 from mstar.runtime.work_items import Prepared, WorkItem
 
 __all__ = ["ContinuedStatelessEngine"]
@@ -67,22 +66,17 @@ class ContinuedStatelessEngine(StatelessEngine):
         last, self._kept = self._kept, None
         if last is None:
             return None
-        nxt = self.module.continue_batch(last.walk, last.ei, last.tensors, last.outputs)
+        nxt = next_inputs(self.module, last)
         if nxt is None:
             return None
         tensors, extras = nxt
         n, prev = len(rows), last.ei
-        for t in tensors.values():
-            if t.shape[0] != len(last.items):
-                return None
         ones = [1] * n
         if n == len(last.items) and rows[-1] == n - 1:  # every row goes on (rows ascend): the lists stay
             ei, infos = prev, prev.infos
             ei.extras, ei.splits = extras, {k: ones for k in tensors}
         else:
-            idx = long_tensor(rows)
-            tensors = {k: t.index_select(0, idx) for k, t in tensors.items()}
-            extras = {k: [v[r] for r in rows] for k, v in extras.items()}
+            tensors, extras = select_rows(rows, tensors, extras)
             infos = [prev.infos[r] for r in rows]
             ei = EngineInputs(walks=[it.walk for it in items], nodes=[it.node for it in items],
                               request_ids=[it.request_id for it in items], infos=infos,

@@ -17,7 +17,7 @@ from mstar.model.submodule import EngineInputs, NodeSubmodule
 if TYPE_CHECKING:
     from mstar.runtime.work_items import Prepared, WorkItem
 
-__all__ = ["ContinuableBatch", "ContinuedRows", "rows_in"]
+__all__ = ["ContinuableBatch", "ContinuedRows", "next_inputs", "rows_in", "select_rows"]
 
 
 def rows_in(last: Any, items: list[WorkItem]) -> tuple[list[int], dict[str, list]] | None:
@@ -28,6 +28,26 @@ def rows_in(last: Any, items: list[WorkItem]) -> tuple[list[int], dict[str, list
     row_of = {id(it): i for i, it in enumerate(last.items)}
     rows = [row_of.get(id(it)) for it in items]
     return None if None in rows else (rows, last.outputs)
+
+
+def next_inputs(module: NodeSubmodule, last: Any) -> tuple[dict[str, torch.Tensor], dict[str, list]] | None:
+    """The next batch of every row of the kept forward ``last`` (its ``walk``, ``ei``, ``tensors``,
+    ``outputs``, ``items``): the module's ``continue_batch``, each tensor one row per item; None when
+    the module declines or a tensor has another number of rows."""
+    nxt = module.continue_batch(last.walk, last.ei, last.tensors, last.outputs)
+    if nxt is None:
+        return None
+    for t in nxt[0].values():
+        if t.shape[0] != len(last.items):
+            return None
+    return nxt
+
+
+def select_rows(rows: list[int], tensors: dict[str, torch.Tensor], extras: dict[str, list]
+                ) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+    """``next_inputs``' tensors and extras of ``rows`` only, in that order."""
+    idx = long_tensor(rows)
+    return {k: t.index_select(0, idx) for k, t in tensors.items()}, {k: [v[r] for r in rows] for k, v in extras.items()}
 
 
 @dataclass(slots=True)
@@ -78,22 +98,17 @@ class ContinuedRows:
         last, self._decode = self._decode, None
         if last is None or (self._swapped and any(it.request_id in self._swapped for it in items)):
             return None
-        nxt = self.module.continue_batch(last.walk, last.ei, last.tensors, last.outputs)
+        nxt = next_inputs(self.module, last)
         if nxt is None:
             return None
         tensors, extras = nxt
         n, prev = len(rows), last.ei
-        for t in tensors.values():
-            if t.shape[0] != len(last.items):
-                return None
         same = n == len(last.items) and rows[-1] == n - 1
         if same:  # every row goes on (rows ascend): the per-row lists stay
             keys, tables, infos, walks, nodes = last.keys, last.tables, prev.infos, prev.walks, prev.nodes
             rids = prev.request_ids
         else:
-            idx = long_tensor(rows)
-            tensors = {k: t.index_select(0, idx) for k, t in tensors.items()}
-            extras = {k: [v[r] for r in rows] for k, v in extras.items()}
+            tensors, extras = select_rows(rows, tensors, extras)
             keys, tables, infos = [last.keys[r] for r in rows], [last.tables[r] for r in rows], [prev.infos[r] for r in rows]
             walks, nodes, rids = [it.walk for it in items], [it.node for it in items], [it.request_id for it in items]
         planned = self.manager.append_to(tables)
