@@ -295,6 +295,27 @@ def test_repetition_penalty_hand_example() -> None:
     assert torch.equal(apply_repetition_penalty(logits, None, [2.0, 2.0]), logits)
 
 
+def test_repetition_penalty_takes_tensors_lists_and_empty_rows() -> None:
+    """Rows as id lists, 1-D tensors (any integer dtype), None or empty, with repeated ids and a
+    penalty of 1: each row's logits are those of the per-row reference, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 40, generator=g) * 3
+    ids = [torch.randint(0, 40, (n,), generator=g) for n in (9, 0, 25, 4, 12, 30)]
+    penalties = [1.3, 2.0, 0.7, 1.0, 1.9, 1.15]
+    seen = [ids[0].tolist(), ids[1], ids[2].to(torch.int32), ids[3], None, ids[5]]
+    out = apply_repetition_penalty(logits, seen, penalties)
+    for i, (s, p) in enumerate(zip(seen, penalties)):
+        want = logits[i].clone()  # the penalty in float32, once per distinct id, one row at a time
+        pen = torch.tensor(p, dtype=torch.float32)
+        for t in set() if s is None or p == 1.0 else {int(t) for t in s}:
+            want[t] = want[t] / pen if want[t] > 0 else want[t] * pen
+        assert torch.equal(out[i], want), i
+        if s is not None and p != 1.0 and len(s):
+            assert not torch.equal(out[i], logits[i])
+    with pytest.raises(ValueError, match="in row 2: 40"):
+        apply_repetition_penalty(logits, [[1], None, torch.tensor([3, 40]), [41], None, None], [1.5] * 6)
+
+
 def test_repetition_penalty_rejects_out_of_range_ids() -> None:
     with pytest.raises(ValueError, match="out of range"):
         apply_repetition_penalty(torch.zeros(1, 4), [[4]], [1.5])

@@ -264,7 +264,7 @@ def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    seen_tokens: list[Sequence[int]] | None,
+    seen_tokens: Sequence[Sequence[int] | torch.Tensor | None] | None,
     step_indices: list[int],
 ) -> torch.Tensor:
     """Sample one token per row.
@@ -272,8 +272,9 @@ def sample(
     Args:
         logits: ``[B, V]`` next-token logits, any floating dtype (computed in float32).
         params: one :class:`SamplingParams` per row.
-        seen_tokens: per row, the token ids seen so far (prompt + generated) for the repetition penalty;
-            ``None`` means none for every row.
+        seen_tokens: per row, the token ids seen so far (prompt + generated) for the repetition penalty,
+            as a sequence of ids or a 1-D integer tensor (a row's None: none); ``None`` means none for
+            every row.
         step_indices: per row, how many tokens that request has sampled so far (0 for the first).
 
     Returns:

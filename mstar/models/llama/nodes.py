@@ -173,7 +173,9 @@ class LlamaCausalLM(NodeSubmodule):
         """The next token of every request (int64 [B], CPU) from its last hidden state."""
         ei = engine_inputs
         logits = self.process_logits(self.compute_logits(last), ei)
-        return sample(logits, ei.extras["sampling"], self.seen_lists(ei), ei.extras["step"]).cpu()
+        seen = ei.extras["seen"]  # the rows' seen-token tensors as they are (None: no penalty)
+        return sample(logits, ei.extras["sampling"], None if all(s is None for s in seen) else seen,
+                      ei.extras["step"]).cpu()
 
     def step_outputs(self, tokens: torch.Tensor, engine_inputs: EngineInputs) -> dict[str, list[torch.Tensor]]:
         """Per request: its new token (int64 [1], a view of one batch tensor), ``seen`` and the loop's

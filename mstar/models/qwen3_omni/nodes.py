@@ -180,8 +180,8 @@ class ThinkerNode(NodeSubmodule):
                       deepstack=self._deepstack(ei))
         last = out.hidden[ei.last_token_rows().to(out.hidden.device)]
         seen = ei.extras["seen"]
-        seen_lists = None if all(s is None for s in seen) else [[] if s is None else s.tolist() for s in seen]
-        tokens = sample(self.lm.lm_head(last), ei.extras["sampling"], seen_lists, ei.extras["step"]).cpu()
+        tokens = sample(self.lm.lm_head(last), ei.extras["sampling"], None if all(s is None for s in seen) else seen,
+                        ei.extras["step"]).cpu()
         states = torch.stack([embeds, out.captured], dim=1).cpu() if streams else None
         cached = self._cached(ei)
         result: dict[str, list] = {"token": [], "text": [], "stop": [], "thinker_states": [], "rope_delta": [],
@@ -410,7 +410,7 @@ class TalkerNode(NodeSubmodule):
         if no_eos:  # ignore_eos: codec EOS is suppressed as well, the talker runs to its max_tokens
             logits[no_eos, self.ids.codec_eos] = float("-inf")
         picked = sample(logits, [ei.extras["sampling"][i] for i in rows],
-                        [ei.extras["seen"][i].tolist() for i in rows], [ei.extras["step"][i] for i in rows]).cpu()
+                        [ei.extras["seen"][i] for i in rows], [ei.extras["step"][i] for i in rows]).cpu()
         return dict(zip(rows, picked))
 
     def _prefill_outputs(self, out: dict[str, list], bos: torch.Tensor, delta: int) -> None:
