@@ -248,6 +248,16 @@ def test_code_predictor_lockstep_gives_the_general_paths_speech(runtime):
         assert engine.continued_forwards == before
     for (text, codes, wav), (t2, c2, w2) in zip(lockstep, general):
         assert text == t2 and torch.equal(codes, c2) and torch.equal(wav, w2) and codes.shape[0] >= 11
+    # arrivals apart: the first request's frames are under way when the others come (its frames run
+    # alone, then with theirs: other batches, other cohorts), the same outputs
+    first = runtime.submit({"input_ids": PROMPTS[0]}, params[0])
+    for item in first:
+        if item.name == "frame_codes":
+            break
+    rest = [runtime.submit({"input_ids": p}, q) for p, q in zip(PROMPTS[1:], params[1:])]
+    for (text, codes, wav), out in zip(general, [first.result(timeout=120)] + [h.result(timeout=120) for h in rest]):
+        t2, c2, w2 = ours(out)
+        assert text == t2 and torch.equal(codes, c2) and torch.equal(wav, w2)
     assert kv_blocks_in_use(runtime) == 0 and runtime.stats()["ranks"][0]["walks"] == 0
 
 
