@@ -10,7 +10,8 @@ import torch
 
 import mstar.layers.paged_decode as paged_decode_mod
 from mstar.layers.attention_backends import TorchPagedBackend, default_backend, get_backend
-from mstar.layers.paged_attention import AttentionMetadata, HostLongs, paged_attention
+from mstar.layers.host_longs import HostLongs
+from mstar.layers.paged_attention import AttentionMetadata, paged_attention
 from mstar.layers.paged_decode import CompiledPagedBackend, paged_decode
 from tests.test_paged_attention import (
     BLOCK,

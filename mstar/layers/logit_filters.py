@@ -4,10 +4,11 @@ return new float32 tensors: a row's result never depends on the other rows of it
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 
 import torch
+
+from mstar.layers.host_longs import long_tensor
 
 __all__ = ["apply_repetition_penalty", "apply_temperature", "apply_top_k_top_p"]
 
@@ -26,12 +27,11 @@ def _per_row(
 
 
 def _seen_ids(toks: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    """One row's seen token ids as an int64 CPU tensor (a tensor as it is, a sequence through an
-    ``array``: a third of ``torch.tensor``'s time)."""
+    """One row's seen token ids as an int64 CPU tensor (a tensor as it is, a sequence through
+    ``long_tensor``: a third of ``torch.tensor``'s time)."""
     if isinstance(toks, torch.Tensor):
         return toks.reshape(-1).to(device="cpu", dtype=torch.int64)
-    buf = array("q", map(int, toks))
-    return torch.frombuffer(buf, dtype=torch.int64)
+    return long_tensor(map(int, toks))
 
 
 def apply_repetition_penalty(

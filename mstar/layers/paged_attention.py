@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import enum
 import math
-from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from mstar.layers.host_longs import HostLongs, long_tensor
 from mstar.layers.paged_cache import copy_blocks, gather_kv, write_kv
 
 __all__ = [
@@ -68,36 +68,6 @@ class QueryMode(enum.Enum):
 
 
 BlockTables = list[list[int]] | torch.Tensor
-
-
-def long_tensor(values: Iterable[int]) -> torch.Tensor:
-    """An int64 CPU tensor of Python ints, through an ``array`` (a third of ``torch.tensor``'s time on
-    a short list; the tensor holds the array's memory)."""
-    buf = array("q", values)
-    return torch.frombuffer(buf, dtype=torch.int64) if buf else torch.zeros(0, dtype=torch.int64)
-
-
-class HostLongs:
-    """An int64 CPU tensor over an ``array`` of Python ints, written again in place by ``write``:
-    plain CPython, no torch call. For values one forward reads and the next reads anew (the runtime's
-    decode rows: their slots, context lengths, positions). Between two forwards of decode rows
-    nothing else is torch work, so a new tensor there was the first torch call after the forward,
-    and paid for its cold code (~20 us a step at 16 rows)."""
-
-    __slots__ = ("buf", "tensor")
-
-    def __init__(self, values: Iterable[int]) -> None:
-        self.buf = array("q", values)
-        self.tensor = torch.frombuffer(self.buf, dtype=torch.int64) if self.buf else torch.zeros(0, dtype=torch.int64)
-
-    def write(self, values: Sequence[int]) -> bool:
-        """The tensor's values replaced by ``values`` (True); False, with nothing changed, when their
-        number differs."""
-        buf = self.buf
-        if len(values) != len(buf) or not buf:
-            return False
-        buf[:] = array("q", values)
-        return True
 
 
 def _on(x: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 
 from mstar.layers.attention_backends import AttentionBackend
 from mstar.layers.cpu_ops import _EXTENSION, build, ops  # noqa: F401 - _EXTENSION: for tests
+from mstar.layers.host_longs import long_tensor
 from mstar.layers.paged_attention import (
     AttentionMetadata,
     DecodeRows,
@@ -36,7 +37,6 @@ from mstar.layers.paged_attention import (
     _table_row,
     _validate,
     attend_decode_rows,
-    long_tensor,
     paged_attention,
 )
 

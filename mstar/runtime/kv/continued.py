@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mstar.layers.paged_attention import AttentionMetadata, HostLongs, QueryMode, long_tensor
+from mstar.layers.host_longs import HostLongs, long_tensor
+from mstar.layers.paged_attention import AttentionMetadata, QueryMode
 from mstar.model.submodule import EngineInputs, NodeSubmodule
 
 if TYPE_CHECKING:

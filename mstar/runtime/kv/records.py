@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mstar.layers.paged_attention import QueryMode, long_tensor
+from mstar.layers.host_longs import long_tensor
+from mstar.layers.paged_attention import QueryMode
 
 __all__ = ["KVPlan", "PrefixUse", "SwappedKV"]
 
