@@ -11,7 +11,7 @@ import torch
 
 from mstar.runtime.conductor import RequestStatus
 from mstar.runtime.failures import FailureKind
-from mstar.runtime.handles import RequestError, RequestHandle
+from mstar.runtime.handles import RequestError, RequestHandle, held_wakeups
 from mstar.runtime.messages import Emit, EmitRows
 
 N = 3000
@@ -77,6 +77,65 @@ def test_async_iteration_sees_every_item_in_order() -> None:
 
     for got in asyncio.run(main()):
         assert got == list(range(N // 4))
+
+
+def test_held_wakeups_wake_each_loop_once_when_they_end() -> None:
+    """Bursts delivered inside ``held_wakeups`` (as the drivers deliver a pass of messages): the
+    waiting consumers' loop is not woken inside, once at the end, and every item arrives in order."""
+    bursts, per_burst = 4, 5
+    inside: list[int] = []
+
+    seen: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+
+    async def consume(h: RequestHandle) -> list[int]:
+        got = seen[h.request_id]
+        async for item in h:
+            got.append(int(item.value[0]))
+        return got
+
+    async def main() -> tuple[list[list[int]], int]:
+        loop = asyncio.get_running_loop()
+        calls: list[object] = []
+        schedule = loop.call_soon_threadsafe
+
+        def counted(*args):
+            calls.append(args)
+            return schedule(*args)
+
+        loop.call_soon_threadsafe = counted
+        handles = [RequestHandle(f"r{i}") for i in range(3)]
+        tasks = [asyncio.create_task(consume(h)) for h in handles]
+        woken = [asyncio.Event() for _ in range(bursts)]
+
+        def produce() -> None:  # the runtime's thread: each burst once the consumers wait again
+            for b in range(bursts):
+                for _ in range(30_000):
+                    if all(len(seen[h.request_id]) == b * per_burst and h._async_waiting for h in handles):
+                        break
+                    threading.Event().wait(0.001)  # every consumer took the last burst and waits again
+                before = len(calls)
+                with held_wakeups():
+                    for i in range(b * per_burst, (b + 1) * per_burst):
+                        for h in handles:
+                            h.on_item(_emit(i))
+                    inside.append(len(calls) - before)
+                loop.call_soon_threadsafe(woken[b].set)
+            for h in handles:
+                h.on_end(RequestStatus.FINISHED, None, None)
+
+        t = threading.Thread(target=produce)
+        t.start()
+        got = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        t.join()
+        await asyncio.wait_for(asyncio.gather(*(w.wait() for w in woken)), 30)
+        del loop.call_soon_threadsafe
+        return got, len(calls)
+
+    got, calls = asyncio.run(main())
+    assert got == [list(range(bursts * per_burst))] * 3
+    assert inside == [0] * bursts  # nothing scheduled inside a held pass
+    # per burst: one wake-up of the loop (its mailbox) and the test's own marker; the ends: at most 3
+    assert 2 * bursts <= calls <= 2 * bursts + 3
 
 
 def test_failure_ends_either_iteration_with_the_error() -> None:

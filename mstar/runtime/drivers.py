@@ -22,6 +22,7 @@ from collections import deque
 from typing import Any
 
 from mstar.runtime.conductor import Conductor
+from mstar.runtime.handles import held_wakeups
 from mstar.runtime.messages import CONDUCTOR, FreeRequest, Shutdown, WorkerStatus
 from mstar.runtime.process import spawn_worker
 from mstar.runtime.routing import Routing
@@ -81,17 +82,18 @@ class InlineDriver:
         one step per worker."""
         boxes = self.transport.boxes
         did, moved = False, True
-        while moved:
-            moved = False
-            while boxes[CONDUCTOR]:
-                conductor.handle(boxes[CONDUCTOR].popleft())
-                moved = True
-            for w in self.workers:
-                box = boxes[w.rank]
-                while box:
-                    w.handle(box.popleft())
+        with held_wakeups():  # one wake-up per consumer loop for the whole pass (handles.py)
+            while moved:
+                moved = False
+                while boxes[CONDUCTOR]:
+                    conductor.handle(boxes[CONDUCTOR].popleft())
                     moved = True
-            did = did or moved
+                for w in self.workers:
+                    box = boxes[w.rank]
+                    while box:
+                        w.handle(box.popleft())
+                        moved = True
+                did = did or moved
         for w in self.workers:
             did = w.step() or did
         return did
@@ -193,12 +195,13 @@ class ProcessDriver:
 
     def pump(self, conductor: Conductor, busy: bool) -> bool:
         did = False
-        for msg in self.transport.recv(0 if busy else 5):  # the receive's timeout is the idle wait
-            if isinstance(msg, WorkerStatus):
-                self._replacement_ready(msg)
-            else:
-                conductor.handle(msg)
-            did = True
+        with held_wakeups():  # one wake-up per consumer loop for what this receive brought (handles.py)
+            for msg in self.transport.recv(0 if busy else 5):  # the receive's timeout is the idle wait
+                if isinstance(msg, WorkerStatus):
+                    self._replacement_ready(msg)
+                else:
+                    conductor.handle(msg)
+                did = True
         if self._starting:
             self._orphans.update(conductor.requests)  # the runtime fails them while a rank is down
         now = time.monotonic()

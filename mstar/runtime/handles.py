@@ -22,7 +22,7 @@ from mstar.runtime.conductor import RequestStatus
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.messages import Emit, EmitRows
 
-__all__ = ["RequestError", "RequestHandle", "RequestOutput", "StreamItem"]
+__all__ = ["RequestError", "RequestHandle", "RequestOutput", "StreamItem", "held_wakeups"]
 
 
 class RequestError(RuntimeError):
@@ -132,6 +132,12 @@ class _LoopMailbox:
             if self._scheduled:
                 return
             self._scheduled = True
+        if _held.active:  # inside ``held_wakeups``: scheduled when it ends, with the other loops'
+            _held.boxes.append(self)
+            return
+        self._schedule()
+
+    def _schedule(self) -> None:
         loop = self._loop()
         try:
             if loop is None:
@@ -148,6 +154,37 @@ class _LoopMailbox:
             self._scheduled = False
         for event in woken:
             event.set()
+
+
+class _HeldWakeups(threading.local):
+    """Per thread: whether ``held_wakeups`` is active, and the mailboxes that wait for its end."""
+
+    active = False
+
+    def __init__(self) -> None:
+        self.boxes: list[_LoopMailbox] = []
+
+
+_held = _HeldWakeups()
+
+
+class held_wakeups:  # noqa: N801  (a context manager, used like a function)
+    """Within it, the calling thread's first post to a loop's mailbox schedules that loop's wake-up
+    at the end instead of at once (one ``call_soon_threadsafe`` a loop per pass of deliveries).
+    The loop drains its box faster than the runtime's thread delivers 16 rows, so each burst woke
+    it several times: a write to its self-pipe (a system call that wakes another CPU, ~50 us in a
+    VM) and the loop's thread taking the GIL, each time. The runtime's thread holds them over a
+    pass of message deliveries (``drivers.py``); items are in the logs already, so a consumer that
+    checks its log meanwhile reads them, and nothing waits past the pass's end."""
+
+    def __enter__(self) -> None:
+        _held.active = True
+
+    def __exit__(self, *exc) -> None:
+        _held.active = False
+        boxes, _held.boxes = _held.boxes, []
+        for box in boxes:
+            box._schedule()
 
 
 _mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its _LoopMailbox

@@ -33,6 +33,7 @@ from typing import Any
 
 from mstar.runtime.address_book import AddressBook
 from mstar.runtime.conductor import Conductor
+from mstar.runtime.handles import held_wakeups
 from mstar.runtime.mesh_driver import broadcast_book
 from mstar.runtime.mesh_transport import MeshTransport
 from mstar.runtime.mesh_worker import MeshJoin, serve_rank
@@ -226,10 +227,11 @@ class RayDriver:
     # -- serving -------------------------------------------------------------------------------------
     def pump(self, conductor: Conductor, busy: bool) -> bool:
         did = False
-        for msg in self.transport.recv(0 if busy else 5):
-            if not isinstance(msg, WorkerStatus):
-                conductor.handle(msg)
-            did = True
+        with held_wakeups():  # one wake-up per consumer loop for what this receive brought (handles.py)
+            for msg in self.transport.recv(0 if busy else 5):
+                if not isinstance(msg, WorkerStatus):
+                    conductor.handle(msg)
+                did = True
         now = time.monotonic()
         if self.gave_up is None and now - self._last_check >= self.CHECK_EVERY_S:
             self._last_check = now
