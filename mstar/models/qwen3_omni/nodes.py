@@ -19,7 +19,7 @@ Per-request sampling comes from the request's params (``model.py``): ``sampling`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,7 +285,7 @@ class _DecodeRequest:
     codec_sum: torch.Tensor  # [1, H]
     text_row: torch.Tensor | None  # [1, Ht] the next streamed token's input embedding, or None
     tts: str  # "text", "eos" or "pad"
-    positions: torch.Tensor  # [3, 1]
+    position: int  # the M-RoPE position of all three sections
 
 
 class TalkerNode(NodeSubmodule):
@@ -323,7 +323,7 @@ class TalkerNode(NodeSubmodule):
             row, tts = items[0][:, 0], "text"
         else:  # the thinker ended: tts_eos right after its last streamed token, then pads
             row, tts = None, "eos" if step == int(chunk["start"]) - 1 else "pad"
-        position = torch.full((3, 1), fwd_info.cache_len + int(inputs["talker_delta"][0]))
+        position = fwd_info.cache_len + int(inputs["talker_delta"][0])
         req = _DecodeRequest(inputs["codec_sum"][0].reshape(1, -1), row, tts, position)
         seen = inputs["talker_seen"][0].reshape(-1).to(torch.long)
         return NodeInputs(num_tokens=1, extras={"req": req, "sampling": self._sampling(fwd_info.params),
@@ -376,22 +376,37 @@ class TalkerNode(NodeSubmodule):
         return torch.cat([user, header + torch.cat([codec.new_zeros(3, codec.shape[-1]), codec])])
 
     @staticmethod
-    def _decode_embed(req: _DecodeRequest, tts: torch.Tensor, text: torch.Tensor | None) -> torch.Tensor:
+    def _decode_text(req: _DecodeRequest, tts: torch.Tensor, text: torch.Tensor | None) -> torch.Tensor:
         if text is None:  # no streamed token: tts_eos right after the thinker's last one, then tts_pad
             text = tts[1:2] if req.tts == "eos" else tts[2:3]
+        return text
+
+    @staticmethod
+    def _decode_embed(req: _DecodeRequest, text: torch.Tensor) -> torch.Tensor:
         return req.codec_sum.to(text) + text
+
+    def _embeds(self, reqs: list, tts: torch.Tensor, texts: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input embeddings ``[N, H]`` and M-RoPE positions ``[3, N]`` of the batch's rows; a batch
+        of decode rows in one add (each element rounds as in a row's own add)."""
+        if all(isinstance(r, _DecodeRequest) for r in reqs):
+            text = torch.cat([self._decode_text(r, tts, t) for r, t in zip(reqs, texts)])
+            embeds = torch.cat([r.codec_sum for r in reqs]).to(text) + text
+            return embeds, torch.tensor([r.position for r in reqs]).expand(3, -1)
+        embeds = torch.cat([self._prefill_embeds(r, tts, t) if isinstance(r, _PrefillRequest) else
+                            self._decode_embed(r, self._decode_text(r, tts, t)) for r, t in zip(reqs, texts)])
+        positions = torch.cat([r.positions if isinstance(r, _PrefillRequest) else torch.full((3, 1), r.position)
+                               for r in reqs], dim=1)
+        return embeds, positions
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
         ei = engine_inputs
         reqs = ei.extras["req"]
         tts, texts = self._project_text(reqs)
-        embeds = torch.cat([self._prefill_embeds(r, tts, t) if isinstance(r, _PrefillRequest) else
-                            self._decode_embed(r, tts, t) for r, t in zip(reqs, texts)])
-        positions = torch.cat([r.positions for r in ei.extras["req"]], dim=1)
+        embeds, positions = self._embeds(reqs, tts, texts)
         hidden = self.lm(embeds, ei, mrope_positions=positions).hidden
         last = hidden[ei.last_token_rows().to(hidden.device)]
         decode_rows = [i for i, r in enumerate(ei.extras["req"]) if isinstance(r, _DecodeRequest)]
-        codes = self._sample(last, ei, decode_rows)
+        decoded = self._decode_values(last, ei, decode_rows)
         bos = self.lm.codec_embed(torch.tensor([self.ids.codec_bos]))
         out: dict[str, list] = {k: [] for k in ("codec_sum", "talker_seen", "talker_delta", "code0", "speak",
                                                 "stop", "talker_hidden", "code", "cp_cache", "cp_sum")}
@@ -399,19 +414,25 @@ class TalkerNode(NodeSubmodule):
             if isinstance(req, _PrefillRequest):
                 self._prefill_outputs(out, bos, req.delta)
             else:
-                self._decode_outputs(out, ei, i, int(codes[i]), last[i:i + 1])
+                self._decode_outputs(out, ei, i, *next(decoded))
         return out
 
-    def _sample(self, last: torch.Tensor, ei: EngineInputs, rows: list[int]) -> dict[int, torch.Tensor]:
+    def _decode_values(self, last: torch.Tensor, ei: EngineInputs, rows: list[int]
+                       ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per decode row, in order: (code, the code as a ``[1]`` tensor, the row's hidden state
+        ``[1, H]``, the code's embedding ``[1, H]``), each tensor a row of one tensor for the batch
+        (one sampling, one copy of the hidden states, one embedding lookup)."""
         if not rows:
-            return {}
-        logits = self.lm.logits(last[rows])
+            return iter(())
+        hidden = last[rows]  # a copy: no view of the forward's activations is kept
+        logits = self.lm.logits(hidden)
         no_eos = [r for r, i in enumerate(rows) if ei.extras["sampling"][i].ignore_eos]
         if no_eos:  # ignore_eos: codec EOS is suppressed as well, the talker runs to its max_tokens
             logits[no_eos, self.ids.codec_eos] = float("-inf")
         picked = sample(logits, [ei.extras["sampling"][i] for i in rows],
-                        [ei.extras["seen"][i] for i in rows], [ei.extras["step"][i] for i in rows]).cpu()
-        return dict(zip(rows, picked))
+                        [ei.extras["seen"][i] for i in rows], [ei.extras["step"][i] for i in rows]).cpu().to(torch.long)
+        embedded = self.lm.codec_embed(picked)
+        return zip(picked.tolist(), picked.view(-1, 1).unbind(0), hidden.split(1), embedded.split(1))
 
     def _prefill_outputs(self, out: dict[str, list], bos: torch.Tensor, delta: int) -> None:
         out["codec_sum"].append(bos.clone())
@@ -420,18 +441,18 @@ class TalkerNode(NodeSubmodule):
         for name in ("code0", "speak", "stop", "talker_hidden", "code", "cp_cache", "cp_sum"):
             out[name].append(None)
 
-    def _decode_outputs(self, out: dict[str, list], ei: EngineInputs, i: int, code: int,
-                        hidden: torch.Tensor) -> None:
+    def _decode_outputs(self, out: dict[str, list], ei: EngineInputs, i: int, code: int, c0: torch.Tensor,
+                        hidden: torch.Tensor, embedded: torch.Tensor) -> None:
         sp: SamplingParams = ei.extras["sampling"][i]
         last = code == self.ids.codec_eos or ei.extras["step"][i] + 1 >= sp.max_tokens
-        c0 = torch.tensor([code])  # the EOS (or max) step's frame is computed but not streamed (speak false)
+        # the EOS (or max) step's frame is computed but not streamed (speak false)
         out["codec_sum"].append(None)
         out["talker_delta"].append(None)
         out["talker_seen"].append(torch.cat([ei.extras["seen"][i], c0]))
         out["code0"].append(c0)
         out["speak"].append(_bool(not last))
         out["stop"].append(_bool(last))
-        out["talker_hidden"].append(hidden.detach().clone())
+        out["talker_hidden"].append(hidden)
         out["code"].append(c0)
         out["cp_cache"].append(empty_frame_cache(self.cp_config, hidden.dtype))
-        out["cp_sum"].append(self.lm.codec_embed(c0))
+        out["cp_sum"].append(embedded)
