@@ -64,8 +64,11 @@ def predictor_sampling(params: Mapping[str, Any]) -> SamplingParams:
     return request_sampling({"sampling": given}, defaults)
 
 
+_FLAGS = (torch.tensor(False), torch.tensor(True))  # shared by every row: flags are read, never written
+
+
 def _bool(value: bool) -> torch.Tensor:
-    return torch.tensor(bool(value))
+    return _FLAGS[bool(value)]
 
 
 # -- Thinker -------------------------------------------------------------------------------------------
