@@ -108,6 +108,7 @@ class Worker:
         self.queues: dict[str, deque[WorkItem]] = {b: deque() for b in self.engines}
         self._queue_of = {node: self.queues[model.module_of(node)] for node in nodes}
         self.walks: dict[WalkKey, _Walk] = {}
+        self._partition_walks: dict[PartitionKey, dict[WalkKey, _Walk]] = {}  # self.walks by request and partition
         self.walks_ended = 0  # walks made not live so far (a lockstep cohort rechecks its rows when it moves)
         self.streams: dict[PartitionKey, StreamBuffer] = {}
         self._seq = itertools.count()
@@ -213,6 +214,7 @@ class Worker:
         def start():
             tracker = WalkTracker(self.routing.graph.plan(msg.walk), msg.inputs, buf)
             w = self.walks[key] = _Walk(key, tracker, msg.walk, msg.params, decode_counts(msg.stream_offsets))
+            self._partition_walks.setdefault(pkey, {})[key] = w
             self._apply(w, tracker.start())
 
         self._guarded(msg.request_id, start)
@@ -341,8 +343,19 @@ class Worker:
         if w is not None:
             self._apply(w, w.tracker.node_done(node, vec, outputs))
 
+    def _drop_walk(self, key: WalkKey) -> _Walk | None:
+        """Forget a walk (None: not known); ``self.walks`` and its index by partition together."""
+        w = self.walks.pop(key, None)
+        if w is not None:
+            pkey = PartitionKey(key.request_id, key.partition)
+            of_partition = self._partition_walks[pkey]
+            del of_partition[key]
+            if not of_partition:
+                del self._partition_walks[pkey]
+        return w
+
     def _walk_done(self, w: _Walk) -> None:
-        if self.walks.pop(w.key, None) is None:
+        if self._drop_walk(w.key) is None:
             return
         w.live = False
         self.walks_ended += 1
@@ -357,8 +370,8 @@ class Worker:
         """New stream items (or a stream's end) for a consumer partition: wake its waiting walks, or
         tell the conductor that the idle partition has work."""
         buf = self.streams[pkey]
-        for key, w in list(self.walks.items()):
-            if (key.request_id, key.partition) == pkey and w.tracker.waiting_on_stream:
+        for w in list(self._partition_walks.get(pkey, {}).values()):  # not a scan of every walk: one a push
+            if w.tracker.waiting_on_stream:
                 self._guarded(pkey.request_id, lambda ww=w: self._apply(ww, ww.tracker.stream_ready()))
         if buf.walk_running or buf.notified:
             return
@@ -455,7 +468,7 @@ class Worker:
 
     def _free(self, rid: str) -> None:
         for key in [k for k in self.walks if k.request_id == rid]:
-            self.walks.pop(key).live = False
+            self._drop_walk(key).live = False
             self.walks_ended += 1
         for key in [k for k in self.streams if k.request_id == rid]:
             del self.streams[key]
