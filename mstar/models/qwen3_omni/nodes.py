@@ -189,14 +189,17 @@ class ThinkerNode(NodeSubmodule):
         cached = self._cached(ei)
         result: dict[str, list] = {"token": [], "text": [], "stop": [], "thinker_states": [], "rope_delta": [],
                                    "seen": []}
+        x = ei.extras
+        # per row, views of one tensor for the batch: tokens, M-RoPE offsets
+        ids, rows = tokens.tolist(), tokens.view(-1, 1).unbind(0)
+        deltas = torch.tensor([r.delta for r in x["req"]]).view(-1, 1).unbind(0)
         for i, (start, n) in enumerate(zip(_starts(ei), ei.num_tokens)):
-            tok = tokens[i:i + 1].clone()
+            tok = rows[i]
             result["token"].append(tok)
             result["text"].append(tok)
-            x = ei.extras
-            done = generation_done(int(tok), x["step"][i], x["sampling"][i], x["stop_ids"][i])
+            done = generation_done(ids[i], x["step"][i], x["sampling"][i], x["stop_ids"][i])
             result["stop"].append(_bool(done))
-            result["rope_delta"].append(torch.tensor([ei.extras["req"][i].delta]))
+            result["rope_delta"].append(deltas[i])
             # prompt + generated tokens, for the repetition penalty (empty when the request has none)
             result["seen"].append(torch.zeros(0, dtype=torch.long) if seen[i] is None
                                   else torch.cat([seen[i], tok]))
