@@ -78,6 +78,9 @@ class Experts(nn.Module):
 
         self.prepacked: list[tuple[PrepackedLinear, PrepackedLinear]] | None = None  # per expert (``prepack``)
         self._packed_from: tuple = ()
+        # panel route: every expert's packed gate/up and down stacked, for the kernel's ``moe_experts``
+        # (the per-expert packs are views of these)
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepack(self) -> bool:
         """Each expert's gate/up (SiLU-mul fused) and down projections prepacked (``mstar.layers.prepack``)."""
@@ -85,6 +88,12 @@ class Experts(nn.Module):
             return False
         self.prepacked = [(PrepackedLinear(self.gate_up_proj[e], silu_mul=True), PrepackedLinear(self.down_proj[e]))
                           for e in range(self.num_experts)]
+        self._stacked = None
+        if all(gu.mode == "panel" and dn.mode == "panel" for gu, dn in self.prepacked):
+            self._stacked = (torch.stack([gu.packed for gu, _ in self.prepacked]),
+                             torch.stack([dn.packed for _, dn in self.prepacked]))
+            for e, (gu, dn) in enumerate(self.prepacked):
+                gu.packed, dn.packed = self._stacked[0][e], self._stacked[1][e]
         self._packed_from = versions(self.gate_up_proj, self.down_proj)
         return True
 
@@ -98,6 +107,11 @@ class Experts(nn.Module):
         """``x`` [T, H]; ``weights`` / ``experts`` [T, k] from ``route``. Tokens are grouped by expert:
         one matrix multiply per expert hit, results scaled and summed back per token."""
         pre = self._fresh() if x.dtype == self.gate_up_proj.dtype and x.device.type == "cpu" else None
+        if pre is not None and self._stacked is not None and weights.dtype == x.dtype:
+            # the loop below in one kernel call, the same bits (``moe_experts``: one parallel region
+            # over (expert, row chunk) tasks, no per-expert Python)
+            return pre[0][0]._kernel.moe_experts(x.contiguous(), weights.contiguous(), experts.contiguous(),
+                                                 *self._stacked, self.intermediate_size)
         out = torch.zeros_like(x)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
