@@ -631,20 +631,18 @@ void expert_linear(const T* x, int64_t M, int64_t K, const torch::Tensor& packed
 #pragma GCC optimize("fp-contract=off")
 template <typename T>
 void sum_expert_outputs(const T* y, const T* wts, const int64_t* ids, const int64_t* row_of, int64_t t, int64_t k,
-                        int64_t H, T* o) {
+                        int64_t H, float* acc, T* o) {
   int64_t order[16];
   const int64_t n = std::min<int64_t>(k, 16);
   for (int64_t j = 0; j < n; ++j) order[j] = t * k + j;
   std::sort(order, order + n, [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
-  for (int64_t h = 0; h < H; ++h) {
-    float acc = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t p = order[j];
-      const float scaled = as_stored(scalar(y[row_of[p] * H + h]) * scalar(wts[p]), o);
-      acc = as_stored(acc + scaled, o);
-    }
-    put(acc, o + h);
+  std::fill(acc, acc + H, 0.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* yr = y + row_of[order[j]] * H;
+    const float w = scalar(wts[order[j]]);
+    for (int64_t h = 0; h < H; ++h) acc[h] = as_stored(acc[h] + as_stored(scalar(yr[h]) * w, o), o);
   }
+  for (int64_t h = 0; h < H; ++h) put(acc[h], o + h);
 }
 #pragma GCC pop_options
 
@@ -684,8 +682,9 @@ void moe_rows(const T* x, const T* wts, const int64_t* ids, int64_t tokens, int6
   // each token: its experts' outputs summed (`sum_expert_outputs`)
   constexpr int64_t kTokenChunk = 16;
   mstar_cpu::parallel_tasks((tokens + kTokenChunk - 1) / kTokenChunk, [&](int64_t chunk) {
+    std::vector<float> acc(H);
     for (int64_t t = chunk * kTokenChunk; t < std::min(tokens, (chunk + 1) * kTokenChunk); ++t)
-      sum_expert_outputs(yg, wts, ids, row_of.data(), t, k, H, out + t * H);
+      sum_expert_outputs(yg, wts, ids, row_of.data(), t, k, H, acc.data(), out + t * H);
   });
 }
 
