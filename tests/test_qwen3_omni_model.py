@@ -141,6 +141,24 @@ def test_interleaved_mrope_matches_transformers(omni):
     torch.testing.assert_close(text_cos, MRotary(16, 1e6, (4, 2, 2))(positions[0].expand(3, -1), torch.float32)[0])
 
 
+def test_mrope_text_positions_come_from_a_table_with_the_same_values():
+    """Text positions (one id on all three axes, expanded or not) read a cos/sin table grown on demand;
+    its rows are the bits of computing them directly. Image positions (axes differ) are computed."""
+    rotary = MRotary(32, 1e6, (8, 4, 4))
+    torch.manual_seed(0)
+    for n in (1, 5, 40):
+        ids = torch.randint(0, 3000, (n,))
+        for positions in (ids.expand(3, -1), ids.expand(3, -1).contiguous(), ids):
+            for dtype in (torch.float32, torch.bfloat16):
+                got, want = rotary(positions, dtype), rotary._compute(ids.expand(3, -1).contiguous(), dtype)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert rotary._tables[torch.device("cpu")][0].shape[0] >= 3000
+    mixed = torch.tensor([[4, 4, 4], [4, 5, 5], [4, 5, 6]])
+    table = rotary._tables[torch.device("cpu")]
+    torch.testing.assert_close(rotary(mixed, torch.float32)[0], rotary._compute(mixed, torch.float32)[0], rtol=0, atol=0)
+    assert not torch.equal(rotary(mixed, torch.float32)[0][1], table[0][5])  # not a text row
+
+
 @pytest.mark.parametrize("part", ["thinker", "talker"])
 def test_moe_block_matches_transformers(omni, part):
     model, _, cfg = omni

@@ -276,11 +276,13 @@ class Code2Wav(nn.Module):
                 x = vocoder.sequence(stage, x)
             x = vocoder.sequence(self.model.decoder, x)
             wave = x.clamp(min=-1, max=1)[:, 0].float()
+            # one copy of each convolution's tails for the batch (not views of its activations); a
+            # row's state holds views of those small copies
+            kept = {k: v.clone().split(1) for k, v in vocoder.new.items()}
             for b, i in enumerate(rows):
                 c = chunks[i]
                 frames = (c.state.frames if c.state is not None else 0) + c.codes.shape[1] - c.left_context
-                tails = {k: v[b:b + 1].clone() for k, v in vocoder.new.items()}  # not views of the batch
-                out[i] = (wave[b].clone(), VocoderState(frames, tails))
+                out[i] = (wave[b].clone(), VocoderState(frames, {k: parts[b] for k, parts in kept.items()}))
         return out  # type: ignore[return-value]
 
     @property

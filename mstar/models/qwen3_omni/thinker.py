@@ -52,9 +52,39 @@ class MRotary:
     def __init__(self, head_dim: int, theta: float, section: Sequence[int] = ()) -> None:
         self.inv_freq = compute_inv_freq(head_dim, theta)
         self.section = tuple(section)
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # float32 cos/sin of 0..n-1
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions``: int ``[T]`` (text: the same id on every axis) or ``[3, T]`` (T, H, W ids)."""
+        """``positions``: int ``[T]`` (text: the same id on every axis) or ``[3, T]`` (T, H, W ids).
+        Text positions (one id on every axis: every decode step) are rows of a table of cos/sin made
+        once (grown as positions grow), the values ``_compute`` gives them."""
+        ids = self._text_ids(positions)
+        if ids is None:
+            return self._compute(positions, dtype)
+        lo, hi = torch.aminmax(ids)
+        if int(lo) < 0:
+            return self._compute(positions, dtype)
+        cos, sin = self._table(int(hi) + 1, positions.device)
+        return cos[ids].to(dtype), sin[ids].to(dtype)
+
+    def _text_ids(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """The ids of positions that are the same on every axis (or read on one), else None."""
+        if positions.dim() == 1:
+            return positions
+        if not self.section or positions.stride(0) == 0:  # 1-D RoPE reads the temporal ids; an expanded row
+            return positions[0]
+        if positions.shape[0] == 3 and torch.equal(positions[0], positions[1]) and torch.equal(positions[0], positions[2]):
+            return positions[0]
+        return None
+
+    def _table(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._tables.get(device)
+        if table is None or table[0].shape[0] < n:
+            size = max(64, 1 << (n - 1).bit_length())
+            table = self._tables[device] = self._compute(torch.arange(size, device=device), torch.float32)
+        return table
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         pos = positions.to(torch.float32)
         if pos.dim() == 2 and not self.section:  # 1-D RoPE reads the temporal ids
             pos = pos[0]
