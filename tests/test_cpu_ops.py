@@ -264,32 +264,6 @@ def test_narrow_conv1d_matches_conv1d(ext, threads, c_in, c_out, dilation, steps
     assert torch.equal(ext.narrow_conv1d(x, w, b, dilation, residual), y + residual)
 
 
-@pytest.mark.parametrize("channels,c_in,dilation,steps", [
-    (8, 8, 1, 9045), (8, 8, 9, 37), (16, 16, 3, 4096 + 21), (16, 16, 1, 5), (8, 5, 2, 16)])
-def test_residual_unit_equals_its_three_operators(ext, threads, channels, c_in, dilation, steps):
-    """Code2Wav's residual unit in one pass: the bits of narrow_conv1d, snake_beta and the kernel-1
-    narrow_conv1d with the residual one after another, the last < 16 steps of a row and a task
-    boundary (4096 steps) included; a row's bits the same alone and in a batch."""
-    if not ext.fused_residual_unit_available():
-        pytest.skip("the fused residual unit needs 16-lane registers")
-    k = 7
-    x = _rand(3, c_in, steps + (k - 1) * dilation, seed=31)
-    w1, b1 = _rand(channels, c_in, k, seed=32) / (c_in * k) ** 0.5, _rand(channels, seed=33)
-    alpha, inv_beta = _rand(channels, seed=34).exp(), 1.0 / (_rand(channels, seed=35).exp() + 1e-9)
-    w2, b2 = _rand(channels, channels, 1, seed=36) / channels ** 0.5, _rand(channels, seed=37)
-    residual = _rand(3, channels, steps, seed=38)
-    want = ext.narrow_conv1d(ext.snake_beta(ext.narrow_conv1d(x, w1, b1, dilation), alpha, inv_beta), w2, b2, 1,
-                             residual)
-    got = ext.residual_unit(x, w1, b1, dilation, alpha, inv_beta, w2, b2, residual)
-    assert torch.equal(got, want)
-    assert torch.equal(ext.residual_unit(x[2:].contiguous(), w1, b1, dilation, alpha, inv_beta, w2, b2,
-                                         residual[2:].contiguous()), got[2:])
-    with pytest.raises(RuntimeError, match="residual_unit"):
-        ext.residual_unit(x, w1, b1, dilation, alpha, inv_beta, w2, b2, residual[:, :, 1:])
-    with pytest.raises(RuntimeError, match="residual_unit"):
-        ext.residual_unit(x, _rand(4, c_in, k), b1[:4], dilation, alpha[:4], inv_beta[:4], w2, b2, residual)
-
-
 def test_narrow_conv1d_rejects_bad_shapes(ext):
     x = _rand(1, 8, 100, seed=24)
     with pytest.raises(RuntimeError, match="narrow_conv1d"):

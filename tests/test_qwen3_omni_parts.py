@@ -293,47 +293,6 @@ def test_code2wav_next_chunks_decode_together_bit_for_bit(hf, monkeypatch, decod
     assert torch.equal(changed, fresh.decode_next(firsts[0].codes, 0, None)[0])
 
 
-def test_code2wav_fused_residual_units_give_the_same_bits(hf, monkeypatch):
-    """The vocoder's residual units of 8 and 16 channels run as one kernel call (``residual_unit``);
-    first and continuing chunks give the samples and kept tails of the three-operator path."""
-    import mstar.models.qwen3_omni.code2wav as c2w
-    from mstar.models.qwen3_omni.code2wav import NextChunk
-
-    real = c2w.cpu_ops.ops()
-    if real is None or not real.fused_residual_unit_available():
-        pytest.skip("the fused residual unit is not compiled here")
-    calls: list[int] = []
-
-    class Counting:
-        def __init__(self, fused: bool) -> None:
-            self.fused = fused
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def fused_residual_unit_available(self) -> bool:
-            return self.fused
-
-        def residual_unit(self, x, *args):
-            calls.append(x.shape[1])
-            return real.residual_unit(x, *args)
-
-    config = dict(hf.config.code2wav_config.to_dict(), decoder_dim=128)
-    module = _audible_code2wav(config, seed=3)
-    codes = [_codes(12, seed=60 + i)[0] for i in range(3)]
-    runs = []
-    for fused in (True, False):
-        monkeypatch.setattr(c2w.cpu_ops, "ops", lambda f=fused: Counting(f))
-        first = module.decode_next_many([NextChunk(c[:, :5], 0, None) for c in codes])
-        later = module.decode_next_many([NextChunk(c[:, :12], 5, s) for c, (_, s) in zip(codes, first)])
-        runs.append(first + later)
-    assert sorted(set(calls)) == [8, 16]  # the 16- and 8-channel stages took the fused kernel
-    for (wave, state), (want, want_state) in zip(*runs):
-        assert torch.equal(wave, want)
-        assert state.tails.keys() == want_state.tails.keys()
-        assert all(torch.equal(state.tails[k], want_state.tails[k]) for k in state.tails)
-
-
 def test_code2wav_batched_chunks_equal_chunks_alone(code2wav):
     chunks = [ChunkRequest(_codes(16, seed=3)[0], 8), ChunkRequest(_codes(7, seed=4)[0], 0),
               ChunkRequest(_codes(16, seed=5)[0], 8), ChunkRequest(_codes(12, seed=6)[0], 8)]

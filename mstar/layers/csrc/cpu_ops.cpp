@@ -1079,27 +1079,6 @@ inline V sin_vec(V u) {
 }
 
 
-// SnakeBeta of one register of steps of one channel: v + inv_beta * sin(alpha * v)^2 (std::sin for
-// lanes out of sin_vec's range), and of one step (the last < one register of a row: std::sin).
-inline vreg snake_reg(vreg v, float al, float be) {
-  const vreg u = v * al;
-  const vreg_i big = (u > kSinExact) | (u < -kSinExact) | (u != u);
-  vreg s;
-  bool any_big = false;
-  for (int l = 0; l < kRegLanes; ++l) any_big |= big[l] != 0;
-  if (!any_big) {
-    s = sin_vec<vreg, vreg_i>(u);
-  } else {
-    for (int l = 0; l < kRegLanes; ++l) s[l] = std::sin(u[l]);
-  }
-  return v + be * (s * s);
-}
-
-inline float snake_scalar(float v, float al, float be) {
-  const float s = std::sin(v * al);
-  return v + be * (s * s);
-}
-
 // y = x + inv_beta[c] * sin(alpha[c] * x)^2 over x [B, C, T] (BigVGAN's SnakeBeta, Code2Wav's
 // activation): one pass instead of five PyTorch operators; rows (b, c) in parallel.
 // `left` [batch, channels, K] (optional): the output is [batch, channels, K + time], each row its
@@ -1138,10 +1117,23 @@ torch::Tensor snake_beta(torch::Tensor x, torch::Tensor alpha, torch::Tensor inv
     for (; t + kRegLanes <= t1; t += kRegLanes) {
       vreg v;
       std::memcpy(&v, xr + t, sizeof v);
-      const vreg out = snake_reg(v, al, be);
+      const vreg u = v * al;
+      const vreg_i big = (u > kSinExact) | (u < -kSinExact) | (u != u);
+      vreg s;
+      bool any_big = false;
+      for (int l = 0; l < kRegLanes; ++l) any_big |= big[l] != 0;
+      if (!any_big) {
+        s = sin_vec<vreg, vreg_i>(u);
+      } else {
+        for (int l = 0; l < kRegLanes; ++l) s[l] = std::sin(u[l]);
+      }
+      const vreg out = v + be * (s * s);
       std::memcpy(yr + t, &out, sizeof out);
     }
-    for (; t < t1; ++t) yr[t] = snake_scalar(xr[t], al, be);
+    for (; t < t1; ++t) {
+      const float s = std::sin(xr[t] * al);
+      yr[t] = xr[t] + be * (s * s);
+    }
   });
   return y;
 }
@@ -1252,103 +1244,6 @@ torch::Tensor narrow_conv1d(torch::Tensor x, torch::Tensor w, c10::optional<torc
   return y;
 }
 
-// ---- a vocoder residual unit in one pass -----------------------------------------------------
-// y = residual + conv2(snake(conv1(x))) with conv1 [C, C_in, K] (dilated, over the already padded and
-// activated x), the SnakeBeta of its C outputs, and conv2 a kernel-1 convolution [C, C]: for C = 8 or
-// 16 (one register of 16 steps per channel) the C outputs of conv1 stay in registers through the
-// activation and conv2, instead of three passes over memory. Every value is computed as
-// narrow_conv1d, snake_beta and narrow_conv1d(residual=...) one after another compute it (the same
-// terms in the same order; the last < 16 steps of a row, which snake_beta takes with std::sin, as
-// those three do), so the bits are theirs.
-template <int C>
-void residual_unit_rows(const float* xr, const float* w1t, const float* b1, int64_t CI, int64_t K, int64_t L,
-                        int64_t T, int64_t dilation, const float* al, const float* be, const float* w2t,
-                        const float* b2, const float* rr, float* yr, int64_t t0, int64_t t1) {
-  int64_t t = t0;
-  if constexpr (kVec == kRegLanes)  // one register per channel (else residual_unit refuses to run)
-  for (; t + kVec <= t1; t += kVec) {
-    vreg acc[C];
-    for (int o = 0; o < C; ++o) acc[o] = vreg{} + b1[o];
-    for (int64_t i = 0; i < CI; ++i)
-      for (int64_t j = 0; j < K; ++j) {
-        vreg v;
-        std::memcpy(&v, xr + i * L + t + j * dilation, sizeof v);
-        const float* wo = w1t + (i * K + j) * C;
-        for (int o = 0; o < C; ++o) acc[o] += wo[o] * v;
-      }
-    for (int o = 0; o < C; ++o) acc[o] = snake_reg(acc[o], al[o], be[o]);
-    vreg out[C];
-    for (int p = 0; p < C; ++p) out[p] = vreg{} + b2[p];
-    for (int o = 0; o < C; ++o) {
-      const float* wo = w2t + o * C;
-      for (int p = 0; p < C; ++p) out[p] += wo[p] * acc[o];
-    }
-    for (int p = 0; p < C; ++p) {
-      vreg r;
-      std::memcpy(&r, rr + p * T + t, sizeof r);
-      const vreg y = out[p] + r;
-      std::memcpy(yr + p * T + t, &y, sizeof y);
-    }
-  }
-  if (t < t1) {  // the last < 16 steps: the three operators' own tail code, through small buffers
-    const int64_t n = t1 - t;
-    float h[C * kVec], res[C * kVec], out[C * kVec];
-    narrow_conv_rows<C>(xr + t, w1t, b1, h, CI, K, L, kVec, dilation, 0, n);
-    for (int o = 0; o < C; ++o)
-      for (int64_t k = 0; k < n; ++k) h[o * kVec + k] = snake_scalar(h[o * kVec + k], al[o], be[o]);
-    for (int p = 0; p < C; ++p) std::memcpy(res + p * kVec, rr + p * T + t, n * sizeof(float));
-    narrow_conv_rows<C>(h, w2t, b2, out, C, 1, kVec, kVec, 1, 0, n, C, res);
-    for (int p = 0; p < C; ++p) std::memcpy(yr + p * T + t, out + p * kVec, n * sizeof(float));
-  }
-}
-
-bool fused_residual_unit_available() { return kVec == kRegLanes; }
-
-// x [B, C_in, L] (the activated, padded input of conv1), w1 [C, C_in, K], b1 [C], alpha / inv_beta [C]
-// (the activation's scales), w2 [C, C, 1], b2 [C], residual [B, C, T] with T = L - (K - 1) * dilation;
-// C = 8 or 16.
-torch::Tensor residual_unit(torch::Tensor x, torch::Tensor w1, torch::Tensor b1, int64_t dilation,
-                            torch::Tensor alpha, torch::Tensor inv_beta, torch::Tensor w2, torch::Tensor b2,
-                            torch::Tensor residual) {
-  TORCH_CHECK(fused_residual_unit_available(), "residual_unit needs 16-lane registers (AVX-512)");
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
-              "residual_unit: x must be contiguous float32 [batch, in, steps]");
-  const int64_t B = x.size(0), CI = x.size(1), L = x.size(2);
-  TORCH_CHECK(w1.dim() == 3 && w1.scalar_type() == torch::kFloat32 && w1.size(1) == CI &&
-                  (w1.size(0) == 8 || w1.size(0) == 16) && dilation >= 1,
-              "residual_unit: w1 must be float32 [8 or 16, in, kernel] matching x");
-  const int64_t C = w1.size(0), K = w1.size(2), T = L - (K - 1) * dilation;
-  TORCH_CHECK(T >= 1, "residual_unit: input shorter than the kernel's reach");
-  TORCH_CHECK(w2.dim() == 3 && w2.size(0) == C && w2.size(1) == C && w2.size(2) == 1 &&
-                  w2.scalar_type() == torch::kFloat32, "residual_unit: w2 must be float32 [C, C, 1]");
-  for (const auto* v : {&b1, &alpha, &inv_beta, &b2})
-    TORCH_CHECK(v->numel() == C && v->scalar_type() == torch::kFloat32, "residual_unit: biases and scales must be float32 [C]");
-  auto res = residual.contiguous();
-  TORCH_CHECK(res.dim() == 3 && res.size(0) == B && res.size(1) == C && res.size(2) == T &&
-                  res.scalar_type() == torch::kFloat32, "residual_unit: residual must be float32 [batch, C, steps]");
-  auto w1t = w1.permute({1, 2, 0}).contiguous(), w2t = w2.permute({1, 2, 0}).contiguous();
-  auto b1c = b1.contiguous(), b2c = b2.contiguous(), ac = alpha.contiguous(), bc = inv_beta.contiguous();
-  auto y = torch::empty({B, C, T}, x.options());
-  const float *xp = x.data_ptr<float>(), *rp = res.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t chunk = 4096, per_row = (T + chunk - 1) / chunk;  // narrow_conv1d's tasks for C <= 16
-  mstar_cpu::parallel_tasks(B * per_row, [&](int64_t task) {
-    const int64_t row = task / per_row, t0 = (task % per_row) * chunk, t1 = std::min(T, t0 + chunk);
-    const float* xr = xp + row * CI * L;
-    const float* rr = rp + row * C * T;
-    float* yr = yp + row * C * T;
-    if (C == 8)
-      residual_unit_rows<8>(xr, w1t.data_ptr<float>(), b1c.data_ptr<float>(), CI, K, L, T, dilation,
-                            ac.data_ptr<float>(), bc.data_ptr<float>(), w2t.data_ptr<float>(), b2c.data_ptr<float>(),
-                            rr, yr, t0, t1);
-    else
-      residual_unit_rows<16>(xr, w1t.data_ptr<float>(), b1c.data_ptr<float>(), CI, K, L, T, dilation,
-                             ac.data_ptr<float>(), bc.data_ptr<float>(), w2t.data_ptr<float>(), b2c.data_ptr<float>(),
-                             rr, yr, t0, t1);
-  });
-  return y;
-}
-
 // csrc/paged_decode.cpp (compiled into this extension)
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor ctx);
@@ -1382,10 +1277,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weights"), py::arg("experts"), py::arg("gate_up"), py::arg("down"), py::arg("inter"));
   m.def("narrow_conv1d", &narrow_conv1d, "stride-1 convolution of a padded input with 1, 8 or a multiple of 16 output channels",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("dilation") = 1, py::arg("residual") = py::none());
-  m.def("residual_unit", &residual_unit, "residual + conv2(snake(conv1(x))) for 8 or 16 channels in one pass",
-        py::arg("x"), py::arg("w1"), py::arg("b1"), py::arg("dilation"), py::arg("alpha"), py::arg("inv_beta"),
-        py::arg("w2"), py::arg("b2"), py::arg("residual"));
-  m.def("fused_residual_unit_available", &fused_residual_unit_available, "residual_unit was compiled for this CPU");
   m.def("snake_beta", &snake_beta, "x + inv_beta * sin(alpha * x)^2 over [batch, channels, time]",
         py::arg("x"), py::arg("alpha"), py::arg("inv_beta"), py::arg("left") = py::none());
 }

@@ -83,13 +83,6 @@ class BatchVocoder:
             h = self._pointwise(m.pwconv2, h)
             return x + m.gamma[:, None] * h
         if kind == "Qwen3OmniMoeCode2WavDecoderResidualUnit":  # x + conv2(act2(conv1(act1(x))))
-            if self._fusable_unit(m, x):  # conv1, act2, conv2 and the add in one pass: the same bits
-                xin = self._padded_input(m.conv1, x, act=m.act1)
-                self.new[id(m.conv2)] = x[..., :0]  # conv2 (kernel 1) keeps no inputs
-                alpha, inv_beta = m.act2.scales()
-                c1, c2 = m.conv1.conv, m.conv2.conv
-                return self.kernel.residual_unit(xin.contiguous(), c1.weight, c1.bias, c1.dilation[0], alpha,
-                                                 inv_beta, c2.weight, c2.bias, x.contiguous())
             return self._causal(m.conv2, self._causal(m.conv1, x, act=m.act1), act=m.act2, residual=x)
         if kind == "Qwen3OmniMoeCode2WavDecoderBlock":
             return self.sequence(m.block, x)
@@ -105,20 +98,10 @@ class BatchVocoder:
         y = _per_row(act, x)
         return y if left is None else torch.cat([left, y], dim=-1)
 
-    def _fusable_unit(self, m: nn.Module, x: torch.Tensor) -> bool:
-        """The residual unit runs as the kernel's ``residual_unit`` (8 or 16 channels, plain conv1,
-        kernel-1 conv2 without padding, SnakeBeta activations)."""
-        c1, c2 = m.conv1.conv, m.conv2.conv
-        return (self.kernel is not None and self.kernel.fused_residual_unit_available()
-                and isinstance(m.act1, _SnakeBeta) and isinstance(m.act2, _SnakeBeta)
-                and c1.out_channels in (8, 16) and c1.groups == 1 and c1.bias is not None
-                and c2.in_channels == c2.out_channels == c1.out_channels and c2.kernel_size[0] == 1
-                and c2.groups == 1 and c2.bias is not None and m.conv2.padding == 0
-                and x.device.type == "cpu" and x.dtype == c1.weight.dtype == c2.weight.dtype == torch.float32)
-
-    def _padded_input(self, m: nn.Module, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
-        """The input of causal convolution ``m``: ``act(x)`` after its kept tail (the previous inputs, or
-        the left zero padding of ``(k-1)*d``); the new tail is kept."""
+    def _causal(self, m: nn.Module, x: torch.Tensor, act: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """A causal convolution (its left zero padding of ``(k-1)*d`` = the previous inputs) over
+        ``act(x)``, plus ``residual``."""
         keep = m.padding
         tail = None
         if keep > 0:
@@ -128,13 +111,6 @@ class BatchVocoder:
         else:
             xin = x if tail is None else torch.cat([tail, x], dim=-1)
         self.new[id(m)] = xin[..., xin.shape[-1] - keep:]
-        return xin
-
-    def _causal(self, m: nn.Module, x: torch.Tensor, act: nn.Module | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """A causal convolution (its left zero padding of ``(k-1)*d`` = the previous inputs) over
-        ``act(x)``, plus ``residual``."""
-        xin = self._padded_input(m, x, act)
         conv = m.conv
         if conv.groups == 1:
             return self._conv(conv, xin, residual)
