@@ -273,6 +273,38 @@ def test_code_predictor_steps_match_a_full_forward(omni):
         torch.testing.assert_close(predictor.embed(3, codes), ref.model.codec_embedding[3](codes))
 
 
+def test_code_predictor_next_step_reuses_its_store_without_checking_each_cache(omni, monkeypatch):
+    """The next step of the same batch, given the very cache views the last step returned, grows the
+    same store with no per-cache check; other caches (a subset, copies) take the checked path. The
+    logits and caches are the same either way."""
+    import mstar.models.qwen3_omni.talker as talker_mod
+
+    _, path, cfg = omni
+    predictor = loader.build_code_predictor(cfg, path)
+    checked: list[int] = []
+    real_store_of = talker_mod._store_of
+
+    def counting(caches, need):
+        checked.append(len(caches))
+        return real_store_of(caches, need)
+
+    monkeypatch.setattr(talker_mod, "_store_of", counting)
+    torch.manual_seed(5)
+    hidden = cfg.talker.text.hidden_size
+    empty = empty_frame_cache(cfg.talker.code_predictor)
+    with torch.no_grad():
+        _, caches = predictor.step([torch.randn(2, hidden) for _ in range(3)], [0, 0, 0], [empty] * 3)
+        rows = [torch.randn(1, hidden) for _ in range(3)]
+        logits, grown = predictor.step(rows, [1, 1, 1], caches)
+        assert checked == []  # the usual next step: the store is known
+        copies = [c.clone() for c in caches]
+        want, want_caches = predictor.step(rows, [1, 1, 1], copies)
+        assert checked == [3]  # not the returned views: checked (and copied into a new store)
+        assert torch.equal(logits, want) and all(torch.equal(a, b) for a, b in zip(grown, want_caches))
+        predictor.step(rows[:2], [2, 2], want_caches[:2])  # a subset of the last views
+        assert checked == [3, 2]
+
+
 @pytest.mark.parametrize("kernel", [True, False], ids=["compiled", "torch"])
 def test_code_predictor_node_batches_match_each_request_alone(omni, monkeypatch, kernel):
     """``CodePredictorNode`` over 4 requests' frames: alone, all at the same step in one batch (the

@@ -28,6 +28,11 @@ def _one(value):
     return value if isinstance(value, torch.Tensor) else value[0]
 
 
+def _flat(code: torch.Tensor) -> torch.Tensor:
+    """A code as ``[1]`` (the step's own codes already are: no reshape call for them)."""
+    return code if code.dim() == 1 else code.reshape(-1)
+
+
 class CodePredictorNode(NodeSubmodule):
     """Iteration j of ``code_groups``: code j+1 of the frame (``code``), the grown ``cp_cache`` and
     ``cp_sum`` + the new code's embedding."""
@@ -62,7 +67,7 @@ class CodePredictorNode(NodeSubmodule):
             return None
         return {}, {"j": [j + 1 for j in x["j"]], "seed_step": [s + 1 for s in x["seed_step"]],
                     "sampling": x["sampling"], "hidden": x["hidden"],
-                    "code": [_one(c).reshape(-1) for c in codes], "cache": [_one(c) for c in caches],
+                    "code": [_flat(_one(c)) for c in codes], "cache": [_one(c) for c in caches],
                     "sum": [_one(s) for s in sums]}
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:

@@ -145,7 +145,20 @@ def _store_of(caches: list[torch.Tensor], need: int) -> torch.Tensor | None:
     return c.new_empty(0).set_(storage, 0, (layers, 2, b, capacity, heads, d))
 
 
-def _frame_groups(counts: list[int], caches: list[torch.Tensor], capacity: int) -> list[_FrameGroup]:
+def _known_store(caches: list[torch.Tensor], known: tuple[list[torch.Tensor], torch.Tensor] | None,
+                 need: int) -> torch.Tensor | None:
+    """The store of the previous step's single group when ``caches`` are its very views (the usual
+    next step of the same batch: no per-cache check), holding ``need`` positions; else None."""
+    if known is None:
+        return None
+    views, store = known
+    if len(views) != len(caches) or store.shape[3] < need or any(a is not b for a, b in zip(caches, views)):
+        return None
+    return store
+
+
+def _frame_groups(counts: list[int], caches: list[torch.Tensor], capacity: int,
+                  known: tuple[list[torch.Tensor], torch.Tensor] | None = None) -> list[_FrameGroup]:
     keys: dict[tuple[int, int], list[int]] = {}
     for i, (n, c) in enumerate(zip(counts, caches)):
         keys.setdefault((n, c.shape[2]), []).append(i)
@@ -153,7 +166,11 @@ def _frame_groups(counts: list[int], caches: list[torch.Tensor], capacity: int) 
     groups = []
     for (n, cached), members in keys.items():
         mine = [caches[i] for i in members]
-        store = _store_of(mine, cached + n) if cached else None
+        store = None
+        if cached:
+            store = _known_store(mine, known, cached + n)
+            if store is None:
+                store = _store_of(mine, cached + n)
         if store is None:
             c = mine[0]
             store = c.new_empty(c.shape[0], 2, len(members), max(capacity, cached + n), *c.shape[3:])
@@ -252,6 +269,8 @@ class CodePredictor(nn.Module):
         self.rotary = MRotary(cfg.head_dim, cfg.rope_theta)
         self._rope_table: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_rows: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the last step's caches when it was one group: (the views it returned, their store)
+        self._last_views: tuple[list[torch.Tensor], torch.Tensor] | None = None
 
     def embed(self, step: int, codes: torch.Tensor) -> torch.Tensor:
         """``codec_embedding[step]`` of codes (the input after sampling code ``step + 1``)."""
@@ -298,7 +317,8 @@ class CodePredictor(nn.Module):
         """``step`` with the inputs already one ``[sum counts, H]`` tensor (request i: ``counts[i]``
         consecutive rows)."""
         cos, sin = self._rope([c.shape[2] + k for c, n in zip(caches, counts) for k in range(n)], h.dtype)
-        groups = _frame_groups(counts, caches, self.config.num_code_groups)
+        groups = _frame_groups(counts, caches, self.config.num_code_groups, self._last_views)
+        self._last_views = None
         for layer in self.model.layers:
             h = layer(h, cos, sin, groups)
         ends = list(itertools.accumulate(counts))
@@ -310,7 +330,9 @@ class CodePredictor(nn.Module):
             for j, rows in _rows_by(steps).items():
                 logits[rows] = self.lm_head[j](last[rows])
         if len(groups) == 1:
-            return logits, groups[0].caches()
+            views = groups[0].caches()
+            self._last_views = (views, groups[0].store)
+            return logits, views
         new_caches: list[torch.Tensor | None] = [None] * len(counts)
         for g in groups:
             for i, cache in zip(g.members, g.caches()):
