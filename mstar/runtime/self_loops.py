@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mstar.graph.plan import InputKind, RouteKind
-from mstar.runtime.walk_records import Effects, Emitted, ReadyNode, Vec, put_exit, read_stop
-from mstar.runtime.work_items import as_values
+from mstar.runtime.walk_records import Effects, Emitted, ReadyNode, Vec, read_stop
 
 if TYPE_CHECKING:
     from mstar.runtime.walk_records import Frame
@@ -58,10 +57,18 @@ class LoopExits:
     accumulated: tuple[bool, ...]  # per name: its values are gathered over the iterations
 
     def add(self, values: Any) -> None:
-        """One iteration's value of each exit, in ``names`` order (as the module returned them)."""
+        """One iteration's value of each exit, in ``names`` order (as the module returned them):
+        ``put_exit`` of its ``as_values``, inlined (a call per row and step of a cohort)."""
         vals = self.vals
         for name, acc, value in zip(self.names, self.accumulated, values):
-            put_exit(vals, name, acc, as_values(value))
+            if type(value) is not list:
+                value = list(value) if isinstance(value, tuple) else [value]
+            if not acc:
+                vals[name] = value
+            elif (kept := vals.get(name)) is None:
+                vals[name] = list(value)
+            else:
+                kept.extend(value)
 
 
 @dataclass(frozen=True, slots=True)
