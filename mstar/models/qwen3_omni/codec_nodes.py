@@ -102,7 +102,9 @@ class FrameAssembler(NodeSubmodule):
 
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
-        codes = [inputs["code0"][0].reshape(-1)] + [c.reshape(-1) for c in inputs["code"]]  # code: one per step
+        codes = [inputs["code0"][0], *inputs["code"]]  # code: one per step, each [1] as the nodes make them
+        if any(c.dim() != 1 for c in codes):
+            codes = [c.reshape(-1) for c in codes]
         return NodeInputs(extras={"frame": torch.cat(codes), "speak": bool(inputs["speak"][0]),
                                   "sum": inputs["cp_sum"][0]})
 

@@ -330,8 +330,12 @@ class TalkerNode(NodeSubmodule):
         else:  # the thinker ended: tts_eos right after its last streamed token, then pads
             row, tts = None, "eos" if step == int(chunk["start"]) - 1 else "pad"
         position = fwd_info.cache_len + int(inputs["talker_delta"][0])
-        req = _DecodeRequest(inputs["codec_sum"][0].reshape(1, -1), row, tts, position)
-        seen = inputs["talker_seen"][0].reshape(-1).to(torch.long)
+        codec_sum, seen = inputs["codec_sum"][0], inputs["talker_seen"][0]  # [1, H] and [n] long as made here
+        if codec_sum.dim() != 2:
+            codec_sum = codec_sum.reshape(1, -1)
+        if seen.dim() != 1 or seen.dtype != torch.long:
+            seen = seen.reshape(-1).to(torch.long)
+        req = _DecodeRequest(codec_sum, row, tts, position)
         return NodeInputs(num_tokens=1, extras={"req": req, "sampling": self._sampling(fwd_info.params),
                                                 "seen": seen, "step": step})
 
