@@ -313,6 +313,7 @@ class TalkerNode(NodeSubmodule):
         # the thinker's input embeddings of tts_bos, tts_eos, tts_pad [3, Ht] (projected in each forward)
         self.register_buffer("tts_rows", tts_rows.detach().clone(), persistent=False)
         self._sampling = ParamsMemo(talker_sampling)
+        self._empty_cp_cache: dict[torch.dtype, torch.Tensor] = {}  # the code predictor's frame cache at step 0
 
     # -- inputs ---------------------------------------------------------------------------------------
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
@@ -464,5 +465,8 @@ class TalkerNode(NodeSubmodule):
         out["stop"].append(_bool(last))
         out["talker_hidden"].append(hidden)
         out["code"].append(c0)
-        out["cp_cache"].append(empty_frame_cache(self.cp_config, hidden.dtype))
+        empty = self._empty_cp_cache.get(hidden.dtype)
+        if empty is None:  # no elements, never written: one for every row
+            empty = self._empty_cp_cache[hidden.dtype] = empty_frame_cache(self.cp_config, hidden.dtype)
+        out["cp_cache"].append(empty)
         out["cp_sum"].append(embedded)
