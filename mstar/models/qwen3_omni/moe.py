@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.layers.cpu_ops import ops
 from mstar.layers.prepack import (
     PrepackableLinear,
     PrepackedGroup,
@@ -81,6 +82,7 @@ class Experts(nn.Module):
         # panel route: every expert's packed gate/up and down stacked, for the kernel's ``moe_experts``
         # (the per-expert packs are views of these)
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._kernel = None  # the extension the experts were packed for (panel route)
 
     def prepack(self) -> bool:
         """Each expert's gate/up (SiLU-mul fused) and down projections prepacked (``mstar.layers.prepack``)."""
@@ -94,6 +96,7 @@ class Experts(nn.Module):
                              torch.stack([dn.packed for _, dn in self.prepacked]))
             for e, (gu, dn) in enumerate(self.prepacked):
                 gu.packed, dn.packed = self._stacked[0][e], self._stacked[1][e]
+            self._kernel = ops()
         self._packed_from = versions(self.gate_up_proj, self.down_proj)
         return True
 
@@ -107,11 +110,11 @@ class Experts(nn.Module):
         """``x`` [T, H]; ``weights`` / ``experts`` [T, k] from ``route``. Tokens are grouped by expert:
         one matrix multiply per expert hit, results scaled and summed back per token."""
         pre = self._fresh() if x.dtype == self.gate_up_proj.dtype and x.device.type == "cpu" else None
-        if pre is not None and self._stacked is not None and weights.dtype == x.dtype:
+        if pre is not None and self._stacked is not None and self._kernel is not None and weights.dtype == x.dtype:
             # the loop below in one kernel call, the same bits (``moe_experts``: one parallel region
             # over (expert, row chunk) tasks, no per-expert Python)
-            return pre[0][0]._kernel.moe_experts(x.contiguous(), weights.contiguous(), experts.contiguous(),
-                                                 *self._stacked, self.intermediate_size)
+            return self._kernel.moe_experts(x.contiguous(), weights.contiguous(), experts.contiguous(),
+                                            *self._stacked, self.intermediate_size)
         out = torch.zeros_like(x)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)

@@ -59,7 +59,7 @@ class MRotary:
         Text positions (one id on every axis: every decode step) are rows of a table of cos/sin made
         once (grown as positions grow), the values ``_compute`` gives them."""
         ids = self._text_ids(positions)
-        if ids is None:
+        if ids is None or ids.numel() == 0:
             return self._compute(positions, dtype)
         lo, hi = torch.aminmax(ids)
         if int(lo) < 0:
