@@ -262,6 +262,30 @@ def test_code_predictor_lockstep_gives_the_general_paths_speech(runtime):
     assert not runtime.local_worker("Talker")._partition_walks  # the walks' index by partition forgot them too
 
 
+def test_thinker_lockstep_streams_as_the_general_path(runtime):
+    """The Thinker's decode steps, which stream every position's states to the Talker, go on in
+    lockstep (the worker pushes each row's items; those pushes reach the Talker's partition without
+    ending the cohort): with a seeded sampled Thinker and answers of different lengths, every output
+    equals the general path's, where each step is prepared and finished by the tracker."""
+    from mstar.runtime.engine import KVCacheEngine
+
+    params = [{**audio_params(n, 14), "sampling": {"temperature": 0.9, "seed": 5 + n, "ignore_eos": True}}
+              for n in (12, 9, 6)]
+    params[1]["sampling"] = {"temperature": 0.0, "ignore_eos": True}
+    engine = runtime.local_engine("Thinker")
+    before = engine.continued_forwards
+    lockstep = [ours(out) for out in runtime.generate([{"input_ids": p} for p in PROMPTS], params)]
+    assert engine.continued_forwards - before >= 8  # of the longest answer's 11 decode steps
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(KVCacheEngine, "continues_batches", False)
+        before = engine.continued_forwards
+        general = [ours(out) for out in runtime.generate([{"input_ids": p} for p in PROMPTS], params)]
+        assert engine.continued_forwards == before
+    for (text, codes, wav), (t2, c2, w2), q in zip(lockstep, general, params):
+        assert text == t2 and len(text) == q["max_tokens"]
+        assert torch.equal(codes, c2) and torch.equal(wav, w2) and codes.shape[0] == 13
+
+
 def test_tiny_model_samples_speech_reproducibly():
     """qwen3-omni-tiny with the reference's sampling defaults (talker and code predictor sampled),
     seeded: two runs give the same audio, whose length follows its frame count."""

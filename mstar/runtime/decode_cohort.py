@@ -6,9 +6,12 @@ every one of them can go on without the tracker (``WalkTracker.lockstep_bound``)
 make their next batch from the last one (``KVCacheEngine.decode_rows``), they form a
 ``DecodeCohort``. While the module's next batch is exactly the cohort, ``Lockstep`` (the worker's
 part that keeps the cohorts) runs it through ``KVCacheEngine.run_rows`` and, per row, only sends the
-client values and requeues the item: the rows' trackers, and their items' inputs, are not touched.
+client values (and the items it streams to another partition, an AR step's states for a talker or
+its audio tokens for a codec) and requeues the item: the rows' trackers, and their items' inputs,
+are not touched.
 They are caught up (``WalkTracker.advance_self_loop``) when a row leaves (a stop, the loop's bound)
-and, for every row, before anything else may look at them: a message reaching the worker, a batch
+and, for every row, before anything else may look at them: a message reaching the worker for one of
+their requests (other than one for another partition of it: the rows' own stream pushes), a batch
 that is not the cohort. A loop with exits (a code predictor's, nested in its talker's loop) gets
 each lockstep iteration's exit values as it runs (``WalkTracker.lockstep_exits``): those are what
 its end routes on.
@@ -20,12 +23,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from mstar.runtime.failures import FailureKind, describe
-from mstar.runtime.messages import Emit, EmitRows, StatsRequest
+from mstar.runtime.messages import (
+    Emit,
+    EmitRows,
+    ExecNode,
+    NodeResult,
+    StartWalk,
+    StatsRequest,
+    StreamEnd,
+    StreamPush,
+)
 from mstar.runtime.self_loops import LockstepBound, LoopExits
 from mstar.runtime.walk_records import read_stop
 from mstar.runtime.work_items import WorkItem, as_values
 
 __all__ = ["DecodeCohort", "Lockstep", "row_outputs"]
+
+# messages that touch one partition of a request (their ``partition``) and nothing else
+_WALK_MESSAGES = frozenset({StartWalk, ExecNode, NodeResult, StreamPush, StreamEnd})
 
 
 def row_outputs(out: dict[str, list], row: int) -> dict[str, list]:
@@ -52,6 +67,7 @@ class DecodeCohort:
     walk_names: list[str] | None = None  # per item: its walk's name (ditto)
     ended_seen: int = -1  # the worker's ``walks_ended`` when every row's walk was last seen live
     exits: list[LoopExits] | None = None  # per item, when the loop has exits: where its iterations' values go
+    partitions: frozenset[str] = frozenset()  # of every row's walk (``Lockstep.before``)
 
     def is_batch(self, batch: list[WorkItem]) -> bool:
         items = self.items
@@ -102,7 +118,8 @@ class Lockstep:
         for it, w in zip(items, walks):
             b = w.tracker.lockstep_bound(it.node, it.iteration)
             if it.node != first.node or b is None or b.stop_signal != bound.stop_signal \
-                    or b.defer_stop_check != bound.defer_stop_check or b.emits != bound.emits:
+                    or b.defer_stop_check != bound.defer_stop_check or b.emits != bound.emits \
+                    or b.streams != bound.streams:
                 return
             steps = min(steps, b.steps_left)
         exits = None
@@ -112,7 +129,8 @@ class Lockstep:
                 return
         self.cohorts[base] = DecodeCohort(base, items, walks, [it.iteration for it in items], rows, outputs,
                                           bound, steps, {it.request_id for it in items}, frozenset(bound.outputs),
-                                          all(len(it.iteration) == 1 for it in items), exits=exits)
+                                          all(len(it.iteration) == 1 for it in items), exits=exits,
+                                          partitions=frozenset(w.key.partition for w in walks))
 
     def run(self, base: str, batch: list[WorkItem]) -> bool:
         """Run ``batch`` (the module's next batch) in lockstep if it is the module's cohort: True when
@@ -148,6 +166,11 @@ class Lockstep:
             emits = worker._emits  # (nothing in this step sends them: the worker's ``_tell`` replaces the list)
             for name, modality, col in columns:  # one message per output, for every row
                 emits.append(EmitRows(rids, names, name, modality, node, list(col)))
+            for st in cohort.bound.streams:  # each row's items of a stream to another partition
+                push = worker.push
+                for w, value in zip(walks, out[st.name]):
+                    if sent := list(value):  # (as the tracker routes it; none: nothing this step)
+                        push(w, st.partition, st.node, st.name, sent)
             if cohort.exits is not None:  # each row's values of the loop's exits
                 for ex, values in zip(cohort.exits, zip(*[out[name] for name in cohort.bound.exits])):
                     ex.add(values)
@@ -183,6 +206,9 @@ class Lockstep:
                 value = as_values(col[i])
                 if value:  # (a row that left may have sent the list: ``_tell`` replaces it)
                     worker._emits.append(Emit(rid, name, value, modality, node, w.walk))
+            for st in cohort.bound.streams:
+                if sent := list(out[st.name][i]):
+                    worker.push(w, st.partition, st.node, st.name, sent)
             if exits is not None:
                 exits[i].add([out[name][i] for name in cohort.bound.exits])
                 kept_exits.append(exits[i])
@@ -233,14 +259,20 @@ class Lockstep:
     def before(self, msg: Any) -> None:
         """A message reached the worker: end every cohort if handling it may look at one of their walks
         or items. A request's messages touch only that request's state (a new request's items end the
-        cohort at the next step instead, the batch being another); others (stats aside) are taken to
-        touch anything."""
+        cohort at the next step instead, the batch being another), and a walk's messages (its start,
+        nodes and results, its stream's items and end) only its partition's: the items a cohort's rows
+        stream to another partition of their requests leave the cohort as it is. Others (stats aside)
+        are taken to touch anything."""
         rid = getattr(msg, "request_id", None)
         if rid is None:
             if not isinstance(msg, StatsRequest):
                 self.dissolve()
-        elif any(rid in c.request_ids for c in self.cohorts.values()):
-            self.dissolve()
+            return
+        walk_msg = type(msg) in _WALK_MESSAGES
+        for c in self.cohorts.values():
+            if rid in c.request_ids and not (walk_msg and msg.partition not in c.partitions):
+                self.dissolve()
+                return
 
     def dissolve(self, base: str | None = None) -> None:
         """End a module's cohort (every cohort when ``base`` is None): every row's tracker and item up

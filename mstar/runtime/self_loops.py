@@ -1,8 +1,8 @@
 """A ``WalkTracker``'s self-loops: loops whose body is one node fed back by itself (an AR decode
 step, a rollout, a code predictor's step). Their iterations skip the general routing: the next
 iteration's inputs are the node's fed-back outputs plus inputs that are the same at every iteration
-(``_next_self_iteration``), and a node whose outputs only feed itself, reach the client or leave the
-loop is finished in one pass (``_SelfLoopStep``, looked up once per walk). ``continue_self_loop``
+(``_next_self_iteration``), and a node whose outputs only feed itself, reach the client, stream to
+another partition or leave the loop is finished in one pass (``_SelfLoopStep``, looked up once per walk). ``continue_self_loop``
 answers the usual iteration without an ``Effects``; ``lockstep_bound`` / ``advance_self_loop`` let
 the worker run several iterations before the tracker catches up (``runtime/decode_cohort.py``), the
 values its iterations give the loop's exits handed over as they come (``lockstep_exits``).
@@ -15,12 +15,22 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mstar.graph.plan import InputKind, RouteKind
-from mstar.runtime.walk_records import Effects, Emitted, ReadyNode, Vec, read_stop
+from mstar.runtime.walk_records import Effects, Emitted, Pushed, ReadyNode, Vec, read_stop
 
 if TYPE_CHECKING:
     from mstar.runtime.walk_records import Frame
 
-__all__ = ["Continued", "LockstepBound", "LoopExits", "SelfLoops"]
+__all__ = ["Continued", "LockstepBound", "LoopExits", "SelfLoops", "StreamOut"]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOut:
+    """A self-loop node's output streamed to another partition: its values (a list of items per
+    iteration, possibly empty) go to input ``name`` of ``node`` in ``partition``."""
+
+    name: str
+    partition: str
+    node: str
 
 
 @dataclass(slots=True)
@@ -31,6 +41,7 @@ class Continued:
     iteration: Vec
     inputs: dict[str, Any]
     emits: tuple[tuple[str, str | None], ...]  # (edge name, modality); an empty list value sends nothing
+    streams: tuple[StreamOut, ...] = ()  # outputs the worker pushes to their partitions' streams
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +55,7 @@ class LockstepBound:
     outputs: tuple[str, ...]  # every output the node must return
     emits: tuple[tuple[str, str | None], ...]  # (edge name, modality) sent to the client
     exits: tuple[str, ...] = ()  # outputs whose values leave the loop when it ends (``lockstep_exits``)
+    streams: tuple[StreamOut, ...] = ()  # outputs pushed to other partitions' streams, every iteration
 
 
 @dataclass(slots=True)
@@ -84,6 +96,7 @@ class _SelfLoopStep:
     exits: tuple[str, ...]  # outputs that leave the loop when it ends
     stop_signal: str | None
     defer_stop_check: bool
+    streams: tuple[StreamOut, ...] = ()
 
 
 class SelfLoops:
@@ -114,18 +127,20 @@ class SelfLoops:
 
     def _lean_steps(self) -> dict[str, _SelfLoopStep]:
         """The nodes ``_self_loop_done`` handles: the body of a self-loop that routes its outputs only
-        back to itself, to the client and out of the loop (its exits)."""
+        back to itself, to the client, to other partitions' streams and out of the loop (its exits)."""
         out = {}
         for loop in self._self_loops:
             lp = self.plan.loops[loop]
             np_ = self.plan.nodes[lp.body_nodes[0]]
-            if any(r.kind not in (RouteKind.FEEDBACK, RouteKind.EMIT) for r in np_.routes):
+            if any(r.kind not in (RouteKind.FEEDBACK, RouteKind.EMIT, RouteKind.STREAM) for r in np_.routes):
                 continue
             names = tuple(dict.fromkeys([r.edge_name for r in np_.routes] + list(np_.loop_exit_names)
                                         + ([np_.stop_signal] if np_.stop_signal else [])))
             emits = tuple((r.edge_name, r.modality) for r in np_.routes if r.kind is RouteKind.EMIT)
+            streams = tuple(StreamOut(r.edge_name, r.partition, r.dest) for r in np_.routes
+                            if r.kind is RouteKind.STREAM)
             out[np_.name] = _SelfLoopStep(loop, lp.parent is not None, names, emits, tuple(np_.loop_exit_names),
-                                          np_.stop_signal, lp.defer_stop_check)
+                                          np_.stop_signal, lp.defer_stop_check, streams)
         return out
 
     def _self_loop_done(self, lean: _SelfLoopStep, node: str, vec: Vec, outputs: dict[str, Any]) -> Effects:
@@ -143,6 +158,8 @@ class SelfLoops:
             value = outputs[name]
             if not (type(value) is list and not value):  # an empty list: nothing this iteration
                 self._emits.append(Emitted(name, value, modality, node))
+        for s in lean.streams:
+            self._pushes.append(Pushed(s.partition, s.node, s.name, list(outputs[s.name])))
         for name in lean.exits:
             self._record_exit(frame, name, outputs[name])
         if lean.stop_signal is not None:
@@ -215,7 +232,7 @@ class SelfLoops:
         nxt = frame.base + (frame.it,)
         running.add((node, nxt))
         return Continued(nxt, {inp: invariant[inp] if inp in invariant else outputs[inp]
-                               for inp in self.plan.nodes[node].inputs}, lean.emits)
+                               for inp in self.plan.nodes[node].inputs}, lean.emits, lean.streams)
 
     # -- the worker's lockstep decode path ---------------------------------------------------------
     def lockstep_bound(self, node: str, vec: Vec) -> LockstepBound | None:
@@ -229,7 +246,7 @@ class SelfLoops:
         if frame is None or frame.stop or frame.invariant is None or frame.it != vec[-1]:
             return None
         return LockstepBound(self.plan.loops[lean.loop].max_iters - 1 - frame.it, lean.stop_signal,
-                             lean.defer_stop_check, lean.outputs, lean.emits, lean.exits)
+                             lean.defer_stop_check, lean.outputs, lean.emits, lean.exits, lean.streams)
 
     def lockstep_exits(self, node: str, vec: Vec) -> LoopExits | None:
         """Where the worker puts the exit values of the lockstep iterations of the loop instance whose

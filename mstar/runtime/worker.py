@@ -306,17 +306,21 @@ class Worker:
         if fx.state:
             w.state.update(fx.state)
         for p in fx.pushes:
-            if not p.items:
-                continue  # nothing to stream this step (e.g. a token that carries no audio)
-            skey = StreamKey(p.partition, p.node, p.name)
-            offset = w.offsets.get(skey, 0) + w.pushed[skey]
-            w.pushed[skey] += len(p.items)
-            self.transport.send(self.routing.partition_home[p.partition],
-                                StreamPush(rid, w.key.partition, p.partition, p.node, p.name, p.items, offset))
+            if p.items:  # (none: nothing to stream this step, e.g. a token that carries no audio)
+                self.push(w, p.partition, p.node, p.name, p.items)
         if fx.ready:
             self._dispatch(w, fx.ready)
         if fx.done:
             self._walk_done(w)
+
+    def push(self, w: _Walk, partition: str, node: str, name: str, items: list) -> None:
+        """Stream ``items`` (not empty) of walk ``w`` to input ``name`` of ``node`` in ``partition``, at
+        the walk's next offset of that stream."""
+        skey = StreamKey(partition, node, name)
+        offset = w.offsets.get(skey, 0) + w.pushed[skey]
+        w.pushed[skey] += len(items)
+        self.transport.send(self.routing.partition_home[partition],
+                            StreamPush(w.key.request_id, w.key.partition, partition, node, name, items, offset))
 
     def _dispatch(self, w: _Walk, ready: list[ReadyNode]) -> None:
         rid, partition, walk_seq = w.key
@@ -439,6 +443,10 @@ class Worker:
                         value = out[name]
                         if not (type(value) is list and not value):
                             self._emits.append(Emit(rid, name, value, modality, item.node, w.walk))
+                    for st in c.streams:
+                        items = list(out[st.name])  # as the tracker routes a stream's values
+                        if items:
+                            self.push(w, st.partition, st.node, st.name, items)
                     item.seq, item.iteration, item.inputs = next(self._seq), c.iteration, c.inputs
                     if item.chunks:
                         item.chunks = {}

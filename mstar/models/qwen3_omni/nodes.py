@@ -80,8 +80,8 @@ class _ThinkerRequest:
 
     media: list[tuple[torch.Tensor, torch.Tensor]]  # (placeholder rows, tower embeddings) replacing them
     deepstack: tuple[torch.Tensor, torch.Tensor] | None  # (image rows, [layers, n, H]) added after layers
-    positions: torch.Tensor  # [3, n] M-RoPE position ids of the new tokens
-    delta: int  # M-RoPE position - cache offset of every token after the prompt
+    positions: torch.Tensor | None  # [3, n] M-RoPE position ids of the new tokens; None: a decode token's,
+    delta: int  # M-RoPE position - cache offset of every token after the prompt (its cache offset + delta)
     prompt: torch.Tensor | None = None  # a prefill's whole prompt (its leading tokens may come cached)
 
 
@@ -116,8 +116,7 @@ class ThinkerNode(NodeSubmodule):
             req, seen = self._prefill_request(ids, inputs), ids if penalised else None
         else:
             ids, step = inputs["token"][0].reshape(-1).to(torch.long), fwd_info.iteration[-1] + 1
-            delta = int(inputs["rope_delta"][0])
-            req = _ThinkerRequest([], None, torch.full((3, ids.numel()), fwd_info.cache_len + delta), delta)
+            req = _ThinkerRequest([], None, None, int(inputs["rope_delta"][0]))
             seen = inputs["seen"][0].reshape(-1).to(torch.long) if penalised else None
         if ids.numel() == 0:
             raise ValueError("the Thinker got no tokens")
@@ -153,7 +152,42 @@ class ThinkerNode(NodeSubmodule):
     @staticmethod
     def _cached(ei: EngineInputs) -> list[int]:
         """Per request, the leading prompt tokens whose KV came from the prefix cache (not computed)."""
-        return [req.positions.shape[1] - n for req, n in zip(ei.extras["req"], ei.num_tokens)]
+        return [0 if req.positions is None else req.positions.shape[1] - n
+                for req, n in zip(ei.extras["req"], ei.num_tokens)]
+
+    @staticmethod
+    def _positions(ei: EngineInputs) -> torch.Tensor:
+        """The batch's ``[3, tokens]`` M-RoPE position ids: a prefill's from its request, a decode token's
+        its cache offset (``ei.positions``) + the request's delta on all three axes."""
+        reqs = ei.extras["req"]
+        if all(r.positions is None for r in reqs):  # decode tokens only: one add for the batch
+            delta = torch.tensor([r.delta for r in reqs])
+            return (ei.positions.view(-1) + delta).view(1, -1).expand(3, -1)
+        parts, start = [], 0
+        for r, n in zip(reqs, ei.num_tokens):
+            if r.positions is None:
+                parts.append((ei.positions[start:start + n] + r.delta).view(1, -1).expand(3, -1))
+            else:
+                parts.append(r.positions[:, r.positions.shape[1] - n:])
+            start += n
+        return torch.cat(parts, dim=1)
+
+    def continue_batch(self, graph_walk: str | None, engine_inputs: EngineInputs, tensors: Mapping[str, torch.Tensor],
+                       outputs: Mapping[str, list[Any]]) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]] | None:
+        """A decode step's next batch (what ``prepare_inputs`` makes of the fed-back ``token`` and
+        ``rope_delta``): each row's new token, its step one further; not with a repetition penalty
+        (its seen tokens grow) or media (a prefill's)."""
+        x = engine_inputs.extras
+        tokens = outputs.get("token")
+        if tokens is None or any(s is not None for s in x["seen"]) \
+                or any(r.media or r.deepstack is not None for r in x["req"]):
+            return None
+        ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0].reshape(-1)
+        if ids.dtype != torch.long or ids.shape[0] != len(tokens):
+            return None
+        reqs = [r if r.positions is None else _ThinkerRequest([], None, None, r.delta) for r in x["req"]]
+        return {"ids": ids}, {"sampling": x["sampling"], "step": [s + 1 for s in x["step"]],
+                              "stop_ids": x["stop_ids"], "stream": x["stream"], "req": reqs, "seen": x["seen"]}
 
     def _embed(self, ids: torch.Tensor, ei: EngineInputs) -> torch.Tensor:
         embeds = self.lm.embed(ids)
@@ -177,8 +211,7 @@ class ThinkerNode(NodeSubmodule):
         ei = engine_inputs
         streams = any(ei.extras["stream"])
         embeds = self._embed(ids, ei)
-        positions = torch.cat([r.positions[:, r.positions.shape[1] - n:]
-                               for r, n in zip(ei.extras["req"], ei.num_tokens)], dim=1)
+        positions = self._positions(ei)
         out = self.lm(embeds, ei, capture=self.accept_layer if streams else None, mrope_positions=positions,
                       deepstack=self._deepstack(ei))
         last = out.hidden[ei.last_token_rows().to(out.hidden.device)]
