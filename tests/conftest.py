@@ -9,11 +9,20 @@ import torch
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
 def threads(request):
     """Pin the intra-op thread count: kernels may split work differently with more threads, and the
-    claims of the tests that take this fixture hold at each count (and across them)."""
-    before = torch.get_num_threads()
+    claims of the tests that take this fixture hold at each count (and across them). With more than
+    one thread the compiled kernels spread every call of several tasks, however small (their
+    ``set_inline_work(0)``; serving runs small calls inline), so the claims cover that path too."""
+    from mstar.layers.cpu_ops import ops
+
+    kernels = ops()
+    before, work = torch.get_num_threads(), kernels.inline_work() if kernels is not None else None
     torch.set_num_threads(request.param)
+    if kernels is not None and request.param > 1:
+        kernels.set_inline_work(0)
     yield request.param
     torch.set_num_threads(before)
+    if kernels is not None:
+        kernels.set_inline_work(work)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,28 @@ def test_linear_matches_matmul(ext, threads, m, k, n):
     torch.testing.assert_close(y, (x.double() @ w.double()).float(), atol=2e-5, rtol=1e-5)
 
 
+def test_small_calls_run_inline_with_the_same_bits(ext):
+    """A call of less estimated work than ``inline_work`` (2^18 multiply-adds or element steps by
+    default) runs its tasks on the calling thread: the same bits as spread over two threads, since a
+    task's result never depends on the thread that runs it."""
+    assert ext.inline_work() == 1 << 18
+    before_threads, before_work = torch.get_num_threads(), ext.inline_work()
+    x, w = _rand(16, 128, seed=1), ext.pack(_rand(128, 512, seed=2) / 12, False)  # 1M multiply-adds
+    small, rows = _rand(1, 128, seed=3), _rand(64, 32, seed=4)  # 65k; 4 row tasks of 2k steps
+    logits, norm_w = _rand(16, 64, seed=5), _rand(32, seed=6)
+    outs = []
+    try:
+        torch.set_num_threads(2)
+        for work in (0, 1 << 62):  # every call spread; every call inline
+            ext.set_inline_work(work)
+            outs.append([ext.linear(x, w, 512, False, None), ext.linear(small, w, 512, False, None),
+                         ext.rms_norm(rows, norm_w, 1e-6), ext.argmax_rows(logits)])
+    finally:
+        ext.set_inline_work(before_work)
+        torch.set_num_threads(before_threads)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 @pytest.mark.parametrize("k", [320, 200])  # input rows in blocks of 64: whole blocks, and a short last one
 # 700 outputs: one panel per task; 4100 (65 panels): runs of consecutive panels per task, whose length
 # depends on the thread count

@@ -324,7 +324,7 @@ void run(const TX* x, int64_t M, int64_t K, const TW* packed, int64_t panels, TY
   const int64_t threads = std::max(1, at::get_num_threads());
   const int64_t run_len = std::clamp<int64_t>(panels / (8 * threads), 1, kPanelRun);
   const int64_t runs = (panels + run_len - 1) / run_len;
-  mstar_cpu::parallel_tasks(runs * chunks, [&](int64_t task) {
+  mstar_cpu::parallel_tasks(runs * chunks, M * K * panels * kPanel, [&](int64_t task) {
     const int64_t first = (task / chunks) * run_len, last = std::min(panels, first + run_len);
     const int64_t chunk = task % chunks;
     const int64_t row_start = chunk * per_chunk, row_end = std::min(M, row_start + per_chunk);
@@ -406,7 +406,7 @@ void run_amx(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* 
   // a task is (panel, up to 4 row groups): the panel stays in L2 for the task's later groups
   constexpr int64_t kGroupsPerTask = 4;
   const int64_t row_tasks = (groups + kGroupsPerTask - 1) / kGroupsPerTask;
-  mstar_cpu::parallel_tasks(panels * row_tasks, [&](int64_t task) {
+  mstar_cpu::parallel_tasks(panels * row_tasks, M * K * panels * kPanel, [&](int64_t task) {
     const int64_t p = task / row_tasks, g0 = (task % row_tasks) * kGroupsPerTask;
     TileConfig cfg;
     for (int t = 0; t < 7; ++t) {  // tiles 0-3: accumulators; 4: inputs; 5, 6: weights
@@ -673,7 +673,7 @@ void moe_rows(const T* x, const T* wts, const int64_t* ids, int64_t tokens, int6
   T* hg = hidden.data_ptr<T>();
   T* yg = down_out.data_ptr<T>();
   const Epilogue<T> ep_up{true, nullptr, I}, ep_down{false, nullptr, H};
-  mstar_cpu::parallel_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
+  mstar_cpu::parallel_tasks(static_cast<int64_t>(tasks.size()), pairs * 3 * H * I, [&](int64_t t) {
     const auto [e, r0, r1] = tasks[t];
     for (int64_t r = r0; r < r1; ++r) std::memcpy(xg + r * H, x + token_of[r] * H, sizeof(T) * H);
     expert_linear(xg + r0 * H, r1 - r0, H, gate_up, e, hg + r0 * I, ep_up);
@@ -681,7 +681,7 @@ void moe_rows(const T* x, const T* wts, const int64_t* ids, int64_t tokens, int6
   });
   // each token: its experts' outputs summed (`sum_expert_outputs`)
   constexpr int64_t kTokenChunk = 16;
-  mstar_cpu::parallel_tasks((tokens + kTokenChunk - 1) / kTokenChunk, [&](int64_t chunk) {
+  mstar_cpu::parallel_tasks((tokens + kTokenChunk - 1) / kTokenChunk, pairs * H, [&](int64_t chunk) {
     std::vector<float> acc(H);
     for (int64_t t = chunk * kTokenChunk; t < std::min(tokens, (chunk + 1) * kTokenChunk); ++t)
       sum_expert_outputs(yg, wts, ids, row_of.data(), t, k, H, acc.data(), out + t * H);
@@ -773,7 +773,7 @@ constexpr bool kVectorRows = false;  // AVX2: GCC's code for a 16-float vector w
 // same operations per element as the scalar loops, which GCC left scalar for bf16).
 template <typename T>
 void rms_norm_rows(const T* xp, const T* wp, T* op, int64_t T_, int64_t H, float e) {
-  mstar_cpu::parallel_tasks((T_ + 15) / 16, [&](int64_t task) {
+  mstar_cpu::parallel_tasks((T_ + 15) / 16, T_ * H, [&](int64_t task) {
     for (int64_t t = task * 16; t < std::min(T_, task * 16 + 16); ++t) {
       const T* row = xp + t * H;
       float lanes[kVec] = {0};
@@ -832,7 +832,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 // folded in a fixed tree, so a row's result is the same bits in any batch; it is within float32
 // rounding of PyTorch's LayerNorm (which sums in another order), not its bits.
 void layer_norm_rows(const float* xp, const float* wp, const float* bp, float* op, int64_t T_, int64_t H, float e) {
-  mstar_cpu::parallel_tasks((T_ + 15) / 16, [&](int64_t task) {
+  mstar_cpu::parallel_tasks((T_ + 15) / 16, 2 * T_ * H, [&](int64_t task) {
     for (int64_t t = task * 16; t < std::min(T_, task * 16 + 16); ++t) {
       const float* row = xp + t * H;
       auto lane_sum = [&](auto term) {  // sum over the row of term(x), 16 lanes then a fixed tree
@@ -876,7 +876,7 @@ torch::Tensor layer_norm(torch::Tensor x, torch::Tensor weight, torch::Tensor bi
 // row t's tables; rows in tasks of 16.
 template <typename T, typename Fn>
 void each_head(T* yp, const T* cp, const T* sp, int64_t T_, int64_t stride, int64_t heads, int64_t D, const Fn& fn) {
-  mstar_cpu::parallel_tasks((T_ + 15) / 16, [&](int64_t task) {
+  mstar_cpu::parallel_tasks((T_ + 15) / 16, T_ * heads * D, [&](int64_t task) {
     for (int64_t t = task * 16; t < std::min(T_, task * 16 + 16); ++t)
       for (int64_t h = 0; h < heads; ++h) fn(yp + t * stride + h * D, cp + t * D, sp + t * D);
   });
@@ -1047,10 +1047,10 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   int64_t* op = out.data_ptr<int64_t>();
   if (x.scalar_type() == torch::kFloat32) {
     const float* xp = x.data_ptr<float>();
-    mstar_cpu::parallel_tasks(B, [&](int64_t r) { op[r] = argmax_row(xp + r * V, V); });
+    mstar_cpu::parallel_tasks(B, B * V, [&](int64_t r) { op[r] = argmax_row(xp + r * V, V); });
   } else {
     const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-    mstar_cpu::parallel_tasks(B, [&](int64_t r) { op[r] = argmax_row(xp + r * V, V); });
+    mstar_cpu::parallel_tasks(B, B * V, [&](int64_t r) { op[r] = argmax_row(xp + r * V, V); });
   }
   return out;
 }
@@ -1107,7 +1107,7 @@ torch::Tensor snake_beta(torch::Tensor x, torch::Tensor alpha, torch::Tensor inv
   float* yp = y.data_ptr<float>();
   const int64_t chunk = 4096;  // tasks of up to 4096 steps of one row
   const int64_t per_row = (T + chunk - 1) / chunk;
-  mstar_cpu::parallel_tasks(B * C * per_row, [&](int64_t task) {
+  mstar_cpu::parallel_tasks(B * C * per_row, 16 * B * C * T, [&](int64_t task) {  // ~16 steps an element
     const int64_t row = task / per_row, t0 = (task % per_row) * chunk, t1 = std::min(T, t0 + chunk);
     const float al = ap[row % C], be = bp[row % C];
     const float* xr = xp + row * T;
@@ -1230,7 +1230,7 @@ torch::Tensor narrow_conv1d(torch::Tensor x, torch::Tensor w, c10::optional<torc
   const int64_t chunk = CO > 16 ? std::max<int64_t>(256, ((int64_t{1} << 16) / std::max<int64_t>(CI, 1)) & ~int64_t{15})
                                 : 4096;
   const int64_t per_row = (T + chunk - 1) / chunk, per_batch = blocks * per_row;
-  mstar_cpu::parallel_tasks(B * per_batch, [&](int64_t task) {
+  mstar_cpu::parallel_tasks(B * per_batch, B * CO * CI * K * T, [&](int64_t task) {
     const int64_t row = task / per_batch, blk = task % per_batch / per_row;
     const int64_t t0 = (task % per_row) * chunk, t1 = std::min(T, t0 + chunk);
     const float* xr = xp + row * CI * L;
@@ -1256,6 +1256,9 @@ void paged_block_(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
                   torch::Tensor causal, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_inline_work", [](int64_t work) { mstar_cpu::inline_work.store(work); },
+        "calls of less estimated work than this run their tasks inline (parallel.h)");
+  m.def("inline_work", [] { return mstar_cpu::inline_work.load(); }, "see set_inline_work");
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache");
   m.def("store_kv_", &store_kv_, "store k / v rows into the paged caches at flat slots (index_copy_ of the converted rows)");
   m.def("decode_step", &decode_step, "store new K/V rows, then decode attention (all rows single-token appends)");

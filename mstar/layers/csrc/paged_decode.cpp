@@ -424,8 +424,10 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* cp = ctx.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
+  int64_t keys = 0;  // the rows' context lengths: the call's work is keys * q_heads * head_dim * 2
+  for (int64_t r = 0; r < rows; ++r) keys += cp[r];
   // every task runs whole on one thread, whichever thread that is
-  mstar_cpu::parallel_tasks(rows * parts, [&](int64_t task) {
+  mstar_cpu::parallel_tasks(rows * parts, 2 * keys * q_heads * ly.head_dim, [&](int64_t task) {
     thread_local std::vector<float> scores;
     {
       const int64_t r = task / parts, g0 = (task % parts) * per_part;
@@ -930,7 +932,9 @@ void paged_block_(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
                 *lp = q_len.data_ptr<int64_t>(), *fp = causal.data_ptr<int64_t>(),
                 *tp = tables.data_ptr<int64_t>();
   std::vector<BlockTask> tasks;
+  int64_t work = 0;  // query rows x keys x q_heads x head_dim x 2, over the sequences
   for (int64_t i = 0; i < seqs; ++i) {
+    work += 2 * lp[i] * cp[i] * q_heads * ly.head_dim;
     TORCH_CHECK(lp[i] >= 1 && cp[i] >= lp[i] && sp[i] >= 0 && sp[i] + lp[i] <= q.size(0),
                 "sequence ", i, ": bad q_start / q_len / ctx");
     const int64_t needed = (cp[i] + ly.block_size - 1) / ly.block_size;
@@ -947,7 +951,7 @@ void paged_block_(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   auto run = [&](auto* kc, auto* vc) {
-    mstar_cpu::parallel_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
+    mstar_cpu::parallel_tasks(static_cast<int64_t>(tasks.size()), work, [&](int64_t t) {
       thread_local BlockScratch scratch;
       const BlockTask& tk = tasks[t];
       block_task(tk, qp, kc, vc, tp + tk.seq * ly.table_width, cp[tk.seq], lp[tk.seq], fp[tk.seq] != 0,
