@@ -286,6 +286,32 @@ def test_narrow_conv1d_matches_conv1d(ext, threads, c_in, c_out, dilation, steps
     assert torch.equal(ext.narrow_conv1d(x, w, b, dilation, residual), y + residual)
 
 
+@pytest.mark.parametrize("trimmed", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("r,channels,steps", [(3, 8, 40), (8, 64, 5), (2, 16, 1)])
+def test_upsample_taps_has_the_unfused_bits(ext, threads, trimmed, bias, r, channels, steps):
+    """A transposed convolution's output from its taps: the bits of the PyTorch steps it replaces (the
+    two taps' sum of a trimmed one, the interleaving copy, then the bias)."""
+    k, batch = (2 * r if trimmed else r), 3
+    z, b = _rand(batch, k * channels, steps, seed=7), _rand(channels, seed=8) if bias else None
+    v = z.view(batch, k, channels, steps)
+    if trimmed:
+        v = v[:, :r, :, 1:] + v[:, r:, :, :-1]
+    expected = v.permute(0, 2, 3, 1).reshape(batch, channels, -1)
+    if b is not None:
+        expected = expected + b[:, None]
+    got = ext.upsample_taps(z, r, trimmed, b)
+    assert got.shape == (batch, channels, (steps - trimmed) * r) and torch.equal(got, expected)
+    assert torch.equal(ext.upsample_taps(z[1:2].contiguous(), r, trimmed, b), expected[1:2])  # a row alone
+
+
+def test_upsample_taps_rejects_bad_shapes(ext):
+    with pytest.raises(RuntimeError, match="taps"):
+        ext.upsample_taps(_rand(1, 10, 4), 3, False, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ext.upsample_taps(_rand(1, 12, 4), 3, False, _rand(5))
+
+
 def test_narrow_conv1d_rejects_bad_shapes(ext):
     x = _rand(1, 8, 100, seed=24)
     with pytest.raises(RuntimeError, match="narrow_conv1d"):

@@ -1244,6 +1244,53 @@ torch::Tensor narrow_conv1d(torch::Tensor x, torch::Tensor w, c10::optional<torc
   return y;
 }
 
+// A transposed convolution's output from its taps (`narrow_conv1d` of the input to k * C output
+// channels, tap j of channel c at row j * C + c): z [B, k * C, L] -> y [B, C, L * r] with
+// y[b, c, t * r + s] = z[b, s * C + c, t] when k == r, or, when k == 2r and r outputs are trimmed on
+// each side, y[b, c, (t - 1) * r + s] = z[b, s * C + c, t] + z[b, (s + r) * C + c, t - 1] for t >= 1;
+// then + bias[c] when given. One pass instead of an add of two strided views, a permuting copy and
+// a bias add, each element rounded as those round it (the two taps' sum, then the bias).
+torch::Tensor upsample_taps(torch::Tensor z, int64_t r, bool trimmed, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(z.dim() == 3 && z.is_contiguous() && z.scalar_type() == torch::kFloat32 && r >= 1,
+              "upsample_taps: z must be contiguous float32 [batch, taps * channels, steps], r >= 1");
+  const int64_t k = trimmed ? 2 * r : r;
+  TORCH_CHECK(z.size(1) % k == 0, "upsample_taps: z's rows must be ", k, " taps of the channels");
+  const int64_t B = z.size(0), C = z.size(1) / k, L = z.size(2), steps = trimmed ? L - 1 : L;
+  TORCH_CHECK(steps >= 0, "upsample_taps: no steps");
+  torch::Tensor bc;
+  if (bias.has_value()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.numel() == C && bc.scalar_type() == torch::kFloat32, "upsample_taps: bias must be float32 [channels]");
+  }
+  const float* bp = bias.has_value() ? bc.data_ptr<float>() : nullptr;
+  auto y = torch::empty({B, C, steps * r}, z.options());
+  const float* zp = z.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  mstar_cpu::parallel_tasks(B * C, B * C * steps * r, [&](int64_t row) {
+    const int64_t b = row / C, c = row % C;
+    float* yr = yp + row * steps * r;
+    const float* zb = zp + b * k * C * L;
+    for (int64_t s = 0; s < r; ++s) {
+      const float* now = zb + (s * C + c) * L;
+      if (trimmed) {
+        const float* before = zb + ((s + r) * C + c) * L;
+        if (bp != nullptr) {
+          const float bias_c = bp[c];
+          for (int64_t t = 1; t <= steps; ++t) yr[(t - 1) * r + s] = (now[t] + before[t - 1]) + bias_c;
+        } else {
+          for (int64_t t = 1; t <= steps; ++t) yr[(t - 1) * r + s] = now[t] + before[t - 1];
+        }
+      } else if (bp != nullptr) {
+        const float bias_c = bp[c];
+        for (int64_t t = 0; t < steps; ++t) yr[t * r + s] = now[t] + bias_c;
+      } else {
+        for (int64_t t = 0; t < steps; ++t) yr[t * r + s] = now[t];
+      }
+    }
+  });
+  return y;
+}
+
 // csrc/paged_decode.cpp (compiled into this extension)
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor ctx);
@@ -1280,6 +1327,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weights"), py::arg("experts"), py::arg("gate_up"), py::arg("down"), py::arg("inter"));
   m.def("narrow_conv1d", &narrow_conv1d, "stride-1 convolution of a padded input with 1, 8 or a multiple of 16 output channels",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("dilation") = 1, py::arg("residual") = py::none());
+  m.def("upsample_taps", &upsample_taps, "a transposed convolution's output from its taps (narrow_conv1d), plus the bias",
+        py::arg("z"), py::arg("r"), py::arg("trimmed"), py::arg("bias") = py::none());
   m.def("snake_beta", &snake_beta, "x + inv_beta * sin(alpha * x)^2 over [batch, channels, time]",
         py::arg("x"), py::arg("alpha"), py::arg("inv_beta"), py::arg("left") = py::none());
 }

@@ -166,13 +166,9 @@ class BatchVocoder:
             cached = (key, conv.weight.permute(2, 1, 0).reshape(k * out, conv.in_channels, 1).contiguous())
             self._taps[id(conv)] = cached
         z = self.kernel.narrow_conv1d(x.contiguous(), cached[1], None, 1)  # z[b, j*out + o, t] = tap j of x[b, :, t]
-        B, L = x.shape[0], x.shape[-1]
-        z = z.view(B, k, out, L)
-        if trimmed:  # output (t - 1) * r + s = tap s of step t + tap s + r of step t - 1
-            z = z[:, :r, :, 1:] + z[:, r:, :, :-1]
-            L -= 1
-        y = z.permute(0, 2, 3, 1).reshape(B, out, L * r)
-        return y if conv.bias is None else y + conv.bias[:, None]
+        # output t * r + s = tap s of step t (trimmed: output (t - 1) * r + s = tap s of step t + tap
+        # s + r of step t - 1), plus the bias: interleaved in one pass
+        return self.kernel.upsample_taps(z, r, trimmed, conv.bias)
 
 
 class PreTransformer:
