@@ -22,8 +22,11 @@ def result():
     os.environ["MSTAR_ATTENTION_KERNEL"] = "torch"  # the compiled kernel's first build would dominate
     try:
         torch.manual_seed(0)
-        yield omni_bench.run_omni_bench([1, 2], text_tokens=4, talker_steps=5, repeats=1,
-                                        config=dict(TINY_HF_CONFIG), profile=True)
+        messages: list[str] = []
+        res = omni_bench.run_omni_bench([1, 2], text_tokens=4, talker_steps=5, repeats=1,
+                                        config=dict(TINY_HF_CONFIG), profile=True, log=messages.append)
+        res.messages = messages
+        yield res
     finally:
         if old is None:
             os.environ.pop("MSTAR_ATTENTION_KERNEL", None)
@@ -39,6 +42,14 @@ def test_greedy_runs_give_the_same_codes_and_audio_length(result):
         assert p.ok, p
         for s in r.systems.values():
             assert s.audio_s_per_request == pytest.approx((1920 * 4 - 555) / 24000)
+
+
+def test_each_level_is_timed_after_a_warm_up_of_every_system(result):
+    runs = [m.split(":")[0] for m in result.messages if m.startswith("concurrency")]
+    for c in (1, 2):
+        mine = [m for m in runs if m.startswith(f"concurrency {c} ")]
+        assert mine == [f"concurrency {c} warm-up {s}" for s in omni_bench.SYSTEMS] + \
+            [f"concurrency {c} repeat 1/1 {s}" for s in omni_bench.SYSTEMS]
 
 
 def test_summaries_are_consistent(result):
@@ -67,8 +78,8 @@ def test_table_has_every_row_and_goal(result):
     for text, ok in goals:
         assert f"goal {'met' if ok else 'NOT met'}: {text}" in table
     assert ("mstar profile at concurrency 2" in table) == (not all(ok for _, ok in goals))
-    hit, looked = result.prefix_tokens  # every measured prompt starts with the shared system turn
-    assert 0 < hit < looked and looked == sum(len(p) for c in (1, 2) for p in omni_bench.prompts(c))
+    hit, looked = result.prefix_tokens  # every prompt starts with the shared system turn (each level: warm-up + repeat)
+    assert 0 < hit < looked and looked == 2 * sum(len(p) for c in (1, 2) for p in omni_bench.prompts(c))
     assert f"the Thinker reused {hit} of {looked} prompt tokens" in table
     data = omni_bench.to_json(result)
     assert [g["met"] for g in data["goals"]] == [ok for _, ok in goals]

@@ -332,9 +332,15 @@ class Workload:
         return _check(system, run, self.talker_steps - 1)
 
 
-def _measure(work: Workload, rt: Runtime, hf, c: int, repeats: int, say) -> ConcurrencyResult:
+def _measure(work: Workload, rt: Runtime, hf, c: int, repeats: int, say, warmup: bool = True) -> ConcurrencyResult:
     batch = prompts(c)
     runs: dict[str, list[SystemRun]] = {s: [] for s in SYSTEMS}
+    if warmup:  # untimed, every system: a process's first batch of c grows its allocator and caches (mstar's
+        # first 16 requests took ~150k page faults, ~30 ms more to their first audio, and set the pooled p95);
+        # hf-sequential runs one request at a time at every level, so one request warms it
+        for system in SYSTEMS:
+            run = work.run(system, rt, hf, batch[:1] if system == "hf-sequential" else batch, 0)
+            say(f"concurrency {c} warm-up {system}: {run.wall_s:.2f} s")
     for rep in range(repeats):  # alternating: each repeat runs every system once
         for system in SYSTEMS:
             run = work.run(system, rt, hf, batch, rep)
@@ -346,9 +352,10 @@ def _measure(work: Workload, rt: Runtime, hf, c: int, repeats: int, say) -> Conc
 
 def run_omni_bench(concurrency: list[int], text_tokens: int = 12, talker_steps: int = 61, repeats: int = 2,
                    sample: bool = False, seed: int = 0, config: dict[str, Any] | None = None,
-                   profile: bool = True, prefix_caching: bool = True,
+                   profile: bool = True, prefix_caching: bool = True, warmup: bool = True,
                    log: Callable[[str], None] | None = None) -> OmniBenchResult:
-    """Build the shared checkpoint, warm every system up, measure each concurrency. ``prefix_caching``:
+    """Build the shared checkpoint, warm every system up, measure each concurrency (``warmup``: after
+    an untimed run of every system at that concurrency, so each level is timed warm). ``prefix_caching``:
     mstar's Thinker reuses the KV blocks of the prompts' shared system turn (the runtime's default;
     transformers has no such cache); its reuse over the measured runs is reported."""
     from mstar.models.qwen3_omni.model import Qwen3Omni
@@ -372,7 +379,7 @@ def run_omni_bench(concurrency: list[int], text_tokens: int = 12, talker_steps: 
             before = thinker_prefix_tokens(rt)
             res = OmniBenchResult(describe_config(cfg), text_tokens, talker_steps, sample, repeats,
                                   torch.get_num_threads(),
-                                  [_measure(work, rt, hf, c, repeats, say) for c in concurrency],
+                                  [_measure(work, rt, hf, c, repeats, say, warmup) for c in concurrency],
                                   prefix_caching=prefix_caching)
             after = thinker_prefix_tokens(rt)
             res.prefix_tokens = (after[0] - before[0], after[1] - before[1])
@@ -439,7 +446,8 @@ def format_table(res: OmniBenchResult) -> str:
     lines = [f"Qwen3-Omni TTS, random weights ({res.config}); thinker greedy "
              f"<= {res.text_tokens} tokens, talker {talker}, {res.talker_steps - 1} frames "
              f"({(res.talker_steps - 1) * 0.08:.2f} s audio) per request, codec EOS suppressed; "
-             f"median (min–max) over {res.repeats} alternating repeats; torch threads {res.threads}", "",
+             f"median (min–max) over {res.repeats} alternating repeats, each concurrency after a warm-up run of every "
+             f"system; torch threads {res.threads}", "",
              "| concurrency | system | requests/s | audio-s per wall-s | TTFA p50 ms | TTFA p95 ms | RTF p50 "
              "| throughput vs better baseline | TTFA better baseline / this |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
