@@ -21,7 +21,6 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar.layers.tensor_parallel import apply_tp, shardable
 from mstar.model.base import ModelDef
 from mstar.runtime.decode_cohort import Lockstep
 from mstar.runtime.engine import (
@@ -33,7 +32,6 @@ from mstar.runtime.engine import (
 )
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.keys import PartitionKey, StreamKey, WalkKey, decode_counts, encode_counts
-from mstar.runtime.kv.sizing import blocks_in_memory
 from mstar.runtime.kv_admission import KVAdmission
 from mstar.runtime.messages import (
     CONDUCTOR,
@@ -58,7 +56,6 @@ from mstar.runtime.messages import (
 )
 from mstar.runtime.routing import Routing
 from mstar.runtime.scheduling import ModuleScheduler, module_stages
-from mstar.runtime.stateless_rows import ContinuedStatelessEngine
 from mstar.runtime.streams import StreamBuffer, holds_chunks
 from mstar.runtime.tensor_parallel import (
     StatsBarrier,
@@ -67,11 +64,11 @@ from mstar.runtime.tensor_parallel import (
     TPLeaderEngine,
     TPLeaderKVEngine,
     TPStatsBarrier,
-    build_tp_engine,
 )
 from mstar.runtime.tp_follower import TPFollower, TPShard
 from mstar.runtime.walk_records import Effects, ReadyNode
 from mstar.runtime.walk_tracker import WalkTracker
+from mstar.runtime.worker_engines import build_engines
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +98,10 @@ class Worker:
         self.transport = transport
         self.tp = tp
         nodes = sorted(routing.placement.nodes_on(rank))
-        self.engines: dict[str, StatelessEngine] = {}
-        self.following: set[str] = set()  # tensor-parallel modules this rank follows (runtime/tensor_parallel.py)
-        self.max_batch: dict[str, int] = {}
-        self._build_engines(nodes, device)
+        built = build_engines(model, routing, nodes, device, tp, transport)  # worker_engines.py
+        self.engines: dict[str, StatelessEngine] = built.engines
+        self.following = built.following  # tensor-parallel modules this rank follows (runtime/tensor_parallel.py)
+        self.max_batch = built.max_batch
         self.queues: dict[str, deque[WorkItem]] = {b: deque() for b in self.engines}
         self._queue_of = {node: self.queues[model.module_of(node)] for node in nodes}
         self.walks: dict[WalkKey, _Walk] = {}
@@ -133,42 +130,6 @@ class Worker:
                                          lambda it: holds_chunks(self.streams, it.request_id, it.partition,
                                                                  consumers.get(it.partition, ())))
         self._tp_follower = TPFollower(self.engines, transport, tp) if self.following else None
-
-    def _build_engines(self, nodes: list[str], device: str) -> None:
-        placement = self.routing.placement
-        modules = self.model.build_submodules(nodes) if nodes else {}
-        limits = placement.limits
-        for node in nodes:
-            base = self.model.module_of(node)
-            module = modules[node]
-            module.to(device).eval()
-            if base in self.engines:
-                pass
-            elif self.tp is not None and base in self.tp.layouts and shardable(module):
-                self.engines[base] = self._tp_engine(base, module, device)
-            else:
-                self.engines[base] = (KVCacheEngine(module, self._pool_blocks(module), limits.kv_block_size, device,
-                                                    prefix_caching=limits.prefix_caching)
-                                      if module.kv_spec is not None else ContinuedStatelessEngine(module))
-            self.max_batch[base] = min(self.max_batch.get(base, 1 << 30), placement.max_batch_size(node))
-
-    def _tp_engine(self, base: str, module, device: str) -> StatelessEngine:
-        """Shard ``module`` over its tensor-parallel group; the leader's engine mirrors its calls."""
-        layout = self.tp.layouts[base]
-        apply_tp(module, self.tp.tp_group(base))
-        if not layout.is_leader:
-            self.following.add(base)
-        blocks = self._pool_blocks(module) if module.kv_spec is not None else 0
-        limits = self.routing.placement.limits
-        return build_tp_engine(module, layout, self.transport, blocks, limits.kv_block_size, device,
-                               prefix_caching=limits.prefix_caching)
-
-    def _pool_blocks(self, module) -> int:
-        """``kv_cache_blocks``, or as many blocks as ``kv_cache_memory_gib`` holds for this module."""
-        limits = self.routing.placement.limits
-        if limits.kv_cache_memory_gib is None:
-            return limits.kv_cache_blocks
-        return blocks_in_memory(module.kv_spec, limits.kv_block_size, limits.kv_cache_memory_gib)
 
     # -- messages ------------------------------------------------------------------------------
     def _tell(self, msg: Any) -> None:

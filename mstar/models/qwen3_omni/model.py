@@ -193,7 +193,7 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
 
     # -- modules -----------------------------------------------------------------------------------
     def build_submodules(self, node_names: Iterable[str]) -> dict[str, NodeSubmodule]:
-        from mstar.models.qwen3_omni import codec_nodes, loader, nodes
+        from mstar.models.qwen3_omni import codec_nodes, encoder_nodes, loader, nodes
 
         cfg, path, fmt = self.config, self.model_path, self.load_format
         mods: dict[str, NodeSubmodule] = {}
@@ -207,9 +207,9 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
                 mods[node] = codec_nodes.CodePredictorNode(loader.build_code_predictor(cfg, path, fmt, self.dtype,
                                                                                  self.seed + 2))
             elif node == "vision_encoder":
-                mods[node] = nodes.VisionEncoderNode(loader.build_vision_tower(cfg, path, fmt, self.seed + 5))
+                mods[node] = encoder_nodes.VisionEncoderNode(loader.build_vision_tower(cfg, path, fmt, self.seed + 5))
             elif node == "audio_encoder":
-                mods[node] = nodes.AudioEncoderNode(loader.build_audio_tower(cfg, path, fmt, self.seed + 4))
+                mods[node] = encoder_nodes.AudioEncoderNode(loader.build_audio_tower(cfg, path, fmt, self.seed + 4))
             elif node == "frame_assembler":
                 mods[node] = codec_nodes.FrameAssembler()
             elif node == "Code2Wav":

@@ -1,7 +1,7 @@
 """Qwen3-Omni's nodes (see ``graph.py`` for the walks they serve):
 
-* ``audio_encoder`` (``AudioEncoderNode``), ``vision_encoder`` (``VisionEncoderNode``): transformers'
-  audio and vision towers over the request's clips / images;
+* ``audio_encoder``, ``vision_encoder``: transformers' audio and vision towers over the request's
+  clips / images (``encoder_nodes.py``);
 * ``Thinker`` (``ThinkerNode``): the MoE thinker over the paged cache (placeholders replaced by the
   towers' embeddings, deepstack features, M-RoPE positions); samples text tokens and, in the
   audio-out walks, streams per fed position ``[n, 2, H]`` = (input embedding, ``accept_hidden_layer``
@@ -33,9 +33,8 @@ from mstar.models.qwen3_omni.prompt import OmniTokenIds, assistant_start, multim
 from mstar.models.qwen3_omni.talker import TalkerLM, empty_frame_cache
 from mstar.models.qwen3_omni.thinker import ThinkerLM, mrope_positions
 
-__all__ = ["PREDICTOR_SAMPLING", "TALKER_SAMPLING", "THINKER_SAMPLING", "AudioEncoderNode", "TalkerNode",
-           "ThinkerNode", "VisionEncoderNode", "omni_token_ids", "predictor_sampling", "talker_sampling",
-           "vision_layout"]
+__all__ = ["PREDICTOR_SAMPLING", "TALKER_SAMPLING", "THINKER_SAMPLING", "TalkerNode", "ThinkerNode",
+           "omni_token_ids", "predictor_sampling", "talker_sampling", "vision_layout"]
 
 THINKER_SAMPLING: Mapping[str, Any] = {"temperature": 0.0, "max_tokens": 256}
 TALKER_SAMPLING: Mapping[str, Any] = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05,
@@ -260,47 +259,6 @@ def vision_layout(cfg: Qwen3OmniConfig) -> tuple[int, int]:
     th = cfg.hf.get("thinker_config") or {}
     merge = (th.get("vision_config") or {}).get("spatial_merge_size", 2)
     return int(merge), int(th.get("position_id_per_seconds", 13))
-
-
-class AudioEncoderNode(NodeSubmodule):
-    """``audio_features`` (the request's clips, ``[128, T_i]`` each) -> ``audio_embeds`` ``[sum n_i, H]``:
-    every clip of the batch in one call of the wrapped transformers audio tower."""
-
-    def __init__(self, tower: Any) -> None:
-        super().__init__()
-        self.tower = tower
-
-    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
-                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
-        return NodeInputs(extras={"clips": [c.float() for c in inputs["audio_features"]]})
-
-    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
-        clips = engine_inputs.extras["clips"]
-        out = iter(self.tower([c for per_request in clips for c in per_request]))
-        return {"audio_embeds": [torch.cat([next(out) for _ in per_request]) for per_request in clips]}
-
-
-class VisionEncoderNode(NodeSubmodule):
-    """``pixel_values`` [N, D] and ``image_grid_thw`` [I, 3] of a request -> ``image_embeds``
-    [sum n_i, H] and ``deepstack`` [layers, sum n_i, H] (features added after the Thinker's first layers)."""
-
-    def __init__(self, tower: Any) -> None:
-        super().__init__()
-        self.tower = tower
-
-    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
-                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
-        return NodeInputs(extras={"pixels": inputs["pixel_values"][0].float(),
-                                  "grids": inputs["image_grid_thw"][0].reshape(-1, 3).long()})
-
-    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
-        x = engine_inputs.extras
-        out: dict[str, list] = {"image_embeds": [], "deepstack": []}
-        for pixels, grids in zip(x["pixels"], x["grids"]):  # one tower call per request (its images batch)
-            vision = self.tower(pixels, grids)
-            out["image_embeds"].append(torch.cat(vision.embeds))
-            out["deepstack"].append(torch.stack([torch.cat(layer) for layer in vision.deepstack]))
-        return out
 
 
 # -- Talker --------------------------------------------------------------------------------------------

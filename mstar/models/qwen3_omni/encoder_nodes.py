@@ -1,0 +1,55 @@
+"""Qwen3-Omni's encoder nodes, before the Thinker (``nodes.py``): transformers' audio and vision towers
+(``encoders.py``) as stateless nodes over the batch's clips and images. A request's walks take them
+only when it brings audio or images (``graph.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mstar.model.submodule import EngineInputs, ForwardInfo, NodeInputs, NodeSubmodule
+
+__all__ = ["AudioEncoderNode", "VisionEncoderNode"]
+
+
+class AudioEncoderNode(NodeSubmodule):
+    """``audio_features`` (the request's clips, ``[128, T_i]`` each) -> ``audio_embeds`` ``[sum n_i, H]``:
+    every clip of the batch in one call of the wrapped transformers audio tower."""
+
+    def __init__(self, tower: Any) -> None:
+        super().__init__()
+        self.tower = tower
+
+    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
+                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
+        return NodeInputs(extras={"clips": [c.float() for c in inputs["audio_features"]]})
+
+    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
+        clips = engine_inputs.extras["clips"]
+        out = iter(self.tower([c for per_request in clips for c in per_request]))
+        return {"audio_embeds": [torch.cat([next(out) for _ in per_request]) for per_request in clips]}
+
+
+class VisionEncoderNode(NodeSubmodule):
+    """``pixel_values`` [N, D] and ``image_grid_thw`` [I, 3] of a request -> ``image_embeds``
+    [sum n_i, H] and ``deepstack`` [layers, sum n_i, H] (features added after the Thinker's first layers)."""
+
+    def __init__(self, tower: Any) -> None:
+        super().__init__()
+        self.tower = tower
+
+    def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
+                       inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
+        return NodeInputs(extras={"pixels": inputs["pixel_values"][0].float(),
+                                  "grids": inputs["image_grid_thw"][0].reshape(-1, 3).long()})
+
+    def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
+        x = engine_inputs.extras
+        out: dict[str, list] = {"image_embeds": [], "deepstack": []}
+        for pixels, grids in zip(x["pixels"], x["grids"]):  # one tower call per request (its images batch)
+            vision = self.tower(pixels, grids)
+            out["image_embeds"].append(torch.cat(vision.embeds))
+            out["deepstack"].append(torch.stack([torch.cat(layer) for layer in vision.deepstack]))
+        return out
