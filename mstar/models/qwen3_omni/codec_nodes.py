@@ -103,13 +103,9 @@ class FrameAssembler(NodeSubmodule):
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
         codes = [inputs["code0"][0], *inputs["code"]]  # code: one per step, each [1] as the nodes make them
-        try:
-            frame = torch.cat(codes)
-        except RuntimeError:  # a 0-d code
-            frame = None
-        if frame is None or frame.dim() != 1 or frame.numel() != len(codes):  # codes of other shapes
-            frame = torch.cat([c.reshape(-1) for c in codes])
-        return NodeInputs(extras={"frame": frame, "speak": bool(inputs["speak"][0]),
+        if any(c.dim() != 1 for c in codes):
+            codes = [c.reshape(-1) for c in codes]
+        return NodeInputs(extras={"frame": torch.cat(codes), "speak": bool(inputs["speak"][0]),
                                   "sum": inputs["cp_sum"][0]})
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:

@@ -79,8 +79,8 @@ class _ThinkerRequest:
 
     media: list[tuple[torch.Tensor, torch.Tensor]]  # (placeholder rows, tower embeddings) replacing them
     deepstack: tuple[torch.Tensor, torch.Tensor] | None  # (image rows, [layers, n, H]) added after layers
-    positions: torch.Tensor | None  # [3, n] M-RoPE position ids of the new tokens; None: a decode token's,
-    delta: int  # M-RoPE position - cache offset of every token after the prompt (its cache offset + delta)
+    positions: torch.Tensor | None  # [3, n] M-RoPE position ids of the new tokens (None: a decode token)
+    delta: int  # M-RoPE position - cache offset of every token after the prompt (a decode token's position)
     prompt: torch.Tensor | None = None  # a prefill's whole prompt (its leading tokens may come cached)
 
 
