@@ -332,30 +332,40 @@ class Workload:
         return _check(system, run, self.talker_steps - 1)
 
 
-def _measure(work: Workload, rt: Runtime, hf, c: int, repeats: int, say, warmup: bool = True) -> ConcurrencyResult:
-    batch = prompts(c)
-    runs: dict[str, list[SystemRun]] = {s: [] for s in SYSTEMS}
-    if warmup:  # untimed, every system: a process's first batch of c grows its allocator and caches (mstar's
-        # first 16 requests took ~150k page faults, ~30 ms more to their first audio, and set the pooled p95);
-        # hf-sequential runs one request at a time at every level, so one request warms it
-        for system in SYSTEMS:
-            run = work.run(system, rt, hf, batch[:1] if system == "hf-sequential" else batch, 0)
-            say(f"concurrency {c} warm-up {system}: {run.wall_s:.2f} s")
-    for rep in range(repeats):  # alternating: each repeat runs every system once
-        for system in SYSTEMS:
-            run = work.run(system, rt, hf, batch, rep)
-            runs[system].append(run)
-            say(f"concurrency {c} repeat {rep + 1}/{repeats} {system}: {run.wall_s:.2f} s")
-    par = None if work.sample else parity(*(runs[s][0] for s in SYSTEMS))
-    return ConcurrencyResult(c, {s: SystemSummary.of(s, c, r) for s, r in runs.items()}, par)
+def _measure(work: Workload, rt: Runtime, hf, levels: list[int], repeats: int, say,
+             warmup: bool = True) -> list[ConcurrencyResult]:
+    """Every level's runs. Each repeat runs every level in turn and, within a level, every system in
+    turn: a host that drifts over the suite's minutes (a run at 16 read 190 ms to its last first audio,
+    the next one 271 ms, with nothing changed in between) then reaches every level and system alike,
+    and the goal comparing the smallest level with the largest compares runs of the same stretch."""
+    batches = {c: prompts(c) for c in levels}
+    runs: dict[int, dict[str, list[SystemRun]]] = {c: {s: [] for s in SYSTEMS} for c in levels}
+    if warmup:  # untimed, every system at every level: a process's first batch of c grows its allocator
+        # and caches (mstar's first 16 requests took ~150k page faults, ~30 ms more to their first audio,
+        # and set the pooled p95); hf-sequential runs one request at a time at every level, so one warms it
+        for c in levels:
+            for system in SYSTEMS:
+                batch = batches[c][:1] if system == "hf-sequential" else batches[c]
+                say(f"concurrency {c} warm-up {system}: {work.run(system, rt, hf, batch, 0).wall_s:.2f} s")
+    for rep in range(repeats):
+        for c in levels:
+            for system in SYSTEMS:
+                run = work.run(system, rt, hf, batches[c], rep)
+                runs[c][system].append(run)
+                say(f"concurrency {c} repeat {rep + 1}/{repeats} {system}: {run.wall_s:.2f} s")
+    out = []
+    for c in levels:
+        par = None if work.sample else parity(*(runs[c][s][0] for s in SYSTEMS))
+        out.append(ConcurrencyResult(c, {s: SystemSummary.of(s, c, r) for s, r in runs[c].items()}, par))
+    return out
 
 
 def run_omni_bench(concurrency: list[int], text_tokens: int = 12, talker_steps: int = 61, repeats: int = 2,
                    sample: bool = False, seed: int = 0, config: dict[str, Any] | None = None,
                    profile: bool = True, prefix_caching: bool = True, warmup: bool = True,
                    log: Callable[[str], None] | None = None) -> OmniBenchResult:
-    """Build the shared checkpoint, warm every system up, measure each concurrency (``warmup``: after
-    an untimed run of every system at that concurrency, so each level is timed warm). ``prefix_caching``:
+    """Build the shared checkpoint, warm every system up, measure the concurrencies, interleaved
+    (``_measure``; ``warmup``: each level timed after an untimed run of every system at it). ``prefix_caching``:
     mstar's Thinker reuses the KV blocks of the prompts' shared system turn (the runtime's default;
     transformers has no such cache); its reuse over the measured runs is reported."""
     from mstar.models.qwen3_omni.model import Qwen3Omni
@@ -379,7 +389,7 @@ def run_omni_bench(concurrency: list[int], text_tokens: int = 12, talker_steps: 
             before = thinker_prefix_tokens(rt)
             res = OmniBenchResult(describe_config(cfg), text_tokens, talker_steps, sample, repeats,
                                   torch.get_num_threads(),
-                                  [_measure(work, rt, hf, c, repeats, say, warmup) for c in concurrency],
+                                  _measure(work, rt, hf, concurrency, repeats, say, warmup),
                                   prefix_caching=prefix_caching)
             after = thinker_prefix_tokens(rt)
             res.prefix_tokens = (after[0] - before[0], after[1] - before[1])
@@ -446,8 +456,8 @@ def format_table(res: OmniBenchResult) -> str:
     lines = [f"Qwen3-Omni TTS, random weights ({res.config}); thinker greedy "
              f"<= {res.text_tokens} tokens, talker {talker}, {res.talker_steps - 1} frames "
              f"({(res.talker_steps - 1) * 0.08:.2f} s audio) per request, codec EOS suppressed; "
-             f"median (min–max) over {res.repeats} alternating repeats, each concurrency after a warm-up run of every "
-             f"system; torch threads {res.threads}", "",
+             f"median (min–max) over {res.repeats} repeats, each running every concurrency in turn and every system "
+             f"in turn within it, after a warm-up run of every system at every concurrency; torch threads {res.threads}", "",
              "| concurrency | system | requests/s | audio-s per wall-s | TTFA p50 ms | TTFA p95 ms | RTF p50 "
              "| throughput vs better baseline | TTFA better baseline / this |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
