@@ -75,6 +75,16 @@ def test_fused_silu_mul_and_residual(ext, threads):
     assert torch.equal(ext.linear(x, ext.pack(w, False), 50, False, res), plain + res)
 
 
+def test_silu_mul_over_the_whole_range_of_gates(ext):
+    # the fused SiLU (a vectorised exp, vec_math.h) against PyTorch's from deep negative to large gates:
+    # a few ulp apart; below -87 (where e^g underflows) both are within 1e-35 of zero; NaN stays NaN
+    g = torch.cat([torch.linspace(-95, 95, 3801), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e30, float("nan")])])
+    x = torch.stack([g, torch.ones_like(g)], dim=1)  # gate = g, up = 1
+    act = ext.linear(x, ext.pack(torch.eye(2), True), 1, True, None)[:, 0]
+    torch.testing.assert_close(act[:-1], F.silu(g[:-1]), atol=1e-35, rtol=2e-6)
+    assert torch.isnan(act[-1])
+
+
 def test_bfloat16_weights_and_inputs(ext):
     x, w = _rand(6, 128, seed=9), _rand(128, 90, seed=10)
     wb = w.to(torch.bfloat16)

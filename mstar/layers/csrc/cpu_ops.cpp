@@ -87,7 +87,13 @@ inline vf8 load8(const c10::BFloat16* p) {  // 8 bf16 -> float32
 inline float scalar(float x) { return x; }
 inline float scalar(c10::BFloat16 x) { return static_cast<float>(x); }
 
-inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+// SiLU g / (1 + e^-g) lane by lane, with e = e^-|g| from exp_nonpositive (vec_math.h, a few ulp): g / (1 + e)
+// for g >= 0, g e / (1 + e) for g < 0 (e^-g would overflow there). A NaN stays NaN. Below g = -87 the
+// result is a tiny g * 2^-126 instead of an underflowing one (and -inf gives -inf, not NaN).
+inline vf16 silu_vec(vf16 g) {
+  const vf16 e = mstar_vec::exp_nonpositive<vf16, vi16>(g < 0.0f ? g : -g);
+  return (g < 0.0f ? g * e : g) / (1.0f + e);
+}
 
 template <typename TY>
 struct Epilogue {
@@ -127,7 +133,9 @@ inline void store_row(const vf16 (&acc)[4], int64_t col0, TY* yr, const TY* res,
   }
   if (ep.silu_mul) {  // columns [0, 32) are gate, [32, 64) up, of output columns col0/2 + [0, 32)
     const int64_t c0 = col0 / 2, n = std::min<int64_t>(kPanel / 2, ep.n_out - c0);
-    for (int64_t c = 0; c < n; ++c) put(silu(out[c]) * out[kPanel / 2 + c], yr + c0 + c);
+    const vf16 act[2] = {silu_vec(acc[0]) * acc[2], silu_vec(acc[1]) * acc[3]};
+    std::memcpy(out, act, sizeof act);
+    for (int64_t c = 0; c < n; ++c) put(out[c], yr + c0 + c);
   } else {
     const int64_t n = std::min<int64_t>(kPanel, ep.n_out - col0);
     if (res != nullptr && ep.bias != nullptr) {  // (product as stored + bias, stored) + residual

@@ -4,6 +4,7 @@
 // whose largest term is 1), n = round(x), r = x - n in [-1/2, 1/2] (exact), 2^r by a degree-6
 // polynomial (a relative-error fit made for this file: ~1.3 ulp in float32 with fused
 // multiply-adds), times 2^n. With AVX-512 the rounding and the scaling are single instructions.
+// exp_nonpositive(x) = e^x for x <= 0 the same way, its reduction done in the natural base.
 #pragma once
 
 #include <immintrin.h>
@@ -28,24 +29,58 @@ inline V exp2_poly(V r) {
 }
 
 // V: a float vector type, VI: its int32 twin (same lane count).
-template <typename V, typename VI>
-inline V exp2_nonpositive(V x) {
+// n, rounded to the nearest integer, of x (no NaN, |x| < 2^22); its float value.
+template <typename V>
+inline V round_nearest(V x) {
 #if defined(__AVX512F__)
-  if constexpr (sizeof(V) == 64) {
-    const __m512 c = _mm512_max_ps(reinterpret_cast<__m512>(x), _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const V p = exp2_poly(reinterpret_cast<V>(_mm512_sub_ps(c, n)));
-    return reinterpret_cast<V>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), n));  // p * 2^n, exact
-  }
+  if constexpr (sizeof(V) == 64)
+    return reinterpret_cast<V>(_mm512_roundscale_ps(reinterpret_cast<__m512>(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
-  const V lo = V{} - 126.0f, magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  x = x < lo ? lo : x;
-  const V n = (x + magic) - magic;
-  const V p = exp2_poly(x - n);
+  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  return (x + magic) - magic;
+}
+
+// p * 2^n for an integer-valued n in [-126, 0], exact.
+template <typename V, typename VI>
+inline V times_pow2(V p, V n) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64)
+    return reinterpret_cast<V>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
+#endif
   const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
   V scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// With AVX-512 the clamp is max(x, -126), which also takes a NaN to -126 (its second operand).
+template <typename V, typename VI>
+inline V exp2_nonpositive(V x) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) {
+    x = reinterpret_cast<V>(_mm512_max_ps(reinterpret_cast<__m512>(x), _mm512_set1_ps(-126.0f)));
+  } else {
+    x = x < -126.0f ? V{} - 126.0f : x;
+  }
+#else
+  x = x < -126.0f ? V{} - 126.0f : x;
+#endif
+  const V n = round_nearest(x);
+  return times_pow2<V, VI>(exp2_poly(x - n), n);
+}
+
+// e^x for x <= 0 lane by lane (x clamped to -126 ln 2, where e^x vanishes beside 1): n = round(x log2 e),
+// r = x - n ln 2 with ln 2 in two parts (Cody and Waite: n times the first part is exact), so r is
+// accurate to a few ulp of itself however large n; then 2^(r log2 e) by the polynomial, times 2^n.
+// Scaling x by log2 e first would lose |x log2 e| * 2^-24 of the exponent (4e-6 relative at x = -70).
+template <typename V, typename VI>
+inline V exp_nonpositive(V x) {
+  constexpr float kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606820309417e-6f, kLog2e = 1.44269504088896341f;
+  const V lo = V{} - 87.33654475f;  // 126 ln 2
+  x = x < lo ? lo : x;
+  const V n = round_nearest(x * kLog2e);
+  const V r = (x - n * kLn2Hi) - n * kLn2Lo;
+  return times_pow2<V, VI>(exp2_poly(r * kLog2e), n);
 }
 
 // GELU (the erf form, x * (1 + erf(x / sqrt 2)) / 2) lane by lane, with erf by Abramowitz and Stegun
