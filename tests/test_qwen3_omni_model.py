@@ -206,6 +206,38 @@ def test_moe_experts_kernel_matches_the_per_expert_loop(dtype, monkeypatch):
             experts(x[:1], weights[:1], torch.full_like(ids[:1], n_experts))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_route_kernel_matches_the_reference_operators(dtype, monkeypatch):
+    """The compiled router (``moe_route``: softmax, top-k and renormalisation in one pass) picks the
+    experts of PyTorch's steps (bfloat16 logits tie often: there, experts of the same probability) with
+    weights a few ulp apart, for 4 to 128 experts and k of 1 to 8, normalised or not; a token's result
+    does not depend on its batch; a bad k is a clear error."""
+    from mstar.layers.cpu_ops import ops
+    from mstar.models.qwen3_omni.moe import route, route_reference
+
+    monkeypatch.delenv("MSTAR_ATTENTION_KERNEL")
+    kernel = ops()
+    if kernel is None:
+        pytest.skip("the compiled CPU kernels are not available here")
+    torch.manual_seed(0)
+    for tokens, n_experts, k, normalize in ((1, 8, 2, True), (70, 8, 2, True), (200, 128, 8, True),
+                                            (33, 60, 4, False), (5, 4, 1, True)):
+        logits = (torch.randn(tokens, n_experts) * 3).to(dtype)
+        w, ids = route(logits, k, normalize)
+        ref_w, ref_ids = route_reference(logits, k, normalize)
+        assert w.dtype == dtype and ids.dtype == torch.long and w.shape == ids.shape == (tokens, k)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        assert torch.equal(probs.gather(1, ids), probs.gather(1, ref_ids))  # the same probabilities chosen
+        if dtype == torch.float32:
+            assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(w, ref_w, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=0)
+        for row in (0, tokens - 1):
+            alone = route(logits[row:row + 1], k, normalize)
+            assert torch.equal(alone[0], w[row:row + 1]) and torch.equal(alone[1], ids[row:row + 1])
+    with pytest.raises(RuntimeError, match="k must be"):
+        kernel.moe_route(torch.randn(2, 4), 5, True)
+
+
 # -- decoders against transformers -------------------------------------------------------------------
 
 

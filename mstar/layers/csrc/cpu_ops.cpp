@@ -738,6 +738,56 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor weights, torch::Tensor 
   return out;
 }
 
+// A sparse MoE block's router over logits [T, E] (float32 or bfloat16): per token the softmax in float32
+// (e^(l - max) by std::exp, summed in expert order, each divided by the sum), its k largest
+// probabilities in descending order (a tie goes to the lower expert id), divided by their sum (summed
+// largest first) when `normalize`; (weights [T, k] in the logits' dtype, expert ids [T, k] int64).
+// One pass instead of torch.softmax, topk, sum, div and a cast; within a few float32 ulp of them (the
+// same expert ids but for near ties), and a token's result does not depend on the other tokens.
+template <typename T>
+void route_rows(const T* lp, int64_t tokens, int64_t E, int64_t k, bool normalize, T* wp, int64_t* ip) {
+  mstar_cpu::parallel_tasks((tokens + 63) / 64, tokens * E * 8, [&](int64_t task) {
+    std::vector<float> p(E);
+    std::vector<int64_t> order(E);
+    for (int64_t t = task * 64; t < std::min(tokens, task * 64 + 64); ++t) {
+      const T* l = lp + t * E;
+      float m = -INFINITY;
+      for (int64_t e = 0; e < E; ++e) m = std::max(m, scalar(l[e]));
+      float sum = 0.0f;
+      for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(scalar(l[e]) - m));
+      for (int64_t e = 0; e < E; ++e) {
+        p[e] /= sum;
+        order[e] = e;
+      }
+      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
+        return p[a] > p[b] || (p[a] == p[b] && a < b);
+      });
+      float top = 0.0f;
+      for (int64_t j = 0; j < k; ++j) top += p[order[j]];
+      for (int64_t j = 0; j < k; ++j) {
+        put(normalize ? p[order[j]] / top : p[order[j]], wp + t * k + j);
+        ip[t * k + j] = order[j];
+      }
+    }
+  });
+}
+
+std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor logits, int64_t k, bool normalize) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
+                  (logits.scalar_type() == torch::kFloat32 || logits.scalar_type() == torch::kBFloat16),
+              "moe_route: logits must be contiguous float32 or bfloat16 [tokens, experts]");
+  const int64_t tokens = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= E, "moe_route: k must be in [1, experts]");
+  auto weights = torch::empty({tokens, k}, logits.options());
+  auto ids = torch::empty({tokens, k}, logits.options().dtype(torch::kInt64));
+  if (logits.scalar_type() == torch::kFloat32)
+    route_rows(logits.data_ptr<float>(), tokens, E, k, normalize, weights.data_ptr<float>(), ids.data_ptr<int64_t>());
+  else
+    route_rows(logits.data_ptr<c10::BFloat16>(), tokens, E, k, normalize, weights.data_ptr<c10::BFloat16>(),
+               ids.data_ptr<int64_t>());
+  return {weights, ids};
+}
+
 // RMSNorm of each row of x [T, H] (float32 or bfloat16; weight of the same dtype), in float32:
 // weight * (x * rsqrt(mean(x^2) + eps)), the result in x's dtype (bfloat16: the normalised row is
 // rounded, then multiplied by the weight and rounded again, as the reference's bf16 module does).
@@ -1331,6 +1381,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ W over a packed weight, with optional fused epilogues", py::arg("x"),
         py::arg("packed"), py::arg("n_out"), py::arg("silu_mul"), py::arg("residual"), py::arg("bias") = py::none(),
         py::arg("gelu") = false);
+  m.def("moe_route", &moe_route, "a sparse MoE router: softmax, top-k (normalised) over [tokens, experts] logits",
+        py::arg("logits"), py::arg("k"), py::arg("normalize"));
   m.def("moe_experts", &moe_experts, "the SwiGLU experts of a sparse MoE block over routed tokens",
         py::arg("x"), py::arg("weights"), py::arg("experts"), py::arg("gate_up"), py::arg("down"), py::arg("inter"));
   m.def("narrow_conv1d", &narrow_conv1d, "stride-1 convolution of a padded input with 1, 8 or a multiple of 16 output channels",

@@ -30,7 +30,7 @@ from mstar.layers.prepack import (
     versions,
 )
 
-__all__ = ["Experts", "SparseMoeBlock", "SwiGLU", "route"]
+__all__ = ["Experts", "SparseMoeBlock", "SwiGLU", "route", "route_reference"]
 
 
 class SwiGLU(nn.Module):
@@ -58,7 +58,18 @@ class SwiGLU(nn.Module):
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] in ``logits.dtype``, expert ids [T, k]) of router logits ``[T, E]``."""
+    """(weights [T, k] in ``logits.dtype``, expert ids [T, k]) of router logits ``[T, E]``: softmax in
+    float32, top-k, renormalised when ``normalize``. On a CPU with the compiled kernels one pass
+    (``moe_route``, within a few ulp of these operators), else the PyTorch operators."""
+    kernel = ops()
+    if (kernel is not None and logits.device.type == "cpu" and logits.dim() == 2
+            and logits.dtype in (torch.float32, torch.bfloat16)):
+        return kernel.moe_route(logits.contiguous(), top_k, normalize)
+    return route_reference(logits, top_k, normalize)
+
+
+def route_reference(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` by PyTorch's operators (the reference's steps)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if normalize:
