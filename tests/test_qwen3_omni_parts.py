@@ -277,6 +277,8 @@ def test_code2wav_next_chunks_decode_together_bit_for_bit(hf, monkeypatch, decod
         assert all(torch.equal(state.tails[k], want_state.tails[k]) for k in state.tails)
     if kernel:
         assert max(batches) == 3  # the three 6-frame first chunks (and the two 5-frame continuations)
+        # the ConvNeXt blocks' pointwise layers ran as packed panel linears over the steps' rows
+        assert sum(isinstance(v[1], tuple) for v in module._taps.values()) == len(module.model.upsample)
     full = module.decode(torch.stack(codes[:2]))
     for i in range(2):
         streamed = torch.cat([together[i][0], together2[i][0]])

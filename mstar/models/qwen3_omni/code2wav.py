@@ -151,7 +151,8 @@ class Code2Wav(nn.Module):
         self.upsampling_ratios = tuple(int(r) for r in self.config.upsampling_ratios)
         self.upsample_rates = tuple(int(r) for r in self.config.upsample_rates)
         self.samples_per_frame = int(self.model.total_upsample)
-        self._taps: dict[int, tuple[object, torch.Tensor]] = {}  # transposed convolutions' weights as taps
+        # transposed convolutions' weights as taps, ConvNeXt blocks' pointwise layers packed (BatchVocoder)
+        self._taps: dict[int, tuple[object, Any]] = {}
         self._pre = PreTransformer(self.model)
 
     @property

@@ -45,10 +45,12 @@ class BatchVocoder:
     (each output's terms in a fixed order; a transposed convolution as a kernel-1 convolution to its
     ``kernel * C_out`` taps, then an overlap-add), or one row at a time where it does not take the
     width or the kernels are missing; the depthwise convolution and the residual steps as
-    elementwise multiplies and adds (one rounding each, wherever the element falls); LayerNorm and
-    GELU one row at a time. The SnakeBeta kernel already works per row."""
+    elementwise multiplies and adds (one rounding each, wherever the element falls); a ConvNeXt
+    block's LayerNorm and pointwise layers over its steps as rows (the rows kernel, then panel
+    linears with the GELU in the first one's store), without the kernels one request at a time. The
+    SnakeBeta kernel already works per row."""
 
-    def __init__(self, old: Mapping[int, torch.Tensor] | None, taps: dict[int, tuple[object, torch.Tensor]]) -> None:
+    def __init__(self, old: Mapping[int, torch.Tensor] | None, taps: dict[int, tuple[object, Any]]) -> None:
         self.old = old
         self.new: dict[int, torch.Tensor] = {}
         self.kernel = cpu_ops.ops()
@@ -77,10 +79,18 @@ class BatchVocoder:
             return self._trans(m, x)
         if kind == "Qwen3OmniMoeConvNeXtBlock":  # its depthwise convolution, then pointwise layers
             h = self._causal(m.dwconv, x)
-            h = torch.stack([m.norm(row.t()).t() for row in h])  # LayerNorm over the channels
-            h = self._pointwise(m.pwconv1, h)
-            h = torch.stack([m.act(row) for row in h])
-            h = self._pointwise(m.pwconv2, h)
+            pointwise = self._packed_pointwise(m, h)
+            if pointwise is not None:  # every step a row of [B * n, C]: LayerNorm, up with GELU, down
+                up, down = pointwise
+                b, c, n = h.shape
+                rows = h.transpose(1, 2).reshape(b * n, c).contiguous()
+                rows = self.kernel.layer_norm(rows, m.norm.weight, m.norm.bias, m.norm.eps)
+                h = down(up.linear_gelu(rows, m.pwconv1.bias), bias=m.pwconv2.bias).view(b, n, c).transpose(1, 2)
+            else:
+                h = torch.stack([m.norm(row.t()).t() for row in h])  # LayerNorm over the channels
+                h = self._pointwise(m.pwconv1, h)
+                h = torch.stack([m.act(row) for row in h])
+                h = self._pointwise(m.pwconv2, h)
             return x + m.gamma[:, None] * h
         if kind == "Qwen3OmniMoeCode2WavDecoderResidualUnit":  # x + conv2(act2(conv1(act1(x))))
             return self._causal(m.conv2, self._causal(m.conv1, x, act=m.act1), act=m.act2, residual=x)
@@ -89,6 +99,27 @@ class BatchVocoder:
         if _is_snake(m):
             return self._act(m, x)
         raise TypeError(f"Code2Wav streaming does not know the vocoder module {kind}")
+
+    def _packed_pointwise(self, m: nn.Module, h: torch.Tensor) -> tuple[Any, Any] | None:
+        """A ConvNeXt block's pointwise layers as panel linears (``mstar.layers.prepack``), packed once
+        per weight version and kept with the taps, when the kernels take the block (float32, an
+        affine LayerNorm, the erf GELU); else None."""
+        from mstar.layers.prepack import PrepackedLinear, unchanged, versions
+
+        norm, act, up, down = m.norm, m.act, m.pwconv1, m.pwconv2
+        if (self.kernel is None or h.device.type != "cpu" or h.dtype != torch.float32
+                or not isinstance(norm, nn.LayerNorm) or norm.weight is None or norm.bias is None
+                or not isinstance(act, nn.GELU) or act.approximate != "none"
+                or any(p is None or p.dtype != torch.float32 for p in (up.weight, up.bias, down.weight, down.bias))):
+            return None
+        params = (up.weight, down.weight)
+        cached = self._taps.get(id(m))
+        if cached is None or not unchanged(cached[0], *params):
+            with torch.inference_mode(False), torch.no_grad():  # the packed copies keep version counters
+                cached = (versions(*params), (PrepackedLinear(up.weight, mode="panel"),
+                                              PrepackedLinear(down.weight, mode="panel")))
+            self._taps[id(m)] = cached
+        return cached[1]
 
     def _act(self, act: nn.Module, x: torch.Tensor, left: torch.Tensor | None = None) -> torch.Tensor:
         """``act(x)``, with ``left`` (already activated steps) in front when given."""
