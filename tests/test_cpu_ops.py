@@ -296,6 +296,27 @@ def test_narrow_conv1d_matches_conv1d(ext, threads, c_in, c_out, dilation, steps
     assert torch.equal(ext.narrow_conv1d(x, w, b, dilation, residual), y + residual)
 
 
+@pytest.mark.parametrize("c_in,c_out,k,steps", [(8, 8, 1, 8213), (16, 16, 1, 3016), (16, 1, 1, 37), (8, 8, 3, 9)])
+def test_narrow_conv1d_with_the_snake_fused_on_its_inputs(ext, threads, c_in, c_out, k, steps):
+    """SnakeBeta applied as the convolution loads its inputs: within float32 rounding of snake_beta's
+    output convolved (the last steps of a row go through the vector code, where snake_beta's tail takes
+    std::sin), with the residual; a row's bits the same alone and in a batch; scales of the wrong size
+    are an error."""
+    x = _rand(3, c_in, steps + k - 1, seed=31) * 2
+    w, b = _rand(c_out, c_in, k, seed=32) / (c_in * k) ** 0.5, _rand(c_out, seed=33)
+    alpha, inv_beta = _rand(c_in, seed=34).exp(), 1 / (_rand(c_in, seed=35).exp() + 1e-9)
+    residual = _rand(3, c_out, steps, seed=36)
+    fused = ext.narrow_conv1d(x, w, b, 1, residual, alpha, inv_beta)
+    ref = F.conv1d(ext.snake_beta(x, alpha, inv_beta).double(), w.double(), b.double()) + residual.double()
+    torch.testing.assert_close(fused.double(), ref, atol=1e-6 * c_in * k, rtol=1e-5)
+    assert torch.equal(ext.narrow_conv1d(x[2:].contiguous(), w, b, 1, residual[2:].contiguous(), alpha, inv_beta),
+                       fused[2:])
+    with pytest.raises(RuntimeError, match="snake"):
+        ext.narrow_conv1d(x, w, b, 1, None, alpha[:-1], inv_beta[:-1])
+    with pytest.raises(RuntimeError, match="snake"):
+        ext.narrow_conv1d(x, w, b, 1, None, alpha, None)
+
+
 @pytest.mark.parametrize("trimmed", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("r,channels,steps", [(3, 8, 40), (8, 64, 5), (2, 16, 1)])

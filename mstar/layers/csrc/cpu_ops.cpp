@@ -1136,6 +1136,29 @@ inline V sin_vec(V u) {
   return odd != 0 ? -s : s;
 }
 
+// SnakeBeta of one register of a channel's steps: v + inv_beta * sin(alpha v)^2; the register goes
+// through std::sin when a lane's |alpha v| reaches kSinExact or is NaN.
+inline bool any_beyond_sin_range(vreg u) {  // a lane with |u| > kSinExact, or a NaN
+#if defined(__AVX512F__)
+  if constexpr (sizeof(vreg) == 64)  // one compare into a mask (the lane loop below: ~20 instructions)
+    return _mm512_cmp_ps_mask(_mm512_abs_ps(reinterpret_cast<__m512>(u)), _mm512_set1_ps(kSinExact), _CMP_NLE_UQ) != 0;
+#endif
+  const vreg_i big = (u > kSinExact) | (u < -kSinExact) | (u != u);
+  bool any_big = false;
+  for (int l = 0; l < kRegLanes; ++l) any_big |= big[l] != 0;
+  return any_big;
+}
+
+inline vreg snake_reg(vreg v, float al, float be) {
+  const vreg u = v * al;
+  vreg s;
+  if (!any_beyond_sin_range(u)) {
+    s = sin_vec<vreg, vreg_i>(u);
+  } else {
+    for (int l = 0; l < kRegLanes; ++l) s[l] = std::sin(u[l]);
+  }
+  return v + be * (s * s);
+}
 
 // y = x + inv_beta[c] * sin(alpha[c] * x)^2 over x [B, C, T] (BigVGAN's SnakeBeta, Code2Wav's
 // activation): one pass instead of five PyTorch operators; rows (b, c) in parallel.
@@ -1175,17 +1198,7 @@ torch::Tensor snake_beta(torch::Tensor x, torch::Tensor alpha, torch::Tensor inv
     for (; t + kRegLanes <= t1; t += kRegLanes) {
       vreg v;
       std::memcpy(&v, xr + t, sizeof v);
-      const vreg u = v * al;
-      const vreg_i big = (u > kSinExact) | (u < -kSinExact) | (u != u);
-      vreg s;
-      bool any_big = false;
-      for (int l = 0; l < kRegLanes; ++l) any_big |= big[l] != 0;
-      if (!any_big) {
-        s = sin_vec<vreg, vreg_i>(u);
-      } else {
-        for (int l = 0; l < kRegLanes; ++l) s[l] = std::sin(u[l]);
-      }
-      const vreg out = v + be * (s * s);
+      const vreg out = snake_reg(v, al, be);
       std::memcpy(yr + t, &out, sizeof out);
     }
     for (; t < t1; ++t) {
@@ -1202,15 +1215,19 @@ torch::Tensor snake_beta(torch::Tensor x, torch::Tensor alpha, torch::Tensor inv
 // multiple of 16. For a vocoder's convolutions (oneDNN reorders few-channel tensors into its blocked
 // layout and back at every call): 16 time steps per vector, up to 16 output channels' accumulators
 // in registers, the terms added in (i, j) order, so a row's result never depends on the batch or
-// the thread count. Tasks: (batch row, block of 16 outputs, block of steps).
+// the thread count. Tasks: (batch row, block of 16 outputs, block of steps). `snake_alpha` and
+// `snake_inv_beta` ([in]): SnakeBeta (snake_beta's scales) applied to every input as it is loaded,
+// instead of a pass writing the activated input (meant for kernel 1 and at most 16 outputs, where
+// each input is loaded once).
 
 // One task: output steps [t0, t1) of one batch row for CO output channels; CO known at compile
 // time keeps every output channel's accumulator in a register. wt: weights as [in][kernel][ws]
 // (ws >= CO: a block of a wider convolution's outputs starts at wt + its first output).
+// sa / sb (optional): each input channel's SnakeBeta scales, applied to its inputs as they are loaded.
 template <int CO>
 void narrow_conv_rows(const float* xr, const float* wt, const float* b, float* yr, int64_t CI, int64_t K,
                       int64_t L, int64_t T, int64_t dilation, int64_t t0, int64_t t1, int64_t ws = CO,
-                      const float* rr = nullptr) {
+                      const float* rr = nullptr, const float* sa = nullptr, const float* sb = nullptr) {
   // 16 steps (NS register-wide vectors) at a time, outputs in groups of G whose accumulators fit
   // the registers (AVX2: 4 outputs x 2 vectors, 6 loads per 8 multiply-adds)
   constexpr int NS = kVec / kRegLanes;
@@ -1225,6 +1242,8 @@ void narrow_conv_rows(const float* xr, const float* wt, const float* b, float* y
         for (int64_t j = 0; j < K; ++j) {
           vreg v[NS];
           for (int n = 0; n < NS; ++n) std::memcpy(&v[n], xr + i * L + t + j * dilation + n * kRegLanes, sizeof(vreg));
+          if (sa != nullptr)
+            for (int n = 0; n < NS; ++n) v[n] = snake_reg(v[n], sa[i], sb[i]);
           const float* wo = wt + (i * K + j) * ws + o0;
           for (int o = 0; o < G; ++o)
             for (int n = 0; n < NS; ++n) acc[o][n] += wo[o] * v[n];
@@ -1246,7 +1265,7 @@ void narrow_conv_rows(const float* xr, const float* wt, const float* b, float* y
     const int64_t n = t1 - t, reach = (K - 1) * dilation, lb = kVec + reach;
     std::vector<float> xb(CI * lb, 0.0f), yb(CO * kVec);
     for (int64_t i = 0; i < CI; ++i) std::memcpy(xb.data() + i * lb, xr + i * L + t, (n + reach) * sizeof(float));
-    narrow_conv_rows<CO>(xb.data(), wt, b, yb.data(), CI, K, lb, kVec, dilation, 0, kVec, ws);
+    narrow_conv_rows<CO>(xb.data(), wt, b, yb.data(), CI, K, lb, kVec, dilation, 0, kVec, ws, nullptr, sa, sb);
     for (int o = 0; o < CO; ++o) std::memcpy(yr + o * T + t, yb.data() + o * kVec, n * sizeof(float));
     if (rr != nullptr)
       for (int o = 0; o < CO; ++o)
@@ -1255,7 +1274,8 @@ void narrow_conv_rows(const float* xr, const float* wt, const float* b, float* y
 }
 
 torch::Tensor narrow_conv1d(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t dilation,
-                            c10::optional<torch::Tensor> residual) {
+                            c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> snake_alpha,
+                            c10::optional<torch::Tensor> snake_inv_beta) {
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
               "narrow_conv1d: x must be contiguous float32 [batch, in, steps]");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kFloat32 && w.size(1) == x.size(1) &&
@@ -1279,6 +1299,17 @@ torch::Tensor narrow_conv1d(torch::Tensor x, torch::Tensor w, c10::optional<torc
                 "narrow_conv1d: residual must be float32 [batch, out, steps of the output]");
   }
   const float* rp = residual.has_value() ? res.data_ptr<float>() : nullptr;
+  torch::Tensor sa, sb;  // SnakeBeta of the inputs, fused (the scales of snake_beta)
+  TORCH_CHECK(snake_alpha.has_value() == snake_inv_beta.has_value(), "narrow_conv1d: snake needs alpha and inv_beta");
+  if (snake_alpha.has_value()) {
+    sa = snake_alpha->contiguous();
+    sb = snake_inv_beta->contiguous();
+    TORCH_CHECK(sa.numel() == CI && sb.numel() == CI && sa.scalar_type() == torch::kFloat32 &&
+                    sb.scalar_type() == torch::kFloat32,
+                "narrow_conv1d: snake alpha and inv_beta must be float32 [in]");
+  }
+  const float* sap = sa.defined() ? sa.data_ptr<float>() : nullptr;
+  const float* sbp = sb.defined() ? sb.data_ptr<float>() : nullptr;
   auto y = torch::empty({B, CO, T}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = wt.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -1294,10 +1325,10 @@ torch::Tensor narrow_conv1d(torch::Tensor x, torch::Tensor w, c10::optional<torc
     const float* xr = xp + row * CI * L;
     float* yr = yp + row * CO * T;
     const float* rr = rp != nullptr ? rp + row * CO * T : nullptr;
-    if (CO == 1) narrow_conv_rows<1>(xr, wp, b.data(), yr, CI, K, L, T, dilation, t0, t1, 1, rr);
-    else if (CO == 8) narrow_conv_rows<8>(xr, wp, b.data(), yr, CI, K, L, T, dilation, t0, t1, 8, rr);
+    if (CO == 1) narrow_conv_rows<1>(xr, wp, b.data(), yr, CI, K, L, T, dilation, t0, t1, 1, rr, sap, sbp);
+    else if (CO == 8) narrow_conv_rows<8>(xr, wp, b.data(), yr, CI, K, L, T, dilation, t0, t1, 8, rr, sap, sbp);
     else narrow_conv_rows<16>(xr, wp + blk * 16, b.data() + blk * 16, yr + blk * 16 * T, CI, K, L, T, dilation,
-                              t0, t1, CO, rr != nullptr ? rr + blk * 16 * T : nullptr);
+                              t0, t1, CO, rr != nullptr ? rr + blk * 16 * T : nullptr, sap, sbp);
   });
   return y;
 }
@@ -1386,7 +1417,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts", &moe_experts, "the SwiGLU experts of a sparse MoE block over routed tokens",
         py::arg("x"), py::arg("weights"), py::arg("experts"), py::arg("gate_up"), py::arg("down"), py::arg("inter"));
   m.def("narrow_conv1d", &narrow_conv1d, "stride-1 convolution of a padded input with 1, 8 or a multiple of 16 output channels",
-        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("dilation") = 1, py::arg("residual") = py::none());
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("dilation") = 1, py::arg("residual") = py::none(),
+        py::arg("snake_alpha") = py::none(), py::arg("snake_inv_beta") = py::none());
   m.def("upsample_taps", &upsample_taps, "a transposed convolution's output from its taps (narrow_conv1d), plus the bias",
         py::arg("z"), py::arg("r"), py::arg("trimmed"), py::arg("bias") = py::none());
   m.def("snake_beta", &snake_beta, "x + inv_beta * sin(alpha * x)^2 over [batch, channels, time]",

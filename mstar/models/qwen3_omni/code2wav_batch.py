@@ -134,6 +134,13 @@ class BatchVocoder:
         """A causal convolution (its left zero padding of ``(k-1)*d`` = the previous inputs) over
         ``act(x)``, plus ``residual``."""
         keep = m.padding
+        conv = m.conv
+        if (keep == 0 and isinstance(act, _SnakeBeta) and act.alpha.dtype == torch.float32 and conv.groups == 1
+                and conv.kernel_size[0] == 1 and conv.out_channels <= 16 and self._usable(x, conv.weight, conv.out_channels)):
+            # a kernel-1 convolution of the activation: SnakeBeta applied as the kernel loads each input
+            self.new[id(m)] = x[..., x.shape[-1]:]
+            alpha, inv_beta = act.scales()
+            return self.kernel.narrow_conv1d(x.contiguous(), conv.weight, conv.bias, 1, residual, alpha, inv_beta)
         tail = None
         if keep > 0:
             tail = self.old[id(m)] if self.old is not None else x.new_zeros(x.shape[0], x.shape[1], keep)
@@ -142,7 +149,6 @@ class BatchVocoder:
         else:
             xin = x if tail is None else torch.cat([tail, x], dim=-1)
         self.new[id(m)] = xin[..., xin.shape[-1] - keep:]
-        conv = m.conv
         if conv.groups == 1:
             return self._conv(conv, xin, residual)
         if conv.groups == conv.in_channels == conv.out_channels:
