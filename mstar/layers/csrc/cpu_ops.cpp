@@ -1136,9 +1136,8 @@ inline V sin_vec(V u) {
   return odd != 0 ? -s : s;
 }
 
-// SnakeBeta of one register of a channel's steps: v + inv_beta * sin(alpha v)^2; the register goes
-// through std::sin when a lane's |alpha v| reaches kSinExact or is NaN.
-inline bool any_beyond_sin_range(vreg u) {  // a lane with |u| > kSinExact, or a NaN
+// A lane with |u| > kSinExact (past sin_vec's range reduction), or a NaN.
+inline bool any_beyond_sin_range(vreg u) {
 #if defined(__AVX512F__)
   if constexpr (sizeof(vreg) == 64)  // one compare into a mask (the lane loop below: ~20 instructions)
     return _mm512_cmp_ps_mask(_mm512_abs_ps(reinterpret_cast<__m512>(u)), _mm512_set1_ps(kSinExact), _CMP_NLE_UQ) != 0;
@@ -1149,6 +1148,8 @@ inline bool any_beyond_sin_range(vreg u) {  // a lane with |u| > kSinExact, or a
   return any_big;
 }
 
+// SnakeBeta of one register of a channel's steps: v + inv_beta * sin(alpha v)^2; the register goes
+// through std::sin when a lane is beyond sin_vec's range.
 inline vreg snake_reg(vreg v, float al, float be) {
   const vreg u = v * al;
   vreg s;
