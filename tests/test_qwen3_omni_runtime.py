@@ -409,15 +409,17 @@ def test_one_token_answer_still_speaks(runtime):
     assert kv_blocks_in_use(runtime) == 0
 
 
-def _thinker_prefix_hits(rt) -> int:
-    return sum(r["kv"]["Thinker"]["prefix_hit_tokens"] for r in rt.stats()["ranks"] if "Thinker" in r["kv"])
+def _prefix_hits(rt, node: str) -> int:
+    return sum(r["kv"][node]["prefix_hit_tokens"] for r in rt.stats()["ranks"] if node in r["kv"])
 
 
-def test_thinker_reuses_the_shared_prompt_prefix(omni):
+def test_thinker_and_talker_reuse_shared_prompt_prefixes(omni):
     """Prompts starting alike (the system turn) reuse the Thinker's cached KV blocks of those tokens;
-    the Talker still gets every prompt position's input embedding. Blocks stop before a prompt's first
-    media placeholder: the same ids with another image must not reuse the first image's KV. Outputs
-    equal those of a runtime without prefix caching."""
+    the Talker still gets every prompt position's input embedding. The Talker's prompt rows (user
+    turn, assistant rows with the speaker) are reused the same way when they repeat. Blocks stop
+    before a prompt's first media placeholder: the same ids with another image must not reuse the
+    first image's KV; another voice must not reuse the block holding the speaker's row. Outputs equal
+    those of a runtime without prefix caching."""
     import dataclasses
     from pathlib import Path
 
@@ -434,16 +436,22 @@ def test_thinker_reuses_the_shared_prompt_prefix(omni):
     work = [({"input_ids": p}, audio_params(6, 12)) for p in PROMPTS] + [({"input_ids": PROMPTS[0]}, {"max_tokens": 6})]
     work += [({"input_ids": ids, "pixel_values": im.pixel_values, "image_grid_thw": im.grid_thw[None]},
               audio_params(6, 12)) for im in images]
+    # 9 user rows + 8 assistant rows: the speaker's row (the 16th) lies in the last reusable block
+    spoken = chat(2, 3, 5, 7)
+    work += [({"input_ids": spoken}, {**audio_params(6, 12), "voice": voice}) for voice in ("Ethan", "Ethan", "Chelsie")]
     outputs = []
     for caching in (False, True):
         with Runtime(Qwen3Omni(omni[1]), placement, prefix_caching=caching) as rt:
             outputs.append([ours(rt.generate(inputs, params)[0]) for inputs, params in work])
-            hits = _thinker_prefix_hits(rt)
+            hits = _prefix_hits(rt, "Thinker"), _prefix_hits(rt, "Talker")
             assert kv_blocks_in_use(rt) == 0
-        # each prompt after the first reuses the 2 blocks of its 10-token system turn + user header
-        # (the image prompts' third block holds a placeholder); the repeated prompt 4 of its 5 full
-        # blocks (one token must run)
-        assert hits == (8 * 4 + 16 if caching else 0)
+        # Thinker: each prompt after the first reuses the 2 blocks of its 10-token system turn + user
+        # header (the image prompts' third block holds a placeholder); a repeated prompt all its full
+        # blocks but the last token's (PROMPTS[0] 4 of 5, ``spoken`` 4 of 4 for either voice).
+        # Talker: the image prompts share 1 block before the placeholder; ``spoken`` again with Ethan
+        # its 4 full blocks, with Chelsie 3 (the 4th holds the speaker)
+        assert hits == ((8 * 5 + 16 + 16 + 16, 4 + 16 + 12) if caching else (0, 0))
     for (text, codes, wav), (t2, c2, w2) in zip(*outputs):
         assert t2 == text and torch.equal(c2, codes) and torch.equal(w2, wav)
-    assert outputs[1][-1][0] != outputs[1][-2][0] or not torch.equal(outputs[1][-1][1], outputs[1][-2][1])
+    assert outputs[1][-4][0] != outputs[1][-5][0] or not torch.equal(outputs[1][-4][1], outputs[1][-5][1])
+    assert not torch.equal(outputs[1][-1][1], outputs[1][-2][1])  # the voice changes the codes

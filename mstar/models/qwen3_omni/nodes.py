@@ -312,9 +312,10 @@ class TalkerNode(NodeSubmodule):
         items = inputs["thinker_states"]
         if graph_walk.startswith("talker_prefill"):
             grids = inputs["image_grid_thw"][0].reshape(-1, 3) if "image_grid_thw" in inputs else None
-            req = self._prefill_request(inputs["input_ids"][0].reshape(-1), items, grids, fwd_info.params)
+            req, reusable = self._prefill_request(inputs["input_ids"][0].reshape(-1), items, grids, fwd_info.params)
             n = int(req.is_media.numel()) + 8
-            return NodeInputs(num_tokens=n, extras={"req": req, "sampling": None, "seen": None, "step": 0})
+            return NodeInputs(num_tokens=n, extras={"req": req, "sampling": None, "seen": None, "step": 0},
+                              prefix_ids=reusable)
         step = fwd_info.iteration[-1]
         chunk = fwd_info.stream_chunks.get("thinker_states") or {"start": 0}
         if items:
@@ -332,7 +333,9 @@ class TalkerNode(NodeSubmodule):
                                                 "seen": seen, "step": step})
 
     def _prefill_request(self, prompt: torch.Tensor, items: list, grids: torch.Tensor | None,
-                         params: Mapping[str, Any]) -> _PrefillRequest:
+                         params: Mapping[str, Any]) -> tuple[_PrefillRequest, torch.Tensor]:
+        """The request's prefill rows and the ids of its leading rows whose KV the prefix cache may
+        share (``_reusable``)."""
         if len(items) != 1 or items[0].shape[0] != prompt.numel():
             raise ValueError(f"the Talker prefill needs the prompt's thinker states ({prompt.numel()} positions)")
         states = items[0]
@@ -345,16 +348,36 @@ class TalkerNode(NodeSubmodule):
         speaker = self.ids.speaker_id(str(params.get("voice") or "ethan"))
         talker_ids = torch.cat([prompt[users], torch.full((9,), self.ids.tts_pad)])  # what RoPE is computed from
         positions, delta = mrope_positions(talker_ids, grids, self.ids.image, *self.vision)
-        return _PrefillRequest(states[text_pos, 0], states[users[media], 1], media, speaker,
-                               positions[:, :-1], delta)
+        req = _PrefillRequest(states[text_pos, 0], states[users[media], 1], media, speaker, positions[:, :-1], delta)
+        return req, self._reusable(prompt[users], media, prompt[start:start + 3], speaker)
+
+    def _reusable(self, user_ids: torch.Tensor, media: torch.Tensor, header: torch.Tensor, speaker: int) -> torch.Tensor:
+        """The leading talker prompt rows whose KV depends on ids alone, as the prefix cache's key: a
+        user text row is the text projection of its id's embedding, so up to the first media placeholder
+        (whose row depends on the media) the ids name the rows; with no media, the 8 assistant rows
+        follow: the header's 3 ids, then one negative key per tts + codec row (-1 - its codec id: the
+        speaker's among them), which no token id takes."""
+        if media.any():
+            return user_ids[:int(media.nonzero()[0])]
+        i = self.ids
+        codec = torch.tensor([i.codec_nothink, i.codec_think_bos, i.codec_think_eos, speaker, i.codec_pad])
+        return torch.cat([user_ids, header, -1 - codec])
 
     # -- forward --------------------------------------------------------------------------------------
-    def _project_text(self, reqs: list) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    @staticmethod
+    def _cached(ei: EngineInputs) -> list[int]:
+        """Per request, the leading prefill rows whose KV came from the prefix cache (0 for decode rows)."""
+        return [req.positions.shape[1] - n if isinstance(req, _PrefillRequest) else 0
+                for req, n in zip(ei.extras["req"], ei.num_tokens)]
+
+    def _project_text(self, reqs: list, cached: list[int]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """The text projection of ``tts_bos/eos/pad`` [3, H] and of each request's text rows (None for
-        a decode step without a streamed token): in one call where a row's result does not depend on
-        the others (the prepacked panel kernel), else one call per request, as the reference makes it."""
+        a decode step without a streamed token; a prefill's rows from the cache are not projected: they
+        are its first text rows, ``_reusable`` stops at the first media row): in one call where a row's
+        result does not depend on the others (the prepacked panel kernel), else one call per request,
+        as the reference makes it."""
         w, proj = self.lm.codec_head.weight, self.lm.text_projection
-        rows = [r.text_rows if isinstance(r, _PrefillRequest) else r.text_row for r in reqs]
+        rows = [r.text_rows[skip:] if isinstance(r, _PrefillRequest) else r.text_row for r, skip in zip(reqs, cached)]
         given = [x for x in rows if x is not None]
         tts_rows = self.tts_rows.to(w)
         if not proj.row_invariant(tts_rows):
@@ -364,9 +387,14 @@ class TalkerNode(NodeSubmodule):
         tts = next(pieces)
         return tts, [None if x is None else next(pieces) for x in rows]
 
-    def _prefill_embeds(self, req: _PrefillRequest, tts: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    def _prefill_embeds(self, req: _PrefillRequest, tts: torch.Tensor, text: torch.Tensor, cached: int) -> torch.Tensor:
+        """The prefill's input rows after its ``cached`` first ones (``text``: the projected text rows
+        after those)."""
         lm, ids = self.lm, self.ids
         w = lm.codec_head.weight
+        skipped = req.text_rows.shape[0] - text.shape[0]
+        if skipped:  # rows the forward does not compute: stand-ins, dropped below
+            text = torch.cat([text.new_zeros(skipped, text.shape[-1]), text])
         n_user = req.is_media.numel()
         user = text.new_empty(n_user, text.shape[-1])
         user[~req.is_media] = text[:-3]
@@ -375,7 +403,7 @@ class TalkerNode(NodeSubmodule):
         header = torch.cat([text[-3:], tts[2:3].expand(4, -1), tts[0:1]])  # 3 rows, tts_pad x4, tts_bos
         codec = lm.codec_embed(torch.tensor([ids.codec_nothink, ids.codec_think_bos, ids.codec_think_eos,
                                              req.speaker, ids.codec_pad]))
-        return torch.cat([user, header + torch.cat([codec.new_zeros(3, codec.shape[-1]), codec])])
+        return torch.cat([user, header + torch.cat([codec.new_zeros(3, codec.shape[-1]), codec])])[cached:]
 
     @staticmethod
     def _decode_text(req: _DecodeRequest, tts: torch.Tensor, text: torch.Tensor | None) -> torch.Tensor:
@@ -387,24 +415,25 @@ class TalkerNode(NodeSubmodule):
     def _decode_embed(req: _DecodeRequest, text: torch.Tensor) -> torch.Tensor:
         return req.codec_sum.to(text) + text
 
-    def _embeds(self, reqs: list, tts: torch.Tensor, texts: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def _embeds(self, reqs: list, tts: torch.Tensor, texts: list, cached: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The input embeddings ``[N, H]`` and M-RoPE positions ``[3, N]`` of the batch's rows; a batch
         of decode rows in one add (each element rounds as in a row's own add)."""
         if all(isinstance(r, _DecodeRequest) for r in reqs):
             text = torch.cat([self._decode_text(r, tts, t) for r, t in zip(reqs, texts)])
             embeds = torch.cat([r.codec_sum for r in reqs]).to(text) + text
             return embeds, torch.tensor([r.position for r in reqs]).expand(3, -1)
-        embeds = torch.cat([self._prefill_embeds(r, tts, t) if isinstance(r, _PrefillRequest) else
-                            self._decode_embed(r, self._decode_text(r, tts, t)) for r, t in zip(reqs, texts)])
-        positions = torch.cat([r.positions if isinstance(r, _PrefillRequest) else torch.full((3, 1), r.position)
-                               for r in reqs], dim=1)
+        embeds = torch.cat([self._prefill_embeds(r, tts, t, skip) if isinstance(r, _PrefillRequest) else
+                            self._decode_embed(r, self._decode_text(r, tts, t)) for r, t, skip in zip(reqs, texts, cached)])
+        positions = torch.cat([r.positions[:, skip:] if isinstance(r, _PrefillRequest) else torch.full((3, 1), r.position)
+                               for r, skip in zip(reqs, cached)], dim=1)
         return embeds, positions
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
         ei = engine_inputs
         reqs = ei.extras["req"]
-        tts, texts = self._project_text(reqs)
-        embeds, positions = self._embeds(reqs, tts, texts)
+        cached = self._cached(ei)
+        tts, texts = self._project_text(reqs, cached)
+        embeds, positions = self._embeds(reqs, tts, texts, cached)
         hidden = self.lm(embeds, ei, mrope_positions=positions).hidden
         last = hidden[ei.last_token_rows().to(hidden.device)]
         decode_rows = [i for i, r in enumerate(ei.extras["req"]) if isinstance(r, _DecodeRequest)]
