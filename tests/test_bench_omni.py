@@ -79,7 +79,9 @@ def test_table_has_every_row_and_goal(result):
     assert ("mstar profile at concurrency 2" in table) == (not all(ok for _, ok in goals))
     hit, looked = result.prefix_tokens  # every prompt starts with the shared system turn (each level: warm-up + repeat)
     assert 0 < hit < looked and looked == 2 * sum(len(p) for c in (1, 2) for p in omni_bench.prompts(c))
-    assert f"the Thinker reused {hit} of {looked} prompt tokens" in table
+    rows_hit, rows = result.talker_prefix_rows  # the user turn and 8 assistant rows; repeated prompts reuse theirs
+    assert 0 < rows_hit < rows
+    assert f"the Thinker reused {hit} of {looked} prompt tokens" in table and f"the Talker {rows_hit} of {rows}" in table
     data = omni_bench.to_json(result)
     assert [g["met"] for g in data["goals"]] == [ok for _, ok in goals]
 
@@ -132,7 +134,8 @@ def test_sampled_talker_has_no_parity_line(monkeypatch):
                                     config=dict(TINY_HF_CONFIG), profile=False, prefix_caching=False)
     (r,) = res.results
     assert r.parity is None and res.sampled and not res.profile
-    assert res.prefix_tokens == (0, 0) and "mstar prefix cache: off" in omni_bench.format_table(res)
+    assert res.prefix_tokens == res.talker_prefix_rows == (0, 0)
+    assert "mstar prefix cache: off" in omni_bench.format_table(res)
     assert all(s.audio_s_per_request == pytest.approx((1920 * 3 - 555) / 24000) for s in r.systems.values())
     table = omni_bench.format_table(res)
     assert "talker sampled (temperature 0.9, top-k 50)" in table and "parity" not in table

@@ -178,6 +178,7 @@ class OmniBenchResult:
     profile: str = ""
     prefix_caching: bool = True
     prefix_tokens: tuple[int, int] = (0, 0)  # mstar Thinker prompt tokens (reused from the cache, looked up)
+    talker_prefix_rows: tuple[int, int] = (0, 0)  # the same for the Talker's prompt rows
 
 
 # -- mstar ------------------------------------------------------------------------------------------
@@ -366,8 +367,9 @@ def run_omni_bench(concurrency: list[int], text_tokens: int = 12, talker_steps: 
                    log: Callable[[str], None] | None = None) -> OmniBenchResult:
     """Build the shared checkpoint, warm every system up, measure the concurrencies, interleaved
     (``_measure``; ``warmup``: each level timed after an untimed run of every system at it). ``prefix_caching``:
-    mstar's Thinker reuses the KV blocks of the prompts' shared system turn (the runtime's default;
-    transformers has no such cache); its reuse over the measured runs is reported."""
+    mstar's Thinker and Talker reuse the KV blocks of prompt rows they have seen (the runtime's default;
+    transformers has no such cache): the shared system turn, and since a level's prompts repeat (warm-up,
+    repeats) all of a prompt's full blocks; the reuse over the measured runs is reported."""
     from mstar.models.qwen3_omni.model import Qwen3Omni
 
     if not concurrency or min(concurrency) < 1 or repeats < 1:
@@ -386,21 +388,21 @@ def run_omni_bench(concurrency: list[int], text_tokens: int = 12, talker_steps: 
             warm = Workload(text_tokens, min(talker_steps, 4), sample, seed)
             for system in SYSTEMS:
                 warm.run(system, rt, hf, prompts(2), 0)
-            before = thinker_prefix_tokens(rt)
+            before = prefix_tokens(rt, "Thinker"), prefix_tokens(rt, "Talker")
             res = OmniBenchResult(describe_config(cfg), text_tokens, talker_steps, sample, repeats,
                                   torch.get_num_threads(),
                                   _measure(work, rt, hf, concurrency, repeats, say, warmup),
                                   prefix_caching=prefix_caching)
-            after = thinker_prefix_tokens(rt)
-            res.prefix_tokens = (after[0] - before[0], after[1] - before[1])
+            after = prefix_tokens(rt, "Thinker"), prefix_tokens(rt, "Talker")
+            res.prefix_tokens, res.talker_prefix_rows = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
             if profile and not all(ok for _, ok in goals(res)):
                 res.profile = profile_mstar(rt, work, max(concurrency))
     return res
 
 
-def thinker_prefix_tokens(rt: Runtime) -> tuple[int, int]:
-    """(prompt tokens the Thinker reused from its prefix cache, prompt tokens it looked up) so far."""
-    kvs = [r["kv"]["Thinker"] for r in rt.stats()["ranks"] if "Thinker" in r["kv"]]
+def prefix_tokens(rt: Runtime, node: str) -> tuple[int, int]:
+    """(prompt rows ``node`` reused from its prefix cache, prompt rows it looked up) so far."""
+    kvs = [r["kv"][node] for r in rt.stats()["ranks"] if node in r["kv"]]
     return sum(kv["prefix_hit_tokens"] for kv in kvs), sum(kv["prefix_query_tokens"] for kv in kvs)
 
 
@@ -476,10 +478,12 @@ def format_table(res: OmniBenchResult) -> str:
             lines.append(f"parity at {r.concurrency} (greedy, mstar vs hf-sequential): text {p.text_equal}/"
                          f"{p.requests}, frame codes {p.codes_equal}/{p.requests}, audio length (also "
                          f"hf-batched) {p.length_equal}/{p.requests}")
-    hit, looked = res.prefix_tokens
+    (hit, looked), (rows_hit, rows) = res.prefix_tokens, res.talker_prefix_rows
     lines.append(f"mstar prefix cache: the Thinker reused {hit} of {looked} prompt tokens "
-                 f"({100 * hit / max(looked, 1):.0f}%: the shared system prompt's full blocks)" if res.prefix_caching
-                 else "mstar prefix cache: off (--no-prefix-caching)")
+                 f"({100 * hit / max(looked, 1):.0f}%), the Talker {rows_hit} of {rows} prompt rows "
+                 f"({100 * rows_hit / max(rows, 1):.0f}%): a level's prompts repeat (warm-up, repeats), so a prompt "
+                 "reuses its full blocks from its previous run (--no-prefix-caching measures without)"
+                 if res.prefix_caching else "mstar prefix cache: off (--no-prefix-caching)")
     lines += [f"goal {'met' if ok else 'NOT met'}: {text}" for text, ok in goals(res)]
     if res.profile:
         lines.append(res.profile)
