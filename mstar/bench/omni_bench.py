@@ -338,19 +338,25 @@ def _measure(work: Workload, rt: Runtime, hf, levels: list[int], repeats: int, s
     """Every level's runs. Each repeat runs every level in turn and, within a level, every system in
     turn: a host that drifts over the suite's minutes (a run at 16 read 190 ms to its last first audio,
     the next one 271 ms, with nothing changed in between) then reaches every level and system alike,
-    and the goal comparing the smallest level with the largest compares runs of the same stretch."""
+    and the goal comparing the smallest level with the largest compares runs of the same stretch.
+
+    ``warmup``: each timed run right after an untimed run of the same system at the same level (one
+    request for hf-sequential, which runs one at a time), so that no run pays for what the run before
+    it, of another system or size, left in the process and the host. The first of them grows a
+    process's allocator and caches (mstar's first 16 requests took ~150k page faults, ~30 ms more to
+    their first audio); after a transformers run, even without page faults, mstar's next 16-request
+    run reached its last first audio 10-30 ms later than after an mstar run (the Thinker's forwards
+    and Code2Wav slower), as it did after a plain matrix-multiply loop or a 1 s sleep: a cost of
+    the run before, not of the measured one."""
     batches = {c: prompts(c) for c in levels}
     runs: dict[int, dict[str, list[SystemRun]]] = {c: {s: [] for s in SYSTEMS} for c in levels}
-    if warmup:  # untimed, every system at every level: a process's first batch of c grows its allocator
-        # and caches (mstar's first 16 requests took ~150k page faults, ~30 ms more to their first audio,
-        # and set the pooled p95); hf-sequential runs one request at a time at every level, so one warms it
-        for c in levels:
-            for system in SYSTEMS:
-                batch = batches[c][:1] if system == "hf-sequential" else batches[c]
-                say(f"concurrency {c} warm-up {system}: {work.run(system, rt, hf, batch, 0).wall_s:.2f} s")
     for rep in range(repeats):
         for c in levels:
             for system in SYSTEMS:
+                if warmup:
+                    batch = batches[c][:1] if system == "hf-sequential" else batches[c]
+                    say(f"concurrency {c} repeat {rep + 1}/{repeats} {system} warm-up: "
+                        f"{work.run(system, rt, hf, batch, rep).wall_s:.2f} s")
                 run = work.run(system, rt, hf, batches[c], rep)
                 runs[c][system].append(run)
                 say(f"concurrency {c} repeat {rep + 1}/{repeats} {system}: {run.wall_s:.2f} s")
@@ -366,7 +372,7 @@ def run_omni_bench(concurrency: list[int], text_tokens: int = 12, talker_steps: 
                    profile: bool = True, prefix_caching: bool = True, warmup: bool = True,
                    log: Callable[[str], None] | None = None) -> OmniBenchResult:
     """Build the shared checkpoint, warm every system up, measure the concurrencies, interleaved
-    (``_measure``; ``warmup``: each level timed after an untimed run of every system at it). ``prefix_caching``:
+    (``_measure``; ``warmup``: each timed run after an untimed one of the same system and level). ``prefix_caching``:
     mstar's Thinker and Talker reuse the KV blocks of prompt rows they have seen (the runtime's default;
     transformers has no such cache): the shared system turn, and since a level's prompts repeat (warm-up,
     repeats) all of a prompt's full blocks; the reuse over the measured runs is reported."""
@@ -459,7 +465,8 @@ def format_table(res: OmniBenchResult) -> str:
              f"<= {res.text_tokens} tokens, talker {talker}, {res.talker_steps - 1} frames "
              f"({(res.talker_steps - 1) * 0.08:.2f} s audio) per request, codec EOS suppressed; "
              f"median (min–max) over {res.repeats} repeats, each running every concurrency in turn and every system "
-             f"in turn within it, after a warm-up run of every system at every concurrency; torch threads {res.threads}", "",
+             f"in turn within it, each timed run right after an untimed one of the same system and concurrency; "
+             f"torch threads {res.threads}", "",
              "| concurrency | system | requests/s | audio-s per wall-s | TTFA p50 ms | TTFA p95 ms | RTF p50 "
              "| throughput vs better baseline | TTFA better baseline / this |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
