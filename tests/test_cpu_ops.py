@@ -232,6 +232,36 @@ def test_argmax_rows_first_index_across_lanes(ext, threads, dtype):
     assert torch.equal(ext.argmax_rows(wide), torch.argmax(wide.float(), dim=-1))
 
 
+def test_linear_argmax_is_the_argmax_of_the_stored_product(ext, threads):
+    """``linear_argmax``: each row's argmax of ``linear``'s product without storing it (the tasks keep
+    per-run maxima, then reduce in column order), torch.argmax's index wherever the maxima fall:
+    random rows over many panels and a partial last one; with one input (x = 1) the product is the
+    weight row, so ties across panels and runs, NaN (the first wins), infinities, a row of -inf
+    (column 0), equal signed zeros and a maximum in the last partial panel are set directly."""
+    for m, k, n in [(1, 128, 151936), (16, 128, 20000), (7, 64, 1000), (13, 96, 130), (61, 40, 2577), (3, 32, 64)]:
+        x, w = _rand(m, k, seed=40), _rand(k, n, seed=41) / k ** 0.5
+        packed = ext.pack(w, False)
+        assert torch.equal(ext.linear_argmax(x, packed, n), torch.argmax(ext.linear(x, packed, n, False, None), -1))
+    n = 64 * 40 + 17  # 41 panels: several runs of panels, the last panel partial
+    rows = {"ties across panels": {700: 50.0, 100: 50.0, 2300: 50.0}, "nan": {2000: "nan", 300: "nan", 5: 99.0},
+            "inf": {2576: "inf", 5: "inf"}, "all -inf": "-inf", "last partial panel": {2570: 9.0},
+            "signed zeros": {"rest": -1.0, 70: -0.0, 71: 0.0}, "first column": {0: 3.0, 64: 3.0}}
+    for name, spec in rows.items():
+        w = _rand(1, n, seed=42) * 0.1
+        if spec == "-inf":
+            w.fill_(float("-inf"))
+        else:
+            if "rest" in spec:
+                w.fill_(spec.pop("rest"))
+            for col, value in spec.items():
+                w[0, col] = float(value)
+        packed, one = ext.pack(w, False), torch.ones(1, 1)
+        expected = torch.argmax(ext.linear(one, packed, n, False, None), -1)
+        assert torch.equal(ext.linear_argmax(one, packed, n), expected), name
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.linear_argmax(torch.ones(1, 64, dtype=torch.bfloat16), ext.pack(_rand(64, 64, seed=43), False), 64)
+
+
 def test_bfloat16_rms_norm_and_rotary(ext):
     x, weight = _rand(9, 96, seed=20, dtype=torch.bfloat16), _rand(96, seed=21, dtype=torch.bfloat16)
     norm = RMSNorm(96, 1e-6, dtype=torch.bfloat16)

@@ -185,6 +185,30 @@ def test_bias_fused_into_the_panel_store_is_the_add_after_it(dtype):
 
 
 @pytest.mark.skipif(ops() is None, reason="the compiled kernels are not built here")
+def test_argmax_without_the_logits_equals_the_argmax_of_them():
+    """``PrepackableLinear.argmax``: the index of each row's maximum of ``lin(x)`` (any leading
+    shape), a row's the same alone and in a batch; None where the product would have to be stored
+    (a bias, a bfloat16 input, hooks, no packed weight): the caller takes the logits then."""
+    from mstar.layers.prepack import PrepackableLinear
+
+    torch.manual_seed(7)
+    lin = PrepackableLinear(128, 5000, bias=False)
+    assert lin.argmax(torch.randn(2, 128)) is None  # not packed yet
+    assert lin.prepack()
+    x = torch.randn(3, 6, 128)
+    with torch.inference_mode():
+        got = lin.argmax(x)
+        assert got.shape == (3, 6) and torch.equal(got, torch.argmax(lin(x), -1))
+        assert torch.equal(lin.argmax(x[1, 2:3]), got[1, 2:3])
+        assert lin.argmax(x.bfloat16()) is None
+        handle = lin.register_forward_hook(lambda *_: None)
+        assert lin.argmax(x) is None
+        handle.remove()
+    biased = PrepackableLinear(128, 64)
+    assert biased.prepack() and biased.argmax(x) is None
+
+
+@pytest.mark.skipif(ops() is None, reason="the compiled kernels are not built here")
 def test_gelu_in_the_panel_store_is_close_to_torch_and_row_invariant():
     """``PrepackableLinear.forward_gelu``: the GELU (erf form) computed in the kernel's store is
     within float32 rounding of ``F.gelu`` of the plain product, over large negative and positive

@@ -206,6 +206,18 @@ class PrepackableLinear(nn.Linear):
         pre = self._usable(x)
         return pre is not None and pre.mode == "panel"
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``torch.argmax(self(x), -1)`` for a bias-free float32 panel weight, computed without storing
+        the product (``linear_argmax``: each row's maximum kept as the kernel goes; the values are the
+        ones ``self(x)`` stores, so the same indices); None where that path does not apply (the caller
+        takes the logits). Not with hooks: they would expect to see the output."""
+        pre = None if hooked(self) or self.bias is not None else self._usable(x)
+        kernel = getattr(pre, "_kernel", None) if pre is not None and pre.mode == "panel" else None
+        if kernel is None or x.dtype != torch.float32 or pre.packed.dim() != 3 or not hasattr(kernel, "linear_argmax"):
+            return None
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        return kernel.linear_argmax(x2, pre.packed, pre.n_out).view(x.shape[:-1])
+
     def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
         """``F.gelu(self(x))``; on the prepacked float32 path the GELU is computed in the kernel's
         store (within float32 rounding of ``F.gelu``, not its bits). Runs the module (and its

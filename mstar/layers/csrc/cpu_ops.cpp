@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -95,6 +96,18 @@ inline vf16 silu_vec(vf16 g) {
   return (g < 0.0f ? g * e : g) / (1.0f + e);
 }
 
+// `linear_argmax`'s output: instead of storing a row, each task keeps, per (run of panels, row),
+// the best value of its columns so far, its column (the first of equal values: panels and columns
+// are visited in order and only a greater value replaces it) and its first NaN column; the runs
+// are then reduced in column order, which is torch.argmax over the row as `linear` would store it.
+struct ArgmaxSink {
+  float* best;       // [runs, M], -inf at first
+  int64_t* at;       // [runs, M], -1: no value above -inf yet
+  int64_t* nan;      // [runs, M], INT64_MAX: no NaN
+  int64_t M;
+  int64_t run_len;   // panels per run
+};
+
 template <typename TY>
 struct Epilogue {
   bool silu_mul;
@@ -102,7 +115,42 @@ struct Epilogue {
   int64_t n_out;       // columns of the output
   const TY* bias = nullptr;  // [n_out] or null: added to the product as stored (then the residual, if any)
   bool gelu = false;         // float32 output only, no residual: gelu(product + bias) (vec_math.h)
+  ArgmaxSink* argmax = nullptr;  // float32 output, no other epilogue: row maxima instead of a store
 };
+
+// Row `row` of a panel's products (64 columns from col0) into its run's running maximum. The
+// panel's maximum is found with vector compares; only a panel holding a NaN, a new maximum or the
+// output's last columns is scanned element by element.
+inline void argmax_update(const vf16 (&acc)[4], int64_t col0, int64_t row, int64_t n_out, const ArgmaxSink& sink) {
+  const int64_t slot = (col0 / kPanel) / sink.run_len * sink.M + row;
+  float& best = sink.best[slot];
+  const int64_t n = std::min<int64_t>(kPanel, n_out - col0);
+  if (n == kPanel) {
+    const vf16 m01 = acc[0] > acc[1] ? acc[0] : acc[1], m23 = acc[2] > acc[3] ? acc[2] : acc[3];
+    const vf16 m = m01 > m23 ? m01 : m23;
+    const vi16 odd = (acc[0] != acc[0]) | (acc[1] != acc[1]) | (acc[2] != acc[2]) | (acc[3] != acc[3]);
+    float top = m[0];
+    bool any_nan = odd[0] != 0;
+    for (int l = 1; l < kVec; ++l) {
+      top = m[l] > top ? m[l] : top;
+      any_nan |= odd[l] != 0;
+    }
+    if (!any_nan && !(top > best)) return;
+  }
+  float out[kPanel];
+  std::memcpy(out, acc, sizeof out);
+  int64_t& at = sink.at[slot];
+  int64_t& nan = sink.nan[slot];
+  for (int64_t c = 0; c < n; ++c) {
+    const float v = out[c];
+    if (v != v) {
+      if (col0 + c < nan) nan = col0 + c;
+    } else if (v > best) {
+      best = v;
+      at = col0 + c;
+    }
+  }
+}
 
 inline void put(float v, float* y) { *y = v; }
 inline void put(float v, c10::BFloat16* y) { *y = c10::BFloat16(v); }  // round to nearest even
@@ -312,6 +360,10 @@ struct Tile {
       for (int r = 0; r < R; ++r) std::memcpy(keep[r], acc[r], sizeof acc[r]);
       return;
     }
+    if (ep.argmax != nullptr) {
+      for (int r = 0; r < R; ++r) argmax_update(acc[r], col0, r0 + r, ep.n_out, *ep.argmax);
+      return;
+    }
     for (int r = 0; r < R; ++r) {
       const TY* res = ep.residual ? ep.residual + (r0 + r) * ep.n_out : nullptr;
       store_row(acc[r], col0, y + (r0 + r) * ep.n_out, res, ep);
@@ -330,7 +382,7 @@ void run(const TX* x, int64_t M, int64_t K, const TW* packed, int64_t panels, TY
   // of up to kPanelRun, which lie end to end in memory, so the last block of one panel fetches the
   // first of the next; which thread runs a task does not change its bits
   const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t run_len = std::clamp<int64_t>(panels / (8 * threads), 1, kPanelRun);
+  const int64_t run_len = ep.argmax != nullptr ? ep.argmax->run_len : std::clamp<int64_t>(panels / (8 * threads), 1, kPanelRun);
   const int64_t runs = (panels + run_len - 1) / run_len;
   mstar_cpu::parallel_tasks(runs * chunks, M * K * panels * kPanel, [&](int64_t task) {
     const int64_t first = (task / chunks) * run_len, last = std::min(panels, first + run_len);
@@ -605,6 +657,46 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, bool 
     linear_into(input, packed, y, ep);
   }
   return y;
+}
+
+// torch.argmax(linear(x, packed, n_out), -1) without storing the product: float32 x and a float32
+// packed weight (not silu_mul). Each output value is the one `linear` computes (same tiles, same
+// accumulation order), so the index is the same as the stored product's argmax, row by row, in any
+// batch and at any thread count.
+torch::Tensor linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t n_out) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
+              "linear_argmax: input must be contiguous float32 [rows, in]");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == torch::kFloat32 &&
+                  packed.size(2) == kPanel && packed.size(1) == x.size(1),
+              "linear_argmax: needs a float32 packed weight matching the input size");
+  TORCH_CHECK(n_out >= 1 && n_out <= packed.size(0) * kPanel, "linear_argmax: output columns out of range");
+  const int64_t M = x.size(0), panels = packed.size(0);
+  auto out = torch::empty({M}, x.options().dtype(torch::kInt64));
+  if (M == 0) return out;
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t run_len = std::clamp<int64_t>(panels / (8 * threads), 1, kPanelRun);
+  const int64_t runs = (panels + run_len - 1) / run_len;
+  std::vector<float> best(runs * M, -std::numeric_limits<float>::infinity());
+  std::vector<int64_t> at(runs * M, -1), nan(runs * M, std::numeric_limits<int64_t>::max());
+  ArgmaxSink sink{best.data(), at.data(), nan.data(), M, run_len};
+  Epilogue<float> ep{false, nullptr, n_out, nullptr, false, &sink};
+  dispatch_weight(x.data_ptr<float>(), M, x.size(1), packed, static_cast<float*>(nullptr), ep);
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) {
+    float b = -std::numeric_limits<float>::infinity();
+    int64_t a = -1, first_nan = std::numeric_limits<int64_t>::max();
+    for (int64_t k = 0; k < runs; ++k) {  // runs in column order: a later equal value does not win
+      const int64_t slot = k * M + r;
+      first_nan = std::min(first_nan, nan[slot]);
+      if (at[slot] >= 0 && best[slot] > b) {
+        b = best[slot];
+        a = at[slot];
+      }
+    }
+    // torch.argmax: the first NaN if any; else the first maximum (a row of -inf only: column 0)
+    op[r] = first_nan != std::numeric_limits<int64_t>::max() ? first_nan : (a >= 0 ? a : 0);
+  }
+  return out;
 }
 
 namespace {
@@ -1413,6 +1505,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ W over a packed weight, with optional fused epilogues", py::arg("x"),
         py::arg("packed"), py::arg("n_out"), py::arg("silu_mul"), py::arg("residual"), py::arg("bias") = py::none(),
         py::arg("gelu") = false);
+  m.def("linear_argmax", &linear_argmax, "argmax over the columns of x @ W (packed float32), row by row, without storing the product",
+        py::arg("x"), py::arg("packed"), py::arg("n_out"));
   m.def("moe_route", &moe_route, "a sparse MoE router: softmax, top-k (normalised) over [tokens, experts] logits",
         py::arg("logits"), py::arg("k"), py::arg("normalize"));
   m.def("moe_experts", &moe_experts, "the SwiGLU experts of a sparse MoE block over routed tokens",

@@ -214,9 +214,14 @@ class ThinkerNode(NodeSubmodule):
         out = self.lm(embeds, ei, capture=self.accept_layer if streams else None, mrope_positions=positions,
                       deepstack=self._deepstack(ei))
         last = out.hidden[ei.last_token_rows().to(out.hidden.device)]
-        seen = ei.extras["seen"]
-        tokens = sample(self.lm.lm_head(last), ei.extras["sampling"], None if all(s is None for s in seen) else seen,
-                        ei.extras["step"]).cpu()
+        seen, sampling = ei.extras["seen"], ei.extras["sampling"]
+        tokens = None
+        if all(sp.greedy and sp.repetition_penalty == 1.0 for sp in sampling):  # ``sample``: the logits' argmax
+            tokens = self.lm.lm_head.argmax(last)  # without writing the logits out (None: no such path)
+        if tokens is None:
+            tokens = sample(self.lm.lm_head(last), sampling, None if all(s is None for s in seen) else seen,
+                            ei.extras["step"])
+        tokens = tokens.cpu()
         states = torch.stack([embeds, out.captured], dim=1).cpu() if streams else None
         cached = self._cached(ei)
         result: dict[str, list] = {"token": [], "text": [], "stop": [], "thinker_states": [], "rope_delta": [],
