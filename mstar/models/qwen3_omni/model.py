@@ -33,7 +33,7 @@ from mstar.graph import WalkGraph
 from mstar.layers.sampling import request_sampling
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.model.checkpoint import check_load_format, reject_checkpoint, resolve_dtype
-from mstar.model.decode import generation_done, stop_token_set
+from mstar.model.decode import ParamsMemo, generation_done, stop_token_set
 from mstar.model.tokenizer import LazyTokenizer
 from mstar.models.qwen3_omni import graph as omni_graph
 from mstar.models.qwen3_omni.config import TINY_HF_CONFIG, Qwen3OmniConfig
@@ -58,6 +58,8 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
         if isinstance(config, Mapping):
             config = Qwen3OmniConfig.from_hf_dict(config)
         self._config: Qwen3OmniConfig | None = config  # else read from the checkpoint on first use
+        # a submit validates a request, then sizes its caches: both read its Thinker and Talker sampling
+        self._thinker_sampling, self._talker_sampling = ParamsMemo(_thinker_sampling), ParamsMemo(_talker_sampling)
         if load_format != "dummy" and self.model_path is None and config is not None:
             raise ValueError("qwen3-omni: a model path is needed to load weights (or load_format='dummy')")
 
@@ -96,7 +98,7 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
         return omni_graph.next_walk(state, ends)
 
     def _prefill_token_ends(self, state: WalkState) -> bool:
-        sp = request_sampling(state.params, _thinker_defaults())
+        sp = self._thinker_sampling(state.params)
         token = int(state.tensors["token"][0].reshape(-1)[0])
         return generation_done(token, 0, sp, stop_token_set(sp, (self.config.tokens.im_end,)))
 
@@ -112,7 +114,7 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
         vocab = self.config.thinker.vocab_size
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise ValueError(f"qwen3-omni: input_ids must be in [0, {vocab})")
-        sp = request_sampling(params, _thinker_defaults())
+        sp = self._thinker_sampling(params)
         if ids.numel() + sp.max_tokens > self.config.thinker.max_position_embeddings:
             raise ValueError(f"qwen3-omni: prompt ({ids.numel()} tokens) + max_tokens ({sp.max_tokens}) exceeds "
                              f"the context of {self.config.thinker.max_position_embeddings} tokens")
@@ -174,8 +176,8 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
         tokens.speaker_id(str(params.get("voice") or "ethan"))
         if ids.numel() - assistant_start(ids, tokens) != 3:
             raise ValueError("qwen3-omni: for audio output the prompt must end with '<|im_start|>assistant\\n'")
-        talker = nodes.talker_sampling(params)
-        nodes.predictor_sampling(params)
+        talker = self._talker_sampling(params)
+        nodes.predictor_sampling(params, talker)
         limit = self.config.talker.text.max_position_embeddings
         if ids.numel() + 9 + talker.max_tokens > limit:
             raise ValueError(f"qwen3-omni: prompt + talker max_tokens ({talker.max_tokens}) exceeds the talker's "
@@ -183,12 +185,10 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
 
     def max_kv_tokens(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> Mapping[str, int]:
         """Thinker: prompt + max_tokens; Talker (audio only): the user part (<= prompt) + 9 + its steps."""
-        from mstar.models.qwen3_omni.nodes import talker_sampling
-
         n = inputs["input_ids"][0].numel()
-        out = {"Thinker": n + request_sampling(params, _thinker_defaults()).max_tokens}
+        out = {"Thinker": n + self._thinker_sampling(params).max_tokens}
         if omni_graph.wants_audio(params):
-            out["Talker"] = n + 9 + talker_sampling(params).max_tokens
+            out["Talker"] = n + 9 + self._talker_sampling(params).max_tokens
         return out
 
     # -- modules -----------------------------------------------------------------------------------
@@ -233,6 +233,16 @@ def _thinker_defaults() -> Mapping[str, Any]:
     from mstar.models.qwen3_omni.nodes import THINKER_SAMPLING
 
     return THINKER_SAMPLING
+
+
+def _thinker_sampling(params: Mapping[str, Any]) -> Any:
+    return request_sampling(params, _thinker_defaults())
+
+
+def _talker_sampling(params: Mapping[str, Any]) -> Any:
+    from mstar.models.qwen3_omni.nodes import talker_sampling
+
+    return talker_sampling(params)
 
 
 class Qwen3OmniTiny(Qwen3Omni):

@@ -51,12 +51,13 @@ def talker_sampling(params: Mapping[str, Any]) -> SamplingParams:
     return request_sampling({"sampling": params.get("talker_sampling")}, TALKER_SAMPLING)
 
 
-def predictor_sampling(params: Mapping[str, Any]) -> SamplingParams:
+def predictor_sampling(params: Mapping[str, Any], talker: SamplingParams | None = None) -> SamplingParams:
     """The request's ``code_predictor_sampling``; greedy when the talker is greedy and none is given
     (the reference mirrors the talker's ``do_sample``); a seeded talker seeds it too (talker seed + 1:
-    its draws must not reuse the talker's noise at the same step) unless it has its own seed."""
+    its draws must not reuse the talker's noise at the same step) unless it has its own seed.
+    ``talker``: ``talker_sampling(params)`` where the caller has it."""
     given = params.get("code_predictor_sampling")
-    talker = talker_sampling(params)
+    talker = talker or talker_sampling(params)
     if given is None and talker.greedy:
         return SamplingParams(temperature=0.0)
     defaults = {**PREDICTOR_SAMPLING, "seed": None if talker.seed is None else talker.seed + 1}
