@@ -409,6 +409,35 @@ def test_one_token_answer_still_speaks(runtime):
     assert kv_blocks_in_use(runtime) == 0
 
 
+def test_text_prompts_take_the_talker_prefill_fast_path_with_the_same_rows(omni):
+    """A prompt without media placeholders builds its Talker prefill from the ids as a list; every
+    field equals the general path's (user rows of every user turn, header rows, positions, prefix
+    key), for a system + user prompt, several turns, no system turn, tokens before any
+    ``<|im_start|>``, an empty user turn and another voice; prompts the fast path does not take
+    (media, no assistant header at the end) still reach the general path and its errors."""
+    talker = Qwen3Omni(omni[1]).build_submodules(["Talker"])["Talker"]
+    body = [IM_START, USER, NL, 40, 41, IM_END, NL]
+    prompts = [chat(9707, 11, 1879), torch.tensor([*body, IM_START, ASSISTANT, NL, 50, IM_END, NL, *body, IM_START, ASSISTANT, NL]),
+               torch.tensor([*body, IM_START, ASSISTANT, NL]), torch.tensor([7, 8, *body, IM_START, ASSISTANT, NL]),
+               torch.tensor([IM_START, USER, NL, IM_END, NL, IM_START, ASSISTANT, NL])]
+    for prompt in prompts:
+        for params in ({}, {"voice": "chelsie"}):
+            states = torch.randn(prompt.numel(), 2, 64)
+            fast = talker._prefill_request(prompt, [states], None, params)
+            assert talker._text_prefill_request(prompt.tolist(), states, params) is not None
+            talker._text_prefill_request = lambda *_: None  # the general path (an instance attribute)
+            slow = talker._prefill_request(prompt, [states], None, params)
+            del talker._text_prefill_request
+            (a, ka), (b, kb) = fast, slow
+            assert torch.equal(ka, kb) and a.speaker == b.speaker and a.delta == b.delta
+            for name in ("text_rows", "hidden_rows", "is_media", "positions"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), name
+    with pytest.raises(ValueError, match="must end with"):
+        talker._prefill_request(prompts[0][:-1], [torch.randn(prompts[0].numel() - 1, 2, 64)], None, {})
+    with_audio = chat(151675, 9707)
+    assert talker._text_prefill_request(with_audio.tolist(), torch.randn(with_audio.numel(), 2, 64), {}) is None
+
+
 def _prefix_hits(rt, node: str) -> int:
     return sum(r["kv"][node]["prefix_hit_tokens"] for r in rt.stats()["ranks"] if node in r["kv"])
 

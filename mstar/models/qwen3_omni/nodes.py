@@ -345,6 +345,10 @@ class TalkerNode(NodeSubmodule):
         if len(items) != 1 or items[0].shape[0] != prompt.numel():
             raise ValueError(f"the Talker prefill needs the prompt's thinker states ({prompt.numel()} positions)")
         states = items[0]
+        if grids is None:
+            fast = self._text_prefill_request(prompt.tolist(), states, params)
+            if fast is not None:
+                return fast
         start = assistant_start(prompt, self.ids)
         if prompt.numel() - start != 3:
             raise ValueError("the prompt must end with '<|im_start|>assistant\\n' for audio output")
@@ -356,6 +360,30 @@ class TalkerNode(NodeSubmodule):
         positions, delta = mrope_positions(talker_ids, grids, self.ids.image, *self.vision)
         req = _PrefillRequest(states[text_pos, 0], states[users[media], 1], media, speaker, positions[:, :-1], delta)
         return req, self._reusable(prompt[users], media, prompt[start:start + 3], speaker)
+
+    def _text_prefill_request(self, ids: list[int], states: torch.Tensor, params: Mapping[str, Any]
+                              ) -> tuple[_PrefillRequest, torch.Tensor] | None:
+        """``_prefill_request`` of a prompt without media placeholders, over the ids as a list (the
+        same values in a few tensor operations instead of some twenty: ~0.1 ms a request); None for a
+        prompt with placeholders or without the assistant header at its end (the general path decides)."""
+        t = self.ids
+        n = len(ids)
+        if n < 3 or ids[-3] != t.im_start or ids[-2] != t.assistant or not {t.audio, t.image, t.video}.isdisjoint(ids):
+            return None
+        users, latest = [], 0  # user_positions: the role after the latest <|im_start|> (or after position 0)
+        for i, token in enumerate(ids):
+            if token == t.im_start:
+                latest = i
+            if ids[min(latest + 1, n - 1)] == t.user:
+                users.append(i)
+        speaker = t.speaker_id(str(params.get("voice") or "ethan"))
+        rows = torch.tensor([*users, n - 3, n - 2, n - 1])
+        u = len(users)
+        req = _PrefillRequest(states[rows, 0], states.new_empty(0, states.shape[-1]), torch.zeros(u, dtype=torch.bool),
+                              speaker, torch.arange(u + 8).expand(3, -1), 0)
+        user_ids = [ids[i] for i in users]
+        codec = [t.codec_nothink, t.codec_think_bos, t.codec_think_eos, speaker, t.codec_pad]
+        return req, torch.tensor([*user_ids, *ids[-3:], *(-1 - c for c in codec)])
 
     def _reusable(self, user_ids: torch.Tensor, media: torch.Tensor, header: torch.Tensor, speaker: int) -> torch.Tensor:
         """The leading talker prompt rows whose KV depends on ids alone, as the prefix cache's key: a
