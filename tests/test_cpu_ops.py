@@ -278,7 +278,8 @@ def test_bfloat16_rms_norm_and_rotary(ext):
 
 def test_snake_beta_matches_pytorch(ext, threads):
     """Code2Wav's activation: the fused pass equals the PyTorch formula to float rounding, tails
-    (time not a multiple of 16) and inputs beyond the polynomial's range (std::sin) included."""
+    (time not a multiple of 16) and inputs beyond the polynomial's range (std::sin) included; a
+    row's tail takes the vector code."""
     x = _rand(2, 5, 1000 + 7, seed=11) * 4
     x[1, 2, 100:120] = 3e5  # a whole vector beyond the polynomial's range
     alpha, inv_beta = _rand(5, seed=12).exp(), 1.0 / (_rand(5, seed=13).exp() + 1e-9)
@@ -291,6 +292,10 @@ def test_snake_beta_matches_pytorch(ext, threads):
     assert (s2 - torch.sin(u.double()) ** 2).abs().max() <= 2 * 2.0 ** -9  # 2 ulp of 3e4
     nan = ext.snake_beta(torch.full((1, 1, 20), float("nan")), torch.ones(1), torch.ones(1))
     assert nan.isnan().all()
+    # a step's value does not depend on where its row ends (a streamed chunk's): the last < 16 steps
+    # go through the same vector code, on a zero-padded copy
+    for end in (7, 150, 1001):
+        assert torch.equal(ext.snake_beta(x[..., :end].contiguous(), alpha, inv_beta), y[..., :end])
     with pytest.raises(RuntimeError, match="snake_beta"):
         ext.snake_beta(x[:, :, ::2], alpha, inv_beta)
     with pytest.raises(RuntimeError, match="snake_beta"):
