@@ -336,18 +336,12 @@ class Workload:
 def _measure(work: Workload, rt: Runtime, hf, levels: list[int], repeats: int, say,
              warmup: bool = True) -> list[ConcurrencyResult]:
     """Every level's runs. Each repeat runs every level in turn and, within a level, every system in
-    turn: a host that drifts over the suite's minutes (a run at 16 read 190 ms to its last first audio,
-    the next one 271 ms, with nothing changed in between) then reaches every level and system alike,
-    and the goal comparing the smallest level with the largest compares runs of the same stretch.
-
-    ``warmup``: each timed run right after an untimed run of the same system at the same level (one
-    request for hf-sequential, which runs one at a time), so that no run pays for what the run before
-    it, of another system or size, left in the process and the host. The first of them grows a
-    process's allocator and caches (mstar's first 16 requests took ~150k page faults, ~30 ms more to
-    their first audio); after a transformers run, even without page faults, mstar's next 16-request
-    run reached its last first audio 10-30 ms later than after an mstar run (the Thinker's forwards
-    and Code2Wav slower), as it did after a plain matrix-multiply loop or a 1 s sleep: a cost of
-    the run before, not of the measured one."""
+    turn, so a host drifting over the suite's minutes reaches every level and system alike (the TTFA
+    goal compares the smallest level with the largest). ``warmup``: each timed run right after an
+    untimed run of the same system and level (hf-sequential: one request, as it runs one at a time),
+    so no run pays for the state another left: a process's first batch grows its allocator (mstar's
+    first 16 requests: ~30 ms more to their first audio), and any other run before (transformers, a
+    matmul loop, a sleep) left mstar's next 16-request run 10-30 ms slower (BENCHMARKS.md)."""
     batches = {c: prompts(c) for c in levels}
     runs: dict[int, dict[str, list[SystemRun]]] = {c: {s: [] for s in SYSTEMS} for c in levels}
     for rep in range(repeats):

@@ -193,7 +193,7 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
 
     # -- modules -----------------------------------------------------------------------------------
     def build_submodules(self, node_names: Iterable[str]) -> dict[str, NodeSubmodule]:
-        from mstar.models.qwen3_omni import codec_nodes, encoder_nodes, loader, nodes
+        from mstar.models.qwen3_omni import codec_nodes, encoder_nodes, loader, nodes, talker_node
 
         cfg, path, fmt = self.config, self.model_path, self.load_format
         mods: dict[str, NodeSubmodule] = {}
@@ -202,7 +202,7 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
                 mods[node] = nodes.ThinkerNode(loader.build_thinker(cfg, path, fmt, self.dtype, self.seed), cfg)
             elif node == "Talker":
                 lm = loader.build_talker(cfg, path, fmt, self.dtype, self.seed + 1)
-                mods[node] = nodes.TalkerNode(lm, cfg, loader.tts_rows(cfg, path, fmt, self.seed))
+                mods[node] = talker_node.TalkerNode(lm, cfg, loader.tts_rows(cfg, path, fmt, self.seed))
             elif node == "code_predictor":
                 mods[node] = codec_nodes.CodePredictorNode(loader.build_code_predictor(cfg, path, fmt, self.dtype,
                                                                                  self.seed + 2))
