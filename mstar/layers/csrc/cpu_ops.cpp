@@ -371,6 +371,12 @@ struct Tile {
   }
 };
 
+// Consecutive panels a task takes (the same for `linear` and `linear_argmax`'s per-run maxima).
+inline int64_t panel_run_len(int64_t panels) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  return std::clamp<int64_t>(panels / (8 * threads), 1, kPanelRun);
+}
+
 template <bool Pairs, typename TX, typename TW, typename TY>
 void run(const TX* x, int64_t M, int64_t K, const TW* packed, int64_t panels, TY* y,
          const Epilogue<TY>& ep) {
@@ -381,8 +387,7 @@ void run(const TX* x, int64_t M, int64_t K, const TW* packed, int64_t panels, TY
   // a task is (a run of consecutive panels, one row chunk): many panels (a vocabulary head) go in runs
   // of up to kPanelRun, which lie end to end in memory, so the last block of one panel fetches the
   // first of the next; which thread runs a task does not change its bits
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t run_len = ep.argmax != nullptr ? ep.argmax->run_len : std::clamp<int64_t>(panels / (8 * threads), 1, kPanelRun);
+  const int64_t run_len = ep.argmax != nullptr ? ep.argmax->run_len : panel_run_len(panels);
   const int64_t runs = (panels + run_len - 1) / run_len;
   mstar_cpu::parallel_tasks(runs * chunks, M * K * panels * kPanel, [&](int64_t task) {
     const int64_t first = (task / chunks) * run_len, last = std::min(panels, first + run_len);
@@ -673,8 +678,7 @@ torch::Tensor linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t n_out
   const int64_t M = x.size(0), panels = packed.size(0);
   auto out = torch::empty({M}, x.options().dtype(torch::kInt64));
   if (M == 0) return out;
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t run_len = std::clamp<int64_t>(panels / (8 * threads), 1, kPanelRun);
+  const int64_t run_len = panel_run_len(panels);
   const int64_t runs = (panels + run_len - 1) / run_len;
   std::vector<float> best(runs * M, -std::numeric_limits<float>::infinity());
   std::vector<int64_t> at(runs * M, -1), nan(runs * M, std::numeric_limits<int64_t>::max());
