@@ -123,6 +123,15 @@ class PrepackedLinear:
         y = self._kernel.linear(x, self.packed, self.n_out, False, None, bias, True)
         return y.view(*shape[:-1], y.shape[-1]) if len(shape) != 2 else y
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``torch.argmax(self(x), -1)`` without storing the product (``linear_argmax``), for float32
+        x over a float32 panel weight without silu_mul; None otherwise."""
+        if (self.mode != "panel" or self.silu_mul or x.dtype != torch.float32 or self.packed.dim() != 3
+                or not hasattr(self._kernel, "linear_argmax")):
+            return None
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        return self._kernel.linear_argmax(rows, self.packed, self.n_out).view(x.shape[:-1])
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T``, then ``+= bias`` (in place, as ``y.add_(bias)``), then ``+ residual`` (a new
@@ -212,11 +221,7 @@ class PrepackableLinear(nn.Linear):
         ones ``self(x)`` stores, so the same indices); None where that path does not apply (the caller
         takes the logits). Not with hooks: they would expect to see the output."""
         pre = None if hooked(self) or self.bias is not None else self._usable(x)
-        kernel = getattr(pre, "_kernel", None) if pre is not None and pre.mode == "panel" else None
-        if kernel is None or x.dtype != torch.float32 or pre.packed.dim() != 3 or not hasattr(kernel, "linear_argmax"):
-            return None
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        return kernel.linear_argmax(x2, pre.packed, pre.n_out).view(x.shape[:-1])
+        return None if pre is None else pre.argmax(x)
 
     def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
         """``F.gelu(self(x))``; on the prepacked float32 path the GELU is computed in the kernel's

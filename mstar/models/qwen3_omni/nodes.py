@@ -53,7 +53,8 @@ def predictor_sampling(params: Mapping[str, Any], talker: SamplingParams | None 
     its draws must not reuse the talker's noise at the same step) unless it has its own seed.
     ``talker``: ``talker_sampling(params)`` where the caller has it."""
     given = params.get("code_predictor_sampling")
-    talker = talker or talker_sampling(params)
+    if talker is None:
+        talker = talker_sampling(params)
     if given is None and talker.greedy:
         return SamplingParams(temperature=0.0)
     defaults = {**PREDICTOR_SAMPLING, "seed": None if talker.seed is None else talker.seed + 1}
