@@ -144,6 +144,23 @@ def test_rms_norm_and_rotary_match_pytorch(ext, threads):
     full = ext.rms_norm(x, norm.weight.detach(), 1e-6)
     assert torch.equal(rows[0][0], full[0]) and torch.equal(rows[1][0], full[20])
 
+    # per-head rows of a [T, heads, D] view of a wider fused projection: read in place, the same
+    # bits as the copied rows; the module takes that path (and a copy for other layouts)
+    fused = _rand(19, 4 * 32 + 64, seed=14)
+    q = fused[:, 32:32 + 3 * 32].view(19, 3, 32)
+    head_norm = RMSNorm(32, 1e-6)
+    with torch.no_grad():
+        head_norm.weight.copy_(_rand(32, seed=15))
+    head_ref = head_norm(q)
+    assert head_norm.prepack()
+    rows_ref = ext.rms_norm(q.reshape(-1, 32).contiguous(), head_norm.weight.detach(), 1e-6).view(19, 3, 32)
+    for got in (ext.rms_norm(q, head_norm.weight.detach(), 1e-6), head_norm(q), head_norm(q.transpose(0, 1))
+                .transpose(0, 1)):
+        assert got.shape == (19, 3, 32) and torch.equal(got, rows_ref)
+    torch.testing.assert_close(rows_ref, head_ref, atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError):
+        ext.rms_norm(fused[:, :96].view(19, 32, 3).transpose(1, 2), head_norm.weight.detach(), 1e-6)
+
     heads, kv_heads, d = 4, 2, 32
     cos, sin = RotaryEmbedding(d, 10000.0)(torch.arange(11) * 7)
     y = _rand(11, (heads + 2 * kv_heads) * d, seed=13)

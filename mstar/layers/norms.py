@@ -35,9 +35,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compiled and x.dtype in _COMPILED_DTYPES and self.weight.dtype == x.dtype and x.device.type == "cpu":
-            if x.dim() == 2 and x.is_contiguous():
+            if (x.dim() == 2 and x.is_contiguous()) or (x.dim() == 3 and x.stride(2) == 1
+                                                        and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]):
+                # a matrix, or per-head q/k norms [T, heads, D] over a view of a fused projection
                 return self._kernel.rms_norm(x, self.weight, self.eps)
-            # e.g. per-head q/k norms [T, heads, D]: one copy into rows, then the kernel
+            # any other layout: one copy into rows, then the kernel
             rows = x.reshape(-1, x.shape[-1]).contiguous()
             return self._kernel.rms_norm(rows, self.weight, self.eps).view(x.shape)
         if x.dtype == torch.float32:  # the same arithmetic without the (no-op) casts' dispatch cost

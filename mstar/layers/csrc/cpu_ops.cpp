@@ -925,11 +925,16 @@ constexpr bool kVectorRows = false;  // AVX2: GCC's code for a 16-float vector w
 // The sum of squares is 16 lane-wise partial sums folded in a fixed tree (the same order for every
 // row). With AVX-512 the lanes are one vector and the row is normalised 16 elements at a time (the
 // same operations per element as the scalar loops, which GCC left scalar for bf16).
+// Input row t is at xp + (t / group) * group_stride + (t % group) * H (a plain matrix: group 1,
+// group_stride H; per-head rows of a [T, heads, H] view of a wider tensor: group heads); the output
+// rows are contiguous.
 template <typename T>
-void rms_norm_rows(const T* xp, const T* wp, T* op, int64_t T_, int64_t H, float e) {
+void rms_norm_rows(const T* xp, const T* wp, T* op, int64_t T_, int64_t H, float e, int64_t group = 1,
+                   int64_t group_stride = -1) {
+  if (group_stride < 0) group_stride = group * H;
   mstar_cpu::parallel_tasks((T_ + 15) / 16, T_ * H, [&](int64_t task) {
     for (int64_t t = task * 16; t < std::min(T_, task * 16 + 16); ++t) {
-      const T* row = xp + t * H;
+      const T* row = xp + (t / group) * group_stride + (t % group) * H;
       float lanes[kVec] = {0};
       int64_t i = 0;
       if constexpr (kVectorRows) {
@@ -965,19 +970,25 @@ void rms_norm_rows(const T* xp, const T* wp, T* op, int64_t T_, int64_t H, float
 }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
-                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
-              "input must be contiguous float32 or bfloat16 [tokens, hidden]");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+  // [tokens, hidden] contiguous, or [tokens, heads, head_dim] whose heads lie one after another in
+  // each token's row of a wider tensor (per-head q/k norms over a view of a fused projection): no copy
+  const bool heads = x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.stride(0) >= x.size(1) * x.size(2);
+  TORCH_CHECK((x.dim() == 2 && x.is_contiguous()) || heads,
+              "input must be a contiguous [tokens, hidden] or a [tokens, heads, head_dim] with contiguous heads");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "input must be float32 or bfloat16");
+  const int64_t H = x.size(x.dim() - 1), group = heads ? x.size(1) : 1, rows = x.numel() / std::max<int64_t>(H, 1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() &&
                   weight.scalar_type() == x.scalar_type(),
               "weight must be [hidden] of the input's dtype");
-  auto out = torch::empty_like(x);
+  auto out = torch::empty(x.sizes(), x.options());
+  const int64_t stride = heads ? x.stride(0) : group * H;
   const float e = static_cast<float>(eps);
   if (x.scalar_type() == torch::kFloat32)
-    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1), e);
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, H, e, group, stride);
   else
     rms_norm_rows(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(),
-                  x.size(0), x.size(1), e);
+                  rows, H, e, group, stride);
   return out;
 }
 
@@ -1508,7 +1519,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step, "store new K/V rows, then decode attention (all rows single-token appends)");
   m.def("paged_block_", &paged_block_, "multi-token (causal or bidirectional) attention over a paged KV cache, into out");
   m.def("argmax_rows", &argmax_rows, "index of each row's maximum (torch.argmax semantics)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a float32 matrix");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the rows of a float32 or bfloat16 matrix, or over the heads of [T, heads, D]");
   m.def("layer_norm", &layer_norm, "LayerNorm (with weight and bias) over the rows of a float32 matrix");
   m.def("rotary_", &rotary_, "rotary embedding, in place, over the first heads of each row");
   m.def("rotary_pairs_", &rotary_pairs_, "rotary embedding of adjacent channel pairs, in place, over the first heads of each row (float32; PyTorch's rounding)");

@@ -229,7 +229,8 @@ class ThinkerNode(NodeSubmodule):
         # per row, views of one tensor for the batch: tokens, M-RoPE offsets
         ids, rows = tokens.tolist(), tokens.view(-1, 1).unbind(0)
         deltas = torch.tensor([r.delta for r in x["req"]]).view(-1, 1).unbind(0)
-        for i, (start, n) in enumerate(zip(_starts(ei), ei.num_tokens)):
+        per_request = self._states(states, ei, cached) if states is not None else None
+        for i in range(len(ei.num_tokens)):
             tok = rows[i]
             result["token"].append(tok)
             result["text"].append(tok)
@@ -239,18 +240,26 @@ class ThinkerNode(NodeSubmodule):
             # prompt + generated tokens, for the repetition penalty (empty when the request has none)
             result["seen"].append(torch.zeros(0, dtype=torch.long) if seen[i] is None
                                   else torch.cat([seen[i], tok]))
-            result["thinker_states"].append([self._states(states[start:start + n], ei.extras["req"][i], cached[i])]
-                                            if ei.extras["stream"][i] else [])
+            result["thinker_states"].append([per_request[i]] if ei.extras["stream"][i] else [])
         return result
 
-    def _states(self, computed: torch.Tensor, req: _ThinkerRequest, cached: int) -> torch.Tensor:
-        """A prefill's ``[prompt, 2, H]`` states: its cached leading positions get their input
-        embeddings (text: the embedding table) and zeros for the accepted layer's hidden state, which
-        was not computed; the Talker reads hidden states only at media placeholders, never cached."""
-        if not cached:
-            return computed
-        head = self.lm.embed(req.prompt[:cached].to(self.lm.lm_head.weight.device)).to(computed)
-        return torch.cat([torch.stack([head, torch.zeros_like(head)], dim=1), computed])
+    def _states(self, computed: torch.Tensor, ei: EngineInputs, cached: list[int]) -> list[torch.Tensor]:
+        """Each request's ``[rows, 2, H]`` states (views of one tensor): a decode token's row, a
+        prefill's whole prompt, whose cached leading positions get their input embeddings (text: the
+        embedding table; one lookup for the batch) and zeros for the accepted layer's hidden state,
+        which was not computed; the Talker reads hidden states only at media placeholders, never
+        cached."""
+        if not any(cached):
+            return list(computed.split(ei.num_tokens))
+        reqs = ei.extras["req"]
+        heads = self.lm.embed(torch.cat([r.prompt[:c] for r, c in zip(reqs, cached) if c])
+                              .to(self.lm.lm_head.weight.device)).to(computed)
+        lengths = [length for c, n in zip(cached, ei.num_tokens) for length in (c, n)]
+        is_head = torch.arange(len(lengths)).remainder(2).eq(0).repeat_interleave(torch.tensor(lengths))
+        out = computed.new_empty(is_head.shape[0], *computed.shape[1:])
+        out[is_head] = torch.stack([heads, torch.zeros_like(heads)], dim=1)
+        out[~is_head] = computed
+        return list(out.split([c + n for c, n in zip(cached, ei.num_tokens)]))
 
 
 def _starts(ei: EngineInputs) -> list[int]:

@@ -126,12 +126,15 @@ class TalkerNode(NodeSubmodule):
         n = len(ids)
         if n < 3 or ids[-3] != t.im_start or ids[-2] != t.assistant or not {t.audio, t.image, t.video}.isdisjoint(ids):
             return None
-        users, latest = [], 0  # user_positions: the role after the latest <|im_start|> (or after position 0)
-        for i, token in enumerate(ids):
-            if token == t.im_start:
-                latest = i
-            if ids[min(latest + 1, n - 1)] == t.user:
-                users.append(i)
+        # user_positions: a position's role is the token after the latest <|im_start|> (after position 0
+        # before the first one), so each turn from its <|im_start|> to the next is in or out as a whole
+        starts = [i for i, token in enumerate(ids) if token == t.im_start]
+        if not starts or starts[0] != 0:
+            starts.insert(0, 0)
+        users: list[int] = []
+        for start, end in zip(starts, [*starts[1:], n]):
+            if ids[min(start + 1, n - 1)] == t.user:
+                users.extend(range(start, end))
         speaker = t.speaker_id(str(params.get("voice") or "ethan"))
         rows = torch.tensor([*users, n - 3, n - 2, n - 1])
         u = len(users)
