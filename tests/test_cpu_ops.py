@@ -158,6 +158,9 @@ def test_rms_norm_and_rotary_match_pytorch(ext, threads):
                 .transpose(0, 1)):
         assert got.shape == (19, 3, 32) and torch.equal(got, rows_ref)
     torch.testing.assert_close(rows_ref, head_ref, atol=1e-6, rtol=1e-6)
+    q16, w16 = fused.to(torch.bfloat16)[:, 32:32 + 3 * 32].view(19, 3, 32), head_norm.weight.detach().to(torch.bfloat16)
+    assert torch.equal(ext.rms_norm(q16, w16, 1e-6), ext.rms_norm(q16.reshape(-1, 32).contiguous(), w16, 1e-6)
+                       .view(19, 3, 32))
     with pytest.raises(RuntimeError):
         ext.rms_norm(fused[:, :96].view(19, 32, 3).transpose(1, 2), head_norm.weight.detach(), 1e-6)
 
