@@ -349,9 +349,14 @@ def test_narrow_conv1d_matches_conv1d(ext, threads, c_in, c_out, dilation, steps
                                atol=tol, rtol=1e-6)
     residual = _rand(3, c_out, steps, seed=25)  # the fused residual rounds as one add after the sum
     assert torch.equal(ext.narrow_conv1d(x, w, b, dilation, residual), y + residual)
+    for n in (steps - 37, 100, 23):  # a step's bits do not depend on where the row ends (which of the
+        if 0 < n < steps:  # kernel's loops, 4 x 16 steps, 16 steps or the padded tail, computes it)
+            head = x[..., :n + (k - 1) * dilation].contiguous()
+            assert torch.equal(ext.narrow_conv1d(head, w, b, dilation), y[..., :n])
 
 
-@pytest.mark.parametrize("c_in,c_out,k,steps", [(8, 8, 1, 8213), (16, 16, 1, 3016), (16, 1, 1, 37), (8, 8, 3, 9)])
+@pytest.mark.parametrize("c_in,c_out,k,steps", [(8, 8, 1, 8213), (16, 16, 1, 3016), (16, 1, 1, 37), (8, 1, 7, 301),
+                                                (8, 8, 3, 9)])
 def test_narrow_conv1d_with_the_snake_fused_on_its_inputs(ext, threads, c_in, c_out, k, steps):
     """SnakeBeta applied as the convolution loads its inputs: within float32 rounding of snake_beta's
     output convolved (the last steps of a row go through the vector code, where snake_beta's tail takes
@@ -366,6 +371,10 @@ def test_narrow_conv1d_with_the_snake_fused_on_its_inputs(ext, threads, c_in, c_
     torch.testing.assert_close(fused.double(), ref, atol=1e-6 * c_in * k, rtol=1e-5)
     assert torch.equal(ext.narrow_conv1d(x[2:].contiguous(), w, b, 1, residual[2:].contiguous(), alpha, inv_beta),
                        fused[2:])
+    if steps > 21:  # the bits do not depend on where the row ends
+        head = x[..., :steps - 21 + k - 1].contiguous()
+        assert torch.equal(ext.narrow_conv1d(head, w, b, 1, residual[..., :steps - 21].contiguous(), alpha, inv_beta),
+                           fused[..., :steps - 21])
     with pytest.raises(RuntimeError, match="snake"):
         ext.narrow_conv1d(x, w, b, 1, None, alpha[:-1], inv_beta[:-1])
     with pytest.raises(RuntimeError, match="snake"):

@@ -1352,6 +1352,40 @@ void narrow_conv_rows(const float* xr, const float* wt, const float* b, float* y
   constexpr int NS = kVec / kRegLanes;
   constexpr int G = NS == 1 ? CO : (CO < 4 ? CO : 4);
   int64_t t = t0;
+  if constexpr (CO == 1) {
+    // one output: a single accumulator would chain every multiply-add on the one before (its
+    // latency, not the unit's throughput, bounds it); four blocks of 16 steps at a time give four
+    // independent chains. Each output's terms are still added in (i, j) order: the same bits
+    constexpr int U = 4 * NS;
+    auto blocks = [&](auto snake) {  // snake: std::true_type when the SnakeBeta is fused (no branch inside)
+      for (; t + 4 * kVec <= t1; t += 4 * kVec) {
+        vreg acc[U];
+        for (int u = 0; u < U; ++u) acc[u] = vreg{} + b[0];
+        for (int64_t i = 0; i < CI; ++i)
+          for (int64_t j = 0; j < K; ++j) {
+            const float* xs = xr + i * L + t + j * dilation;
+            const float wv = wt[(i * K + j) * ws];
+#pragma GCC unroll 16
+            for (int u = 0; u < U; ++u) {
+              vreg v;
+              std::memcpy(&v, xs + u * kRegLanes, sizeof(vreg));
+              if constexpr (decltype(snake)::value) v = snake_reg(v, sa[i], sb[i]);
+              acc[u] += wv * v;
+            }
+          }
+        for (int u = 0; u < U; ++u) {
+          if (rr != nullptr) {
+            vreg r;
+            std::memcpy(&r, rr + t + u * kRegLanes, sizeof(vreg));
+            acc[u] = acc[u] + r;
+          }
+          std::memcpy(yr + t + u * kRegLanes, &acc[u], sizeof(vreg));
+        }
+      }
+    };
+    if (sa != nullptr) blocks(std::true_type{});
+    else blocks(std::false_type{});
+  }
   for (; t + kVec <= t1; t += kVec) {
     for (int o0 = 0; o0 < CO; o0 += G) {
       vreg acc[G][NS];
