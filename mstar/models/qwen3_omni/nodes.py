@@ -254,11 +254,13 @@ class ThinkerNode(NodeSubmodule):
         reqs = ei.extras["req"]
         heads = self.lm.embed(torch.cat([r.prompt[:c] for r, c in zip(reqs, cached) if c])
                               .to(self.lm.lm_head.weight.device)).to(computed)
-        lengths = [length for c, n in zip(cached, ei.num_tokens) for length in (c, n)]
-        is_head = torch.arange(len(lengths)).remainder(2).eq(0).repeat_interleave(torch.tensor(lengths))
-        out = computed.new_empty(is_head.shape[0], *computed.shape[1:])
-        out[is_head] = torch.stack([heads, torch.zeros_like(heads)], dim=1)
-        out[~is_head] = computed
+        out = computed.new_empty(sum(cached) + computed.shape[0], *computed.shape[1:])
+        at = head = row = 0  # in out, heads, computed
+        for c, n in zip(cached, ei.num_tokens):  # slices, not masks: out is written once (~4 MB at 16 prompts)
+            out[at:at + c, 0] = heads[head:head + c]
+            out[at:at + c, 1] = 0
+            out[at + c:at + c + n] = computed[row:row + n]
+            at, head, row = at + c + n, head + c, row + n
         return list(out.split([c + n for c, n in zip(cached, ei.num_tokens)]))
 
 

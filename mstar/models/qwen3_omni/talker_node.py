@@ -67,6 +67,8 @@ class TalkerNode(NodeSubmodule):
         self.register_buffer("tts_rows", tts_rows.detach().clone(), persistent=False)
         self._sampling = ParamsMemo(talker_sampling)
         self._empty_cp_cache: dict[torch.dtype, torch.Tensor] = {}  # the code predictor's frame cache at step 0
+        self._codec_rows: dict[tuple[int, int, int], torch.Tensor] = {}  # _assistant_codec
+        self._code_keys: dict[int, torch.Tensor] = {}  # _negative_codes
 
     # -- inputs ---------------------------------------------------------------------------------------
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
@@ -102,7 +104,7 @@ class TalkerNode(NodeSubmodule):
             raise ValueError(f"the Talker prefill needs the prompt's thinker states ({prompt.numel()} positions)")
         states = items[0]
         if grids is None:
-            fast = self._text_prefill_request(prompt.tolist(), states, params)
+            fast = self._text_prefill_request(prompt.tolist(), states, params, prompt)
             if fast is not None:
                 return fast
         start = assistant_start(prompt, self.ids)
@@ -117,11 +119,12 @@ class TalkerNode(NodeSubmodule):
         req = _PrefillRequest(states[text_pos, 0], states[users[media], 1], media, speaker, positions[:, :-1], delta)
         return req, self._reusable(prompt[users], media, prompt[start:start + 3], speaker)
 
-    def _text_prefill_request(self, ids: list[int], states: torch.Tensor, params: Mapping[str, Any]
-                              ) -> tuple[_PrefillRequest, torch.Tensor] | None:
-        """``_prefill_request`` of a prompt without media placeholders, over the ids as a list (the
-        same values in a few tensor operations instead of some twenty: ~0.1 ms a request); None for a
-        prompt with placeholders or without the assistant header at its end (the general path decides)."""
+    def _text_prefill_request(self, ids: list[int], states: torch.Tensor, params: Mapping[str, Any],
+                              prompt: torch.Tensor | None = None) -> tuple[_PrefillRequest, torch.Tensor] | None:
+        """``_prefill_request`` of a prompt without media placeholders, over the ids as a list and the
+        user turns as slices (the same values in a few tensor operations instead of some twenty);
+        None for a prompt with placeholders or without the assistant header at its end (the general
+        path decides). ``prompt``: the ids as a tensor (made from ``ids`` when not given)."""
         t = self.ids
         n = len(ids)
         if n < 3 or ids[-3] != t.im_start or ids[-2] != t.assistant or not {t.audio, t.image, t.video}.isdisjoint(ids):
@@ -131,17 +134,21 @@ class TalkerNode(NodeSubmodule):
         starts = [i for i, token in enumerate(ids) if token == t.im_start]
         if not starts or starts[0] != 0:
             starts.insert(0, 0)
-        users: list[int] = []
-        for start, end in zip(starts, [*starts[1:], n]):
-            if ids[min(start + 1, n - 1)] == t.user:
-                users.extend(range(start, end))
+        turns = [(a, b) for a, b in zip(starts, [*starts[1:], n]) if ids[min(a + 1, n - 1)] == t.user]
+        u = sum(b - a for a, b in turns)
         speaker = t.speaker_id(str(params.get("voice") or "ethan"))
-        rows = torch.tensor([*users, n - 3, n - 2, n - 1])
-        u = len(users)
-        req = _PrefillRequest(states[rows, 0], states.new_empty(0, states.shape[-1]), torch.zeros(u, dtype=torch.bool),
+        prompt = torch.tensor(ids) if prompt is None else prompt.to(torch.long)
+        text = torch.cat([*(states[a:b, 0] for a, b in turns), states[n - 3:, 0]])
+        req = _PrefillRequest(text, states.new_empty(0, states.shape[-1]), torch.zeros(u, dtype=torch.bool),
                               speaker, torch.arange(u + 8).expand(3, -1), 0)
-        user_ids = [ids[i] for i in users]
-        return req, torch.tensor([*user_ids, *ids[-3:], *(-1 - c for c in self._assistant_codes(speaker))])
+        return req, torch.cat([*(prompt[a:b] for a, b in turns), prompt[n - 3:], self._negative_codes(speaker)])
+
+    def _negative_codes(self, speaker: int) -> torch.Tensor:
+        """The prefix keys of the tts + codec rows (``_reusable``), kept per speaker."""
+        key = self._code_keys.get(speaker)
+        if key is None:
+            key = self._code_keys[speaker] = -1 - torch.tensor(self._assistant_codes(speaker))
+        return key
 
     def _reusable(self, user_ids: torch.Tensor, media: torch.Tensor, header: torch.Tensor, speaker: int) -> torch.Tensor:
         """The leading talker prompt rows whose KV depends on ids alone, as the prefix cache's key: a
@@ -151,7 +158,7 @@ class TalkerNode(NodeSubmodule):
         speaker's among them), which no token id takes."""
         if media.any():
             return user_ids[:int(media.nonzero()[0])]
-        return torch.cat([user_ids, header, -1 - torch.tensor(self._assistant_codes(speaker))])
+        return torch.cat([user_ids, header, self._negative_codes(speaker)])
 
     def _assistant_codes(self, speaker: int) -> list[int]:
         """The codec ids added to the last 5 assistant rows (under tts_pad x4, tts_bos)."""
@@ -187,17 +194,37 @@ class TalkerNode(NodeSubmodule):
         after those)."""
         lm = self.lm
         w = lm.codec_head.weight
+        n_user = req.is_media.numel()
+        if not req.hidden_rows.shape[0]:
+            # no media: the projected user rows after the cached ones, then the 8 assistant rows, made
+            # as below (header rows the cache holds: zero stand-ins, dropped; the codec rows added)
+            k = text.shape[0]  # >= 3: every header row is computed (cached <= n_user)
+            head = text[-3:] if k >= 3 else torch.cat([text.new_zeros(3 - k, text.shape[-1]), text])
+            tail = torch.cat([head, tts[2:3].expand(4, -1), tts[0:1]]) + self._assistant_codec(req.speaker)
+            return torch.cat([text[:-3], tail]) if k > 3 else tail[cached - n_user:]
         skipped = req.text_rows.shape[0] - text.shape[0]
         if skipped:  # rows the forward does not compute: stand-ins, dropped below
             text = torch.cat([text.new_zeros(skipped, text.shape[-1]), text])
-        n_user = req.is_media.numel()
         user = text.new_empty(n_user, text.shape[-1])
         user[~req.is_media] = text[:-3]
         if req.hidden_rows.shape[0]:
             user[req.is_media] = lm.hidden_projection(req.hidden_rows.to(w))
         header = torch.cat([text[-3:], tts[2:3].expand(4, -1), tts[0:1]])  # 3 rows, tts_pad x4, tts_bos
-        codec = lm.codec_embed(torch.tensor(self._assistant_codes(req.speaker)))
-        return torch.cat([user, header + torch.cat([codec.new_zeros(3, codec.shape[-1]), codec])])[cached:]
+        return torch.cat([user, header + self._assistant_codec(req.speaker)])[cached:]
+
+    def _assistant_codec(self, speaker: int) -> torch.Tensor:
+        """``[8, H]``: zeros for the header's 3 text rows, then the codec embeddings of the last 5
+        assistant rows (``_assistant_codes``), kept per speaker and codec-embedding version."""
+        table = self.lm.model.codec_embedding.weight
+        key = (speaker, table.data_ptr(), table._version)
+        rows = self._codec_rows.get(key)
+        if rows is None:
+            codec = self.lm.codec_embed(torch.tensor(self._assistant_codes(speaker)))
+            rows = torch.cat([codec.new_zeros(3, codec.shape[-1]), codec])
+            if len(self._codec_rows) >= 64:  # speakers x weight versions seen; dropped wholesale when full
+                self._codec_rows.clear()
+            self._codec_rows[key] = rows
+        return rows
 
     @staticmethod
     def _decode_text(req: _DecodeRequest, tts: torch.Tensor, text: torch.Tensor | None) -> torch.Tensor:
