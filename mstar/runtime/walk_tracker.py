@@ -31,6 +31,10 @@ from mstar.runtime.walk_records import Effects, Emitted, Frame, Pushed, ReadyNod
 __all__ = ["Continued", "Effects", "LockstepBound", "ReadyNode", "StreamSource", "WalkTracker", "read_stop"]
 
 
+# per plan (by identity): what every tracker of it reads (``WalkTracker._derive``)
+_DERIVED: dict[int, tuple[WalkPlan, tuple]] = {}
+
+
 class StreamSource(Protocol):
     def pull(self, node: str, name: str) -> Any:
         """The next chunk for a stream input, or None when none is ready yet."""
@@ -60,23 +64,37 @@ class WalkTracker(SelfLoops):
         self.ready: list[ReadyNode] = []
         self.running: set[tuple[str, Vec]] = set()
         self.done = False
-        self._outer_needs = self._outer_requirements()
-        # per frame: (member nodes, member loops, all members); per node: bindings set at iteration start
-        self._members = {None: (*plan.frame_members(None), frozenset(plan.top_nodes + plan.top_loops))}
+        derived = _DERIVED.get(id(plan))
+        if derived is None or derived[0] is not plan:
+            derived = (plan, self._derive())
+            if len(_DERIVED) >= 256:  # plans seen lately (a runtime has a few); dropped wholesale when full
+                _DERIVED.clear()
+            _DERIVED[id(plan)] = derived
+        (self._outer_needs, self._members, self._start_bindings, self._self_loops, self._routed,
+         self._accumulated, self._lean) = derived[1]
+
+    def _derive(self) -> tuple:
+        """What the tracker reads of its plan, the same for every walk of it (computed once per plan,
+        then shared: nothing here is written after): per loop the values it needs from its parent;
+        per frame its member nodes, loops and both; per node the bindings set at an iteration's start,
+        its self-loop's invariant inputs (None: not a self-loop body) and the routes its results take
+        (a self-loop's feedback goes straight into its next iteration instead); per loop its
+        accumulated exits; the self-loop bodies ``_self_loop_done`` takes."""
+        plan = self.plan
+        outer_needs = self._outer_requirements()
+        members = {None: (*plan.frame_members(None), frozenset(plan.top_nodes + plan.top_loops))}
         for name, lp in plan.loops.items():
-            self._members[name] = (lp.body_nodes, lp.inner_loops, frozenset(lp.body_nodes + lp.inner_loops))
-        self._start_bindings = {n: [(i, b) for i, b in np_.inputs.items() if b.kind is not InputKind.LOCAL]
-                                for n, np_ in plan.nodes.items()}
+            members[name] = (lp.body_nodes, lp.inner_loops, frozenset(lp.body_nodes + lp.inner_loops))
+        start_bindings = {n: [(i, b) for i, b in np_.inputs.items() if b.kind is not InputKind.LOCAL]
+                          for n, np_ in plan.nodes.items()}
         self._self_loops = self._find_self_loops()
-        # per node: its self-loop's invariant inputs (None: not a self-loop body) and the routes its
-        # results take (a self-loop's feedback goes straight into its next iteration instead)
-        self._routed: dict[str, tuple[tuple[str, ...] | None, tuple]] = {}
+        routed: dict[str, tuple[tuple[str, ...] | None, tuple]] = {}
         for name, np_ in plan.nodes.items():
             fast = self._self_loops.get(np_.frame) if np_.frame is not None else None
-            self._routed[name] = (fast, tuple(r for r in np_.routes
-                                              if fast is None or r.kind is not RouteKind.FEEDBACK))
+            routed[name] = (fast, tuple(r for r in np_.routes if fast is None or r.kind is not RouteKind.FEEDBACK))
         self._accumulated = {name: {e.name for e in lp.exits if e.accumulate} for name, lp in plan.loops.items()}
-        self._lean = self._lean_steps()
+        return (outer_needs, members, start_bindings, self._self_loops, routed, self._accumulated,
+                self._lean_steps())
 
     # -- public --------------------------------------------------------------------------------
     def start(self) -> Effects:
