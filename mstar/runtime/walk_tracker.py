@@ -22,6 +22,7 @@ are read from a ``StreamSource`` (the partition's stream buffer), a plain data o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mstar.graph.plan import InputBinding, InputKind, NodePlan, RouteKind, WalkPlan
@@ -31,8 +32,21 @@ from mstar.runtime.walk_records import Effects, Emitted, Frame, Pushed, ReadyNod
 __all__ = ["Continued", "Effects", "LockstepBound", "ReadyNode", "StreamSource", "WalkTracker", "read_stop"]
 
 
-# per plan (by identity): what every tracker of it reads (``WalkTracker._derive``)
-_DERIVED: dict[int, tuple[WalkPlan, tuple]] = {}
+@dataclass(frozen=True, slots=True)
+class _PlanTables:
+    """What a tracker reads of its plan, the same for every walk of it (``WalkTracker._derive``)."""
+
+    outer_needs: dict[str, set[tuple[str, str]]]  # per loop: the (node, input) values its parent hands in
+    members: dict[str | None, tuple]  # per frame: (member nodes, member loops, all members)
+    start_bindings: dict[str, list[tuple[str, InputBinding]]]  # per node: bindings set at an iteration's start
+    self_loops: dict[str, tuple[str, ...]]  # self-loop -> its node's invariant inputs
+    routed: dict[str, tuple[tuple[str, ...] | None, tuple]]  # per node: (its self-loop's invariant inputs, its routes)
+    accumulated: dict[str, set[str]]  # per loop: its accumulated exits
+    lean: dict[str, Any]  # the self-loop bodies ``_self_loop_done`` takes (``_SelfLoopStep``)
+
+
+# per plan (by identity, the plan kept with its tables): computed by the first tracker of it
+_TABLES: dict[int, tuple[WalkPlan, _PlanTables]] = {}
 
 
 class StreamSource(Protocol):
@@ -64,37 +78,36 @@ class WalkTracker(SelfLoops):
         self.ready: list[ReadyNode] = []
         self.running: set[tuple[str, Vec]] = set()
         self.done = False
-        derived = _DERIVED.get(id(plan))
-        if derived is None or derived[0] is not plan:
-            derived = (plan, self._derive())
-            if len(_DERIVED) >= 256:  # plans seen lately (a runtime has a few); dropped wholesale when full
-                _DERIVED.clear()
-            _DERIVED[id(plan)] = derived
-        (self._outer_needs, self._members, self._start_bindings, self._self_loops, self._routed,
-         self._accumulated, self._lean) = derived[1]
+        entry = _TABLES.get(id(plan))
+        if entry is None or entry[0] is not plan:
+            entry = (plan, self._derive())
+            if len(_TABLES) >= 256:  # plans seen lately (a runtime has a few); dropped wholesale when full
+                _TABLES.clear()
+            _TABLES[id(plan)] = entry
+        tables = entry[1]  # shared by every walk of the plan: read, never written
+        self._outer_needs, self._members, self._start_bindings = tables.outer_needs, tables.members, tables.start_bindings
+        self._self_loops, self._routed, self._accumulated, self._lean = (tables.self_loops, tables.routed,
+                                                                         tables.accumulated, tables.lean)
 
-    def _derive(self) -> tuple:
-        """What the tracker reads of its plan, the same for every walk of it (computed once per plan,
-        then shared: nothing here is written after): per loop the values it needs from its parent;
-        per frame its member nodes, loops and both; per node the bindings set at an iteration's start,
-        its self-loop's invariant inputs (None: not a self-loop body) and the routes its results take
-        (a self-loop's feedback goes straight into its next iteration instead); per loop its
-        accumulated exits; the self-loop bodies ``_self_loop_done`` takes."""
+    def _derive(self) -> _PlanTables:
+        """The plan's tables (``_PlanTables``); a self-loop's feedback goes straight into its next
+        iteration, not along its routes."""
         plan = self.plan
-        outer_needs = self._outer_requirements()
-        members = {None: (*plan.frame_members(None), frozenset(plan.top_nodes + plan.top_loops))}
+        members: dict[str | None, tuple] = {None: (*plan.frame_members(None), frozenset(plan.top_nodes + plan.top_loops))}
         for name, lp in plan.loops.items():
             members[name] = (lp.body_nodes, lp.inner_loops, frozenset(lp.body_nodes + lp.inner_loops))
-        start_bindings = {n: [(i, b) for i, b in np_.inputs.items() if b.kind is not InputKind.LOCAL]
-                          for n, np_ in plan.nodes.items()}
-        self._self_loops = self._find_self_loops()
+        self._self_loops = self._find_self_loops()  # (``_lean_steps`` reads it)
         routed: dict[str, tuple[tuple[str, ...] | None, tuple]] = {}
         for name, np_ in plan.nodes.items():
             fast = self._self_loops.get(np_.frame) if np_.frame is not None else None
             routed[name] = (fast, tuple(r for r in np_.routes if fast is None or r.kind is not RouteKind.FEEDBACK))
-        self._accumulated = {name: {e.name for e in lp.exits if e.accumulate} for name, lp in plan.loops.items()}
-        return (outer_needs, members, start_bindings, self._self_loops, routed, self._accumulated,
-                self._lean_steps())
+        return _PlanTables(
+            outer_needs=self._outer_requirements(), members=members,
+            start_bindings={n: [(i, b) for i, b in np_.inputs.items() if b.kind is not InputKind.LOCAL]
+                            for n, np_ in plan.nodes.items()},
+            self_loops=self._self_loops, routed=routed,
+            accumulated={name: {e.name for e in lp.exits if e.accumulate} for name, lp in plan.loops.items()},
+            lean=self._lean_steps())
 
     # -- public --------------------------------------------------------------------------------
     def start(self) -> Effects:
