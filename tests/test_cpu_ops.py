@@ -381,6 +381,65 @@ def test_narrow_conv1d_with_the_snake_fused_on_its_inputs(ext, threads, c_in, c_
         ext.narrow_conv1d(x, w, b, 1, None, alpha, None)
 
 
+def _unit_in_three_kernels(ext, x, left, a1, b1, w_a, bias_a, d, a2, b2, w_b, bias_b):
+    """A residual unit as the vocoder ran it before ``residual_unit``: snake_beta writing the padded
+    activated input, the causal convolution, the kernel-1 one with the second SnakeBeta (fused on
+    its loads up to 16 channels, else a snake_beta pass) and the residual."""
+    keep = (w_a.shape[2] - 1) * d
+    xin = ext.snake_beta(x, a1, b1, left if left is not None else x.new_zeros(x.shape[0], x.shape[1], keep))
+    y = ext.narrow_conv1d(xin, w_a, bias_a, d)
+    if x.shape[1] <= 16:
+        out = ext.narrow_conv1d(y, w_b, bias_b, 1, x, a2, b2)
+    else:
+        out = ext.narrow_conv1d(ext.snake_beta(y, a2, b2), w_b, bias_b, 1, x)
+    return out, xin[..., xin.shape[-1] - keep:]
+
+
+@pytest.mark.parametrize("channels,steps,dilation", [(8, 9045, 9), (8, 37, 3), (16, 3016, 1), (32, 755, 9),
+                                                      (64, 152, 3), (64, 5, 9)])
+def test_residual_unit_has_the_three_kernel_bits(ext, threads, channels, steps, dilation):
+    """A vocoder residual unit in one pass: the output and the kept tail are the bits of the three
+    kernels it replaces, for first chunks (zero padding) and continuing ones (a kept tail in front),
+    with inputs beyond the sine polynomial's range (std::sin for their whole register); a row's bits
+    the same alone; bad shapes are errors."""
+    c, batch = channels, 3
+    x = _rand(batch, c, steps, seed=41) * 2
+    x[1, c // 2, steps // 3:steps // 3 + 3] = 2e5
+    a1, a2 = _rand(c, seed=42).exp(), _rand(c, seed=43).exp()
+    b1, b2 = 1 / (_rand(c, seed=44).exp() + 1e-9), 1 / (_rand(c, seed=45).exp() + 1e-9)
+    w_a, w_b = _rand(c, c, 7, seed=46) / (7 * c) ** 0.5, _rand(c, c, 1, seed=47) / c ** 0.5
+    bias_a, bias_b = _rand(c, seed=48), _rand(c, seed=49)
+    left = _rand(batch, c, 6 * dilation, seed=50)
+    first = None
+    for tail_in in (None, left):
+        out, tail = ext.residual_unit(x, tail_in, a1, b1, w_a, bias_a, dilation, a2, b2, w_b, bias_b)
+        want, want_tail = _unit_in_three_kernels(ext, x, tail_in, a1, b1, w_a, bias_a, dilation, a2, b2, w_b, bias_b)
+        assert out.shape == x.shape and tail.shape == (batch, c, 6 * dilation)
+        assert torch.equal(out, want) and torch.equal(tail, want_tail)
+        one, one_tail = ext.residual_unit(x[2:].contiguous(), None if tail_in is None else tail_in[2:].contiguous(),
+                                          a1, b1, w_a, bias_a, dilation, a2, b2, w_b, bias_b)
+        assert torch.equal(one, out[2:]) and torch.equal(one_tail, tail[2:])
+        first = out if first is None else first
+    ref = x.double() + F.conv1d(_snake64(F.conv1d(F.pad(_snake64(x, a1, b1), (6 * dilation, 0)), w_a.double(),
+                                                  bias_a.double(), dilation=dilation), a2, b2), w_b.double(), bias_b.double())
+    rows = [0, 2]  # row 1 holds the out-of-range inputs
+    torch.testing.assert_close(first.double()[rows], ref[rows], atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="residual_unit"):
+        ext.residual_unit(x[:, :, ::2], None, a1, b1, w_a, bias_a, dilation, a2, b2, w_b, bias_b)
+    with pytest.raises(RuntimeError, match="residual_unit"):
+        ext.residual_unit(x, left[..., 1:].contiguous(), a1, b1, w_a, bias_a, dilation, a2, b2, w_b, bias_b)
+    with pytest.raises(RuntimeError, match="residual_unit"):
+        ext.residual_unit(x, None, a1[:-1], b1, w_a, bias_a, dilation, a2, b2, w_b, bias_b)
+    with pytest.raises(RuntimeError, match="residual_unit"):
+        ext.residual_unit(x[:, :4].contiguous(), None, a1[:4], b1[:4], w_a[:4, :4], bias_a[:4], dilation,
+                          a2[:4], b2[:4], w_b[:4, :4], bias_b[:4])  # 4 channels: not a compiled width
+
+
+def _snake64(x, alpha, inv_beta):
+    x = x.double()
+    return x + inv_beta.double()[None, :, None] * torch.sin(x * alpha.double()[None, :, None]) ** 2
+
+
 @pytest.mark.parametrize("trimmed", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("r,channels,steps", [(3, 8, 40), (8, 64, 5), (2, 16, 1)])

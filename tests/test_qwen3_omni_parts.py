@@ -249,6 +249,7 @@ def test_code2wav_next_chunks_decode_together_bit_for_bit(hf, monkeypatch, decod
 
     real = c2w.cpu_ops.ops()
     batches: list[int] = []
+    units: list[int] = []
 
     class Recording:
         def __getattr__(self, name):
@@ -257,6 +258,11 @@ def test_code2wav_next_chunks_decode_together_bit_for_bit(hf, monkeypatch, decod
         def narrow_conv1d(self, x, *args):
             batches.append(x.shape[0])
             return real.narrow_conv1d(x, *args)
+
+        def residual_unit(self, x, *args):
+            batches.append(x.shape[0])
+            units.append(x.shape[1])
+            return real.residual_unit(x, *args)
 
     monkeypatch.setattr(c2w.cpu_ops, "ops", (lambda: Recording()) if kernel else (lambda: None))
     config = dict(hf.config.code2wav_config.to_dict(), decoder_dim=decoder_dim)
@@ -277,6 +283,8 @@ def test_code2wav_next_chunks_decode_together_bit_for_bit(hf, monkeypatch, decod
         assert all(torch.equal(state.tails[k], want_state.tails[k]) for k in state.tails)
     if kernel:
         assert max(batches) == 3  # the three 6-frame first chunks (and the two 5-frame continuations)
+        # residual units of 8 or 16k channels ran as one pass (decoder 64's 4-channel stage: three kernels)
+        assert sorted(set(units)) == ([8, 16, 32, 64] if decoder_dim == 128 else [8, 16, 32])
         # the ConvNeXt blocks' pointwise layers ran as packed panel linears over the steps' rows
         assert sum(isinstance(v[1], tuple) for v in module._taps.values()) == len(module.model.upsample)
     full = module.decode(torch.stack(codes[:2]))
@@ -293,6 +301,35 @@ def test_code2wav_next_chunks_decode_together_bit_for_bit(hf, monkeypatch, decod
     changed = module.decode_next(firsts[0].codes, 0, None)[0]
     assert not torch.equal(changed, together[0][0])
     assert torch.equal(changed, fresh.decode_next(firsts[0].codes, 0, None)[0])
+
+
+def test_code2wav_residual_units_in_one_pass_have_the_three_kernel_bits(hf, monkeypatch):
+    """The vocoder's residual units through ``residual_unit`` (one pass) give the samples and kept
+    tails of the three-kernel form, for first chunks and continuing ones, alone and batched."""
+    import mstar.models.qwen3_omni.code2wav as c2w
+    from mstar.models.qwen3_omni.code2wav import NextChunk
+
+    real = c2w.cpu_ops.ops()
+    if real is None:
+        pytest.skip("the compiled CPU kernels are unavailable here")
+
+    class WithoutUnit:
+        def __getattr__(self, name):
+            if name == "residual_unit":
+                raise AttributeError(name)
+            return getattr(real, name)
+
+    module = _audible_code2wav(dict(hf.config.code2wav_config.to_dict(), decoder_dim=128), seed=5)
+    codes = [_codes(12, seed=60 + i)[0] for i in range(3)]
+    results = {}
+    for name, kernels in (("fused", real), ("three", WithoutUnit())):
+        monkeypatch.setattr(c2w.cpu_ops, "ops", lambda k=kernels: k)
+        firsts = module.decode_next_many([NextChunk(c[:, :5], 0, None) for c in codes])
+        later = module.decode_next_many([NextChunk(c[:, :12], 5, state) for c, (_, state) in zip(codes, firsts)])
+        results[name] = firsts + later
+    for (wave, state), (want, want_state) in zip(results["fused"], results["three"]):
+        assert torch.equal(wave, want) and state.tails.keys() == want_state.tails.keys()
+        assert all(torch.equal(state.tails[k], want_state.tails[k]) for k in state.tails)
 
 
 def test_code2wav_batched_chunks_equal_chunks_alone(code2wav):

@@ -1486,6 +1486,133 @@ torch::Tensor narrow_conv1d(torch::Tensor x, torch::Tensor w, c10::optional<torc
   return y;
 }
 
+// A vocoder residual unit, out = x + conv_b(snake_b(conv_a(snake_a([left, x])))), in one pass over
+// x [B, C, T] (float32): conv_a a causal kernel-K convolution (dilation d, left padding (K-1)*d taken
+// from `left` [B, C, (K-1)*d], already activated, or zeros), conv_b kernel 1, both C -> C with C 8
+// or a multiple of 16. The three-kernel form (snake_beta writing the padded activated input,
+// narrow_conv1d, narrow_conv1d with the second SnakeBeta and the residual fused) writes and reads
+// back two [B, C, T] intermediates; here a task (batch row, block of steps) activates its inputs
+// into a scratch tile, convolves it into a second tile and runs the kernel-1 convolution from there,
+// so only x is read and only the output written. Every value is the same bits as the three-kernel
+// form: the activation goes register by register on the same step alignment as snake_beta (a
+// register's lanes fall back to std::sin together), the convolutions through narrow_conv_rows with
+// each output's terms in (i, j) order, the second activation on registers aligned as that kernel's.
+// Returns (out, tail): tail [B, C, (K-1)*d] = the last steps of the activated padded input, the
+// next chunk's `left`.
+namespace {
+// SnakeBeta of x steps [u0, u1) (u1 <= T) of one channel into dst[u - u0], register by register on
+// snake_beta's alignment (registers start at multiples of the lane count; the row's last register
+// is zero-padded past T).
+inline void snake_span(const float* xc, int64_t T, int64_t u0, int64_t u1, float al, float be, float* dst) {
+  int64_t u = u0 / kRegLanes * kRegLanes;
+  auto partial = [&](int64_t at) {  // a register only partly inside [u0, u1) or past T
+    vreg v{};
+    std::memcpy(&v, xc + at, std::min<int64_t>(kRegLanes, T - at) * sizeof(float));
+    const vreg a = snake_reg(v, al, be);
+    const int64_t lo = std::max(at, u0), hi = std::min(at + kRegLanes, u1);
+    std::memcpy(dst + (lo - u0), reinterpret_cast<const float*>(&a) + (lo - at), (hi - lo) * sizeof(float));
+  };
+  if (u < u0) {
+    partial(u);
+    u += kRegLanes;
+  }
+  for (; u + kRegLanes <= u1; u += kRegLanes) {
+    vreg v;
+    std::memcpy(&v, xc + u, sizeof v);
+    const vreg a = snake_reg(v, al, be);
+    std::memcpy(dst + (u - u0), &a, sizeof a);
+  }
+  if (u < u1) partial(u);
+}
+
+template <int CO>
+void unit_convs(const float* s, int64_t span, float* yt, int64_t n, const float* wa, const float* ba,
+                const float* wb, const float* bb, int64_t C, int64_t K, int64_t d, float* outr,
+                const float* xr, int64_t T, const float* sa, const float* sb) {
+  const int64_t blocks = CO == 8 ? 1 : C / 16;
+  for (int64_t blk = 0; blk < blocks; ++blk)
+    narrow_conv_rows<CO>(s, wa + blk * CO, ba + blk * CO, yt + blk * CO * n, C, K, span, n, d, 0, n, C);
+  if (blocks > 1) {  // activated once, in place (each output block would load and activate every input)
+    for (int64_t c = 0; c < C; ++c) snake_span(yt + c * n, n, 0, n, sa[c], sb[c], yt + c * n);
+    sa = sb = nullptr;
+  }
+  for (int64_t blk = 0; blk < blocks; ++blk)
+    narrow_conv_rows<CO>(yt, wb + blk * CO, bb + blk * CO, outr + blk * CO * T, C, 1, n, T, 1, 0, n, C,
+                         xr + blk * CO * T, sa, sb);
+}
+}  // namespace
+
+std::vector<torch::Tensor> residual_unit(torch::Tensor x, c10::optional<torch::Tensor> left, torch::Tensor alpha_a,
+                                         torch::Tensor inv_beta_a, torch::Tensor w_a, c10::optional<torch::Tensor> bias_a,
+                                         int64_t dilation, torch::Tensor alpha_b, torch::Tensor inv_beta_b,
+                                         torch::Tensor w_b, c10::optional<torch::Tensor> bias_b) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
+              "residual_unit: x must be contiguous float32 [batch, channels, steps]");
+  const int64_t B = x.size(0), C = x.size(1), T = x.size(2);
+  TORCH_CHECK((C == 8 || (C > 0 && C % 16 == 0)) && T >= 1, "residual_unit: channels must be 8 or a multiple of 16");
+  TORCH_CHECK(w_a.dim() == 3 && w_a.size(0) == C && w_a.size(1) == C && w_a.scalar_type() == torch::kFloat32 &&
+                  w_b.dim() == 3 && w_b.size(0) == C && w_b.size(1) == C && w_b.size(2) == 1 &&
+                  w_b.scalar_type() == torch::kFloat32 && dilation >= 1,
+              "residual_unit: weights must be float32 [C, C, K] and [C, C, 1]");
+  const int64_t K = w_a.size(2), keep = (K - 1) * dilation;
+  auto scales = [&](const torch::Tensor& t) {
+    TORCH_CHECK(t.numel() == C && t.scalar_type() == torch::kFloat32, "residual_unit: snake scales must be float32 [C]");
+    return t.contiguous();
+  };
+  auto a_a = scales(alpha_a), ib_a = scales(inv_beta_a), a_b = scales(alpha_b), ib_b = scales(inv_beta_b);
+  auto bias = [&](const c10::optional<torch::Tensor>& b) {
+    std::vector<float> v(C, 0.0f);
+    if (b.has_value()) {
+      auto bc = b->contiguous();
+      TORCH_CHECK(bc.numel() == C && bc.scalar_type() == torch::kFloat32, "residual_unit: biases must be float32 [C]");
+      std::memcpy(v.data(), bc.data_ptr<float>(), C * sizeof(float));
+    }
+    return v;
+  };
+  const std::vector<float> ba = bias(bias_a), bb = bias(bias_b);
+  torch::Tensor lc;
+  if (left.has_value()) {
+    lc = left->contiguous();
+    TORCH_CHECK(lc.dim() == 3 && lc.size(0) == B && lc.size(1) == C && lc.size(2) == keep &&
+                    lc.scalar_type() == torch::kFloat32,
+                "residual_unit: left must be float32 [batch, channels, (kernel - 1) * dilation]");
+  }
+  auto wa = w_a.permute({1, 2, 0}).contiguous(), wb = w_b.permute({1, 2, 0}).contiguous();  // [in, kernel, out]
+  auto out = torch::empty({B, C, T}, x.options());
+  auto tail = torch::empty({B, C, keep}, x.options());
+  const float *xp = x.data_ptr<float>(), *lp = lc.defined() ? lc.data_ptr<float>() : nullptr;
+  const float *sap = a_a.data_ptr<float>(), *sbp = ib_a.data_ptr<float>();
+  const float *sa2 = a_b.data_ptr<float>(), *sb2 = ib_b.data_ptr<float>();
+  const float *wap = wa.data_ptr<float>(), *wbp = wb.data_ptr<float>();
+  float *op = out.data_ptr<float>(), *tp = tail.data_ptr<float>();
+  // blocks of steps (a multiple of 16, so the second activation's registers fall where the
+  // three-kernel form's do) whose tiles stay in L2: ~8K values of a block's outputs
+  const int64_t block = std::clamp<int64_t>((int64_t{8192} / C) & ~int64_t{15}, 64, 1024);
+  const int64_t per_row = (T + block - 1) / block;
+  mstar_cpu::parallel_tasks(B * per_row, B * C * C * (K + 1) * T, [&](int64_t task) {
+    const int64_t row = task / per_row, t0 = (task % per_row) * block, t1 = std::min(T, t0 + block);
+    const int64_t n = t1 - t0, span = n + keep;
+    thread_local std::vector<float> s, yt;  // the task's tiles (kept between calls: no allocation)
+    if (s.size() < static_cast<size_t>(C * span)) s.resize(C * span);
+    if (yt.size() < static_cast<size_t>(C * n)) yt.resize(C * n);
+    const float* xr = xp + row * C * T;
+    for (int64_t c = 0; c < C; ++c) {
+      float* sr = s.data() + c * span;  // sr[j] = padded input step t0 + j: left for steps < keep
+      const int64_t jl = std::min(span, std::max<int64_t>(0, keep - t0));
+      if (lp != nullptr) std::memcpy(sr, lp + (row * C + c) * keep + t0, jl * sizeof(float));
+      else std::fill(sr, sr + jl, 0.0f);
+      snake_span(xr + c * T, T, t0 + jl - keep, t1, sap[c], sbp[c], sr + jl);  // x steps [t0 + jl - keep, t1)
+      if (t1 == T) std::memcpy(tp + (row * C + c) * keep, sr + n, keep * sizeof(float));
+    }
+    float* outr = op + row * C * T + t0;
+    if (C == 8) unit_convs<8>(s.data(), span, yt.data(), n, wap, ba.data(), wbp, bb.data(), C, K, dilation, outr,
+                              xr + t0, T, sa2, sb2);
+    else unit_convs<16>(s.data(), span, yt.data(), n, wap, ba.data(), wbp, bb.data(), C, K, dilation, outr,
+                        xr + t0, T, sa2, sb2);
+  });
+  return {out, tail};
+}
+
 // A transposed convolution's output from its taps (`narrow_conv1d` of the input to k * C output
 // channels, tap j of channel c at row j * C + c): z [B, k * C, L] -> y [B, C, L * r] with
 // y[b, c, t * r + s] = z[b, s * C + c, t] when k == r, or, when k == 2r and r outputs are trimmed on
@@ -1574,6 +1701,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("narrow_conv1d", &narrow_conv1d, "stride-1 convolution of a padded input with 1, 8 or a multiple of 16 output channels",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("dilation") = 1, py::arg("residual") = py::none(),
         py::arg("snake_alpha") = py::none(), py::arg("snake_inv_beta") = py::none());
+  m.def("residual_unit", &residual_unit,
+        "x + conv_b(snake_b(conv_a(snake_a([left, x])))) in one pass (a vocoder residual unit); returns (out, tail)",
+        py::arg("x"), py::arg("left"), py::arg("alpha_a"), py::arg("inv_beta_a"), py::arg("w_a"), py::arg("bias_a"),
+        py::arg("dilation"), py::arg("alpha_b"), py::arg("inv_beta_b"), py::arg("w_b"), py::arg("bias_b"));
   m.def("upsample_taps", &upsample_taps, "a transposed convolution's output from its taps (narrow_conv1d), plus the bias",
         py::arg("z"), py::arg("r"), py::arg("trimmed"), py::arg("bias") = py::none());
   m.def("snake_beta", &snake_beta, "x + inv_beta * sin(alpha * x)^2 over [batch, channels, time]",

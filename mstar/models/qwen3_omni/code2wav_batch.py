@@ -93,6 +93,9 @@ class BatchVocoder:
                 h = self._pointwise(m.pwconv2, h)
             return x + m.gamma[:, None] * h
         if kind == "Qwen3OmniMoeCode2WavDecoderResidualUnit":  # x + conv2(act2(conv1(act1(x))))
+            fused = self._unit(m, x)
+            if fused is not None:
+                return fused
             return self._causal(m.conv2, self._causal(m.conv1, x, act=m.act1), act=m.act2, residual=x)
         if kind == "Qwen3OmniMoeCode2WavDecoderBlock":
             return self.sequence(m.block, x)
@@ -120,6 +123,33 @@ class BatchVocoder:
                                               PrepackedLinear(down.weight, mode="panel")))
             self._taps[id(m)] = cached
         return cached[1]
+
+    def _unit(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """A residual unit in one kernel pass (``residual_unit``: the activated input and the first
+        convolution's output stay in per-task tiles; the same bits as the three-kernel form below),
+        when the kernels take it: SnakeBeta activations, a causal stride-1 convolution and a kernel-1
+        one, both ``C -> C`` with C 8 or a multiple of 16, float32; else None."""
+        first, second = m.conv1, m.conv2
+        a, b = first.conv, second.conv
+        c = x.shape[1]
+        if not (self.kernel is not None and hasattr(self.kernel, "residual_unit")
+                and isinstance(m.act1, _SnakeBeta) and isinstance(m.act2, _SnakeBeta)
+                and type(first).__name__ == type(second).__name__ == _CAUSAL[0]
+                and x.device.type == "cpu" and x.dtype == torch.float32 and _kernel_width(c) and c != 1
+                and all(conv.groups == 1 and conv.stride == (1,) and conv.padding == (0,)
+                        and conv.in_channels == conv.out_channels == c and conv.weight.dtype == torch.float32
+                        and (conv.bias is None or conv.bias.dtype == torch.float32) for conv in (a, b))
+                and b.kernel_size == (1,) and second.padding == 0
+                and first.padding == (a.kernel_size[0] - 1) * a.dilation[0]):
+            return None
+        left = self.old[id(first)] if self.old is not None else None
+        alpha_a, inv_beta_a = m.act1.scales()
+        alpha_b, inv_beta_b = m.act2.scales()
+        out, tail = self.kernel.residual_unit(x.contiguous(), left, alpha_a, inv_beta_a, a.weight, a.bias,
+                                              a.dilation[0], alpha_b, inv_beta_b, b.weight, b.bias)
+        self.new[id(first)] = tail
+        self.new[id(second)] = x[..., x.shape[-1]:]
+        return out
 
     def _act(self, act: nn.Module, x: torch.Tensor, left: torch.Tensor | None = None) -> torch.Tensor:
         """``act(x)``, with ``left`` (already activated steps) in front when given."""
