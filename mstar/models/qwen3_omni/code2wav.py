@@ -181,11 +181,14 @@ class Code2Wav(nn.Module):
         own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         load_into(self.model, own, what=f"checkpoint '{prefix}*' tensors")
 
-    def _check_codes(self, codes: torch.Tensor) -> None:
+    def _check_codes(self, codes: torch.Tensor, values: bool = True) -> None:
+        """``codes`` ``[B, Q, T]`` with every value a code of the codebook (``values=False``: the shape only)."""
         if codes.dim() != 3 or codes.shape[1] != self.num_quantizers:
             raise ValueError(f"codes must be [batch, {self.num_quantizers}, frames], got {tuple(codes.shape)}")
-        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.codebook_size):
-            raise ValueError(f"codes must lie in [0, {self.codebook_size})")
+        if values and codes.numel():
+            low, high = torch.aminmax(codes)
+            if int(low) < 0 or int(high) >= self.codebook_size:
+                raise ValueError(f"codes must lie in [0, {self.codebook_size})")
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
@@ -248,14 +251,18 @@ class Code2Wav(nn.Module):
         kernels are there (``BatchVocoder``: every row's samples are the same bits as decoded alone),
         else one request at a time."""
         for c in chunks:
-            self._check_codes(c.codes[None])
+            self._check_codes(c.codes[None], values=False)
             if not 0 <= c.left_context < c.codes.shape[1]:
                 raise ValueError(f"left_context must be in [0, {c.codes.shape[1]}), got {c.left_context}")
             if (c.state.frames if c.state is not None else 0) < c.left_context:
                 raise ValueError("the state has fewer frames than the chunk's left context")
+        groups_by_length = list(_groups(c.codes.shape[1] for c in chunks).values())
+        stacked = [torch.stack([chunks[i].codes for i in rows]) for rows in groups_by_length]
+        for codes in stacked:  # the values, one check per group of equal lengths (before any work)
+            self._check_codes(codes)
         hidden: list[torch.Tensor] = [None] * len(chunks)  # type: ignore[list-item]  # [H, new] per chunk
-        for rows in _groups(c.codes.shape[1] for c in chunks).values():
-            embeds = self._embed(torch.stack([chunks[i].codes for i in rows]))
+        for rows, codes in zip(groups_by_length, stacked):
+            embeds = self._embed(codes)
             if self._pre.usable(embeds):
                 out = self._pre(embeds)
             else:  # transformers' module, one request at a time (its batched rows round differently)
