@@ -332,6 +332,21 @@ def test_code2wav_residual_units_in_one_pass_have_the_three_kernel_bits(hf, monk
         assert all(torch.equal(state.tails[k], want_state.tails[k]) for k in state.tails)
 
 
+@pytest.mark.parametrize("frames", [1, 5, 50])
+def test_code2wav_pre_transformer_rows_are_batch_invariant(hf, frames):
+    """The pre-transformer's batch (one attention call for every request) gives each request the
+    bits it gets alone, and matches transformers' module to float rounding."""
+    module = _audible_code2wav(hf.config.code2wav_config.to_dict(), seed=9)
+    embeds = module._embed(_codes(frames, seed=70, batch=4))
+    if not module._pre.usable(embeds):
+        pytest.skip("the compiled CPU kernels are unavailable here")
+    together = module._pre(embeds)
+    for b in range(4):
+        assert torch.equal(module._pre(embeds[b:b + 1].contiguous()), together[b:b + 1])
+        ref = module.model.pre_transformer(inputs_embeds=embeds[b:b + 1]).last_hidden_state
+        torch.testing.assert_close(together[b:b + 1], ref, atol=1e-5, rtol=1e-4)
+
+
 def test_code2wav_batched_chunks_equal_chunks_alone(code2wav):
     chunks = [ChunkRequest(_codes(16, seed=3)[0], 8), ChunkRequest(_codes(7, seed=4)[0], 0),
               ChunkRequest(_codes(16, seed=5)[0], 8), ChunkRequest(_codes(12, seed=6)[0], 8)]
