@@ -285,6 +285,8 @@ def test_code2wav_next_chunks_decode_together_bit_for_bit(hf, monkeypatch, decod
         assert max(batches) == 3  # the three 6-frame first chunks (and the two 5-frame continuations)
         # residual units of 8 or 16k channels ran as one pass (decoder 64's 4-channel stage: three kernels)
         assert sorted(set(units)) == ([8, 16, 32, 64] if decoder_dim == 128 else [8, 16, 32])
+        # the first decoder block's transposed convolution over < 32 steps ran as a panel multiply
+        assert any(isinstance(key, tuple) and key[0] == "linear" for key in module._taps)
         # the ConvNeXt blocks' pointwise layers ran as packed panel linears over the steps' rows
         assert sum(isinstance(v[1], tuple) for v in module._taps.values()) == len(module.model.upsample)
     full = module.decode(torch.stack(codes[:2]))

@@ -152,7 +152,7 @@ class Code2Wav(nn.Module):
         self.upsample_rates = tuple(int(r) for r in self.config.upsample_rates)
         self.samples_per_frame = int(self.model.total_upsample)
         # transposed convolutions' weights as taps, ConvNeXt blocks' pointwise layers packed (BatchVocoder)
-        self._taps: dict[int, tuple[object, Any]] = {}
+        self._taps: dict[Any, tuple[object, Any]] = {}
         self._pre = PreTransformer(self.model)
 
     @property
