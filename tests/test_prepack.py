@@ -8,11 +8,14 @@ import torch
 from mstar.layers.cpu_ops import ops
 from mstar.layers.norms import RMSNorm
 from mstar.layers.prepack import (
+    PrepackableLinear,
     PrepackedLinear,
     onednn_available,
     prepack_available,
     prepack_linears,
     prepack_mode,
+    unchanged,
+    versions,
 )
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.loader import build_llama_model
@@ -61,6 +64,22 @@ def test_changed_weights_fall_back_to_the_plain_path():
             sub.prepack()
     for a, b in zip(_logits(reference), _logits(module)):
         assert torch.equal(a, b)  # every changed projection runs the plain path again
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_weights_given_new_storage_are_seen(route):
+    """``param.data = w`` keeps the version counter: the storage tells the packed copy is stale."""
+    torch.manual_seed(0)
+    lin = PrepackableLinear(64, 48)
+    lin.prepacked = PrepackedLinear(lin.weight, mode=route)
+    x = torch.randn(5, 64)
+    assert lin.prepacked.fresh(lin.weight) and unchanged(versions(lin.weight), lin.weight)
+    snapshot, version = versions(lin.weight), lin.weight._version
+    lin.weight.data = torch.randn(48, 64)
+    assert lin.weight._version == version  # what the version alone would miss
+    assert not lin.prepacked.fresh(lin.weight) and not unchanged(snapshot, lin.weight)
+    with torch.no_grad():
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
 
 
 def test_on_by_default_off_by_env_and_linear_values(monkeypatch):

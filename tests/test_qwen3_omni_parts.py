@@ -15,7 +15,7 @@ from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneratio
 from mstar.graph.chunking import LeftContextChunkPolicy
 from mstar.model.checkpoint import CheckpointError
 from mstar.models.qwen3_omni import prompt as P
-from mstar.models.qwen3_omni.code2wav import ChunkRequest, Code2Wav, to_pcm16
+from mstar.models.qwen3_omni.code2wav import WEIGHT_PREFIX, ChunkRequest, Code2Wav, to_pcm16
 
 HIDDEN, HEAD_DIM, CODEBOOK, GROUPS = 64, 16, 64, 16
 IS, IE, NL, SYSTEM, USER, ASSISTANT = 151644, 151645, 198, 8948, 872, 77091
@@ -197,6 +197,25 @@ def _stream_exact(code2wav: Code2Wav, codes: torch.Tensor, sizes: list[int]) -> 
         parts += code2wav.decode_streams([stream], [codes[:, start:start + n]])
         start += n
     return parts
+
+
+def test_code2wav_stream_follows_weights_given_new_storage(hf, checkpoint):
+    """The streaming vocoder keeps its weights in the kernels' layout (and packed taps) between calls;
+    weights assigned as ``param.data = w`` (no version bump, new storage) must reach them too."""
+    torch.manual_seed(11)
+    drawn = {k: v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v for k, v in checkpoint.items()}
+    fresh = Code2Wav(hf.config.code2wav_config)
+    fresh.load_weights(drawn)
+    reused = Code2Wav(hf.config.code2wav_config)
+    reused.load_weights(checkpoint)
+    codes = _codes(12, seed=4)[0]
+    before = torch.cat(_stream_exact(reused, codes, [5, 7]))
+    names = dict(reused.model.named_parameters())
+    for name, p in names.items():
+        p.data = drawn[WEIGHT_PREFIX + name].clone()
+    after, want = torch.cat(_stream_exact(reused, codes, [5, 7])), torch.cat(_stream_exact(fresh, codes, [5, 7]))
+    assert not torch.equal(before, want)
+    assert torch.equal(after, want)
 
 
 @pytest.mark.parametrize("sizes", [[10, 10, 10], [1, 12, 17]])

@@ -87,7 +87,7 @@ class PrepackedLinear:
         if mode not in (None, "panel", "onednn"):
             raise ValueError(f"unknown prepack route {mode!r} (panel, onednn)")
         self.source = source
-        self.version = source._version
+        self.stamp = (source._version, source.data_ptr())
         self.silu_mul = silu_mul
         self.mode = mode or _route()
         with torch.no_grad():
@@ -106,8 +106,11 @@ class PrepackedLinear:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(out_in, BATCH_HINT)
 
     def fresh(self, source: torch.Tensor | None) -> bool:
-        """Packed from this very tensor, which has not changed since (same version)."""
-        return source is self.source and source._version == self.version
+        """Packed from this very tensor, which has not changed since: the same version (in-place
+        writes through it) and storage (``param.data = new``). A write through ``param.data`` in
+        place (``param.data.copy_(w)``) bypasses the version counter and is not seen: load weights
+        with ``param.copy_(w)`` under ``torch.no_grad()``, or assign ``param.data``."""
+        return source is self.source and (source._version, source.data_ptr()) == self.stamp
 
     def gelu_fusable(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """``gelu(self(x, bias=bias))`` can run as one kernel call (``linear_gelu``)."""
@@ -165,14 +168,19 @@ class PrepackedLinear:
         return y.view(*shape[:-1], y.shape[-1]) if len(shape) != 2 else y
 
 
-def versions(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, int], ...]:
-    """What ``unchanged`` compares against: each tensor with its version counter now."""
-    return tuple((t, t._version) for t in tensors)
+Snapshot = tuple[tuple[torch.Tensor, int, int], ...]
 
 
-def unchanged(snapshot: tuple[tuple[torch.Tensor, int], ...], *tensors: torch.Tensor) -> bool:
-    """``tensors`` are the very tensors of ``snapshot`` (``versions``), none written since."""
-    return len(snapshot) == len(tensors) and all(t is s and t._version == v for t, (s, v) in zip(tensors, snapshot))
+def versions(*tensors: torch.Tensor) -> Snapshot:
+    """What ``unchanged`` compares against: each tensor with its version counter and storage now."""
+    return tuple((t, t._version, t.data_ptr()) for t in tensors)
+
+
+def unchanged(snapshot: Snapshot, *tensors: torch.Tensor) -> bool:
+    """``tensors`` are the very tensors of ``snapshot`` (``versions``), none written since in place
+    nor given new storage (``PrepackedLinear.fresh`` says which writes go unseen)."""
+    return len(snapshot) == len(tensors) and all(t is s and t._version == v and t.data_ptr() == d
+                                                  for t, (s, v, d) in zip(tensors, snapshot))
 
 
 def hooked(*modules: nn.Module) -> bool:

@@ -5,13 +5,16 @@ steps (``BatchVocoder``), every row computed the same way alone and in any batch
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from mstar.layers import cpu_ops
 from mstar.models.qwen3_omni.code2wav_modules import _SnakeBeta
+
+if TYPE_CHECKING:
+    from mstar.layers.prepack import Snapshot
 
 __all__ = ["BatchVocoder", "PreTransformer"]
 
@@ -149,8 +152,8 @@ class BatchVocoder:
         left = self.old[id(first)] if self.old is not None else None
         alpha_a, inv_beta_a = m.act1.scales()
         alpha_b, inv_beta_b = m.act2.scales()
-        out, tail = self.kernel.residual_unit(x.contiguous(), left, alpha_a, inv_beta_a, a.weight, a.bias,
-                                              a.dilation[0], alpha_b, inv_beta_b, b.weight, b.bias)
+        out, tail = self.kernel.residual_unit(x.contiguous(), left, alpha_a, inv_beta_a, self._laid(a.weight), a.bias,
+                                              a.dilation[0], alpha_b, inv_beta_b, self._laid(b.weight), b.bias)
         self.new[id(first)] = tail
         self.new[id(second)] = x[..., x.shape[-1]:]
         return out
@@ -174,7 +177,8 @@ class BatchVocoder:
             # a kernel-1 convolution of the activation: SnakeBeta applied as the kernel loads each input
             self.new[id(m)] = x[..., x.shape[-1]:]
             alpha, inv_beta = act.scales()
-            return self.kernel.narrow_conv1d(x.contiguous(), conv.weight, conv.bias, 1, residual, alpha, inv_beta)
+            return self.kernel.narrow_conv1d(x.contiguous(), self._laid(conv.weight), conv.bias, 1, residual, alpha,
+                                             inv_beta)
         tail = None
         if keep > 0:
             tail = self.old[id(m)] if self.old is not None else x.new_zeros(x.shape[0], x.shape[1], keep)
@@ -211,29 +215,46 @@ class BatchVocoder:
 
     def _conv(self, conv: nn.Conv1d, xin: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self._usable(xin, conv.weight, conv.out_channels):
-            return self.kernel.narrow_conv1d(xin.contiguous(), conv.weight, conv.bias, conv.dilation[0], residual)
+            return self.kernel.narrow_conv1d(xin.contiguous(), self._laid(conv.weight), conv.bias, conv.dilation[0],
+                                             residual)
         y = _per_row(conv, xin)
         return y if residual is None else y + residual
 
-    def _taps_linear(self, conv: nn.ConvTranspose1d, version: object) -> Any:
-        """The convolution's taps (``[k * out, in]``, as ``_transposed`` lays them out) as a panel
-        linear, packed once per weight ``version`` (its taps' cache key)."""
-        from mstar.layers.prepack import PrepackedLinear
+    def _derived(self, kind: str, weight: torch.Tensor, make: Any) -> Any:
+        """``make(weight)``, kept with the taps until ``weight`` changes (``mstar.layers.prepack.unchanged``)."""
+        from mstar.layers.prepack import unchanged, versions
 
-        key = ("linear", id(conv))
+        key = (kind, id(weight))
         cached = self._taps.get(key)
-        if cached is None or cached[0] != version:
-            k, out = conv.kernel_size[0], conv.out_channels
-            with torch.inference_mode(False), torch.no_grad():  # the packed copy keeps a version counter
-                taps = conv.weight.permute(2, 1, 0).reshape(k * out, conv.in_channels)
-                cached = (version, PrepackedLinear(taps, mode="panel"))
+        if cached is None or not unchanged(cached[0], weight):
+            with torch.inference_mode(False), torch.no_grad():  # a packed copy keeps a version counter
+                cached = (versions(weight), make(weight.detach()))
             self._taps[key] = cached
         return cached[1]
+
+    def _laid(self, weight: torch.Tensor) -> torch.Tensor:
+        """A convolution weight ``[out, in, k]`` (a linear's ``[out, in]`` as kernel 1) as a view of a
+        kept ``[in, k, out]`` copy: the layout the kernels read, so their ``permute(1, 2, 0).contiguous()``
+        copies nothing at each call (the real model's 768-channel kernel-7 weights are 16.5 MB each)."""
+        def make(w: torch.Tensor) -> torch.Tensor:
+            w = w if w.dim() == 3 else w[:, :, None]
+            return w.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+
+        return self._derived("laid", weight, make)
+
+    def _taps_linear(self, conv: nn.ConvTranspose1d) -> Any:
+        """The convolution's taps (``[k * out, in]``, as ``_transposed`` lays them out) as a panel
+        linear, packed once per weight version."""
+        from mstar.layers.prepack import PrepackedLinear
+
+        k, out = conv.kernel_size[0], conv.out_channels
+        return self._derived("linear", conv.weight, lambda w: PrepackedLinear(
+            w.permute(2, 1, 0).reshape(k * out, conv.in_channels), mode="panel"))
 
     def _pointwise(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """An ``nn.Linear`` over the channels of ``x`` ``[B, C, n]`` (a kernel-1 convolution)."""
         if self._usable(x, linear.weight, linear.out_features):
-            return self.kernel.narrow_conv1d(x.contiguous(), linear.weight[:, :, None], linear.bias, 1)
+            return self.kernel.narrow_conv1d(x.contiguous(), self._laid(linear.weight), linear.bias, 1)
         return torch.stack([linear(row.t()).t() for row in x])
 
     def _transposed(self, conv: nn.ConvTranspose1d, x: torch.Tensor, trimmed: bool) -> torch.Tensor:
@@ -246,20 +267,18 @@ class BatchVocoder:
         out = conv.out_channels
         if not self._usable(x, conv.weight, k * out):
             return _per_row(lambda row: conv(row)[..., r:row.shape[-1] * r] if trimmed else conv(row), x)
-        key = (id(conv.weight), conv.weight._version)
-        cached = self._taps.get(id(conv))
-        if cached is None or cached[0] != key:  # weight [in, out, k] -> taps [k * out, in, 1]
-            cached = (key, conv.weight.permute(2, 1, 0).reshape(k * out, conv.in_channels, 1).contiguous())
-            self._taps[id(conv)] = cached
         b, c, steps = x.shape
         if steps < _SHORT_STEPS:
             # few steps (a first stage's chunk): every step a row of one panel multiply, as the
             # convolution's 16-step blocks would mostly compute padding (each output the same sum in
             # input order; a row's bits do not depend on the batch)
-            z = self._taps_linear(conv, cached[0])(x.transpose(1, 2).reshape(b * steps, c).contiguous())
+            z = self._taps_linear(conv)(x.transpose(1, 2).reshape(b * steps, c).contiguous())
             z = z.view(b, steps, -1).transpose(1, 2).contiguous()
         else:
-            z = self.kernel.narrow_conv1d(x.contiguous(), cached[1], None, 1)  # z[b, j*out + o, t] = tap j of x[b, :, t]
+            # weight [in, out, k] -> taps [k * out, in, 1]: z[b, j*out + o, t] = tap j of x[b, :, t]
+            taps = self._derived("taps", conv.weight, lambda w: w.permute(0, 2, 1).reshape(
+                conv.in_channels, 1, k * out).contiguous().permute(2, 0, 1))
+            z = self.kernel.narrow_conv1d(x.contiguous(), taps, None, 1)
         # output t * r + s = tap s of step t (trimmed: output (t - 1) * r + s = tap s of step t + tap
         # s + r of step t - 1), plus the bias: interleaved in one pass
         return self.kernel.upsample_taps(z, r, trimmed, conv.bias)
@@ -279,7 +298,7 @@ class PreTransformer:
     def __init__(self, model: nn.Module) -> None:
         self.model = model.pre_transformer
         self.config = model.config
-        self._packed: tuple[tuple[tuple[torch.Tensor, int], ...], list[tuple[Any, ...]]] | None = None
+        self._packed: tuple[Snapshot, list[tuple[Any, ...]]] | None = None
         self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
 
     def usable(self, x: torch.Tensor) -> bool:

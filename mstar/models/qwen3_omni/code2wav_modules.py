@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from mstar.layers import cpu_ops
+from mstar.layers.prepack import Snapshot, unchanged, versions
 
 __all__ = ["swap_fast_modules"]
 
@@ -72,18 +73,20 @@ class _SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels, device=device, dtype=dtype))
         self.beta = nn.Parameter(torch.zeros(channels, device=device, dtype=dtype))
         self.no_div_by_zero = 1e-9
-        self._scales: tuple[tuple[object, ...], torch.Tensor, torch.Tensor] | None = None
+        self._scales: tuple[Snapshot, float, torch.Tensor, torch.Tensor] | None = None
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(exp(alpha), 1 / (exp(beta) + 1e-9))``, computed once per version of the parameters (a
+        """``(exp(alpha), 1 / (exp(beta) + 1e-9))``, computed once per version and storage of the parameters (a
         vocoder has dozens of these activations, each called once per chunk: three operators less
         per call); recomputed after a weight load or any in-place change, and under autograd."""
         if torch.is_grad_enabled():
             return torch.exp(self.alpha), 1.0 / (torch.exp(self.beta) + self.no_div_by_zero)
-        key = (self.alpha._version, self.beta._version, id(self.alpha), id(self.beta), self.no_div_by_zero)
-        if self._scales is None or self._scales[0] != key:
-            self._scales = (key, torch.exp(self.alpha), 1.0 / (torch.exp(self.beta) + self.no_div_by_zero))
-        return self._scales[1], self._scales[2]
+        kept = self._scales
+        if kept is None or kept[1] != self.no_div_by_zero or not unchanged(kept[0], self.alpha, self.beta):
+            kept = (versions(self.alpha, self.beta), self.no_div_by_zero, torch.exp(self.alpha),
+                    1.0 / (torch.exp(self.beta) + self.no_div_by_zero))
+            self._scales = kept
+        return kept[2], kept[3]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         alpha, inv_beta = self.scales()
