@@ -92,6 +92,22 @@ def test_abort_frees_everything():
         assert kv_blocks_in_use(rt) == 0 and stats["running_requests"] == 0 and stats["ranks"][0]["walks"] == 0
 
 
+def test_a_request_id_label_used_twice_gives_two_requests():
+    """A caller's ``request_id`` is a label: two live requests under it keep their own outputs, and
+    aborting one leaves the other running (one id for both would cross their streamed values)."""
+    with Runtime(ToyLM()) as rt:
+        want = tokens(rt.generate({"input_ids": torch.tensor(PROMPTS[0])}, {"max_tokens": 6})[0])
+        long = rt.submit({"input_ids": torch.tensor([1, 7])}, {"max_tokens": 250}, request_id="job")
+        short = rt.submit({"input_ids": torch.tensor(PROMPTS[0])}, {"max_tokens": 6}, request_id="job")
+        assert long.request_id != short.request_id
+        assert long.request_id.startswith("job-") and short.request_id.startswith("job-")
+        next(iter(long))
+        rt.abort(long.request_id)
+        assert long.result(timeout=30).status is RequestStatus.ABORTED
+        out = short.result(timeout=30)
+        assert out.status is RequestStatus.FINISHED and tokens(out) == want
+
+
 def test_500_requests_with_random_aborts_and_failures_leave_no_blocks():
     rng = random.Random(0)
     with Runtime(ToyLM()) as rt:

@@ -178,7 +178,10 @@ class Runtime:
     # -- requests ------------------------------------------------------------------------------
     def submit(self, inputs: Mapping[str, Any], params: Mapping[str, Any] | None = None,
                request_id: str | None = None) -> RequestHandle:
-        """Validate and submit one request; returns at once. Bad input raises ValueError here."""
+        """Validate and submit one request; returns at once. Bad input raises ValueError here.
+        ``request_id``: a label the request's id starts with (``handle.request_id``, what ``abort``
+        takes); the runtime adds a fresh suffix, so an id is never used twice and a late value of an
+        ended request can never reach a new one."""
         if self._thread is None:
             raise RuntimeError("runtime is not started: use `with Runtime(...) as rt:` or rt.start()")
         reason = self.unhealthy_reason
@@ -189,7 +192,8 @@ class Runtime:
         norm = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in inputs.items()}
         self.model.validate_request(norm, params)
         self._check_fits(norm, params)
-        handle = RequestHandle(request_id or uuid.uuid4().hex[:16])
+        fresh = uuid.uuid4().hex[:16]
+        handle = RequestHandle(f"{request_id}-{fresh}" if request_id else fresh)
         self._command(lambda: self._conductor.submit(handle.request_id, norm, params, handle))
         return handle
 
