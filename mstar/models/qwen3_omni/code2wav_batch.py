@@ -114,7 +114,7 @@ class BatchVocoder:
         """A ConvNeXt block's pointwise layers as panel linears (``mstar.layers.prepack``), packed once
         per weight version and kept with the taps, when the kernels take the block (float32, an
         affine LayerNorm, the erf GELU); else None."""
-        from mstar.layers.prepack import PrepackedLinear, unchanged, versions
+        from mstar.layers.prepack import PrepackedLinear
 
         norm, act, up, down = m.norm, m.act, m.pwconv1, m.pwconv2
         if (self.kernel is None or h.device.type != "cpu" or h.dtype != torch.float32
@@ -122,14 +122,8 @@ class BatchVocoder:
                 or not isinstance(act, nn.GELU) or act.approximate != "none"
                 or any(p is None or p.dtype != torch.float32 for p in (up.weight, up.bias, down.weight, down.bias))):
             return None
-        params = (up.weight, down.weight)
-        cached = self._taps.get(id(m))
-        if cached is None or not unchanged(cached[0], *params):
-            with torch.inference_mode(False), torch.no_grad():  # the packed copies keep version counters
-                cached = (versions(*params), (PrepackedLinear(up.weight, mode="panel"),
-                                              PrepackedLinear(down.weight, mode="panel")))
-            self._taps[id(m)] = cached
-        return cached[1]
+        pack = lambda w: PrepackedLinear(w, mode="panel")  # noqa: E731
+        return self._derived("panel", up.weight, pack), self._derived("panel", down.weight, pack)
 
     def _unit(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """A residual unit in one kernel pass (``residual_unit``: the activated input and the first
