@@ -10,7 +10,8 @@ from mstar.placement import Placement
 from mstar.runtime.conductor import Conductor, RequestStatus
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.keys import StreamKey, decode_counts, encode_counts
-from mstar.runtime.messages import (
+from mstar.runtime.routing import Routing
+from mstar.runtime.wire.messages import (
     Emit,
     EmitRows,
     Emits,
@@ -25,7 +26,6 @@ from mstar.runtime.messages import (
     StreamEnd,
     WalkDone,
 )
-from mstar.runtime.routing import Routing
 from tests.test_runtime import PD_SPLIT
 from tests.toy_models import EOS, ToyLM, ToyStream
 

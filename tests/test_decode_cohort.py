@@ -9,7 +9,7 @@ import torch
 from mstar import RequestStatus, Runtime
 from mstar.graph import EMIT_TO_CLIENT, DynamicLoop, GraphEdge, GraphNode, Walk, WalkGraph
 from mstar.models.llama.model import LlamaTiny
-from mstar.runtime.engine import KVCacheEngine
+from mstar.runtime.kv.engine import KVCacheEngine
 from mstar.runtime.walk_tracker import WalkTracker
 from tests.helpers import kv_blocks_in_use
 from tests.test_kv_pressure import small_cache

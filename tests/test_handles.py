@@ -12,7 +12,7 @@ import torch
 from mstar.runtime.conductor import RequestStatus
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.handles import RequestError, RequestHandle, held_wakeups
-from mstar.runtime.messages import Emit, EmitRows
+from mstar.runtime.wire.messages import Emit, EmitRows
 
 N = 3000
 

@@ -180,7 +180,7 @@ def test_a_request_too_large_for_the_cache_fails_out_of_memory_without_blocking_
 
 # -- the engine's swap: blocks to host memory and back -------------------------------------------------
 def _engine(blocks=6):
-    from mstar.runtime.engine import KVCacheEngine
+    from mstar.runtime.kv.engine import KVCacheEngine
 
     eng = KVCacheEngine(TinyAttentionLM(0), blocks, 4)
     for k, v in eng.kv_caches:  # distinct values in every slot

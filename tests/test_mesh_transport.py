@@ -15,12 +15,12 @@ import torch
 
 from mstar import RequestStatus, Runtime
 from mstar.placement import Placement
-from mstar.runtime.address_book import AddressBook, PeerHello
 from mstar.runtime.failures import FailureKind
-from mstar.runtime.mesh_transport import MeshTransport
-from mstar.runtime.messages import CONDUCTOR, Emit
-from mstar.runtime.shm_pool import pool_supported
-from mstar.runtime.transport import SHM_DIR, SHM_THRESHOLD
+from mstar.runtime.wire.address_book import AddressBook, PeerHello
+from mstar.runtime.wire.mesh_transport import MeshTransport
+from mstar.runtime.wire.messages import CONDUCTOR, Emit
+from mstar.runtime.wire.shm_pool import pool_supported
+from mstar.runtime.wire.transport import SHM_DIR, SHM_THRESHOLD
 from tests.helpers import kv_blocks_in_use
 from tests.test_runtime import PD_SPLIT, PROMPTS, tokens
 from tests.test_worker_restart import wait_until

@@ -267,7 +267,7 @@ def test_thinker_lockstep_streams_as_the_general_path(runtime):
     lockstep (the worker pushes each row's items; those pushes reach the Talker's partition without
     ending the cohort): with a seeded sampled Thinker and answers of different lengths, every output
     equals the general path's, where each step is prepared and finished by the tracker."""
-    from mstar.runtime.engine import KVCacheEngine
+    from mstar.runtime.kv.engine import KVCacheEngine
 
     params = [{**audio_params(n, 14), "sampling": {"temperature": 0.9, "seed": 5 + n, "ignore_eos": True}}
               for n in (12, 9, 6)]

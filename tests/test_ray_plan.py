@@ -2,7 +2,7 @@
 naming what a cluster lacks when the placement group cannot be placed."""
 
 from mstar.placement import Placement
-from mstar.runtime.ray_driver import Bundle, missing_resources, plan_bundles
+from mstar.runtime.drivers.ray import Bundle, missing_resources, plan_bundles
 from mstar.runtime.routing import Routing
 from tests.toy_models import ToyLM
 

@@ -99,7 +99,7 @@ def test_large_tensors_cross_processes_through_shared_memory(monkeypatch):
 
 
 def test_shared_memory_round_trip_is_zero_copy_on_receive(tmp_path):
-    from mstar.runtime.transport import ZmqTransport
+    from mstar.runtime.wire.transport import ZmqTransport
 
     a = ZmqTransport(str(tmp_path), -1)
     b = ZmqTransport(str(tmp_path), 0)
@@ -120,8 +120,8 @@ def test_frames_for_a_dead_rank_are_swept_and_a_message_missing_one_is_dropped(t
     """A rank's process dies with shared-memory frames addressed to it: the driver sweeps the files
     addressed to that rank (and only those); a message whose frame was swept, delivered later to
     the rank's replacement, is dropped instead of failing its receive loop."""
-    from mstar.runtime.shm_pool import ShmPool
-    from mstar.runtime.transport import ZmqTransport
+    from mstar.runtime.wire.shm_pool import ShmPool
+    from mstar.runtime.wire.transport import ZmqTransport
 
     conductor, rank0, rank1 = (ZmqTransport(str(tmp_path), a) for a in (-1, 0, 1))
     conductor._pool.close()

@@ -1,4 +1,4 @@
-"""Tests for mstar.runtime.serialization (msgpack header + zero-copy tensor frames)."""
+"""Tests for mstar.runtime.wire.serialization (msgpack header + zero-copy tensor frames)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mstar.runtime.serialization import (
+from mstar.runtime.wire.serialization import (
     TENSOR_DTYPES,
     DecodeError,
     decode,

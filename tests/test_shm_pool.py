@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from mstar.runtime.messages import Emit
-from mstar.runtime.shm_pool import ShmPool, pool_supported
-from mstar.runtime.transport import SHM_DIR, SHM_THRESHOLD, ZmqTransport
+from mstar.runtime.wire.messages import Emit
+from mstar.runtime.wire.shm_pool import ShmPool, pool_supported
+from mstar.runtime.wire.transport import SHM_DIR, SHM_THRESHOLD, ZmqTransport
 
 pytestmark = pytest.mark.skipif(not (pool_supported() and SHM_DIR), reason="needs memfd and /dev/shm")
 

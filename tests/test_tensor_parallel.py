@@ -129,7 +129,7 @@ class _Relay:
         self.follower, self.calls = follower, []
 
     def send(self, dest: int, msg) -> None:
-        from mstar.runtime.serialization import decode, encode
+        from mstar.runtime.wire.serialization import decode, encode
 
         assert dest == 1
         msg = decode(encode(msg))
@@ -152,9 +152,10 @@ def _state(eng):
 
 
 def test_a_follower_repeating_the_leaders_calls_keeps_the_same_pool_and_cache():
-    from mstar.runtime.engine import DEFERRED, KVCacheEngine
-    from mstar.runtime.tensor_parallel import TPLeaderKVEngine
-    from mstar.runtime.tp_follower import TPFollower
+    from mstar.runtime.engine import DEFERRED
+    from mstar.runtime.kv.engine import KVCacheEngine
+    from mstar.runtime.tp.follower import TPFollower
+    from mstar.runtime.tp.groups import TPLeaderKVEngine
     from tests.toy_models import TinyAttentionLM
 
     torch.manual_seed(0)
@@ -194,9 +195,9 @@ def test_a_failed_collective_is_a_lost_worker_not_an_internal_error():
 
 
 def test_a_follower_holds_calls_back_until_the_shard_of_an_import_arrives():
-    from mstar.runtime.engine import KVCacheEngine
-    from mstar.runtime.tensor_parallel import TPCall
-    from mstar.runtime.tp_follower import TPFollower, TPShard
+    from mstar.runtime.kv.engine import KVCacheEngine
+    from mstar.runtime.tp.follower import TPFollower, TPShard
+    from mstar.runtime.tp.groups import TPCall
     from tests.toy_models import TinyAttentionLM
 
     eng = KVCacheEngine(TinyAttentionLM(0), 6, 4)

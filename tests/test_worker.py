@@ -8,7 +8,8 @@ import torch
 from mstar.placement import Placement, RuntimeLimits
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.keys import PartitionKey, StreamKey, WalkKey, decode_counts
-from mstar.runtime.messages import (
+from mstar.runtime.routing import Routing
+from mstar.runtime.wire.messages import (
     CONDUCTOR,
     ExecNode,
     FreeRequest,
@@ -17,7 +18,6 @@ from mstar.runtime.messages import (
     StreamPush,
     WalkDone,
 )
-from mstar.runtime.routing import Routing
 from mstar.runtime.worker import Worker
 from tests.test_conductor import Outbox
 from tests.toy_models import STREAM_STEPS, WINDOW, ToyStream

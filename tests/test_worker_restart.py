@@ -12,7 +12,7 @@ import torch
 
 from mstar import RequestStatus, Runtime
 from mstar.placement import Placement
-from mstar.runtime.drivers import RestartPolicy
+from mstar.runtime.drivers.local import RestartPolicy
 from mstar.runtime.failures import FailureKind
 from tests.helpers import kv_blocks_in_use
 from tests.test_runtime import PD_SPLIT, PROMPTS, tokens
@@ -39,8 +39,8 @@ def test_restart_policy_counts_deaths_in_its_window():
 def test_messages_queued_for_a_dead_rank_are_harmless_on_its_replacement():
     """ZeroMQ delivers what was queued for the dead process to the new one: for requests it never
     knew, nothing it allocates outlives the FreeRequest the runtime sends it once it is ready."""
-    from mstar.runtime.messages import ExecNode, FreeKV, FreeRequest, MigrateKV, NodeResult, StartWalk
     from mstar.runtime.routing import Routing
+    from mstar.runtime.wire.messages import ExecNode, FreeKV, FreeRequest, MigrateKV, NodeResult, StartWalk
     from mstar.runtime.worker import Worker
     from tests.test_conductor import Outbox
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar.runtime.serialization import register_message
+from mstar.runtime.wire.serialization import register_message
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 PATHS = ("inline", "ipc", "shm", "tcp")
@@ -63,10 +63,10 @@ def _crc(t: torch.Tensor) -> int:
 
 # -- the peer process ---------------------------------------------------------------------------------
 def _peer_transport(path: str, setup: dict) -> Any:
-    from mstar.runtime.address_book import AddressBook
-    from mstar.runtime.mesh_transport import MeshTransport
-    from mstar.runtime.messages import CONDUCTOR
-    from mstar.runtime.transport import ZmqTransport
+    from mstar.runtime.wire.address_book import AddressBook
+    from mstar.runtime.wire.mesh_transport import MeshTransport
+    from mstar.runtime.wire.messages import CONDUCTOR
+    from mstar.runtime.wire.transport import ZmqTransport
 
     if path == "tcp":
         t = MeshTransport(setup["run_dir"], PEER, "peer", "127.0.0.1", setup["run_id"])
@@ -79,7 +79,7 @@ def _peer_transport(path: str, setup: dict) -> Any:
 
 
 def _peer_main(path: str, setup: dict) -> None:
-    from mstar.runtime.messages import CONDUCTOR
+    from mstar.runtime.wire.messages import CONDUCTOR
 
     t = _peer_transport(path, setup)
     try:
@@ -191,7 +191,7 @@ def _measure_memcpy(size: int) -> list[float]:
 
 
 def _measure_inline(size: int) -> list[float]:
-    from mstar.runtime.transport import InlineTransport
+    from mstar.runtime.wire.transport import InlineTransport
 
     t, data = InlineTransport(), _payload(size)
 
@@ -228,10 +228,10 @@ def _measure_socket(sizes: list[int], fresh: bool = False) -> dict[int, list[flo
 
 
 def _measure_transport(path: str, sizes: list[int]) -> dict[int, list[float]]:
-    from mstar.runtime.address_book import AddressBook
-    from mstar.runtime.mesh_transport import MeshTransport
-    from mstar.runtime.messages import CONDUCTOR
-    from mstar.runtime.transport import SHM_THRESHOLD, ZmqTransport
+    from mstar.runtime.wire.address_book import AddressBook
+    from mstar.runtime.wire.mesh_transport import MeshTransport
+    from mstar.runtime.wire.messages import CONDUCTOR
+    from mstar.runtime.wire.transport import SHM_THRESHOLD, ZmqTransport
 
     run_dir = tempfile.mkdtemp(prefix="mstar-bench-")
     setup: dict[str, Any] = {"run_dir": run_dir, "run_id": f"mstar-{uuid.uuid4().hex[:12]}",

@@ -31,7 +31,7 @@ Rules (``Placement.validate`` checks them against the model's ``WalkGraph``):
 * A group is one tensor-parallel replica: its ``ranks`` are exactly ``tp_size`` distinct ranks.
   Data-parallel replicas (several replicas in one group) are not supported yet. With
   ``tp_size > 1`` the group's modules are sharded over its ranks and its first rank leads
-  (``mstar.runtime.tensor_parallel``); such a module may be placed per walk only on groups of one
+  (``mstar.runtime.tp.groups``); such a module may be placed per walk only on groups of one
   ``tp_size`` (its KV shards move shard by shard), and a rank may belong to one tensor-parallel
   group only (both checked when the runtime is built, as ``PlacementError``).
 * For a given walk, the group that applies to a node is the group that names the node and lists

@@ -8,7 +8,7 @@
 
 Names only, never addresses. Each rank the placement uses is on exactly one node, names are unique.
 Without the section every rank runs on the serving host. ``workers="ray"`` makes one placement-group
-bundle per node (``mstar.runtime.ray_driver``); the other modes run every node on this host.
+bundle per node (``mstar.runtime.drivers.ray``); the other modes run every node on this host.
 """
 
 from __future__ import annotations

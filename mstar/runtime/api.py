@@ -33,7 +33,7 @@ from mstar.model.base import ModelDef
 from mstar.model.registry import resolve_model
 from mstar.placement import Placement
 from mstar.runtime.conductor import Conductor
-from mstar.runtime.drivers import InlineDriver, ProcessDriver, RestartPolicy
+from mstar.runtime.drivers.local import InlineDriver, ProcessDriver, RestartPolicy
 from mstar.runtime.engine import StatelessEngine
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.gc_freeze import freeze_startup_objects, thaw
@@ -41,7 +41,7 @@ from mstar.runtime.handles import RequestHandle, RequestOutput
 from mstar.runtime.malloc import keep_freed_memory
 from mstar.runtime.openmp import release_thread_pool
 from mstar.runtime.routing import Routing
-from mstar.runtime.tensor_parallel import check_tp_placement, tp_rank_tuples
+from mstar.runtime.tp.groups import check_tp_placement, tp_rank_tuples
 
 WORKER_MODES = ("inline", "process", "ray")
 
@@ -51,11 +51,11 @@ def _make_driver(workers: str, transport: str, model: ModelDef, routing: Routing
     if workers == "inline":
         return InlineDriver(model, routing, device)
     if workers == "ray":
-        from mstar.runtime.ray_driver import RayDriver  # Ray is optional: imported only here
+        from mstar.runtime.drivers.ray import RayDriver  # Ray is optional: imported only here
 
         return RayDriver(model, routing, device, start_timeout, address=ray_address)
     if transport == "tcp":
-        from mstar.runtime.mesh_driver import MeshProcessDriver
+        from mstar.runtime.drivers.mesh import MeshProcessDriver
 
         return MeshProcessDriver(model, routing, device, start_timeout, policy, force_tcp=True)
     return ProcessDriver(model, routing, device, start_timeout, policy)

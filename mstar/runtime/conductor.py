@@ -15,7 +15,8 @@ from typing import Any, Protocol
 
 from mstar.model.base import ModelDef, WalkState
 from mstar.runtime.failures import FailureKind, describe
-from mstar.runtime.messages import (
+from mstar.runtime.routing import Routing
+from mstar.runtime.wire.messages import (
     Emit,
     EmitRows,
     Emits,
@@ -31,7 +32,6 @@ from mstar.runtime.messages import (
     StreamEnd,
     WalkDone,
 )
-from mstar.runtime.routing import Routing
 
 
 class RequestStatus(enum.IntEnum):

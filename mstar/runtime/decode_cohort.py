@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mstar.runtime.failures import FailureKind, describe
-from mstar.runtime.messages import (
+from mstar.runtime.self_loops import LockstepBound, LoopExits
+from mstar.runtime.walk_records import read_stop
+from mstar.runtime.wire.messages import (
     Emit,
     EmitRows,
     ExecNode,
@@ -33,8 +35,6 @@ from mstar.runtime.messages import (
     StreamEnd,
     StreamPush,
 )
-from mstar.runtime.self_loops import LockstepBound, LoopExits
-from mstar.runtime.walk_records import read_stop
 from mstar.runtime.work_items import WorkItem, as_values
 
 __all__ = ["DecodeCohort", "Lockstep", "row_outputs"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from mstar.runtime.message_registry import register_message
+from mstar.runtime.wire.registry import register_message
 
 
 @register_message

@@ -20,7 +20,7 @@ import torch
 
 from mstar.runtime.conductor import RequestStatus
 from mstar.runtime.failures import FailureKind
-from mstar.runtime.messages import Emit, EmitRows
+from mstar.runtime.wire.messages import Emit, EmitRows
 
 __all__ = ["RequestError", "RequestHandle", "RequestOutput", "StreamItem", "held_wakeups"]
 

@@ -23,17 +23,26 @@ from typing import Any
 
 from mstar.model.base import ModelDef
 from mstar.runtime.decode_cohort import Lockstep
-from mstar.runtime.engine import (
-    DEFERRED,
-    ItemError,
-    KVCacheEngine,
-    StatelessEngine,
-    WorkItem,
-)
+from mstar.runtime.engine import DEFERRED, ItemError, StatelessEngine, WorkItem
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.keys import PartitionKey, StreamKey, WalkKey, decode_counts, encode_counts
-from mstar.runtime.kv_admission import KVAdmission
-from mstar.runtime.messages import (
+from mstar.runtime.kv.admission import KVAdmission
+from mstar.runtime.kv.engine import KVCacheEngine
+from mstar.runtime.routing import Routing
+from mstar.runtime.scheduling import ModuleScheduler, module_stages
+from mstar.runtime.streams import StreamBuffer, holds_chunks
+from mstar.runtime.tp.follower import TPFollower, TPShard
+from mstar.runtime.tp.groups import (
+    StatsBarrier,
+    TPCall,
+    TPContext,
+    TPLeaderEngine,
+    TPLeaderKVEngine,
+    TPStatsBarrier,
+)
+from mstar.runtime.walk_records import Effects, ReadyNode
+from mstar.runtime.walk_tracker import WalkTracker
+from mstar.runtime.wire.messages import (
     CONDUCTOR,
     Emit,
     Emits,
@@ -54,20 +63,6 @@ from mstar.runtime.messages import (
     StreamPush,
     WalkDone,
 )
-from mstar.runtime.routing import Routing
-from mstar.runtime.scheduling import ModuleScheduler, module_stages
-from mstar.runtime.streams import StreamBuffer, holds_chunks
-from mstar.runtime.tensor_parallel import (
-    StatsBarrier,
-    TPCall,
-    TPContext,
-    TPLeaderEngine,
-    TPLeaderKVEngine,
-    TPStatsBarrier,
-)
-from mstar.runtime.tp_follower import TPFollower, TPShard
-from mstar.runtime.walk_records import Effects, ReadyNode
-from mstar.runtime.walk_tracker import WalkTracker
 from mstar.runtime.worker_engines import build_engines
 
 log = logging.getLogger(__name__)
@@ -100,7 +95,7 @@ class Worker:
         nodes = sorted(routing.placement.nodes_on(rank))
         built = build_engines(model, routing, nodes, device, tp, transport)  # worker_engines.py
         self.engines: dict[str, StatelessEngine] = built.engines
-        self.following = built.following  # tensor-parallel modules this rank follows (runtime/tensor_parallel.py)
+        self.following = built.following  # tensor-parallel modules this rank follows (runtime/tp/groups.py)
         self.max_batch = built.max_batch
         self.queues: dict[str, deque[WorkItem]] = {b: deque() for b in self.engines}
         self._queue_of = {node: self.queues[model.module_of(node)] for node in nodes}

@@ -1,6 +1,6 @@
 """The engines of the modules placed on a worker's rank: a ``KVCacheEngine`` for a module with a KV
 spec, a ``ContinuedStatelessEngine`` otherwise, and for a module sharded over a tensor-parallel group
-its leader's or follower's engine (``runtime/tensor_parallel.py``); each module's largest batch over
+its leader's or follower's engine (``runtime/tp/groups.py``); each module's largest batch over
 its nodes' placements. The ``Worker`` builds them once, at start."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from typing import Any
 
 from mstar.layers.tensor_parallel import apply_tp, shardable
 from mstar.model.base import ModelDef
-from mstar.runtime.engine import KVCacheEngine, StatelessEngine
+from mstar.runtime.engine import StatelessEngine
+from mstar.runtime.kv.engine import KVCacheEngine
 from mstar.runtime.kv.sizing import blocks_in_memory
 from mstar.runtime.routing import Routing
 from mstar.runtime.stateless_rows import ContinuedStatelessEngine
-from mstar.runtime.tensor_parallel import TPContext, build_tp_engine
+from mstar.runtime.tp.groups import TPContext, build_tp_engine
 
 __all__ = ["RankEngines", "build_engines", "pool_blocks"]
 

@@ -1,4 +1,4 @@
-"""What the KV engine (``mstar.runtime.engine.KVCacheEngine``) records: ``KVPlan``, the attention
+"""What the KV engine (``mstar.runtime.kv.engine.KVCacheEngine``) records: ``KVPlan``, the attention
 bookkeeping of one batch; ``PrefixUse``, an item's prompt for the prefix cache; ``SwappedKV``, a
 preempted request's blocks in host memory."""
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mstar.runtime.address_book import AddressBook, Endpoint
-from mstar.runtime.messages import CONDUCTOR
+from mstar.runtime.wire.address_book import AddressBook, Endpoint
+from mstar.runtime.wire.messages import CONDUCTOR
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,9 @@ def serve_rank(rank: int, model: Any, placement: Any, device: str, join: MeshJoi
     import torch
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    from mstar.runtime.mesh_transport import MeshTransport
-    from mstar.runtime.process import run_rank
+    from mstar.runtime.drivers.process import run_rank
     from mstar.runtime.routing import Routing
+    from mstar.runtime.wire.mesh_transport import MeshTransport
     from mstar.runtime.worker import Worker
 
     run_dir = tempfile.gettempdir()  # for IPC paths where abstract sockets do not exist

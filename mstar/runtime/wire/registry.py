@@ -1,6 +1,6 @@
 """Which message classes may cross process boundaries, under which stable tags.
 
-A class becomes sendable by ``@register_message`` (``mstar.runtime.serialization`` encodes a
+A class becomes sendable by ``@register_message`` (``mstar.runtime.wire.serialization`` encodes a
 registered dataclass or enum by its tag and decodes only registered tags, never arbitrary classes).
 """
 

@@ -22,12 +22,12 @@ from collections import deque
 from typing import Any
 
 from mstar.runtime.conductor import Conductor
+from mstar.runtime.drivers.process import spawn_worker
 from mstar.runtime.handles import held_wakeups
-from mstar.runtime.messages import CONDUCTOR, FreeRequest, Shutdown, WorkerStatus
-from mstar.runtime.process import spawn_worker
 from mstar.runtime.routing import Routing
-from mstar.runtime.tensor_parallel import NO_RESTART, open_rendezvous
-from mstar.runtime.transport import InlineTransport, ZmqTransport
+from mstar.runtime.tp.groups import NO_RESTART, open_rendezvous
+from mstar.runtime.wire.messages import CONDUCTOR, FreeRequest, Shutdown, WorkerStatus
+from mstar.runtime.wire.transport import InlineTransport, ZmqTransport
 from mstar.runtime.worker import Worker
 
 log = logging.getLogger("mstar.runtime")

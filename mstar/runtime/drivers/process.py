@@ -17,7 +17,7 @@ import torch
 
 from mstar.runtime.gc_freeze import freeze_startup_objects
 from mstar.runtime.malloc import keep_freed_memory
-from mstar.runtime.messages import CONDUCTOR, WorkerStatus
+from mstar.runtime.wire.messages import CONDUCTOR, WorkerStatus
 
 
 def worker_main(rank: int, model: Any, placement: Any, run_dir: str, device: str, parent_pid: int,
@@ -26,8 +26,8 @@ def worker_main(rank: int, model: Any, placement: Any, run_dir: str, device: str
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from mstar.runtime.routing import Routing
-    from mstar.runtime.tensor_parallel import connect
-    from mstar.runtime.transport import ZmqTransport
+    from mstar.runtime.tp.groups import connect
+    from mstar.runtime.wire.transport import ZmqTransport
     from mstar.runtime.worker import Worker
 
     transport = ZmqTransport(run_dir, rank)

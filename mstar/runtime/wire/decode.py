@@ -13,8 +13,7 @@ import msgpack
 import numpy as np
 import torch
 
-from mstar.runtime.message_registry import _DC_FIELDS, _TAG_TO_CLS
-from mstar.runtime.wire_format import (
+from mstar.runtime.wire.format import (
     _K_BIGINT,
     _K_DATACLASS,
     _K_ENUM,
@@ -29,6 +28,7 @@ from mstar.runtime.wire_format import (
     Frame,
     _numpy_dtype_ok,
 )
+from mstar.runtime.wire.registry import _DC_FIELDS, _TAG_TO_CLS
 
 
 class _Decoder:

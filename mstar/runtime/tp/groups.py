@@ -37,8 +37,9 @@ from typing import Any
 from mstar.layers.tensor_parallel import TPGroup
 from mstar.model.base import ModelDef
 from mstar.placement import Placement, PlacementError
-from mstar.runtime.engine import KVCacheEngine, StatelessEngine, WorkItem
-from mstar.runtime.serialization import register_message
+from mstar.runtime.engine import StatelessEngine, WorkItem
+from mstar.runtime.kv.engine import KVCacheEngine
+from mstar.runtime.wire.serialization import register_message
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A tensor-parallel follower: repeats its leaders' calls, in order, on its shards.
 
-Calls arrive as ``TPCall`` (``mstar.runtime.tensor_parallel``) and run in arrival order:
+Calls arrive as ``TPCall`` (``mstar.runtime.tp.groups``) and run in arrival order:
 
 * ``run`` / ``free_request`` / ``swap_out``: the same engine call as the leader's;
 * ``migrate``: a request's caches of the module leave for other groups (per-walk placement:
@@ -22,8 +22,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from mstar.runtime.serialization import register_message
-from mstar.runtime.tensor_parallel import MIRRORED, TPCall, TPContext
+from mstar.runtime.tp.groups import MIRRORED, TPCall, TPContext
+from mstar.runtime.wire.serialization import register_message
 
 log = logging.getLogger(__name__)
 

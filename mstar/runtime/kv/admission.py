@@ -15,8 +15,9 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Mapping
 
-from mstar.runtime.engine import DEFERRED, KVCacheEngine, StatelessEngine, WorkItem
+from mstar.runtime.engine import DEFERRED, StatelessEngine, WorkItem
 from mstar.runtime.failures import FailureKind, KVCacheExhausted, describe
+from mstar.runtime.kv.engine import KVCacheEngine
 
 __all__ = ["KVAdmission"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mstar.runtime.serialization import register_message
+from mstar.runtime.wire.serialization import register_message
 
 
 @register_message

@@ -16,11 +16,11 @@ import os
 import uuid
 from typing import Any
 
-from mstar.runtime.address_book import AddressBook
-from mstar.runtime.drivers import ProcessDriver
-from mstar.runtime.mesh_transport import MeshTransport, node_host
-from mstar.runtime.mesh_worker import MeshJoin, serve_rank
-from mstar.runtime.messages import CONDUCTOR, WorkerStatus
+from mstar.runtime.drivers.local import ProcessDriver
+from mstar.runtime.drivers.mesh_worker import MeshJoin, serve_rank
+from mstar.runtime.wire.address_book import AddressBook
+from mstar.runtime.wire.mesh_transport import MeshTransport, node_host
+from mstar.runtime.wire.messages import CONDUCTOR, WorkerStatus
 
 log = logging.getLogger("mstar.runtime")
 

@@ -4,7 +4,7 @@ The endpoint binds its PULL socket twice: on an IPC address (an abstract socket 
 port of its node's address (never 0.0.0.0). Sending to a peer of the same node id goes over IPC with
 tensor frames of ``SHM_THRESHOLD`` bytes or more through /dev/shm, exactly as ``ZmqTransport``; to a
 peer on another node over TCP, every tensor frame inline. Messages and their encoding are the same
-either way (``mstar.runtime.serialization``, never pickle).
+either way (``mstar.runtime.wire.serialization``, never pickle).
 
 A rank learns its peers from the ``AddressBook`` the conductor sends (``recv`` takes it in and
 returns only the other messages); a message for a peer not in the book yet waits and goes, in
@@ -24,10 +24,10 @@ import threading
 from collections import deque
 from typing import Any
 
-from mstar.runtime.address_book import AddressBook, Endpoint, PeerHello
-from mstar.runtime.serialization import encode
-from mstar.runtime.shm_pool import ShmAttach, ShmPool
-from mstar.runtime.transport import SHM_THRESHOLD, ZmqTransport
+from mstar.runtime.wire.address_book import AddressBook, Endpoint, PeerHello
+from mstar.runtime.wire.serialization import encode
+from mstar.runtime.wire.shm_pool import ShmAttach, ShmPool
+from mstar.runtime.wire.transport import SHM_THRESHOLD, ZmqTransport
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000

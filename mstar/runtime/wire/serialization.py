@@ -60,15 +60,8 @@ import msgpack
 import numpy as np
 import torch
 
-from mstar.runtime.message_registry import (
-    _CLS_TO_TAG,
-    _DC_FIELDS,
-    is_registered,
-    message_tag,
-    register_message,
-)
-from mstar.runtime.wire_decode import decode
-from mstar.runtime.wire_format import (
+from mstar.runtime.wire.decode import decode
+from mstar.runtime.wire.format import (
     _INT_MAX,
     _INT_MIN,
     _K_BIGINT,
@@ -85,6 +78,13 @@ from mstar.runtime.wire_format import (
     DecodeError,
     Frame,
     _numpy_dtype_ok,
+)
+from mstar.runtime.wire.registry import (
+    _CLS_TO_TAG,
+    _DC_FIELDS,
+    is_registered,
+    message_tag,
+    register_message,
 )
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Every message that crosses a process boundary, in one place.
 
 Workers and the conductor exchange only these dataclasses, encoded by
-``mstar.runtime.serialization`` (msgpack + raw tensor frames). Edge values are lists of tensors.
+``mstar.runtime.wire.serialization`` (msgpack + raw tensor frames). Edge values are lists of tensors.
 Stream counts (``stream_offsets``, ``streamed``, ``expected``) are keyed by ``StreamKey.encode()``:
 see ``mstar.runtime.keys.encode_counts`` / ``decode_counts``.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.keys import WalkKey
-from mstar.runtime.serialization import register_message
+from mstar.runtime.wire.serialization import register_message
 from mstar.runtime.work_items import as_values
 
 CONDUCTOR = -1  # address of the conductor; workers are addressed by rank

@@ -2,7 +2,7 @@
 
 ``InlineTransport``: objects of one process; a message is handed over as is (no copy).
 ``ZmqTransport``: processes of one host over ZeroMQ IPC sockets; every message is encoded by
-``mstar.runtime.serialization`` (msgpack header + raw tensor frames, never pickle) and tensors are
+``mstar.runtime.wire.serialization`` (msgpack header + raw tensor frames, never pickle) and tensors are
 decoded without a copy from the received frames. Tensor frames of 1 MiB or more go through POSIX
 shared memory instead of the socket. Each endpoint binds one PULL socket and lazily
 connects one PUSH socket per peer; ZeroMQ keeps per-peer FIFO order, which the protocol relies on
@@ -21,8 +21,8 @@ from typing import Any
 
 import msgpack
 
-from mstar.runtime.serialization import decode, encode
-from mstar.runtime.shm_pool import ShmAttach, ShmPool
+from mstar.runtime.wire.serialization import decode, encode
+from mstar.runtime.wire.shm_pool import ShmAttach, ShmPool
 
 # tensor frames this large travel through shared memory (one copy instead of two through the socket)
 SHM_THRESHOLD = int(os.environ.get("MSTAR_SHM_THRESHOLD", 1 << 20))

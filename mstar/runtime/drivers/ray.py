@@ -31,14 +31,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from mstar.runtime.address_book import AddressBook
 from mstar.runtime.conductor import Conductor
+from mstar.runtime.drivers.mesh import broadcast_book
+from mstar.runtime.drivers.mesh_worker import MeshJoin, serve_rank
 from mstar.runtime.handles import held_wakeups
-from mstar.runtime.mesh_driver import broadcast_book
-from mstar.runtime.mesh_transport import MeshTransport
-from mstar.runtime.mesh_worker import MeshJoin, serve_rank
-from mstar.runtime.messages import CONDUCTOR, Shutdown, WorkerStatus
 from mstar.runtime.routing import Routing
+from mstar.runtime.wire.address_book import AddressBook
+from mstar.runtime.wire.mesh_transport import MeshTransport
+from mstar.runtime.wire.messages import CONDUCTOR, Shutdown, WorkerStatus
 
 log = logging.getLogger("mstar.runtime")
 

@@ -1,0 +1,325 @@
+"""``KVCacheEngine``: a ``StatelessEngine`` that also owns its module's paged KV cache (see
+``mstar.runtime.engine`` for batching, deferral, swap and prefix caching)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from mstar.layers.paged_attention import AttentionMetadata, QueryMode, copy_blocks
+from mstar.model.submodule import KVSequence, NodeInputs, NodeSubmodule
+from mstar.runtime.engine import StatelessEngine
+from mstar.runtime.kv.block_pool import BlockPool, OutOfBlocks, prefix_hashes
+from mstar.runtime.kv.cache_manager import KVCacheManager
+from mstar.runtime.kv.continued import ContinuedRows
+from mstar.runtime.kv.records import KVPlan, PrefixUse, SwappedKV
+from mstar.runtime.kv.sizing import as_blocks, cdiv
+from mstar.runtime.work_items import DEFERRED, Prepared, WorkItem
+
+__all__ = ["KVCacheEngine"]
+
+
+class KVCacheEngine(ContinuedRows, StatelessEngine):
+    """Stateless batching plus the module's paged KV cache."""
+
+    def __init__(self, module: NodeSubmodule, num_blocks: int, block_size: int, device: str = "cpu",
+                 prefix_caching: bool = False):
+        super().__init__(module)
+        self.prefix_caching = prefix_caching
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache (items that ran)
+        self.prefix_hit_tokens = 0  # of which were reused
+        self._prefix_uses: dict[int, PrefixUse] = {}  # id(Prepared run) -> its prompt, this batch
+        spec = module.kv_spec
+        self.manager = KVCacheManager(BlockPool(num_blocks, block_size))
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=spec.dtype, device=device),
+                           torch.zeros(shape, dtype=spec.dtype, device=device)) for _ in range(spec.num_layers)]
+        self._appended: list[tuple[str, str, int]] = []
+        self._swapped: dict[str, SwappedKV] = {}
+        self.preemptions = 0
+        self._init_continued()
+
+    def cache_len(self, item: WorkItem) -> int:
+        if self._swapped:
+            swapped = self._swapped.get(item.request_id)
+            if swapped is not None and item.node in swapped.tables:
+                return swapped.tables[item.node][1]
+        return self.manager.num_tokens(item.request_id, item.node)
+
+    def _forward(self, batch: list[Prepared]) -> list[dict]:
+        """Plan every item's cache slots (an item that cannot get its blocks is left out, ``DEFERRED``),
+        then run one forward over the others."""
+        self._appended = []
+        self._prefix_uses = {}
+        plan = KVPlan()
+        runs = self._plan_batch(batch, plan)  # what each item runs (None: deferred)
+        admitted = [r for r in runs if r is not None]
+        if not admitted:
+            self._copy_pending()  # copies queued by items rolled back: no pending copy outlives a batch
+            return [DEFERRED] * len(batch)
+        ei, tensors = self._engine_inputs(admitted)
+        self._copy_pending()
+        ei.attention = AttentionMetadata.build(plan.query_lens, plan.tables, plan.context_lens, plan.modes, plan.slots)
+        ei.kv_caches = self.kv_caches
+        ei.positions = plan.position_tensor() if plan.positions else torch.zeros(0, dtype=torch.long)
+        ei.num_tokens = [p.inputs.num_tokens if p.inputs.sequences is None else sum(q.num_tokens for q in p.sequences())
+                         for p in admitted]
+        out = self._call_raw(admitted, ei, tensors)
+        self._keep_decode(admitted, ei, tensors, out)
+        outs = iter(self._rows(out, len(admitted)))
+        self._register_prefixes()
+        return [DEFERRED if r is None else next(outs) for r in runs]
+
+    def _plan_batch(self, batch: list[Prepared], plan: KVPlan) -> list[Prepared | None]:
+        """``_plan_item`` of every item; a decode step's token (one causal-append token, nothing
+        forked, listed or swapped out) is planned inline when ``KVCacheManager.append_token`` can
+        take it (the same slots and entries as ``_plan_single``)."""
+        m, swapped, appended, causal = self.manager, self._swapped, self._appended, QueryMode.CAUSAL_APPEND
+        runs: list[Prepared | None] = []
+        for p in batch:
+            ni, rid = p.inputs, p.item.request_id
+            if ni.num_tokens == 1 and ni.mode is causal and ni.sequences is None and ni.fork_from is None \
+                    and ni.prefix_ids is None and rid not in swapped:
+                name = ni.cache_name or p.item.node
+                got = m.append_token(rid, name)
+                if got is not None:
+                    before, slot, blocks = got
+                    appended.append((rid, name, before))
+                    plan.slots.append(slot)
+                    plan.add(causal, before, 1, before + 1, list(blocks))
+                    runs.append(p)
+                    continue
+            runs.append(self._plan_item(p, plan))
+        return runs
+
+    def _plan_item(self, p: Prepared, plan: KVPlan) -> Prepared | None:
+        """Swap the item's request in if needed and plan all its sequences; returns what the forward
+        runs (the item, or a copy without the tokens a cached prefix supplies), or None (nothing
+        planned: no room now)."""
+        rid = p.item.request_id
+        swapped_in = rid in self._swapped
+        if swapped_in and not self.swap_in(rid):
+            return None
+        mark, appended = plan.mark(), len(self._appended)
+        run = self._adopt_prefix(p)
+        ni = run.inputs
+        try:
+            if ni.sequences is None and ni.fork_from is None and ni.mode is QueryMode.CAUSAL_APPEND:
+                self._plan_single(rid, ni, p.item.node, plan)
+            else:
+                for seq in run.sequences():
+                    self._plan_sequence(rid, seq, plan)
+        except OutOfBlocks:
+            plan.reset(mark)
+            self._undo_appends(self._appended[appended:])
+            del self._appended[appended:]
+            self._prefix_uses.pop(id(run), None)
+            if swapped_in:
+                self.swap_out(rid, preempted=False)
+            return None
+        return run
+
+    # -- prefix caching ----------------------------------------------------------------------------
+    def _adopt_prefix(self, p: Prepared) -> Prepared:
+        """For a prompt entering an empty cache: start the cache with its cached prefix blocks and
+        return the item without those tokens (recorded so a rollback empties the cache again)."""
+        ni, rid = p.inputs, p.item.request_id
+        if (not self.prefix_caching or ni.prefix_ids is None or ni.sequences is not None
+                or ni.fork_from is not None or QueryMode(ni.mode) is not QueryMode.CAUSAL_APPEND):
+            return p
+        name, n = ni.cache_name or p.item.node, ni.num_tokens
+        if self.manager.num_tokens(rid, name) or ni.prefix_ids.numel() > n:
+            return p
+        bs = self.manager.block_size
+        hashes = prefix_hashes(ni.prefix_ids.tolist(), bs)  # the full blocks of the shareable leading tokens
+        reused = self.manager.adopt_prefix(rid, name, hashes[:(n - 1) // bs])  # keep >= 1 token to run
+        self._appended.append((rid, name, 0))
+        run = p
+        if reused:
+            tensors = {k: (v[reused:] if k in ni.token_inputs else v) for k, v in ni.tensor_inputs.items()}
+            run = Prepared(p.item, dataclasses.replace(ni, tensor_inputs=tensors, num_tokens=n - reused,
+                                                       prefix_ids=None),
+                           dataclasses.replace(p.info, cache_len=reused))
+        self._prefix_uses[id(run)] = PrefixUse(rid, name, hashes, n, reused)
+        return run
+
+    def _register_prefixes(self) -> None:
+        """After a successful forward: name the prompts' full blocks, count lookups and hits."""
+        for use in self._prefix_uses.values():
+            self.manager.register_prefix(use.request_id, use.cache_name, use.hashes)
+            self.prefix_query_tokens += use.num_tokens
+            self.prefix_hit_tokens += use.reused
+        self._prefix_uses = {}
+
+    def _copy_pending(self) -> None:
+        """Carry out queued copy-on-write copies (before a forward writes, or blocks are saved)."""
+        pairs = self.manager.pop_pending_copies()
+        if pairs:
+            for k_cache, v_cache in self.kv_caches:
+                copy_blocks(k_cache, v_cache, pairs)
+
+    def _plan_single(self, rid: str, ni: NodeInputs, node: str, plan: KVPlan) -> None:
+        """``_plan_sequence`` for an item's one causal-append sequence (no fork, no sequences list: a
+        prompt or a decode step): the same manager calls and plan entries, without a ``KVSequence``."""
+        m, name, n = self.manager, ni.cache_name or node, ni.num_tokens
+        before = m.num_tokens(rid, name)
+        plan.slots += m.append_slots(rid, name, n)
+        self._appended.append((rid, name, before))
+        plan.add(QueryMode.CAUSAL_APPEND, before, n, before + n, m.block_table(rid, name))
+
+    def _plan_sequence(self, rid: str, seq: KVSequence, plan: KVPlan) -> None:
+        """Fork / allocate the sequence's cache slots (recording appends for a rollback) and add its
+        attention bookkeeping to ``plan``."""
+        m, name, mode = self.manager, seq.cache_name, QueryMode(seq.mode)
+        if seq.refork and m.has(rid, name):
+            m.free(rid, name)
+        if seq.fork_from is not None and not m.has(rid, name):
+            src, n = seq.fork_from
+            m.fork(rid, src, name, n)
+        before = m.num_tokens(rid, name)
+        if mode is QueryMode.READ_ONLY:
+            if not m.has(rid, name):
+                m.append_slots(rid, name, 0)
+            plan.slots += [-1] * seq.num_tokens
+            context = before
+        else:
+            plan.slots += m.append_slots(rid, name, seq.num_tokens)
+            self._appended.append((rid, name, before))
+            context = before + seq.num_tokens
+        plan.add(mode, before, seq.num_tokens, context, m.block_table(rid, name))
+
+    def _rollback(self, batch: list[Prepared]) -> None:
+        """Undo this batch's cache appends so the items can be retried one by one."""
+        self._undo_appends(self._appended)
+        self._appended = []
+        self._prefix_uses = {}
+
+    def _undo_appends(self, appended: list[tuple[str, str, int]]) -> None:
+        for rid, name, before in reversed(appended):
+            if self.manager.has(rid, name):
+                self.manager.truncate(rid, name, before)
+
+    def free_request(self, request_id: str) -> None:
+        self.manager.free_request(request_id)
+        self._swapped.pop(request_id, None)
+        super().free_request(request_id)  # the node's own per-request state
+
+    # -- preemption: a request's blocks to host memory and back ------------------------------------
+    def holders(self) -> list[str]:
+        """Requests holding KV blocks here (swapped-out requests hold none)."""
+        return [r for r in self.manager.request_ids() if self.blocks_of(r)]
+
+    def blocks_of(self, request_id: str) -> int:
+        return len(self.manager.snapshot(request_id)[0])
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._swapped
+
+    def swap_out(self, request_id: str, preempted: bool = True) -> None:
+        """Save the request's blocks to host memory and free them; its next item swaps them back."""
+        self._copy_pending()
+        blocks, tables = self.manager.snapshot(request_id)
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.kv_caches[0][0].device)
+        # indexing copies; .to("cpu") then moves device caches to host and leaves host ones as they are
+        self._swapped[request_id] = SwappedKV(tables, [k[idx].to("cpu") for k, _ in self.kv_caches],
+                                             [v[idx].to("cpu") for _, v in self.kv_caches])
+        self.manager.free_request(request_id)
+        self.preemptions += int(preempted)
+
+    def swap_in(self, request_id: str) -> bool:
+        """Bring a swapped-out request's blocks back; False (nothing changed) when they do not fit."""
+        saved = self._swapped[request_id]
+        self._copy_pending()  # a queued copy may target a block this restore is about to reuse
+        try:
+            fresh = self.manager.restore(request_id, saved.num_blocks, saved.tables)
+        except OutOfBlocks:
+            return False
+        del self._swapped[request_id]
+        if fresh:
+            idx = torch.tensor(fresh, dtype=torch.long, device=self.kv_caches[0][0].device)
+            for (k, v), sk, sv in zip(self.kv_caches, saved.k, saved.v):
+                k[idx] = sk.to(k.device, k.dtype)
+                v[idx] = sv.to(v.device, v.dtype)
+        return True
+
+    # -- migration between ranks -------------------------------------------------------------------
+    def _flat(self, cache: torch.Tensor) -> torch.Tensor:
+        return cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, kv_heads, head_dim]
+
+    def export_request(self, request_id: str, free: bool = True) -> dict[str, Any]:
+        """Gather every cache of the request into dense tensors (forked prefixes are copied); then free
+        them here unless ``free`` is False (a copy for another rank)."""
+        swapped = self._swapped.get(request_id)
+        if swapped is not None:
+            out = self._export_swapped(swapped)
+            if free:
+                del self._swapped[request_id]
+            return out
+        self._copy_pending()
+        m = self.manager
+        out = {}
+        for name in m.cache_names(request_id):
+            idx = torch.tensor(m.slot_mapping(request_id, name), dtype=torch.long)
+            out[name] = {"num_tokens": m.num_tokens(request_id, name),
+                         "k": [self._flat(k)[idx].clone() for k, _ in self.kv_caches],
+                         "v": [self._flat(v)[idx].clone() for _, v in self.kv_caches]}
+        if free:
+            m.free_request(request_id)
+        return out
+
+    def _export_swapped(self, saved: SwappedKV) -> dict[str, Any]:
+        bs = self.manager.block_size
+        out = {}
+        for name, (blocks, num_tokens) in saved.tables.items():
+            idx = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(num_tokens)], dtype=torch.long)
+            out[name] = {"num_tokens": num_tokens, "k": [self._flat(k)[idx].clone() for k in saved.k],
+                         "v": [self._flat(v)[idx].clone() for v in saved.v]}
+        return out
+
+    def import_request(self, request_id: str, caches: dict[str, Any]) -> None:
+        """Take caches exported by another rank. When they do not fit now they are kept swapped out,
+        and the request's first item here swaps them in."""
+        m = self.manager
+        self._copy_pending()  # a queued copy may target a block this import is about to reuse
+        for name in caches:
+            if m.has(request_id, name):
+                m.free(request_id, name)
+        bs = m.block_size
+        if sum(cdiv(c["num_tokens"], bs) for c in caches.values()) > m.pool.num_free or request_id in self._swapped:
+            self._import_swapped(request_id, caches)
+            return
+        for name, c in caches.items():
+            idx = torch.tensor(m.append_slots(request_id, name, c["num_tokens"]), dtype=torch.long)
+            for layer, (k, v) in enumerate(self.kv_caches):
+                self._flat(k)[idx] = c["k"][layer].to(k.device, k.dtype)
+                self._flat(v)[idx] = c["v"][layer].to(v.device, v.dtype)
+
+    def _import_swapped(self, request_id: str, caches: dict[str, Any]) -> None:
+        """Keep imported dense caches in swapped form (each cache in its own blocks, the last one
+        zero-padded), with whatever else of the request is here, so it swaps in as one."""
+        if self.manager.cache_names(request_id):
+            self.swap_out(request_id, preempted=False)
+        saved = self._swapped.pop(request_id, None)
+        bs, cache = self.manager.block_size, self.kv_caches[0][0]
+        tables = dict(saved.tables) if saved else {}
+        ks = [[t] for t in saved.k] if saved else [[] for _ in self.kv_caches]
+        vs = [[t] for t in saved.v] if saved else [[] for _ in self.kv_caches]
+        start = saved.num_blocks if saved else 0
+        for name, c in caches.items():
+            n = c["num_tokens"]
+            nb = cdiv(n, bs)
+            tables[name] = (list(range(start, start + nb)), n)
+            start += nb
+            for layer in range(len(self.kv_caches)):
+                ks[layer].append(as_blocks(c["k"][layer], nb, bs, cache.dtype))
+                vs[layer].append(as_blocks(c["v"][layer], nb, bs, cache.dtype))
+        empty = torch.zeros((0, *cache.shape[1:]), dtype=cache.dtype)
+        self._swapped[request_id] = SwappedKV(tables, [torch.cat([empty, *k]) for k in ks],
+                                             [torch.cat([empty, *v]) for v in vs])
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.manager.stats(), "swapped_requests": len(self._swapped), "preemptions": self.preemptions,
+                "prefix_query_tokens": self.prefix_query_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
+                "continued_forwards": self.continued_forwards}
