@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -55,18 +56,22 @@ TWO_NODES = [{"name": "a", "ranks": [0]}, {"name": "b", "ranks": [1]}]
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Head node 'a' and node 'b'; afterwards no process of the cluster's session may remain."""
+    """Head node 'a' and node 'b', under a temporary directory of their own; afterwards no process
+    started for the cluster (its command line names that directory) may remain."""
     from ray.cluster_utils import Cluster
 
-    saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ENV)  # the raylets and their workers inherit it (actors import this tree)
+    ray_dir = Path(tempfile.mkdtemp(prefix="mstar-ray-"))  # short: Ray's socket paths live under it
+    env = {**ENV, "RAY_TMPDIR": str(ray_dir)}  # every file Ray writes goes under ray_dir
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the raylets and their workers inherit it (actors import this tree)
     node = {"node_ip_address": "127.0.0.1", "object_store_memory": 128 << 20}
     c = Cluster(initialize_head=True, head_node_args={**node, "num_cpus": 2, "include_dashboard": False,
                                                       "resources": {"mstar_node_a": 1}})
     c.add_node(**node, num_cpus=2, resources={"mstar_node_b": 1})
     c.wait_for_nodes()
     ray.init(address=c.address)
-    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    # the leak check below finds Ray's processes by that directory: it must see them while they run
+    assert [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, str(ray_dir))]
     try:
         yield c
     finally:
@@ -74,11 +79,8 @@ def cluster():
         c.shutdown()
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, session.name)]
-    shutil.rmtree(session, ignore_errors=True)
-    latest = session.parent / "session_latest"
-    if latest.is_symlink() and not latest.exists():
-        latest.unlink()
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, str(ray_dir))]
+    shutil.rmtree(ray_dir, ignore_errors=True)
     assert not left, f"Ray processes left behind: {left}"
 
 

@@ -19,8 +19,10 @@ its end routes on.
 
 from __future__ import annotations
 
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.self_loops import LockstepBound, LoopExits
@@ -37,7 +39,12 @@ from mstar.runtime.wire.messages import (
 )
 from mstar.runtime.work_items import WorkItem, as_values
 
-__all__ = ["DecodeCohort", "Lockstep", "row_outputs"]
+if TYPE_CHECKING:
+    from mstar.runtime.kv.admission import KVAdmission
+    from mstar.runtime.scheduling import ModuleScheduler
+    from mstar.runtime.walk_records import Effects
+
+__all__ = ["DecodeCohort", "Lockstep", "LockstepHost", "row_outputs"]
 
 # messages that touch one partition of a request (their ``partition``) and nothing else
 _WALK_MESSAGES = frozenset({StartWalk, ExecNode, NodeResult, StreamPush, StreamEnd})
@@ -91,12 +98,42 @@ class DecodeCohort:
         return [i for i, f in enumerate(flags) if read_stop(as_values(f))]
 
 
+class LockstepHost(Protocol):
+    """What ``Lockstep`` uses of the worker that owns it (``mstar.runtime.worker.Worker``)."""
+
+    engines: Mapping[str, Any]  # module -> its engine
+    queues: Mapping[str, deque[WorkItem]]  # module -> its queued items
+    admission: KVAdmission
+    scheduler: ModuleScheduler
+    batch_hist: Mapping[str, Counter]  # module -> batch size -> forwards
+    seqs: Iterator[int]  # queue order of items
+    walks_ended: int  # walks made not live so far
+
+    def emit(self, value: Emit | EmitRows) -> None:
+        """Gather a value for clients."""
+
+    def push(self, w: Any, partition: str, node: str, name: str, items: list) -> None:
+        """Stream a walk's items to a node of another partition."""
+
+    def enqueue(self, item: WorkItem) -> None:
+        """Queue an item on its module."""
+
+    def apply_effects(self, w: Any, fx: Effects) -> None:
+        """Carry out what a tracker call returned."""
+
+    def fail_request(self, rid: str, error: str, kind: FailureKind) -> None:
+        """Fail a request alone."""
+
+    def guarded(self, rid: str, fn: Callable[[], None]) -> None:
+        """Run ``fn``; an error in it fails request ``rid`` alone."""
+
+
 class Lockstep:
     """A worker's cohorts (one per module at most) and the steps it runs through them: a part of the
     ``Worker`` (``worker.lockstep``), like its ``KVAdmission``, using the worker's engines, queues
-    and outgoing client values."""
+    and outgoing client values through ``LockstepHost``."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: LockstepHost) -> None:
         self.worker = worker
         self.cohorts: dict[str, DecodeCohort] = {}
 
@@ -151,43 +188,53 @@ class Lockstep:
         if out is None:
             return False
         worker.admission.stalled.clear()
-        items, walks, n = cohort.items, cohort.walks, len(cohort.items)
+        n = len(cohort.items)
         worker.batch_hist[base][n] += 1
         leaving = cohort.leaving(out) if out.keys() >= cohort.needs else list(range(n))
-        seq = worker._seq
         columns = [(name, modality, out[name]) for name, modality in cohort.bound.emits]
         if not leaving and (worker.walks_ended == cohort.ended_seen or self._all_live(cohort)):
-            # the usual step: every row sends its values, goes on
-            rids, names = cohort.request_id_list, cohort.walk_names
-            if rids is None:
-                rids = cohort.request_id_list = [it.request_id for it in items]
-                names = cohort.walk_names = [w.walk for w in walks]
-            node = items[0].node
-            emits = worker._emits  # (nothing in this step sends them: the worker's ``_tell`` replaces the list)
-            for name, modality, col in columns:  # one message per output, for every row
-                emits.append(EmitRows(rids, names, name, modality, node, list(col)))
-            for st in cohort.bound.streams:  # each row's items of a stream to another partition
-                push = worker.push
-                for w, value in zip(walks, out[st.name]):
-                    if sent := list(value):  # (as the tracker routes it; none: nothing this step)
-                        push(w, st.partition, st.node, st.name, sent)
-            if cohort.exits is not None:  # each row's values of the loop's exits
-                for ex, values in zip(cohort.exits, zip(*[out[name] for name in cohort.bound.exits])):
-                    ex.add(values)
-            now = worker.scheduler.now()  # each item requeued (``ModuleScheduler.stamp``): a new seq and time
-            if cohort.flat:  # a top-level loop's iterations: (i,) -> (i + 1,)
-                for item in items:
-                    item.seq, item.iteration, item.queued_at = next(seq), (item.iteration[0] + 1,), now
-            else:
-                for item in items:
-                    it = item.iteration
-                    item.seq, item.iteration, item.queued_at = next(seq), (*it[:-1], it[-1] + 1), now
-            worker.queues[base].extend(items)
-            if len(cohort.rows) != n or cohort.rows[-1] != n - 1:  # rows ascend: this is range(n)
-                cohort.rows = list(range(n))
-            cohort.outputs = out
-            cohort.steps_left -= 1
-            return True
+            self._all_go_on(cohort, out, columns)
+        else:
+            self._some_go_on(cohort, out, columns, leaving)
+        return True
+
+    def _all_go_on(self, cohort: DecodeCohort, out: dict[str, list], columns: list[tuple[str, Any, list]]) -> None:
+        """The usual step: every row sends its values and goes on."""
+        worker, items, walks, n = self.worker, cohort.items, cohort.walks, len(cohort.items)
+        rids, names = cohort.request_id_list, cohort.walk_names
+        if rids is None:
+            rids = cohort.request_id_list = [it.request_id for it in items]
+            names = cohort.walk_names = [w.walk for w in walks]
+        node = items[0].node
+        for name, modality, col in columns:  # one message per output, for every row
+            worker.emit(EmitRows(rids, names, name, modality, node, list(col)))
+        for st in cohort.bound.streams:  # each row's items of a stream to another partition
+            push = worker.push
+            for w, value in zip(walks, out[st.name]):
+                if sent := list(value):  # (as the tracker routes it; none: nothing this step)
+                    push(w, st.partition, st.node, st.name, sent)
+        if cohort.exits is not None:  # each row's values of the loop's exits
+            for ex, values in zip(cohort.exits, zip(*[out[name] for name in cohort.bound.exits])):
+                ex.add(values)
+        seq, now = worker.seqs, worker.scheduler.now()  # each item requeued (``ModuleScheduler.stamp``)
+        if cohort.flat:  # a top-level loop's iterations: (i,) -> (i + 1,)
+            for item in items:
+                item.seq, item.iteration, item.queued_at = next(seq), (item.iteration[0] + 1,), now
+        else:
+            for item in items:
+                it = item.iteration
+                item.seq, item.iteration, item.queued_at = next(seq), (*it[:-1], it[-1] + 1), now
+        worker.queues[cohort.base].extend(items)
+        if len(cohort.rows) != n or cohort.rows[-1] != n - 1:  # rows ascend: this is range(n)
+            cohort.rows = list(range(n))
+        cohort.outputs = out
+        cohort.steps_left -= 1
+
+    def _some_go_on(self, cohort: DecodeCohort, out: dict[str, list], columns: list[tuple[str, Any, list]],
+                    leaving: list[int]) -> None:
+        """Rows ``leaving`` (and those whose walk ended) leave the cohort; the others send their values
+        one by one and go on. The cohort ends when no row is left."""
+        worker, items, walks = self.worker, cohort.items, cohort.walks
         kept_items, kept_walks, kept_seen, kept_rows = [], [], [], []
         exits, kept_exits = cohort.exits, []
         leave = iter(leaving)
@@ -203,9 +250,8 @@ class Lockstep:
                 continue
             rid, node = item.request_id, item.node
             for name, modality, col in columns:
-                value = as_values(col[i])
-                if value:  # (a row that left may have sent the list: ``_tell`` replaces it)
-                    worker._emits.append(Emit(rid, name, value, modality, node, w.walk))
+                if value := as_values(col[i]):
+                    worker.emit(Emit(rid, name, value, modality, node, w.walk))
             for st in cohort.bound.streams:
                 if sent := list(out[st.name][i]):
                     worker.push(w, st.partition, st.node, st.name, sent)
@@ -213,22 +259,21 @@ class Lockstep:
                 exits[i].add([out[name][i] for name in cohort.bound.exits])
                 kept_exits.append(exits[i])
             it = item.iteration
-            item.seq, item.iteration = next(seq), (*it[:-1], it[-1] + 1)
-            worker._enqueue(item)
+            item.seq, item.iteration = next(worker.seqs), (*it[:-1], it[-1] + 1)
+            worker.enqueue(item)
             kept_items.append(item)
             kept_walks.append(w)
             kept_seen.append(cohort.seen[i])
             kept_rows.append(i)
-        if kept_items:
-            cohort.items, cohort.walks, cohort.seen, cohort.rows = kept_items, kept_walks, kept_seen, kept_rows
-            if exits is not None:
-                cohort.exits = kept_exits
-            cohort.request_id_list = cohort.walk_names = None
-            cohort.outputs = out
-            cohort.steps_left -= 1
-        else:
-            del self.cohorts[base]
-        return True
+        if not kept_items:
+            del self.cohorts[cohort.base]
+            return
+        cohort.items, cohort.walks, cohort.seen, cohort.rows = kept_items, kept_walks, kept_seen, kept_rows
+        if exits is not None:
+            cohort.exits = kept_exits
+        cohort.request_id_list = cohort.walk_names = None
+        cohort.outputs = out
+        cohort.steps_left -= 1
 
     def _all_live(self, cohort: DecodeCohort) -> bool:
         """Every row's walk is live (looked at again only after some walk of the worker ended)."""
@@ -252,9 +297,9 @@ class Lockstep:
         worker, item, w = self.worker, cohort.items[i], cohort.walks[i]
         try:
             self._catch_up(cohort, i)
-            worker._apply(w, w.tracker.node_done(item.node, item.iteration, row_outputs(out, i)))
+            worker.apply_effects(w, w.tracker.node_done(item.node, item.iteration, row_outputs(out, i)))
         except Exception as e:  # noqa: BLE001 - one request's error must not stop the worker
-            worker._fail(item.request_id, describe(e), FailureKind.of(e))
+            worker.fail_request(item.request_id, describe(e), FailureKind.of(e))
 
     def before(self, msg: Any) -> None:
         """A message reached the worker: end every cohort if handling it may look at one of their walks
@@ -283,4 +328,4 @@ class Lockstep:
                 continue
             for i, w in enumerate(cohort.walks):
                 if w.live:
-                    self.worker._guarded(cohort.items[i].request_id, lambda c=cohort, i=i: self._catch_up(c, i))
+                    self.worker.guarded(cohort.items[i].request_id, lambda c=cohort, i=i: self._catch_up(c, i))

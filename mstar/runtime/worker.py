@@ -2,7 +2,7 @@
 
 Main loop (``step``): pick the node queue whose oldest item waited longest -> run one batched
 forward -> hand each result to its walk's tracker (here, or on the walk's home rank). Trackers
-return ``Effects``; ``_apply`` is the one place where their consequences leave the worker
+return ``Effects``; ``apply_effects`` is the one place where their consequences leave the worker
 (emits and walk ends to the conductor, stream pushes to consumer partitions, ready nodes to
 queues or to other ranks).
 
@@ -45,6 +45,7 @@ from mstar.runtime.walk_tracker import WalkTracker
 from mstar.runtime.wire.messages import (
     CONDUCTOR,
     Emit,
+    EmitRows,
     Emits,
     ExecNode,
     FreeKV,
@@ -103,13 +104,13 @@ class Worker:
         self._partition_walks: dict[PartitionKey, dict[WalkKey, _Walk]] = {}  # self.walks by request and partition
         self.walks_ended = 0  # walks made not live so far (a lockstep cohort rechecks its rows when it moves)
         self.streams: dict[PartitionKey, StreamBuffer] = {}
-        self._seq = itertools.count()
+        self.seqs = itertools.count()
         self.running = True
         self.batch_hist: dict[str, Counter] = {b: Counter() for b in self.engines}
         # requests already freed here: a message for one (sent before its sender learned of the end)
         # is dropped, so it cannot allocate KV blocks or buffers that nobody would free
         self._freed: OrderedDict[str, None] = OrderedDict()
-        self.admission = KVAdmission(self.engines, self.queues, self._fail)  # KV pressure (kv_admission.py)
+        self.admission = KVAdmission(self.engines, self.queues, self.fail_request)  # KV pressure (kv_admission.py)
         self._handlers = {StartWalk: self._start_walk, ExecNode: self._exec_node, NodeResult: self._node_result,
                           StreamPush: self._stream_push, StreamEnd: self._stream_end, FreeRequest: self._free_request,
                           MigrateKV: self._migrate_kv, FreeKV: self._free_kv, KVImport: self._import_kv,
@@ -131,6 +132,10 @@ class Worker:
         """Send ``msg`` to the conductor after the values for clients gathered so far."""
         self._flush_emits()
         self.transport.send(CONDUCTOR, msg)
+
+    def emit(self, value: Emit | EmitRows) -> None:
+        """Gather a value for clients: sent, with the others of this step, before the next message."""
+        self._emits.append(value)
 
     def _flush_emits(self) -> None:
         if self._emits:
@@ -171,17 +176,17 @@ class Worker:
             tracker = WalkTracker(self.routing.graph.plan(msg.walk), msg.inputs, buf)
             w = self.walks[key] = _Walk(key, tracker, msg.walk, msg.params, decode_counts(msg.stream_offsets))
             self._partition_walks.setdefault(pkey, {})[key] = w
-            self._apply(w, tracker.start())
+            self.apply_effects(w, tracker.start())
 
-        self._guarded(msg.request_id, start)
+        self.guarded(msg.request_id, start)
 
     def _exec_node(self, msg: ExecNode) -> None:
-        self._enqueue(WorkItem(next(self._seq), msg.request_id, msg.partition, msg.walk, msg.walk_seq, msg.node,
+        self.enqueue(WorkItem(next(self.seqs), msg.request_id, msg.partition, msg.walk, msg.walk_seq, msg.node,
                                tuple(msg.iteration), msg.inputs, msg.chunks, msg.params, msg.home))
 
     def _node_result(self, msg: NodeResult) -> None:
         if msg.walk_key in self.walks:
-            self._guarded(msg.request_id, lambda: self._node_done(msg.walk_key, msg.node, tuple(msg.iteration),
+            self.guarded(msg.request_id, lambda: self._node_done(msg.walk_key, msg.node, tuple(msg.iteration),
                                                                   msg.outputs))
 
     def _stream_push(self, msg: StreamPush) -> None:
@@ -220,11 +225,11 @@ class Worker:
     def _import_kv(self, msg: KVImport) -> None:
         eng = self.engines.get(msg.module)
         if isinstance(eng, TPLeaderKVEngine):
-            self._guarded(msg.request_id, lambda: eng.import_shard(msg.request_id, msg.caches, msg.token))
+            self.guarded(msg.request_id, lambda: eng.import_shard(msg.request_id, msg.caches, msg.token))
         elif eng is not None:
-            self._guarded(msg.request_id, lambda: eng.import_request(msg.request_id, msg.caches))
+            self.guarded(msg.request_id, lambda: eng.import_request(msg.request_id, msg.caches))
         elif msg.caches:
-            self._fail(msg.request_id, f"rank {self.rank} received KV of {msg.module!r}, which it does not hold",
+            self.fail_request(msg.request_id, f"rank {self.rank} received KV of {msg.module!r}, which it does not hold",
                        FailureKind.INTERNAL)
         self._tell(KVMoved(msg.request_id, msg.token))
 
@@ -254,7 +259,7 @@ class Worker:
         self.running = False
 
     # -- walks ---------------------------------------------------------------------------------
-    def _apply(self, w: _Walk, fx: Effects) -> None:
+    def apply_effects(self, w: _Walk, fx: Effects) -> None:
         """Carry out what a tracker call caused: the one place a walk's values leave the tracker."""
         rid = w.key.request_id
         for e in fx.emits:
@@ -285,13 +290,13 @@ class Worker:
             chunks = {k: _chunk_info(c) for k, c in r.stream_chunks.items()} if r.stream_chunks else {}
             target = self.routing.rank_of(r.node, w.walk)
             if target == rank:
-                self._enqueue(WorkItem(next(self._seq), rid, partition, w.walk, walk_seq, r.node, r.iteration,
+                self.enqueue(WorkItem(next(self.seqs), rid, partition, w.walk, walk_seq, r.node, r.iteration,
                                        r.inputs, chunks, w.params, rank, walk_ref=w))
             else:
                 self.transport.send(target, ExecNode(rid, partition, w.walk, walk_seq, r.node, r.iteration,
                                                      r.inputs, chunks, w.params, self.rank))
 
-    def _enqueue(self, item: WorkItem) -> None:
+    def enqueue(self, item: WorkItem) -> None:
         q = self._queue_of.get(item.node)
         if q is None:
             raise RuntimeError(f"worker {self.rank} got node {item.node!r}, which is not placed on it")
@@ -301,7 +306,7 @@ class Worker:
     def _node_done(self, key: WalkKey, node: str, vec: tuple, outputs: dict) -> None:
         w = self.walks.get(key)
         if w is not None:
-            self._apply(w, w.tracker.node_done(node, vec, outputs))
+            self.apply_effects(w, w.tracker.node_done(node, vec, outputs))
 
     def _drop_walk(self, key: WalkKey) -> _Walk | None:
         """Forget a walk (None: not known); ``self.walks`` and its index by partition together."""
@@ -332,7 +337,7 @@ class Worker:
         buf = self.streams[pkey]
         for w in list(self._partition_walks.get(pkey, {}).values()):  # not a scan of every walk: one a push
             if w.tracker.waiting_on_stream:
-                self._guarded(pkey.request_id, lambda ww=w: self._apply(ww, ww.tracker.stream_ready()))
+                self.guarded(pkey.request_id, lambda ww=w: self.apply_effects(ww, ww.tracker.stream_ready()))
         if buf.walk_running or buf.notified:
             return
         ended = buf.all_ended(self.routing.producers[pkey.partition])
@@ -383,7 +388,7 @@ class Worker:
                 continue
             if isinstance(out, ItemError):
                 log.debug("request %s failed: %s", item.request_id, "".join(traceback.format_exception(out)))
-                self._fail(item.request_id, str(out), out.kind)
+                self.fail_request(item.request_id, str(out), out.kind)
             elif item.home == rank:
                 w = item.walk_ref or walks.get(WalkKey(item.request_id, item.partition, item.walk_seq))
                 if w is None or not w.live:
@@ -391,7 +396,7 @@ class Worker:
                 try:
                     c = w.tracker.continue_self_loop(item.node, item.iteration, out)
                     if c is None:
-                        self._apply(w, w.tracker.node_done(item.node, item.iteration, out))
+                        self.apply_effects(w, w.tracker.node_done(item.node, item.iteration, out))
                         continue
                     # the usual decode step: its client values, and the same item as the next iteration
                     rid = item.request_id
@@ -403,14 +408,14 @@ class Worker:
                         items = list(out[st.name])  # as the tracker routes a stream's values
                         if items:
                             self.push(w, st.partition, st.node, st.name, items)
-                    item.seq, item.iteration, item.inputs = next(self._seq), c.iteration, c.inputs
+                    item.seq, item.iteration, item.inputs = next(self.seqs), c.iteration, c.inputs
                     if item.chunks:
                         item.chunks = {}
-                    self._enqueue(item)
+                    self.enqueue(item)
                     continued.append(item)
                     continued_walks.append(w)
                 except Exception as e:  # noqa: BLE001 - one request's error must not stop the worker
-                    self._fail(item.request_id, describe(e), FailureKind.of(e))
+                    self.fail_request(item.request_id, describe(e), FailureKind.of(e))
             else:
                 self.transport.send(item.home, NodeResult(item.request_id, item.partition, item.walk_seq,
                                                           item.node, item.iteration, out))
@@ -419,14 +424,14 @@ class Worker:
         return True
 
     # -- failures and cleanup --------------------------------------------------------------------
-    def _guarded(self, rid: str, fn) -> None:
+    def guarded(self, rid: str, fn) -> None:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - one request's error must not stop the worker
             log.debug("request %s failed", rid, exc_info=True)
-            self._fail(rid, describe(e), FailureKind.of(e))
+            self.fail_request(rid, describe(e), FailureKind.of(e))
 
-    def _fail(self, rid: str, error: str, kind: FailureKind) -> None:
+    def fail_request(self, rid: str, error: str, kind: FailureKind) -> None:
         self._free(rid)
         self._tell(RequestFailed(rid, error, kind))
 
