@@ -27,10 +27,10 @@ $(STAMP): pyproject.toml
 	@! $(PY) -m pip list 2>/dev/null | grep -qiE '^(torchvision|torchaudio|torchcodec) ' || \
 		{ echo "error: torchvision/torchaudio/torchcodec must not be installed"; exit 1; }
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true
-	# the compiled CPU kernels (linears, norm, rotary, paged attention) into ~/.cache/mstar/kernels
-	# (~40 s, once per machine); a failed build never fails the install: models then use the
-	# PyTorch paths
-	$(PY) -c "import mstar.layers.cpu_ops as k; k.build()" || true
+	# every compiled CPU extension (the core kernels: linears, norms, rotary, paged attention; and
+	# each model family's, e.g. Qwen3-Omni's) into ~/.cache/mstar/kernels, once per machine; a
+	# failed build never fails the install: models then use the PyTorch paths
+	$(PY) -m mstar.models.kernels || true
 	touch $(STAMP)
 
 # The Ray tests (marker `ray`) need a loopback-only network namespace: Ray probes outside hosts to
@@ -70,10 +70,14 @@ $(PEERS)/.installed:
 	$(PEERS_PY) -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 
-# Runs every benchmark suite and rewrites the generated sections of BENCHMARKS.md (many minutes;
-# not part of `make test`). It builds the peer virtualenv first, so the llm suite includes vLLM.
+# Runs every benchmark suite and rewrites the generated sections of BENCHMARKS.md (every suite at its
+# default sizes and repeats, so long; not part of `make test`), the figures also as JSON under
+# build/bench. It builds the peer virtualenv first, so the llm and tts suites include vLLM. A subset:
+# `make bench SUITES=llm,runtime`; fewer repeats of every suite: `make bench REPEATS=1`.
+SUITES  ?=
+REPEATS ?=
 bench: install bench-peers
-	$(PY) -m mstar.bench.report
+	$(PY) -m mstar.bench.report $(if $(SUITES),--suites $(SUITES)) $(if $(REPEATS),--repeats $(REPEATS))
 
 # The pi0.5 parity reference (lerobot's PI05Pytorch) in its own virtualenv, never in .venv: lerobot
 # 0.6.1 declares Python>=3.12 and needs transformers<5.6, but its pi0.5 model files run on 3.11

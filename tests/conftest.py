@@ -12,17 +12,20 @@ def threads(request):
     claims of the tests that take this fixture hold at each count (and across them). With more than
     one thread the compiled kernels spread every call of several tasks, however small (their
     ``set_inline_work(0)``; serving runs small calls inline), so the claims cover that path too."""
-    from mstar.layers.cpu_ops import ops
+    from mstar.layers import cpu_ops
+    from mstar.models.qwen3_omni import kernels as omni_kernels
 
-    kernels = ops()
-    before, work = torch.get_num_threads(), kernels.inline_work() if kernels is not None else None
+    # each extension is its own shared library with its own threshold
+    extensions = [m for m in (cpu_ops.ops(), omni_kernels.ops()) if m is not None]
+    before, works = torch.get_num_threads(), [m.inline_work() for m in extensions]
     torch.set_num_threads(request.param)
-    if kernels is not None and request.param > 1:
-        kernels.set_inline_work(0)
+    if request.param > 1:
+        for m in extensions:
+            m.set_inline_work(0)
     yield request.param
     torch.set_num_threads(before)
-    if kernels is not None:
-        kernels.set_inline_work(work)
+    for m, work in zip(extensions, works):
+        m.set_inline_work(work)
 
 
 @pytest.fixture(scope="module")
@@ -33,5 +36,5 @@ def ext():
 
     module = ops()
     if module is None:
-        pytest.skip("the compiled CPU kernels are unavailable here (MSTAR_ATTENTION_KERNEL=torch, or no compiler)")
+        pytest.skip("the compiled CPU kernels are unavailable here (MSTAR_KERNELS=torch, or no compiler)")
     return module

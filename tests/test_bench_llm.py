@@ -1,4 +1,4 @@
-"""``mstar bench compare llm`` and ``make bench``'s report, on a tiny Llama (HF and mstar only; no peer runs)."""
+"""``mstar bench compare llm`` on a tiny Llama (HF and mstar only; no peer runs)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 
 from mstar.bench import llm_bench as lb
 from mstar.bench import llm_systems as ls
-from mstar.bench import report
 from mstar.bench.llm_systems import StepOverhead
 
 pytest.importorskip("transformers")
@@ -132,27 +131,6 @@ def test_suite_needs_mstar_and_known_names(cache):
         lb.run_llm_bench(cache_dir=cache, shape=TINY, systems=["hf"])
     with pytest.raises(ValueError, match="unknown"):
         lb.run_llm_bench(cache_dir=cache, shape=TINY, systems=["mstar", "sglang"])
-
-
-def test_report_replaces_only_its_block():
-    out = report.SuiteOutput("mstar bench compare llm", "| a |\n|---|")
-    block = report.render_block("llm", out, date="2026-01-01", machine="2 cores")
-    assert block.startswith(report.BEGIN.format(name="llm")) and block.endswith(report.END.format(name="llm"))
-    assert "on 2026-01-01; machine: 2 cores" in block and "```\nmstar bench compare llm\n```" in block
-    text = f"# Benchmarks\n\nhand-written\n\n{report.BEGIN.format(name='llm')}\nold\n{report.END.format(name='llm')}\n\ntail\n"
-    new = report.replace_block(text, "llm", block)
-    assert "old" not in new and block in new and new.startswith("# Benchmarks\n\nhand-written") and new.endswith("tail\n")
-    appended = report.replace_block("# Benchmarks\n", "runtime", report.render_block("runtime", out), "Runtime")
-    assert "## Runtime (latest `make bench` run)" in appended and appended.endswith(report.END.format(name="runtime") + "\n")
-    with pytest.raises(ValueError, match="markers"):
-        report.replace_block(text + report.BEGIN.format(name="llm"), "llm", block)
-
-
-def test_report_cli_rejects_unknown_suites(tmp_path, capsys):
-    (tmp_path / "B.md").write_text("# B\n")
-    with pytest.raises(SystemExit):
-        report.main(["--suites", "nope", "--file", str(tmp_path / "B.md")])
-    assert "unknown suites" in capsys.readouterr().err
 
 
 _FAKE_PEER = '''

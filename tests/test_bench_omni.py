@@ -18,8 +18,8 @@ pytest.importorskip("transformers")
 def result():
     import os
 
-    old = os.environ.get("MSTAR_ATTENTION_KERNEL")
-    os.environ["MSTAR_ATTENTION_KERNEL"] = "torch"  # the compiled kernel's first build would dominate
+    old = os.environ.get("MSTAR_KERNELS")
+    os.environ["MSTAR_KERNELS"] = "torch"  # the compiled kernel's first build would dominate
     try:
         torch.manual_seed(0)
         messages: list[str] = []
@@ -29,9 +29,9 @@ def result():
         yield res
     finally:
         if old is None:
-            os.environ.pop("MSTAR_ATTENTION_KERNEL", None)
+            os.environ.pop("MSTAR_KERNELS", None)
         else:
-            os.environ["MSTAR_ATTENTION_KERNEL"] = old
+            os.environ["MSTAR_KERNELS"] = old
 
 
 def test_greedy_runs_give_the_same_codes_and_audio_length(result):
@@ -45,11 +45,12 @@ def test_greedy_runs_give_the_same_codes_and_audio_length(result):
 
 
 def test_levels_are_timed_in_turn_each_run_after_its_own_warm_up(result):
-    # each repeat runs every level in turn (host drift reaches all); every timed run follows an untimed
-    # one of the same system and level (not the state another system's run left)
+    # each repeat runs every (level, system) pair (host drift reaches all; the first repeat in the
+    # harness's unrotated order); every timed run follows an untimed one of the same system and level
+    # (not the state another system's run left)
     runs = [m.split(":")[0] for m in result.messages if m.startswith("concurrency")]
-    assert runs == [f"concurrency {c} repeat 1/1 {s}{tail}" for c in (1, 2) for s in omni_bench.SYSTEMS
-                    for tail in (" warm-up", "")]
+    assert runs == [f"concurrency {c} {tail}" for c in (1, 2) for s in omni_bench.SYSTEMS
+                    for tail in (f"{s} warm-up", f"repeat 1/1 {s}")]
 
 
 def test_summaries_are_consistent(result):
@@ -130,7 +131,7 @@ def test_cli_parses_the_omni_suite():
 def test_sampled_talker_has_no_parity_line(monkeypatch):
     """``--sample``: the reference's talker sampling on every system; lengths still match (EOS
     suppressed), codes are not compared."""
-    monkeypatch.setenv("MSTAR_ATTENTION_KERNEL", "torch")
+    monkeypatch.setenv("MSTAR_KERNELS", "torch")
     res = omni_bench.run_omni_bench([1], text_tokens=3, talker_steps=4, repeats=1, sample=True,
                                     config=dict(TINY_HF_CONFIG), profile=False, prefix_caching=False)
     (r,) = res.results

@@ -71,3 +71,14 @@ def test_only_api_and_drivers_import_drivers():
                                                            or m == "mstar.runtime.api")
            and _within(m, "mstar.runtime")]
     assert not bad, "\n".join(sorted(bad))
+
+
+def test_no_function_over_80_lines():
+    """Long functions hide their steps: each is split into named ones."""
+    long = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if (n := node.end_lineno - node.lineno + 1) > 80:
+                    long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, "\n".join(long)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import sys
 
@@ -458,16 +457,18 @@ def test_torch_backend_matches_function():
     assert torch.equal(a, b)
 
 
-def test_flashinfer_is_lazy_and_clear_when_missing():
-    if importlib.util.find_spec("flashinfer") is not None:
-        pytest.skip("flashinfer installed")
-    assert "flashinfer" not in sys.modules  # importing mstar.layers.paged_attention did not import it
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        with pytest.raises(BackendUnavailableError, match="flashinfer"):
-            get_backend("flashinfer")
-        assert "flashinfer" not in available_backends()
+def test_a_backend_needing_a_missing_package_is_lazy_and_clear(monkeypatch):
+    """A registered backend whose package is not installed: listed as unavailable, a clear error when
+    asked for, and its module never imported."""
+    from mstar.layers import attention_backends
+
+    monkeypatch.setattr(attention_backends, "_REGISTRY", dict(attention_backends._REGISTRY))
+    assert sorted(attention_backends._REGISTRY) == ["compiled", "torch"]  # the backends that exist
+    register_backend("needs_pkg", "mstar.layers._no_such_backend_module:Ghost", ("_mstar_no_such_package",))
+    assert "needs_pkg" not in available_backends()
+    with pytest.raises(BackendUnavailableError, match="_mstar_no_such_package"):
+        get_backend("needs_pkg")
+    assert "mstar.layers._no_such_backend_module" not in sys.modules
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_backend("nope")
 

@@ -30,7 +30,7 @@ PROMPT = torch.tensor([151644, 8948, 198, 100, 101, 151645, 198, 151644, 872, 19
 
 @pytest.fixture(autouse=True)
 def _torch_attention(monkeypatch):
-    monkeypatch.setenv("MSTAR_ATTENTION_KERNEL", "torch")  # the compiled kernel has its own tests
+    monkeypatch.setenv("MSTAR_KERNELS", "torch")  # the compiled kernels have their own tests
 
 
 @pytest.fixture(scope="module")
@@ -180,10 +180,11 @@ def test_moe_experts_kernel_matches_the_per_expert_loop(dtype, monkeypatch):
     of 1 to 3 and sizes that are not multiples of a panel; a token's bits do not depend on its batch;
     bad expert ids are a clear error."""
     from mstar.layers.cpu_ops import ops
+    from mstar.models.qwen3_omni import kernels
     from mstar.models.qwen3_omni.moe import Experts, route
 
-    monkeypatch.delenv("MSTAR_ATTENTION_KERNEL")
-    if ops() is None:
+    monkeypatch.delenv("MSTAR_KERNELS")
+    if ops() is None or kernels.ops() is None:
         pytest.skip("the compiled CPU kernels are not available here")
     torch.manual_seed(0)
     for hidden, inter, n_experts, k in ((64, 32, 8, 2), (96, 48, 5, 3), (130, 70, 4, 1)):
@@ -204,38 +205,6 @@ def test_moe_experts_kernel_matches_the_per_expert_loop(dtype, monkeypatch):
             assert torch.equal(experts(x[-1:], weights[-1:], ids[-1:]), fused[-1:])
         with pytest.raises(RuntimeError, match="expert id out of range"):
             experts(x[:1], weights[:1], torch.full_like(ids[:1], n_experts))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_route_kernel_matches_the_reference_operators(dtype, monkeypatch):
-    """The compiled router (``moe_route``: softmax, top-k and renormalisation in one pass) picks the
-    experts of PyTorch's steps (bfloat16 logits tie often: there, experts of the same probability) with
-    weights a few ulp apart, for 4 to 128 experts and k of 1 to 8, normalised or not; a token's result
-    does not depend on its batch; a bad k is a clear error."""
-    from mstar.layers.cpu_ops import ops
-    from mstar.models.qwen3_omni.moe import route, route_reference
-
-    monkeypatch.delenv("MSTAR_ATTENTION_KERNEL")
-    kernel = ops()
-    if kernel is None:
-        pytest.skip("the compiled CPU kernels are not available here")
-    torch.manual_seed(0)
-    for tokens, n_experts, k, normalize in ((1, 8, 2, True), (70, 8, 2, True), (200, 128, 8, True),
-                                            (33, 60, 4, False), (5, 4, 1, True)):
-        logits = (torch.randn(tokens, n_experts) * 3).to(dtype)
-        w, ids = route(logits, k, normalize)
-        ref_w, ref_ids = route_reference(logits, k, normalize)
-        assert w.dtype == dtype and ids.dtype == torch.long and w.shape == ids.shape == (tokens, k)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        assert torch.equal(probs.gather(1, ids), probs.gather(1, ref_ids))  # the same probabilities chosen
-        if dtype == torch.float32:
-            assert torch.equal(ids, ref_ids)
-        torch.testing.assert_close(w, ref_w, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=0)
-        for row in (0, tokens - 1):
-            alone = route(logits[row:row + 1], k, normalize)
-            assert torch.equal(alone[0], w[row:row + 1]) and torch.equal(alone[1], ids[row:row + 1])
-    with pytest.raises(RuntimeError, match="k must be"):
-        kernel.moe_route(torch.randn(2, 4), 5, True)
 
 
 # -- decoders against transformers -------------------------------------------------------------------
@@ -348,7 +317,7 @@ def test_code_predictor_node_batches_match_each_request_alone(omni, monkeypatch,
     from mstar.models.qwen3_omni.codec_nodes import CodePredictorNode
 
     if kernel:
-        monkeypatch.delenv("MSTAR_ATTENTION_KERNEL")
+        monkeypatch.delenv("MSTAR_KERNELS")
         if ops() is None:
             pytest.skip("the compiled CPU kernels are not available here")
     _, path, cfg = omni
@@ -380,7 +349,7 @@ def test_code_predictor_node_batches_match_each_request_alone(omni, monkeypatch,
     together = run([[0, 1, 2, 3]] * 15)
     staggered = run([[0, 1]] + [[0, 1, 2, 3]] * 14 + [[2, 3]])
     if kernel:  # the compiled decode steps agree with the PyTorch path
-        monkeypatch.setenv("MSTAR_ATTENTION_KERNEL", "torch")
+        monkeypatch.setenv("MSTAR_KERNELS", "torch")
         node = CodePredictorNode(loader.build_code_predictor(cfg, path))
         plain = run([[0, 1, 2, 3]] * 15)
         assert plain[0] == alone[0]

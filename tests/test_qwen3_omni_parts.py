@@ -128,7 +128,7 @@ def test_code2wav_fast_modules_equal_transformers_modules(hf, monkeypatch, kerne
     import mstar.models.qwen3_omni.code2wav as c2w
 
     if not kernel:
-        monkeypatch.setattr(c2w.cpu_ops, "ops", lambda: None)
+        monkeypatch.setattr(c2w.kernels, "ops", lambda: None)
     torch.manual_seed(5)
     ref = Qwen3OmniMoeCode2Wav(hf.config.code2wav_config).eval()
     with torch.no_grad():
@@ -266,7 +266,7 @@ def test_code2wav_next_chunks_decode_together_bit_for_bit(hf, monkeypatch, decod
     import mstar.models.qwen3_omni.code2wav as c2w
     from mstar.models.qwen3_omni.code2wav import NextChunk
 
-    real = c2w.cpu_ops.ops()
+    real = c2w.kernels.ops()
     batches: list[int] = []
     units: list[int] = []
 
@@ -283,7 +283,9 @@ def test_code2wav_next_chunks_decode_together_bit_for_bit(hf, monkeypatch, decod
             units.append(x.shape[1])
             return real.residual_unit(x, *args)
 
-    monkeypatch.setattr(c2w.cpu_ops, "ops", (lambda: Recording()) if kernel else (lambda: None))
+    monkeypatch.setattr(c2w.kernels, "ops", (lambda: Recording()) if kernel else (lambda: None))
+    if not kernel:
+        monkeypatch.setattr(c2w.cpu_ops, "ops", lambda: None)
     config = dict(hf.config.code2wav_config.to_dict(), decoder_dim=decoder_dim)
     module = _audible_code2wav(config, seed=decoder_dim)
     codes = [_codes(14, seed=40 + i)[0] for i in range(4)]
@@ -329,22 +331,16 @@ def test_code2wav_residual_units_in_one_pass_have_the_three_kernel_bits(hf, monk
     tails of the three-kernel form, for first chunks and continuing ones, alone and batched."""
     import mstar.models.qwen3_omni.code2wav as c2w
     from mstar.models.qwen3_omni.code2wav import NextChunk
+    from mstar.models.qwen3_omni.code2wav_batch import BatchVocoder
 
-    real = c2w.cpu_ops.ops()
-    if real is None:
+    if c2w.cpu_ops.ops() is None or c2w.kernels.ops() is None:
         pytest.skip("the compiled CPU kernels are unavailable here")
-
-    class WithoutUnit:
-        def __getattr__(self, name):
-            if name == "residual_unit":
-                raise AttributeError(name)
-            return getattr(real, name)
 
     module = _audible_code2wav(dict(hf.config.code2wav_config.to_dict(), decoder_dim=128), seed=5)
     codes = [_codes(12, seed=60 + i)[0] for i in range(3)]
     results = {}
-    for name, kernels in (("fused", real), ("three", WithoutUnit())):
-        monkeypatch.setattr(c2w.cpu_ops, "ops", lambda k=kernels: k)
+    for name, fuse in (("fused", True), ("three", False)):
+        monkeypatch.setattr(BatchVocoder, "fuse_units", fuse)
         firsts = module.decode_next_many([NextChunk(c[:, :5], 0, None) for c in codes])
         later = module.decode_next_many([NextChunk(c[:, :12], 5, state) for c, (_, state) in zip(codes, firsts)])
         results[name] = firsts + later
@@ -518,7 +514,7 @@ def _generate(placement):
                {"input_ids": torch.tensor([IS, USER, NL, 77, 78, IE, NL, IS, ASSISTANT, NL])}]
     params = {"max_tokens": 5, "audio": True, "voice": "ethan", "talker_sampling": {"temperature": 0, "max_tokens": 30}}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MSTAR_ATTENTION_KERNEL", "torch")
+        mp.setenv("MSTAR_KERNELS", "torch")
         with Runtime(Qwen3OmniTiny(), placement) as rt:
             outs = rt.generate(prompts, params)
     return [(torch.cat(o.tensors("text")), torch.cat(o.tensors("audio"))) for o in outs]

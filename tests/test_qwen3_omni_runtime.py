@@ -36,7 +36,7 @@ GREEDY_TALKER = {"temperature": 0.0}
 def _torch_attention(monkeypatch):
     # the PyTorch paged-attention path: the compiled kernel is tested on its own, and loading it
     # would dominate these tests' time
-    monkeypatch.setenv("MSTAR_ATTENTION_KERNEL", "torch")
+    monkeypatch.setenv("MSTAR_KERNELS", "torch")
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +52,16 @@ def omni(tmp_path_factory):
 def runtime(omni):
     import os
 
-    old = os.environ.get("MSTAR_ATTENTION_KERNEL")
-    os.environ["MSTAR_ATTENTION_KERNEL"] = "torch"
+    old = os.environ.get("MSTAR_KERNELS")
+    os.environ["MSTAR_KERNELS"] = "torch"
     try:
         with Runtime(Qwen3Omni(omni[1])) as rt:
             yield rt
     finally:
         if old is None:
-            os.environ.pop("MSTAR_ATTENTION_KERNEL", None)
+            os.environ.pop("MSTAR_KERNELS", None)
         else:
-            os.environ["MSTAR_ATTENTION_KERNEL"] = old
+            os.environ["MSTAR_KERNELS"] = old
 
 
 def hf_generate(model, ids, text_tokens, talker_steps, **talker):

@@ -165,7 +165,7 @@ def server():
     from tests.server_utils import running_server
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MSTAR_ATTENTION_KERNEL", "torch")  # no C++ kernel build in a fresh process
+        mp.setenv("MSTAR_KERNELS", "torch")  # no C++ kernel build in a fresh process
         with running_server(Qwen3OmniTiny(), MODEL) as (url, engine):
             yield url, engine
 

@@ -47,9 +47,9 @@ if not _loopback_only():
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-# MSTAR_ATTENTION_KERNEL: every process of the test (this one and each actor) on the PyTorch attention
-# path, so no actor pays the compiled kernel's first load (tests/test_paged_decode_kernel.py covers it)
-ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "MSTAR_ATTENTION_KERNEL": "torch",
+# MSTAR_KERNELS: every process of the test (this one and each actor) on the PyTorch paths, so no
+# actor pays the compiled kernels' first load (tests/test_cpu_ops.py and test_paged_decode_kernel.py cover them)
+ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "MSTAR_KERNELS": "torch",
        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 TWO_NODES = [{"name": "a", "ranks": [0]}, {"name": "b", "ranks": [1]}]
 

@@ -35,7 +35,7 @@ REQUESTS = [  # editing (main + text-free + image-free guidance contexts), then 
 @pytest.fixture(scope="module")
 def outputs():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MSTAR_ATTENTION_KERNEL", "torch")  # the shards are under test, not the compiled kernel
+        mp.setenv("MSTAR_KERNELS", "torch")  # the shards are under test, not the compiled kernel
         with Runtime(BagelTiny()) as rt:
             one = [rt.generate([inputs], params)[0] for inputs, params in REQUESTS]
         with Runtime(BagelTiny(), Placement.from_dict(TP2), workers="process") as rt:

@@ -51,10 +51,10 @@ def _blocks_used_per_rank(rt) -> list[int]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _torch_attention():
-    """The PyTorch attention path in every worker: these tests are about the shards, and the
+    """The PyTorch paths in every worker: these tests are about the shards, and the
     compiled kernel's first build in a fresh cache would dominate their time."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MSTAR_ATTENTION_KERNEL", "torch")
+        mp.setenv("MSTAR_KERNELS", "torch")
         yield
 
 

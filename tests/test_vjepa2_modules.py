@@ -255,7 +255,7 @@ def test_qkv_rows_are_the_rotated_projection_bit_for_bit(monkeypatch, kernel):
     from mstar.models.vjepa2.rope import rope_tables
 
     if kernel == "torch":
-        monkeypatch.setenv("MSTAR_ATTENTION_KERNEL", "torch")
+        monkeypatch.setenv("MSTAR_KERNELS", "torch")
     elif ops() is None:
         pytest.skip("the compiled kernels are not built here")
     torch.manual_seed(3)

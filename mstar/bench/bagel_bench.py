@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mstar.bench import harness
 from mstar.bench.bagel_oracle import Context, DenseBagel, add_text, generate_image
 from mstar.bench.stats import spread, spread_cell
 from mstar.models.bagel.flow import flow_settings
@@ -93,22 +94,21 @@ def run_t2i_compare(batches=(1, 4), repeats: int = 3, size: int = 64, steps: int
     oracle = _oracle(model)
     rows = []
     with Runtime(model) as rt, torch.inference_mode():
-        _ours_images(rt, model, PROMPTS[:1], [0], size, 4)  # warm-up
-        _oracle_images(model, oracle, PROMPTS[:1], [0], size, 4)
-        for b in batches:
+        warm = {"ours": lambda: _ours_images(rt, model, PROMPTS[:1], [0], size, 4),
+                "oracle": lambda: _oracle_images(model, oracle, PROMPTS[:1], [0], size, 4)}
+        for k, b in enumerate(batches):
             prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
             seeds = list(range(b))
-            ours, orc, diff = [], [], 0.0
-            for r in range(repeats):
-                t0 = time.perf_counter()
-                got = _ours_images(rt, model, prompts, seeds, size, steps)
-                ours.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                ref = _oracle_images(model, oracle, prompts, seeds, size, steps)
-                orc.append(time.perf_counter() - t0)
-                diff = max(diff, max(float((a - c).abs().max()) for a, c in zip(got, ref)))
-                progress(f"  t2i B={b} repeat {r + 1}/{repeats}: ours {ours[-1]:.3f} s, oracle {orc[-1]:.3f} s")
-            rows.append(T2IRow(b, ours, orc, diff))
+            fns = {"ours": lambda p=prompts, s=seeds: _ours_images(rt, model, p, s, size, steps),
+                   "oracle": lambda p=prompts, s=seeds: _oracle_images(model, oracle, p, s, size, steps)}
+            # one short warm-up of each before the first batch size; the order rotates per repeat
+            per = harness.rotate(list(fns), lambda sys_, _r, fns=fns: harness.timed(fns[sys_]), repeats,
+                                 warmup=lambda sys_: warm[sys_](), warm=k == 0,
+                                 log=lambda msg, b=b: progress(f"  t2i B={b} {msg}"),
+                                 label=lambda t: f"{t[0]:.3f} s")
+            diff = max(float((a - c).abs().max()) for (_, got), (_, ref) in zip(per["ours"], per["oracle"])
+                       for a, c in zip(got, ref))
+            rows.append(T2IRow(b, [t for t, _ in per["ours"]], [t for t, _ in per["oracle"]], diff))
     return rows
 
 
@@ -145,15 +145,11 @@ def run_i2t(batches=(1, 2, 4, 8, 16), repeats: int = 3, max_tokens: int = 32,
                 r.join()
             return [(f - t0) * 1e3 for f in firsts], sum(counts) / (time.perf_counter() - t0)
 
-        run(1)  # warm-up
-        for b in batches:
-            ttfts, rates = [], []
-            for r in range(repeats):
-                ttft, rate = run(b)
-                ttfts.append(statistics.median(ttft))
-                rates.append(rate)
-                progress(f"  i2t B={b} repeat {r + 1}/{repeats}: TTFT {ttfts[-1]:.1f} ms, {rate:.0f} tok/s")
-            rows.append(I2TRow(b, ttfts, rates))
+        for i, b in enumerate(batches):  # one system: the harness repeats it, one warm-up before the first size
+            per = harness.rotate(["mstar"], lambda _s, _r, b=b: run(b), repeats, warmup=lambda _s: run(1), warm=i == 0,
+                                 log=lambda msg, b=b: progress(f"  i2t B={b} {msg}"),
+                                 label=lambda t: f"TTFT {statistics.median(t[0]):.1f} ms, {t[1]:.0f} tok/s")["mstar"]
+            rows.append(I2TRow(b, [statistics.median(t) for t, _ in per], [rate for _, rate in per]))
     return rows
 
 

@@ -16,7 +16,8 @@
   (after: compiled attention, panel linears with fused SiLU-mul / residual adds, compiled RMSNorm
   and rotary; ``MSTAR_PREPACK=onednn`` makes it oneDNN's linears instead).
 
-Configurations alternate inside every repeat; figures are best-of-N and median, in ms.
+Configurations run in rotating order inside every repeat (``mstar.bench.harness``); figures are
+best-of-N and median, in ms.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from mstar.bench import harness
 from mstar.bench.llm_bench import BENCH_SHAPE, make_prompts
 from mstar.layers.attention_backends import get_backend
 from mstar.layers.paged_attention import AttentionMetadata, QueryMode, paged_attention
@@ -40,16 +41,10 @@ from mstar.models.llama.loader import build_llama_model
 
 
 def _alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
-    """name -> (best, median) ms, the functions run in turn ``repeats`` times after one warm-up."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: (min(t), statistics.median(t)) for name, t in times.items()}
+    """name -> (best, median) ms, the functions run by the harness ``repeats`` rotating rounds after
+    one warm-up call each."""
+    times = harness.rotate_timed(fns, repeats)
+    return {name: (min(t) * 1e3, statistics.median(t) * 1e3) for name, t in times.items()}
 
 
 def _scattered_cache(ctx: list[int], layers: int, kv_heads: int, head_dim: int, block_size: int,
@@ -194,6 +189,24 @@ def decode_step_probe(batch: int, repeats: int) -> dict[str, tuple[float, float]
     return _alternate(fns, repeats)
 
 
+def run_engine_bench(repeats: int = 15, batches: tuple[int, ...] = (1, 16)) -> list[tuple[str, str, float, float]]:
+    """(probe, path, best ms, median ms) of every probe; the block probes get a third of the repeats
+    (at least 3: they are the slow ones)."""
+    if kernel() is None:
+        raise RuntimeError("the compiled kernel is unavailable here (see the warning above)")
+    rows = [("attention, 16 rows x 8 layers", name, best, med) for name, (best, med) in attention_probe(repeats).items()]
+    rows += [(f"{probe} x 8 layers", name, best, med)
+             for probe, paths in block_probe(max(3, repeats // 3)).items() for name, (best, med) in paths.items()]
+    rows += [(f"decode step, batch {b}", name, best, med)
+             for b in batches for name, (best, med) in decode_step_probe(b, repeats).items()]
+    return rows
+
+
+def format_table(rows: list[tuple[str, str, float, float]]) -> str:
+    return harness.markdown_table(["probe", "path", "best ms", "median ms"],
+                                  [(p, n, f"{b:.2f}", f"{m:.2f}") for p, n, b, m in rows], "llrr")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
@@ -202,18 +215,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if kernel() is None:
-        raise SystemExit("the compiled kernel is unavailable here (see the warning above)")
+    try:
+        rows = run_engine_bench(args.repeats, tuple(int(x) for x in args.batch.split(",")))
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from e
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; best / median ms "
-          f"over {args.repeats} alternating repeats\n\n| probe | path | best ms | median ms |\n|---|---|---:|---:|")
-    for name, (best, med) in attention_probe(args.repeats).items():
-        print(f"| attention, 16 rows x 8 layers | {name} | {best:.2f} | {med:.2f} |")
-    for probe, paths in block_probe(max(3, args.repeats // 3)).items():
-        for name, (best, med) in paths.items():
-            print(f"| {probe} x 8 layers | {name} | {best:.2f} | {med:.2f} |")
-    for b in (int(x) for x in args.batch.split(",")):
-        for name, (best, med) in decode_step_probe(b, args.repeats).items():
-            print(f"| decode step, batch {b} | {name} | {best:.2f} | {med:.2f} |")
+          f"over {args.repeats} rotating repeats\n")
+    print(format_table(rows))
 
 
 if __name__ == "__main__":

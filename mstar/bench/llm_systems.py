@@ -246,7 +246,7 @@ class VllmSystem:
              "--max-model-len", str(max(512, max_prompt_len + max_tokens)), "--dtype", dtype]
             + (["--audio-constraint"] if audio_constraint else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=vllm_env(),
-            cwd=str(Path(checkpoint).parent), start_new_session=True)  # its own group: suspend() stops all of it
+            cwd=str(Path(checkpoint).parent), process_group=0)  # its own group: suspend() stops all of it
         self._suspended = False
         try:
             hello = self._read()
@@ -309,8 +309,8 @@ class VllmSystem:
 
     def suspend(self) -> None:
         """Stop the peer's processes (SIGSTOP to its process group) while another system is measured.
-        Idle, vLLM's CPU engine keeps one core busy (1.0 CPU-s per second measured on a 2-core machine,
-        between requests), which would run against whatever is measured next. ``resume()`` before its
+        Idle, vLLM's CPU engine keeps a core busy between requests, which would run against whatever
+        is measured next. ``resume()`` before its
         own runs; every method that talks to the peer resumes it first."""
         if not self._suspended and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGSTOP)

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from mstar.bench import harness
 from mstar.bench.stats import AudioClock, AudioRun, AudioTiming, percentile, spread, spread_cell
 from mstar.models.llama.tokenizer import ByteTokenizer
 from mstar.models.qwen3_omni.config import TINY_HF_CONFIG
@@ -335,25 +336,31 @@ class Workload:
 
 def _measure(work: Workload, rt: Runtime, hf, levels: list[int], repeats: int, say,
              warmup: bool = True) -> list[ConcurrencyResult]:
-    """Every level's runs. Each repeat runs every level in turn and, within a level, every system in
-    turn, so a host drifting over the suite's minutes reaches every level and system alike (the TTFA
-    goal compares the smallest level with the largest). ``warmup``: each timed run right after an
-    untimed run of the same system and level (hf-sequential: one request, as it runs one at a time),
-    so no run pays for the state another left: a process's first batch grows its allocator (mstar's
-    first 16 requests: ~30 ms more to their first audio), and any other run before (transformers, a
-    matmul loop, a sleep) left mstar's next 16-request run 10-30 ms slower (BENCHMARKS.md)."""
+    """Every level's runs. Each repeat runs every (level, system) pair once, in an order the harness
+    rotates per repeat, so a host drifting over the suite's minutes reaches every level and system
+    alike (the TTFA goal compares the smallest level with the largest). ``warmup``: each timed run
+    right after an untimed run of the same system and level (hf-sequential: one request, as it runs
+    one at a time), so no run pays for the state another left behind: a process's first batch grows
+    its allocator, and any other work before (transformers, a matmul loop, a sleep) leaves mstar's
+    next run colder."""
     batches = {c: prompts(c) for c in levels}
-    runs: dict[int, dict[str, list[SystemRun]]] = {c: {s: [] for s in SYSTEMS} for c in levels}
-    for rep in range(repeats):
-        for c in levels:
-            for system in SYSTEMS:
-                if warmup:
-                    batch = batches[c][:1] if system == "hf-sequential" else batches[c]
-                    say(f"concurrency {c} repeat {rep + 1}/{repeats} {system} warm-up: "
-                        f"{work.run(system, rt, hf, batch, rep).wall_s:.2f} s")
-                run = work.run(system, rt, hf, batches[c], rep)
-                runs[c][system].append(run)
-                say(f"concurrency {c} repeat {rep + 1}/{repeats} {system}: {run.wall_s:.2f} s")
+    pairs = [(c, system) for c in levels for system in SYSTEMS]
+
+    def warm_up(pair: tuple[int, str]) -> None:
+        c, system = pair
+        batch = batches[c][:1] if system == "hf-sequential" else batches[c]
+        say(f"concurrency {c} {system} warm-up: {work.run(system, rt, hf, batch, 0).wall_s:.2f} s")
+
+    # the harness rotates the order of the (level, system) pairs per repeat; warm_each: an untimed
+    # run of the same pair right before each timed one
+    def timed(pair: tuple[int, str], rep: int) -> SystemRun:
+        c, system = pair
+        run = work.run(system, rt, hf, batches[c], rep)
+        say(f"concurrency {c} repeat {rep + 1}/{repeats} {system}: {run.wall_s:.2f} s")
+        return run
+
+    per = harness.rotate(pairs, timed, repeats, warmup=warm_up, warm=warmup, warm_each=True)
+    runs = {c: {s: per[(c, s)] for s in SYSTEMS} for c in levels}
     out = []
     for c in levels:
         par = None if work.sample else parity(*(runs[c][s][0] for s in SYSTEMS))
@@ -458,8 +465,8 @@ def format_table(res: OmniBenchResult) -> str:
     lines = [f"Qwen3-Omni TTS, random weights ({res.config}); thinker greedy "
              f"<= {res.text_tokens} tokens, talker {talker}, {res.talker_steps - 1} frames "
              f"({(res.talker_steps - 1) * 0.08:.2f} s audio) per request, codec EOS suppressed; "
-             f"median (min–max) over {res.repeats} repeats, each running every concurrency in turn and every system "
-             f"in turn within it, each timed run right after an untimed one of the same system and concurrency; "
+             f"median (min–max) over {res.repeats} repeats, each running every (concurrency, system) pair once in an "
+             f"order rotated per repeat, each timed run right after an untimed one of the same pair; "
              f"torch threads {res.threads}", "",
              "| concurrency | system | requests/s | audio-s per wall-s | TTFA p50 ms | TTFA p95 ms | RTF p50 "
              "| throughput vs better baseline | TTFA better baseline / this |",

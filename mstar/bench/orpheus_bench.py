@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from mstar.bench import harness
 from mstar.bench.orpheus_systems import (
     SAMPLERS,
     SystemRun,
@@ -231,35 +232,28 @@ def run_orpheus_bench(concurrency: list[int], tokens: int = 140, repeats: int = 
                 say(vllm_skipped)
                 order.remove(VLLM)
         try:
-            if warmup:
-                warm = [model.prompt_ids(t, v) for t, v in request_texts(2)]
-                wt = min(tokens, 5 * TOKENS_PER_FRAME)
-                if peer is not None:
-                    peer.suspend()
-                run_mstar(rt, warm, wt, seed, sp)
-                run_hf_sequential(hf, snac_model, warm[:1], wt, seed, spf, sp)
-                run_hf_static(hf, snac_model, warm, wt, seed, spf, sp)
-                if peer is not None:
-                    run_vllm_snac(peer, snac_model, warm, wt, spf, sp)
-            for c in concurrency:
+            warm = [model.prompt_ids(t, v) for t, v in request_texts(2)]
+            wt = min(tokens, 5 * TOKENS_PER_FRAME)
+
+            def one(system: str, batch: list[list[int]], n: int, s0: int) -> SystemRun:
+                if peer is not None and system != VLLM:
+                    peer.suspend()  # idle, vLLM keeps a core busy (llm_systems.VllmSystem.suspend)
+                if system == "mstar":
+                    return run_mstar(rt, batch, n, s0, sp)
+                if system == "hf-sequential":
+                    return run_hf_sequential(hf, snac_model, batch, n, s0 + 500, spf, sp)
+                if system == "hf-static-batch":
+                    return run_hf_static(hf, snac_model, batch, n, s0 + 500, spf, sp)
+                return run_vllm_snac(peer, snac_model, batch, n, spf, sp)
+
+            for i, c in enumerate(concurrency):
                 prompts = [model.prompt_ids(t, v) for t, v in request_texts(c)]
-                runs: dict[str, list[SystemRun]] = {s: [] for s in order}
-                for rep in range(repeats):
-                    s0 = seed + 1000 * (rep + 1)
-                    for system in order:
-                        say(f"concurrency {c} repeat {rep + 1}/{repeats}: {system}")
-                        if peer is not None and system != VLLM:
-                            peer.suspend()  # idle, vLLM keeps a core busy (llm_systems.VllmSystem.suspend)
-                        if system == "mstar":
-                            run = run_mstar(rt, prompts, tokens, s0, sp)
-                        elif system == "hf-sequential":
-                            run = run_hf_sequential(hf, snac_model, prompts, tokens, s0 + 500, spf, sp)
-                        elif system == "hf-static-batch":
-                            run = run_hf_static(hf, snac_model, prompts, tokens, s0 + 500, spf, sp)
-                        else:
-                            run = run_vllm_snac(peer, snac_model, prompts, tokens, spf, sp)
-                        runs[system].append(_check(system, run, tokens))
-                        say(f"  wall {run.wall_s:.2f} s")
+                # the harness rotates the systems' order per repeat; one warm-up of each before the first level
+                runs = harness.rotate(
+                    order, lambda s, r, p=prompts: _check(s, one(s, p, tokens, seed + 1000 * (r + 1)), tokens),
+                    repeats, warmup=lambda s: one(s, warm[:1] if s == "hf-sequential" else warm, wt, seed),
+                    warm=warmup and i == 0,
+                    log=lambda msg, c=c: say(f"concurrency {c} {msg}"), label=lambda run: f"wall {run.wall_s:.2f} s")
                 results.append(_compare(c, {s: SystemSummary.of(s, c, r) for s, r in runs.items()}))
         finally:
             if peer is not None:

@@ -178,8 +178,7 @@ def audio_codes_spec() -> dict[str, int]:
 def run_vllm_snac(peer, snac_model, prompts: list[list[int]], tokens: int, samples_per_frame: int,
                   sampling: dict[str, float] = SAMPLING) -> SystemRun:
     """The client decodes on one thread: with two, its OpenMP workers spin on the cores vLLM's
-    engine is bound to (measured at 16 concurrent: 7.0 s with two threads, 3.6 s with one, 3.1-3.6 s
-    with no decoding at all)."""
+    engine is bound to and slow vLLM down, which would charge the client's threading to the peer."""
     decoders = [WindowDecoder(snac_model, samples_per_frame) for _ in prompts]
     first: list[float | None] = [None] * len(prompts)
     end = [0.0] * len(prompts)

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mstar.bench import harness
 from mstar.bench.net import free_port
 from mstar.models.pi05 import inputs as pi
 from mstar.models.pi05.config import GemmaConfig, Pi05Config, VisionConfig
@@ -327,28 +328,38 @@ class PolicyCompare:
 def run_policy_compare(concurrencies: list[int], size: str = "medium", requests: int = 16, per_client: int = 8,
                        rounds: int = 3, cache_dir: str | Path | None = None, venv: str | Path | None = None,
                        threads: int = 1) -> PolicyCompare:
-    """``rounds`` rounds, each: the reference over ``requests`` observations, then mstar at every
-    concurrency; a system's figures pool its rounds. Alternating keeps a shared machine's changing
-    load from favouring one side. Both sides get ``threads`` torch threads (default 1: with more
+    """``rounds`` rounds through the harness, each: the reference over ``requests`` observations and
+    mstar at every concurrency, in an order that rotates per round; a system's figures pool its
+    rounds. Alternating keeps a shared machine's changing load from favouring one side. Both sides get ``threads`` torch threads (default 1: with more
     threads than idle cores, timings on a shared machine swing by several times)."""
     cfg = BENCH_CONFIGS[size]
     cache = (Path(cache_dir) if cache_dir else Path.home() / ".cache" / "mstar" / "bench") / f"pi05-{size}"
     checkpoint = ensure_checkpoint(cfg, cache, venv)
     reqs = make_requests(cfg, requests)
-    refs: list[LoadResult] = []
-    ours: dict[int, list[LoadResult]] = {c: [] for c in concurrencies}
     with ReferencePolicy(cfg, checkpoint, venv, threads) as ref, mstar_policy(cfg, checkpoint, threads=threads) as url:
-        ref.run(reqs[:3], warmup=3)
-        load(url, reqs, 1, 3, cfg.horizon)  # warm up
-        for _ in range(rounds):
-            timing, ref_actions = ref.run(reqs)
-            refs.append(timing)
-            for c in concurrencies:
-                result, actions = load(url, reqs, c, per_client if c > 1 else len(reqs), cfg.horizon)
-                ours[c].append(result)
-                if c == 1:
-                    our_actions = np.stack([actions[i] for i in range(len(reqs))])
+        systems = ["reference", *concurrencies]
+
+        def one(system, _r):
+            if system == "reference":
+                return ref.run(reqs)
+            return load(url, reqs, system, per_client if system > 1 else len(reqs), cfg.horizon)
+
+        def warm_up(system) -> None:
+            if system == "reference":
+                ref.run(reqs[:3], warmup=3)
+            elif system == systems[1]:  # one warm-up of the server serves every client count
+                load(url, reqs, 1, 3, cfg.horizon)
+
+        per = harness.rotate(systems, one, rounds, warmup=warm_up)
         desc = ref.desc
+    refs = [timing for timing, _ in per["reference"]]
+    ours = {c: [result for result, _ in per[c]] for c in concurrencies}
+    ref_actions = per["reference"][-1][1]
+    if 1 in concurrencies:
+        actions = per[1][-1][1]
+        our_actions = np.stack([actions[i] for i in range(len(reqs))])
+    else:
+        raise ValueError("the action comparison needs the 1-client run: include 1 in concurrencies")
     diff = float(np.abs(our_actions - ref_actions).max())
     return PolicyCompare(_pooled(refs), [_pooled(ours[c]) for c in concurrencies], diff, desc, rounds, len(reqs))
 

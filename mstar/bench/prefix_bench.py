@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mstar.bench import harness
 from mstar.bench.pressure_bench import build_model, percentile
 from mstar.bench.stats import spread, spread_cell
 from mstar.placement import Placement
@@ -130,15 +131,12 @@ def run_prefix_bench(requests: int = 16, system_tokens: int = 512, user_tokens: 
                        {s: [] for s in SYSTEMS})
     rts = {s: _runtime(model, s == "cached", blocks, block_size) for s in SYSTEMS}
     try:
-        for rt in rts.values():  # warm-up: the process, and the cached system's first copy of the prefix
-            _tokens(rt.submit({"input_ids": torch.tensor(prompts[0])}, _params(max_tokens)))
-        for r in range(repeats):
-            for s in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
-                run = _run(rts[s], prompts, max_tokens)
-                res.runs[s].append(run)
-                if log:
-                    log(f"repeat {r + 1}/{repeats} {s}: TTFT p50 {run.ttft_ms:.1f} ms, burst "
-                        f"{run.burst_wall_s:.2f} s, hit rate {run.hit_rate:.2f}")
+        # warm-up: the process, and the cached system's first copy of the prefix
+        res.runs = harness.rotate(
+            SYSTEMS, lambda s, _r: _run(rts[s], prompts, max_tokens), repeats,
+            warmup=lambda s: _tokens(rts[s].submit({"input_ids": torch.tensor(prompts[0])}, _params(max_tokens))),
+            log=log, label=lambda run: f"TTFT p50 {run.ttft_ms:.1f} ms, burst {run.burst_wall_s:.2f} s, "
+                                       f"hit rate {run.hit_rate:.2f}")
     finally:
         for rt in rts.values():
             rt.shutdown()

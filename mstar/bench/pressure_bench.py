@@ -9,8 +9,8 @@ submitted at once to llama-tiny (or a scaled-up Llama config, dummy weights) on 
   hold at its end (at least the largest request's, so that every request fits alone);
 - **large**: a pool of ``demand`` blocks: every request can hold its whole cache at once.
 
-Both runtimes live through the whole run; the two loads alternate (the order flips every repeat,
-so drift of a shared machine hits both alike). Reported per system, median (min–max) over repeats:
+Both runtimes live through the whole run; the two loads alternate (the harness flips the order every
+repeat, so drift of a shared machine hits both alike). Reported per system, median (min–max) over repeats:
 completion rate, generated tokens / wall time, p50 / p99 of the request latencies (submission of
 the whole load to the request's end), preemptions and batched forwards of the LLM node
 (``Runtime.stats()``, the run's delta: fewer requests fit a step under pressure); then the
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mstar.bench import harness
 from mstar.bench.stats import spread, spread_cell
 from mstar.placement import Placement
 from mstar.runtime.api import Runtime
@@ -218,19 +219,12 @@ def run_pressure_bench(requests: int = 32, oversubscription: float = 4.0, repeat
         raise ValueError("repeats must be >= 1 and oversubscription >= 1")
     load = make_workload(requests, seed, prompt_len, max_tokens, block_size)
     blocks = {"pressure": pressure_blocks(load, oversubscription), "large": load.demand_blocks}
-    runs: dict[str, list[Run]] = {s: [] for s in SYSTEMS}
     rts = {s: _runtime(model, blocks[s], block_size) for s in SYSTEMS}
     try:
-        if warmup:
-            for s in SYSTEMS:
-                run_load(rts[s], load)
-        for r in range(repeats):
-            for s in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
-                run = run_load(rts[s], load)
-                runs[s].append(run)
-                if log:
-                    log(f"repeat {r + 1}/{repeats} {s}: {run.wall_s:.2f} s, {run.completed}/{requests} done, "
-                        f"{run.preemptions} preemptions")
+        runs = harness.rotate(SYSTEMS, lambda s, _r: run_load(rts[s], load), repeats,
+                              warmup=lambda s: run_load(rts[s], load), warm=warmup, log=log,
+                              label=lambda run: f"{run.wall_s:.2f} s, {run.completed}/{requests} done, "
+                                                f"{run.preemptions} preemptions")
     finally:
         for rt in rts.values():
             rt.shutdown()

@@ -1,13 +1,17 @@
 """``make bench``: run the benchmark suites and rewrite their generated blocks in BENCHMARKS.md.
 
-Each suite owns one block of the file, between ``<!-- make bench: NAME begin -->`` and
-``<!-- make bench: NAME end -->``; everything outside the blocks (the hand-written explanations and
-the history of earlier runs) is kept as it is. A suite whose block is missing gets a new section at
-the end of the file. Every block states the date, the machine (cores, torch), the exact command
-and its result table.
+Each suite (``mstar.bench.suites.SUITES``) owns one block of the file, between
+``<!-- make bench: NAME begin -->`` and ``<!-- make bench: NAME end -->``; everything outside the
+blocks is hand-written and kept as it is. A suite whose block is missing gets a new section at the
+end of the file. Every block states the date, the machine, the exact command, the result tables
+and the suite's goals, met or not; the same figures go to ``--json-dir`` as NAME.json.
 
-    python -m mstar.bench.report                      # every suite (many minutes)
-    python -m mstar.bench.report --suites llm --llm-repeats 5
+A suite whose prerequisite is missing (a peer virtualenv) prints why and keeps its block as it was
+(a block without figures yet says why it is empty). A suite that fails prints its error, the
+others still run, and the exit status is 1.
+
+    python -m mstar.bench.report                         # every suite (most of an hour on 2 cores)
+    python -m mstar.bench.report --suites llm,runtime --repeats 2
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ import platform
 import re
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+import traceback
 from pathlib import Path
 
 import torch
+
+from mstar.bench.harness import SuiteResult
+from mstar.bench.suites import SUITES
 
 BEGIN = "<!-- make bench: {name} begin -->"
 END = "<!-- make bench: {name} end -->"
@@ -32,77 +38,34 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-@dataclass
-class SuiteOutput:
-    command: str
-    body: str  # markdown: what was measured and the table
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + ", "
+    except OSError:
+        pass
+    return ""
 
 
-def suite_llm(opts: argparse.Namespace) -> SuiteOutput:
-    from mstar.bench.llm_bench import describe, format_table, goal_lines, run_llm_bench
+def kernels_line() -> str:
+    """Whether mstar's compiled CPU kernels loaded: without them every mstar figure is the PyTorch
+    fallback's, which a reader must know."""
+    try:
+        from mstar.layers.paged_decode import kernel
 
-    cmd = f"mstar bench compare llm --repeats {opts.llm_repeats} --b1-requests {opts.llm_b1_requests}"
-    res = run_llm_bench(cache_dir=opts.cache_dir, repeats=opts.llm_repeats, b1_requests=opts.llm_b1_requests,
-                        log=_log)
-    parts = [describe(res), "", format_table(res)]
-    goals = goal_lines(res)
-    if goals:
-        parts += ["", "Goals (ours / vLLM CPU, median over repeats):", "", *goals]
-    return SuiteOutput(cmd, "\n".join(parts))
-
-
-def suite_runtime(opts: argparse.Namespace) -> SuiteOutput:
-    from mstar.bench.runtime_bench import format_table, run_runtime_bench
-
-    res = run_runtime_bench([1, 16], iters=200, repeats=3, hidden=512, layers=8)
-    return SuiteOutput("mstar bench runtime --batch 1,16 --iters 200 --repeats 3 --layers 8", format_table(res))
-
-
-def suite_tts(opts: argparse.Namespace) -> SuiteOutput:
-    from mstar.bench.orpheus_bench import SYSTEMS, VLLM, format_table, run_orpheus_bench
-
-    res = run_orpheus_bench([1, 4, 16], tokens=140, log=_log, systems=(*SYSTEMS, VLLM), head="full")
-    return SuiteOutput("mstar bench compare tts", format_table(res))
-
-
-def suite_rollout(opts: argparse.Namespace) -> SuiteOutput:
-    from mstar.bench.rollout_bench import format_compare, run_rollout_compare
-
-    rows, cem = run_rollout_compare([4, 15, 30], [1, 8], repeats=1)
-    return SuiteOutput("mstar bench compare rollout --horizons 4,15,30 --batches 1,8", format_compare(rows, cem))
-
-
-def suite_t2i(opts: argparse.Namespace) -> SuiteOutput:
-    from mstar.bench.bagel_bench import format_i2t, format_t2i, run_i2t, run_t2i_compare
-
-    t2i = run_t2i_compare([1, 4], repeats=3, size=64, steps=50, progress=_log)
-    i2t = run_i2t([1, 2, 4, 8, 16], repeats=3, max_tokens=32, progress=_log)
-    body = "\n".join([
-        "bagel-tiny text-to-image at 64x64 (8x8 latent tokens), 50 timesteps (49 flow steps, text guidance "
-        "4 inside (0.4, 1]), seconds per batch of B requests: mstar runs the guidance branches of every "
-        "request as one forward per step; the oracle runs the reference loop (three sequential passes per "
-        "step, one request after another). Same weights and noise; max latent diff is ours vs. the oracle.",
-        "", format_t2i(t2i), "",
-        "bagel-tiny image understanding: B requests at once, one 56x42 image + a question each, greedy, 32 "
-        "tokens each (EOS ignored).", "", format_i2t(i2t)])
-    return SuiteOutput("mstar bench compare t2i --repeats 3", body)
-
-
-SUITES: dict[str, tuple[str, Callable[[argparse.Namespace], SuiteOutput]]] = {
-    "llm": ("LLM: mstar vs. vLLM CPU and HF transformers", suite_llm),
-    "runtime": ("Runtime overhead", suite_runtime),
-    "tts": ("Orpheus TTS vs. HF generate + SNAC", suite_tts),
-    "rollout": ("V-JEPA 2-AC rollout vs. the reference predictor", suite_rollout),
-    "t2i": ("BAGEL: text-to-image vs. the dense oracle loop, image understanding", suite_t2i),
-}
+        ok = kernel() is not None
+    except Exception:  # noqa: BLE001 - a broken build reads as unavailable
+        ok = False
+    return "compiled CPU kernels loaded" if ok else "compiled CPU kernels UNAVAILABLE (mstar ran its PyTorch fallback)"
 
 
 def machine_line() -> str:
-    return (f"{os.cpu_count()} cores ({platform.machine()}), torch {torch.__version__} "
-            f"({torch.get_num_threads()} intra-op threads)")
+    return (f"{_cpu_model()}{os.cpu_count()} cores ({platform.machine()}), torch {torch.__version__} "
+            f"({torch.get_num_threads()} intra-op threads), {kernels_line()}")
 
 
-def render_block(name: str, out: SuiteOutput, date: str | None = None, machine: str | None = None) -> str:
+def render_block(name: str, result: SuiteResult, date: str | None = None, machine: str | None = None) -> str:
     """The block's text, markers included."""
     date = date or time.strftime("%Y-%m-%d")
     return "\n".join([
@@ -110,12 +73,19 @@ def render_block(name: str, out: SuiteOutput, date: str | None = None, machine: 
         f"Generated by `make bench` on {date}; machine: {machine or machine_line()}. Command:",
         "",
         "```",
-        out.command,
+        result.command,
         "```",
         "",
-        out.body.rstrip(),
+        result.markdown().rstrip(),
         END.format(name=name),
     ])
+
+
+def has_figures(text: str, name: str) -> bool:
+    """Whether ``text`` holds a generated block of ``name`` (not a placeholder)."""
+    begin, end = text.find(BEGIN.format(name=name)), text.find(END.format(name=name))
+    block = text[begin:end] if 0 <= begin < end else ""
+    return "\nGenerated by `make bench`" in block and "\nNot run: " not in block
 
 
 def replace_block(text: str, name: str, block: str, title: str | None = None) -> str:
@@ -126,35 +96,58 @@ def replace_block(text: str, name: str, block: str, title: str | None = None) ->
     if nb != ne or nb > 1:
         raise ValueError(f"BENCHMARKS.md has {nb} begin and {ne} end markers for suite {name!r}; expected one each")
     if nb == 0:
-        heading = f"## {title or name} (latest `make bench` run)"
-        return text.rstrip("\n") + f"\n\n{heading}\n\n{block}\n"
+        return text.rstrip("\n") + f"\n\n## {title or name}\n\n{block}\n"
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
     return pattern.sub(lambda _m: block, text, count=1)
+
+
+def run_suite(name: str, path: Path, json_dir: Path | None, repeats: int | None) -> bool:
+    """Run one suite and write its block (and JSON); False when it failed."""
+    suite = SUITES[name]
+    _log(f"== {name}: {suite.title}")
+    started = time.perf_counter()
+    try:
+        result = suite.run(repeats)
+    except Exception:  # noqa: BLE001 - one suite's failure must not cost the others' results
+        _log(f"!! {name} failed:\n{traceback.format_exc()}")
+        return False
+    _log(f"== {name}: {time.perf_counter() - started:.0f} s")
+    if json_dir is not None:
+        _log(f"   figures: {result.write_json(json_dir / f'{name}.json')}")
+    text = path.read_text()  # re-read: a later failure keeps the earlier suites' results
+    if result.skipped:
+        _log(f"!! {name} skipped: {result.skipped}")
+        if has_figures(text, name):
+            _log(f"   its block in {path} is kept as it was")
+            return True
+    block = render_block(name, result)
+    print(block, flush=True)
+    path.write_text(replace_block(text, name, block, suite.title))
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mstar.bench.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated, of {', '.join(SUITES)}")
     ap.add_argument("--file", default="BENCHMARKS.md", help="the file to rewrite (default BENCHMARKS.md)")
-    ap.add_argument("--llm-repeats", type=int, default=3)
-    ap.add_argument("--llm-b1-requests", type=int, default=4)
-    ap.add_argument("--cache-dir", default=None, help="where the llm suite keeps its checkpoint")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="repeats of every suite that repeats (default: each suite's own; the block says so)")
+    ap.add_argument("--json-dir", default="build/bench", help="where NAME.json goes (default build/bench; '' for none)")
     opts = ap.parse_args(argv)
     names = [n.strip() for n in opts.suites.split(",") if n.strip()]
     unknown = [n for n in names if n not in SUITES]
-    if unknown:
+    if unknown or not names:
         ap.error(f"unknown suites {unknown}; known: {', '.join(SUITES)}")
+    if opts.repeats is not None and opts.repeats < 1:
+        ap.error("--repeats must be >= 1")
     path = Path(opts.file)
     if not path.is_file():
         ap.error(f"{path} does not exist (run from the repository root)")
-    for name in names:
-        title, fn = SUITES[name]
-        _log(f"== {name}: {title}")
-        block = render_block(name, fn(opts))
-        print(block, flush=True)
-        # re-read and write after every suite: a later failure keeps the earlier results
-        path.write_text(replace_block(path.read_text(), name, block, title))
-    return 0
+    json_dir = Path(opts.json_dir) if opts.json_dir else None
+    failed = [n for n in names if not run_suite(n, path, json_dir, opts.repeats)]
+    if failed:
+        _log(f"failed suites: {', '.join(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

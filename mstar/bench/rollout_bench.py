@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mstar.bench import harness
 from mstar.models.vjepa2.config import PredictorConfig
 from mstar.models.vjepa2.graph import MAX_FRAMES
 from mstar.models.vjepa2.model import VJepa2AC
@@ -46,6 +47,17 @@ def bench_config(embed: int = 256, width: int = 192, depth: int = 6, heads: int 
                            depth=depth, num_heads=heads)
 
 
+def _timed_pair(fns: dict, repeats: int) -> dict[str, list[tuple[float, object]]]:
+    """(seconds, result) of mstar's rollout and the native one, ``repeats`` rotating rounds through the
+    harness; only mstar is warmed up (the native loop has no state to warm, and is the slow side)."""
+    return harness.rotate(list(fns), lambda s, _r: harness.timed(fns[s]), repeats,
+                          warmup=lambda s: fns[s]() if s == "mstar" else None)
+
+
+def _medians(per: dict[str, list[tuple[float, object]]]) -> tuple[float, float]:
+    return tuple(statistics.median(t for t, _ in per[s]) for s in ("mstar", "native"))
+
+
 def run_rollout_bench(horizons: list[int], context: int = 1, repeats: int = 3, **cfg) -> list[RolloutResult]:
     pc = bench_config(**cfg)
     from mstar.models.vjepa2.config import TINY_ENCODER
@@ -63,17 +75,12 @@ def run_rollout_bench(horizons: list[int], context: int = 1, repeats: int = 3, *
             states = torch.rand(context, 7, generator=g)
             actions = torch.randn(context + h - 1, 7, generator=g) * 0.05
             inputs = {"context": ctx, "states": states, "actions": actions}
-            rt.generate([inputs], {"horizon": h})  # warm-up
-            ms, ns = [], []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                (o,) = rt.generate([inputs], {"horizon": h})
-                ms.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                ref = native_rollout(pred, ctx, states, actions, h)
-                ns.append(time.perf_counter() - t0)
+            fns = {"mstar": lambda i=inputs, h=h: rt.generate([i], {"horizon": h})[0],
+                   "native": lambda c=ctx, s=states, a=actions, h=h: native_rollout(pred, c, s, a, h)}
+            per = _timed_pair(fns, repeats)
+            (_, o), (_, ref) = per["mstar"][-1], per["native"][-1]
             diff = max(float((a - b).abs().max()) for a, b in zip(o.tensors("frame"), ref))
-            out.append(RolloutResult(h, context, statistics.median(ms), statistics.median(ns), diff))
+            out.append(RolloutResult(h, context, *_medians(per), diff))
     return out
 
 
@@ -139,18 +146,13 @@ def run_rollout_compare(horizons: list[int], batches: list[int], repeats: int = 
                 states = torch.rand(b, 1, 7, generator=g)
                 actions = torch.randn(b, h, 7, generator=g) * 0.05
                 reqs = [{"context": ctx[i], "states": states[i], "actions": actions[i]} for i in range(b)]
-                rt.generate(reqs, {"horizon": h})  # warm-up
-                ms, ns = [], []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    outs = rt.generate(reqs, {"horizon": h})
-                    ms.append(time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    native = _native_reference(ref, ctx, states, actions, h)
-                    ns.append(time.perf_counter() - t0)
+                fns = {"mstar": lambda q=reqs, h=h: rt.generate(q, {"horizon": h}),
+                       "native": lambda c=ctx, s=states, a=actions, h=h: _native_reference(ref, c, s, a, h)}
+                per = _timed_pair(fns, repeats)
+                (_, outs), (_, native) = per["mstar"][-1], per["native"][-1]
                 diff = max(float((o.tensors("frame")[j] - native[j][i]).abs().max())
                            for i, o in enumerate(outs) for j in range(h))
-                rows.append(CompareRow(h, 1, statistics.median(ms), statistics.median(ns), diff, batch=b))
+                rows.append(CompareRow(h, 1, *_medians(per), diff, batch=b))
         # CEM planning throughput: N samples x iterations rollouts of cem_horizon steps
         goal = torch.nn.functional.layer_norm(torch.randn(n, d, generator=g), (d,))
         ctx = torch.nn.functional.layer_norm(torch.randn(2, n, d, generator=g), (d,))

@@ -7,19 +7,22 @@
     through the ``Runtime`` vs. a bare Python loop that concatenates the same B inputs and calls the
     module's ``forward`` ``iters`` times. Reported: both times and (runtime - bare) / bare.
 
-Each measurement is repeated ``repeats`` times (runtime and bare alternating); we report the median
+Each measurement is repeated ``repeats`` times after a warm-up, through ``mstar.bench.harness``
+(runtime and bare in rotating order); we report the median
 and the min/max. The runtime timing covers submitting the B requests until every result is back;
 the driver thread is held while the requests are submitted so that all B start in the same step.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from mstar.bench import harness
+from mstar.bench.harness import Spread
 from mstar.graph import GraphEdge, GraphNode, Loop, Walk, WalkGraph
 from mstar.model.base import ModelDef
 from mstar.model.submodule import EngineInputs, ForwardInfo, NodeSubmodule
@@ -112,17 +115,6 @@ def _time_bare(module: NodeSubmodule, xs: list[torch.Tensor], iters: int) -> flo
 
 
 @dataclass
-class Spread:
-    median: float
-    min: float
-    max: float
-
-    @classmethod
-    def of(cls, values: list[float]) -> Spread:
-        return cls(statistics.median(values), min(values), max(values))
-
-
-@dataclass
 class BatchResult:
     batch: int
     step_us: Spread  # (a) runtime wall time per step, trivial node
@@ -143,55 +135,51 @@ class BenchResult:
     results: list[BatchResult]
 
 
+def _rotated_timings(model: LoopBench, fns: dict[str, Callable[[Runtime], float]], b: int, iters: int,
+                     repeats: int, warmup: bool) -> tuple[dict[str, list[float]], dict[int, int]]:
+    """Every function's seconds over the harness's rotating repeats, in one ``Runtime`` of ``model``,
+    and the node's batch-size histogram per timed run (checked: ``iters`` forwards of size ``b``)."""
+    with Runtime(model) as rt:
+        hist: list[dict[int, int]] = []
+        per = harness.rotate(list(fns), lambda name, _r: fns[name](rt), repeats, warm=warmup,
+                             before_first=lambda: hist.append(_batch_hist(rt)))
+        before, after = hist[0], _batch_hist(rt)
+    delta = {k: (v - before.get(k, 0)) // repeats for k, v in after.items() if v - before.get(k, 0)}
+    if delta != {b: iters}:
+        raise RuntimeError(f"batch {b}: expected {iters} forwards of size {b}, got histogram {delta}")
+    return per, delta
+
+
+def _batch_result(b: int, iters: int, repeats: int, hidden: int, layers: int, warmup: bool) -> BatchResult:
+    # (a) trivial node: per-step runtime cost
+    xs1 = _inputs(b, 1)
+    step, step_hist = _rotated_timings(LoopBench("step", iters, hidden), {"runtime": lambda rt: _time_runtime(rt, xs1)},
+                                       b, iters, repeats, warmup)
+    # (b) matmul node: runtime vs bare loop, in rotating order
+    mm_model = LoopBench("matmul", iters, hidden, layers)
+    xs = _inputs(b, hidden)
+    bare_module = mm_model.build_submodules([NODE])[NODE].eval()
+    per, mm_hist = _rotated_timings(mm_model, {"runtime": lambda rt: _time_runtime(rt, xs),
+                                               "bare": lambda _rt: _time_bare(bare_module, xs, iters)},
+                                    b, iters, repeats, warmup)
+    step_s, rt_s, bare_s = step["runtime"], per["runtime"], per["bare"]
+    return BatchResult(
+        batch=b,
+        step_us=Spread.of([s / iters * 1e6 for s in step_s]),
+        step_hist=step_hist,
+        runtime_ms=Spread.of([s * 1e3 for s in rt_s]),
+        bare_ms=Spread.of([s * 1e3 for s in bare_s]),
+        overhead_pct=Spread.of([(r - a) / a * 100 for r, a in zip(rt_s, bare_s)]),
+        matmul_hist=mm_hist,
+        raw={"step_s": step_s, "runtime_s": rt_s, "bare_s": bare_s},
+    )
+
+
 def run_runtime_bench(batches: list[int], iters: int = 200, repeats: int = 3, hidden: int = 512,
                       warmup: bool = True, layers: int = 8) -> BenchResult:
     if iters < 1 or repeats < 1 or hidden < 1 or not batches or min(batches) < 1:
         raise ValueError("iters, repeats, hidden and every batch size must be >= 1")
-    results = []
-    for b in batches:
-        # (a) trivial node: per-step runtime cost
-        step_model = LoopBench("step", iters, hidden)
-        xs = _inputs(b, 1)
-        step_s, step_hist = [], {}
-        with Runtime(step_model) as rt:
-            if warmup:
-                _time_runtime(rt, xs)
-            before = _batch_hist(rt)
-            for _ in range(repeats):
-                step_s.append(_time_runtime(rt, xs))
-            after = _batch_hist(rt)
-        step_hist = {k: (v - before.get(k, 0)) // repeats for k, v in after.items() if v - before.get(k, 0)}
-        if step_hist != {b: iters}:
-            raise RuntimeError(f"batch {b}: expected {iters} forwards of size {b}, got histogram {step_hist}")
-
-        # (b) matmul node: runtime vs bare loop, alternating
-        mm_model = LoopBench("matmul", iters, hidden, layers)
-        xs = _inputs(b, hidden)
-        bare_module = mm_model.build_submodules([NODE])[NODE].eval()
-        rt_s, bare_s = [], []
-        with Runtime(mm_model) as rt:
-            if warmup:
-                _time_runtime(rt, xs)
-                _time_bare(bare_module, xs, iters)
-            before = _batch_hist(rt)
-            for _ in range(repeats):
-                rt_s.append(_time_runtime(rt, xs))
-                bare_s.append(_time_bare(bare_module, xs, iters))
-            after = _batch_hist(rt)
-        mm_hist = {k: (v - before.get(k, 0)) // repeats for k, v in after.items() if v - before.get(k, 0)}
-        if mm_hist != {b: iters}:
-            raise RuntimeError(f"batch {b}: expected {iters} forwards of size {b}, got histogram {mm_hist}")
-
-        results.append(BatchResult(
-            batch=b,
-            step_us=Spread.of([s / iters * 1e6 for s in step_s]),
-            step_hist=step_hist,
-            runtime_ms=Spread.of([s * 1e3 for s in rt_s]),
-            bare_ms=Spread.of([s * 1e3 for s in bare_s]),
-            overhead_pct=Spread.of([(r - a) / a * 100 for r, a in zip(rt_s, bare_s)]),
-            matmul_hist=mm_hist,
-            raw={"step_s": step_s, "runtime_s": rt_s, "bare_s": bare_s},
-        ))
+    results = [_batch_result(b, iters, repeats, hidden, layers, warmup) for b in batches]
     return BenchResult(iters, repeats, hidden, torch.get_num_threads(), results)
 
 

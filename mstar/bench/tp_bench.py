@@ -25,12 +25,12 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from mstar.bench import harness
 from mstar.bench.net import free_port
 from mstar.bench.stats import spread, spread_cell
 
@@ -38,13 +38,9 @@ __all__ = ["format_runtime_table", "format_table", "main", "run", "run_runtime_b
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> list[float]:
-    fn()  # warm-up
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - start) * 1e3)
-    return out
+    """ms per call over ``repeats`` timed calls after one warm-up (the harness; one configuration at a
+    time, as the ranks must run the same collectives in the same order)."""
+    return [t * 1e3 for t in harness.rotate_timed({"step": fn}, repeats)["step"]]
 
 
 def _node(shape: str):
@@ -98,7 +94,6 @@ def _rank_main(rank: int, port: int, out: str, shape: str, batch: int, context: 
 
     from mstar.layers.tensor_parallel import TPGroup, apply_tp
 
-    os.environ.setdefault("MSTAR_ATTENTION_KERNEL", "torch")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -160,7 +155,6 @@ def run_runtime_bench(shape: str = "bench", batch: int = 16, max_tokens: int = 3
     from mstar.placement import Placement
     from mstar.runtime import Runtime
 
-    os.environ.setdefault("MSTAR_ATTENTION_KERNEL", "torch")
     os.environ["OMP_NUM_THREADS"] = "1"  # every rank one thread (TP2 ranks get one each on 2 cores anyway)
     gen = torch.Generator().manual_seed(0)
     prompts = [{"input_ids": torch.randint(3, 250, (32,), generator=gen)} for _ in range(batch)]
@@ -170,16 +164,15 @@ def run_runtime_bench(shape: str = "bench", batch: int = 16, max_tokens: int = 3
         placement = Placement.from_dict({"node_groups": [{"node_names": ["LLM"], "ranks": list(range(tp)),
                                                           "tp_size": tp}]})
         with Runtime(_llm(shape), placement, workers="process") as rt:
-            rt.generate(prompts[:1], {"max_tokens": 2})  # warm-up
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
+            def batch(rt=rt) -> None:
                 with rt.held():
                     handles = [rt.submit(p, params) for p in prompts]
                 for h in handles:
                     assert h.result().finished
-                times.append((time.perf_counter() - start) * 1e3 / max_tokens)
-            out[f"tp{tp}"] = times
+
+            times = harness.rotate([tp], lambda _s, _r, run=batch: harness.timed(run)[0], repeats,
+                                   warmup=lambda _s, rt=rt: rt.generate(prompts[:1], {"max_tokens": 2}))[tp]
+            out[f"tp{tp}"] = [t * 1e3 / max_tokens for t in times]
     return {**out, "shape": shape, "batch": batch, "max_tokens": max_tokens, "repeats": repeats}
 
 

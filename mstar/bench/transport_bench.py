@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mstar.bench import harness
 from mstar.runtime.wire.serialization import register_message
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
@@ -173,13 +174,10 @@ def _recv_exact(conn: socket.socket, view: memoryview) -> memoryview:
 
 # -- measurements -------------------------------------------------------------------------------------
 def _rounds(one_round, est_s: float) -> list[float]:
+    """Seconds of each round, as many as fit ``BUDGET_S`` (at least ``MIN_ROUNDS``), through the
+    harness; the callers' own first round (the checked one, or the estimate) is the warm-up."""
     n = max(MIN_ROUNDS, min(500, int(BUDGET_S / max(est_s, 1e-6))))
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        one_round()
-        times.append(time.perf_counter() - t0)
-    return times
+    return harness.rotate_timed({"path": one_round}, n, warm=False)["path"]
 
 
 def _measure_memcpy(size: int) -> list[float]:

@@ -1,7 +1,9 @@
-"""``mstar bench runtime``: measure the runtime's per-step overhead (see mstar/bench/runtime_bench.py).
-``mstar bench orpheus``: Orpheus TTS serving vs. HF generate baselines (see mstar/bench/orpheus_bench.py).
-``mstar bench compare llm|rollout|t2i|policy|omni``: ours vs. peers in one run (mstar/bench/llm_bench.py,
-rollout_bench.py, bagel_bench.py, policy_bench.py, omni_bench.py)."""
+"""``mstar bench``: one benchmark suite by hand. ``runtime`` (mstar/bench/runtime_bench.py), ``orpheus``
+(orpheus_bench.py), ``rollout`` (rollout_bench.py), ``compare llm|rollout|tts|t2i|policy|omni`` (ours
+vs. the peers in one run: llm_bench.py, rollout_bench.py, orpheus_bench.py, bagel_bench.py,
+policy_bench.py, omni_bench.py), ``serve``, ``pressure``, ``prefix``, ``soak``, ``tp``, ``transport``.
+Every suite's repeats go through mstar/bench/harness.py; ``make bench`` (mstar/bench/report.py) runs
+them all at their defaults (mstar/bench/suites.py) and rewrites BENCHMARKS.md."""
 
 from __future__ import annotations
 

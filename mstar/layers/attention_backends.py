@@ -1,10 +1,11 @@
 """Paged-attention backends behind one interface, and their lazy registry.
 
-``torch`` (the reference kernel of ``mstar.layers.paged_attention``) is always there; others (e.g.
-FlashInfer on GPUs) are registered by name and imported only when asked for, so a CPU install never
-imports a GPU package. ``compiled`` (``mstar.layers.paged_decode``) runs decode rows through a C++
-kernel built at first use and is the default (``default_backend``); ``MSTAR_ATTENTION_KERNEL=torch``
-selects the reference instead.
+``torch`` (the reference kernel of ``mstar.layers.paged_attention``) is always there; others are
+registered by name (``register_backend``, with the packages they need) and imported only when asked
+for, so an install never imports a package it does not use. ``compiled`` (``mstar.layers.paged_decode``)
+runs decode rows through a C++ kernel built at first use and is the default (``default_backend``);
+``MSTAR_ATTENTION_KERNEL=torch`` (or ``MSTAR_KERNELS=torch``, every compiled kernel) selects the
+reference instead.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mstar.layers.cpu_build import compiled_kernels_enabled
+from mstar.layers.cpu_build import compiled_attention_enabled, compiled_kernels_enabled
 from mstar.layers.paged_attention import AttentionMetadata, copy_blocks, paged_attention
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "BackendUnavailableError",
     "TorchPagedBackend",
     "available_backends",
+    "compiled_attention_enabled",
     "compiled_kernels_enabled",
     "default_backend",
     "get_backend",
@@ -64,7 +66,6 @@ class TorchPagedBackend(AttentionBackend):
 _REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
     "torch": ("mstar.layers.attention_backends:TorchPagedBackend", ()),
     "compiled": ("mstar.layers.paged_decode:CompiledPagedBackend", ()),
-    "flashinfer": ("mstar.layers.flashinfer_attention:FlashInferPagedBackend", ("flashinfer",)),
 }
 _INSTANCES: dict[str, AttentionBackend] = {}
 
@@ -115,5 +116,6 @@ def get_backend(name: str = "torch") -> AttentionBackend:
 
 def default_backend() -> AttentionBackend:
     """What models use unless told otherwise: ``compiled`` (it falls back to the reference path by
-    itself where its kernel cannot run), or ``torch`` when ``MSTAR_ATTENTION_KERNEL=torch``."""
-    return get_backend("compiled" if compiled_kernels_enabled() else "torch")
+    itself where its kernel cannot run), or ``torch`` when ``MSTAR_ATTENTION_KERNEL=torch`` or
+    ``MSTAR_KERNELS=torch``."""
+    return get_backend("compiled" if compiled_attention_enabled() else "torch")

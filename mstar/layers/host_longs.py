@@ -13,8 +13,8 @@ __all__ = ["HostLongs", "long_tensor"]
 
 
 def long_tensor(values: Iterable[int]) -> torch.Tensor:
-    """An int64 CPU tensor of Python ints, through an ``array`` (a third of ``torch.tensor``'s time on
-    a short list; the tensor holds the array's memory)."""
+    """An int64 CPU tensor of Python ints, through an ``array`` (no per-element type inference as in
+    ``torch.tensor``; the tensor holds the array's memory)."""
     buf = array("q", values)
     return torch.frombuffer(buf, dtype=torch.int64) if buf else torch.zeros(0, dtype=torch.int64)
 
@@ -23,8 +23,8 @@ class HostLongs:
     """An int64 CPU tensor over an ``array`` of Python ints, written again in place by ``write``:
     plain CPython, no torch call. For values one forward reads and the next reads anew (the runtime's
     decode rows: their slots, context lengths, positions). Between two forwards of decode rows
-    nothing else is torch work, so a new tensor there was the first torch call after the forward,
-    and paid for its cold code (~20 us a step at 16 rows)."""
+    nothing else is torch work, so a new tensor there would be the first torch call after the
+    forward, and pay for torch's cold code paths on every step."""
 
     __slots__ = ("buf", "tensor")
 

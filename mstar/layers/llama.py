@@ -16,8 +16,9 @@ Families built on Llama (Orpheus TTS, ...) reuse these blocks with their own hea
 Biases in the projections are not supported (``attention_bias`` / ``mlp_bias`` must be false).
 
 Packed weights (``pack_weights``, called by the Llama loader before the checkpoint is copied in):
-on a CPU, ``x @ W`` with ``W`` stored ``[in, out]`` runs about 2.5x faster than ``x @ W.T`` with
-``W`` stored ``[out, in]`` (nn.Linear's layout) at the batch sizes of decoding (2 threads, 16 rows).
+on a CPU, ``x @ W`` with ``W`` stored ``[in, out]`` streams the weight in the order the multiply
+reads it, where ``x @ W.T`` with ``W`` stored ``[out, in]`` (nn.Linear's layout) does not; at the
+few rows of a decode batch the multiply is bound by reading the weight, so the layout decides it.
 So each projection's weight is re-laid out ``[in, out]`` (the parameter is a transposed view: same
 name, shape ``[out, in]`` and values), and q/k/v and gate/up share one ``[in, 3 * out]`` tensor each,
 so a layer runs one matrix multiply for them. A module whose parameters were replaced afterwards
@@ -354,8 +355,8 @@ def _lean_layer(layer: nn.Module, dtype: torch.dtype) -> _LeanLayer | None:
 def token_embedding(num: int, dim: int, *, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> nn.Embedding:
     """``nn.Embedding(num, dim)``; on the meta device without its random initialisation (its values
-    are replaced anyway, and torch's meta ``normal_`` imports ``torch._dynamo``: ~1 s at a process's
-    first model build, a worker process's included)."""
+    are replaced anyway, and torch's meta ``normal_`` imports ``torch._dynamo``, a heavy import
+    that would land on a process's first model build, a worker process's included)."""
     if device is not None and torch.device(device).type == "meta":
         return nn.Embedding(num, dim, _weight=torch.empty(num, dim, dtype=dtype, device="meta"))
     return nn.Embedding(num, dim, dtype=dtype, device=device)

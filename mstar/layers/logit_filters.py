@@ -28,7 +28,7 @@ def _per_row(
 
 def _seen_ids(toks: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """One row's seen token ids as an int64 CPU tensor (a tensor as it is, a sequence through
-    ``long_tensor``: a third of ``torch.tensor``'s time)."""
+    ``long_tensor``, which skips ``torch.tensor``'s per-element type inference)."""
     if isinstance(toks, torch.Tensor):
         return toks.reshape(-1).to(device="cpu", dtype=torch.int64)
     return long_tensor(map(int, toks))
@@ -164,8 +164,8 @@ _PARTIAL_K = 256
 def _top_k_top_p_partial(out: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, use_k: torch.Tensor,
                          use_p: torch.Tensor) -> torch.Tensor | None:
     """The same filtering from the ``_PARTIAL_K`` largest logits only, when that is provably exact
-    for every row (its kept set lies inside them); None otherwise. A full sort of a 150k-token
-    vocabulary costs ~20 ms per row on a CPU; ``topk`` of 256 a fraction of that.
+    for every row (its kept set lies inside them); None otherwise. A full sort of a large
+    vocabulary orders every logit of the row; ``topk`` of 256 only finds the few a filter can keep.
 
     Exact when, per row: top-k is on with k < K and the k-th value is strictly above the K-th (no
     ties reach past K); or top-k is off and the K largest already hold probability mass >= p (so

@@ -11,9 +11,11 @@ computes each task on one thread in a fixed order, so a row's output is bitwise 
 and with any number of threads, for one build on one machine (it is built with ``-march=native``);
 against the PyTorch path it agrees to about 1e-6.
 
-The extension is built and loaded by ``mstar.layers.cpu_build`` (cached per machine; when it
-cannot be built, or ``MSTAR_ATTENTION_KERNEL=torch`` is set, the PyTorch path is used, with one
-warning line in the first case).
+The kernels are part of the core extension (``mstar.layers.cpu_ops``, built and loaded by
+``mstar.layers.cpu_build``, cached per machine); ``kernel()`` is the one lookup of the attention
+kernels. When the extension cannot be built, or ``MSTAR_ATTENTION_KERNEL=torch`` (this switch only:
+the linears and norms keep their kernels) or ``MSTAR_KERNELS=torch`` is set, the PyTorch path is
+used, with one warning line in the first case.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from mstar.layers.attention_backends import AttentionBackend
+from mstar.layers.cpu_build import compiled_attention_enabled
 from mstar.layers.cpu_ops import _EXTENSION, build, ops  # noqa: F401 - _EXTENSION: for tests
 from mstar.layers.host_longs import long_tensor
 from mstar.layers.paged_attention import (
@@ -46,8 +49,9 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def kernel() -> Any | None:
-    """The loaded extension (``mstar.layers.cpu_ops``), or None (disabled, or the build failed)."""
-    return ops()
+    """The loaded extension (``mstar.layers.cpu_ops``) for its attention kernels, or None (the
+    attention kernels are switched off, or the build failed)."""
+    return ops() if compiled_attention_enabled() else None
 
 
 def _tables(plan: DecodeRows, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,8 +36,8 @@ __all__ = ["PrepackableLinear", "PrepackedGroup", "PrepackedLinear", "can_prepac
 
 log = logging.getLogger(__name__)
 
-# oneDNN picks the packed layout for this many rows; any batch works. 16 (a full decode batch) was
-# as fast as no hint or 1 at batch 1 and faster at batch 16 (2-core AVX-512 machine).
+# oneDNN picks the packed layout for this many rows; any batch works. 16 is a full decode batch, the
+# shape decode steps run at, and a layout picked for it does not penalise a single row.
 BATCH_HINT = 16
 _OFF = ("0", "false", "no", "off")
 
@@ -130,7 +130,7 @@ class PrepackedLinear:
         """``torch.argmax(self(x), -1)`` without storing the product (``linear_argmax``), for float32
         x over a float32 panel weight without silu_mul; None otherwise."""
         if (self.mode != "panel" or self.silu_mul or x.dtype != torch.float32 or self.packed.dim() != 3
-                or not hasattr(self._kernel, "linear_argmax")):
+                or self._kernel is None):
             return None
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         return self._kernel.linear_argmax(rows, self.packed, self.n_out).view(x.shape[:-1])
@@ -191,9 +191,8 @@ def hooked(*modules: nn.Module) -> bool:
 class PrepackableLinear(nn.Linear):
     """An ``nn.Linear`` (same parameters, same state-dict names) whose ``prepack()`` switches it to a
     prepacked copy of its weight, the bias added in the kernel's store (the same bits as adding it
-    after). For families whose projections are plain linears (Qwen3-Omni, V-JEPA 2-AC): on the 2-core machine the panel
-    kernel takes 4.4 ms for the Qwen3-Omni benchmark thinker's head (``[16, 128] @ [128, 152064]``)
-    against 13.8 ms for ``F.linear``, and 127 us against 177 us for V-JEPA's ``[66, 256] @ [256, 768]``.
+    after). For families whose projections are plain linears (Qwen3-Omni, V-JEPA 2-AC), where the panel
+    kernel beats ``F.linear`` on their shapes (a wide vocabulary head included; figures in BENCHMARKS.md).
     Inputs of another dtype or device than the weight, or a weight changed since it was packed,
     take ``nn.Linear``'s path."""
 

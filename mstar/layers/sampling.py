@@ -24,7 +24,7 @@ the row's position.  This holds because
   ``softmax(scaled_logits)[j]``, and
 * the one uniform ``U`` of a row is drawn from a fresh :class:`torch.Generator` seeded from
   ``(seed, step_index)`` alone (one number per row and step: a Gumbel race over the vocabulary
-  needs one per token, 0.8 ms per row at 49k tokens here).
+  needs one per token, a whole vocabulary's worth of random numbers for every row and step).
 
 Rows without a seed draw from a process-wide generator (non-deterministic across processes).
 Seeded results are reproducible for a given device type; CPU and accelerator generators produce different
@@ -252,8 +252,8 @@ _ARGMAX_DTYPES = (torch.float32, torch.bfloat16)
 
 def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(x, dim=-1)`` of float32 or bfloat16 logits ``[B, V]``: through the compiled
-    kernel on CPU (rows in parallel, one pass; torch's runs one thread here, ~0.4 ms for 16 x 32000
-    float32 and ~0.9 ms in bfloat16), else torch's. A bfloat16 row's argmax is that of its float32
+    kernel on CPU (rows in parallel, one pass; torch's CPU argmax runs a batch on one thread, and
+    bfloat16 rows go through a widening copy first), else torch's. A bfloat16 row's argmax is that of its float32
     values (the widening is exact)."""
     ext = ops() if x.device.type == "cpu" and x.dtype in _ARGMAX_DTYPES and x.dim() == 2 else None
     if ext is None or x.shape[1] == 0:

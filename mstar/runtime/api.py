@@ -77,7 +77,7 @@ class Runtime:
         ``prefix_caching``: True / False replaces the placement's ``runtime.prefix_caching`` (default
         on; ``mstar serve --no-prefix-caching``).
 
-        ``workers="ray"``: one Ray actor per rank (``ray_driver.py``), on the Ray cluster at
+        ``workers="ray"``: one Ray actor per rank (``drivers/ray.py``), on the Ray cluster at
         ``ray_address`` (None: the one this process is connected to, else a new local one); ranks
         are not restarted there, so the first death is fatal whatever ``on_worker_death`` says.
         ``transport="tcp"`` (process mode): every link between processes over TCP, tensors inline,
@@ -274,7 +274,8 @@ class Runtime:
 
     def _drive(self) -> None:
         """Run commands from callers -> move messages and run work -> watch the workers; repeat.
-        The loop runs in inference mode, entered once (around every forward it cost ~20 us a step)."""
+        The loop runs in inference mode, entered once: entering it around every forward is a fixed
+        cost paid on every step."""
         with torch.inference_mode():
             self._loop()
 

@@ -1,9 +1,9 @@
 """Objects that live as long as the runtime, kept out of Python's full garbage collections.
 
 A process that has imported torch and transformers and built a model holds about a million Python
-objects. Every so often the collector's oldest generation is collected, and that walks all of them:
-~125 ms on a 2-core Xeon, in the middle of whichever step was running (one of four 16-request
-benchmark runs of the ``compare llm`` model hit one; that run was 13% slower). The runtime's own
+objects. Every so often the collector's oldest generation is collected, and that walks all of them
+in the middle of whichever step was running: a pause longer than many whole steps, landing on
+whichever requests happen to be in flight. The runtime's own
 steps allocate few long-lived objects, so nearly everything a full collection walks was there
 before the first request.
 
@@ -11,8 +11,8 @@ before the first request.
 generation (``gc.freeze``), which later collections skip; the young generations are collected as
 before, so a step's garbage goes as it did. A worker process freezes after building its worker and
 keeps that to its end. ``Runtime.start()`` freezes the serving process's objects; its
-``shutdown()`` calls ``thaw()``, so objects that outlive their use by then (a model shut down in a
-test session) are collectable again.
+``shutdown()`` calls ``thaw()``, so objects that outlive their use by then (a model shut down
+while a test run goes on) are collectable again.
 """
 
 from __future__ import annotations

@@ -171,10 +171,10 @@ _held = _HeldWakeups()
 class held_wakeups:  # noqa: N801  (a context manager, used like a function)
     """Within it, the calling thread's first post to a loop's mailbox schedules that loop's wake-up
     at the end instead of at once (one ``call_soon_threadsafe`` a loop per pass of deliveries).
-    The loop drains its box faster than the runtime's thread delivers 16 rows, so each burst woke
-    it several times: a write to its self-pipe (a system call that wakes another CPU, ~50 us in a
-    VM) and the loop's thread taking the GIL, each time. The runtime's thread holds them over a
-    pass of message deliveries (``drivers.py``); items are in the logs already, so a consumer that
+    The loop can drain its box before the runtime's thread has delivered a burst of rows, so one
+    burst would wake it several times: a write to its self-pipe (a system call that wakes another
+    CPU) and the loop's thread taking the GIL, each time. The runtime's thread holds them over a
+    pass of message deliveries (``drivers/local.py``); items are in the logs already, so a consumer that
     checks its log meanwhile reads them, and nothing waits past the pass's end."""
 
     def __enter__(self) -> None:

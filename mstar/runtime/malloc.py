@@ -5,8 +5,8 @@ requests x 128 channels x 24,000 samples is 12 MiB a tensor), logits, prefill ac
 malloc serves a block above its mmap threshold with a fresh ``mmap`` and returns it with
 ``munmap``; below it, a free that leaves more than the trim threshold at the top of a heap gives
 those pages back to the kernel. Either way the next step's buffer is new memory: one page fault and
-one zeroed page per 4 KiB touched. On a 2-core AVX-512 Xeon that was a third of a Code2Wav call (16
-first chunks of 5 frames 69 -> 41 ms, one chunk 6.2 -> 4.4 ms).
+one zeroed page per 4 KiB touched, work that a step whose own arithmetic is a few passes over
+those buffers (a Code2Wav call) cannot hide.
 
 ``keep_freed_memory()`` sets, once per process (``mallopt``, as the ``MALLOC_*_`` environment
 variables would at start):

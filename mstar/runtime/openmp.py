@@ -3,22 +3,21 @@
 PyTorch's CPU build runs its parallel operators on GNU OpenMP (libgomp). Every thread that runs a
 parallel region keeps a pool of worker threads for the next one. libgomp counts the workers of
 ALL pools, and once a process has more of them than CPUs it stops spinning between regions
-("throttled": ~100 spins) and parks its workers on a futex instead, so every later region pays a
-wake-up. On the 2-core machines we measure on that costs 60-130 us per region: a
-``[16, 128] @ [128, 128]`` matmul takes 9 us on the only thread with a pool and 80-140 us on the
-runtime's thread once the main thread has a pool too (the main thread built the model). A model
-made of many small operators (Qwen3-Omni's code predictor and MoE experts) then spends most of a
-step waking threads.
+("throttled") and parks its workers on a futex instead, so every later region pays a wake-up.
+On a machine with few cores that wake-up is larger than a small operator itself: the runtime's
+thread is throttled as soon as the main thread has a pool too (the main thread built the model),
+and a model made of many small operators (Qwen3-Omni's code predictor and MoE experts) then spends
+its steps waking threads rather than computing.
 
 The inline runtime computes on its own thread, so it frees the other pools it can reach:
 
 * the caller's pool at ``Runtime.start()`` and at each ``submit`` (the thread that built the
-  model or ran other torch work before it; freed pools are recreated on demand, ~0.2 ms);
+  model or ran other torch work before it; freed pools are recreated on demand, once);
 * its own pool whenever it goes idle, so that torch work on other threads between requests (a
   baseline in the same process, a client's preprocessing) is not throttled by it.
 
-``omp_pause_resource_all`` (OpenMP 5.0) frees the calling thread's pool only; it is a no-op
-(~2 us) when the thread has none. With another OpenMP runtime (or none) these calls do nothing.
+``omp_pause_resource_all`` (OpenMP 5.0) frees the calling thread's pool only; it is a cheap
+no-op when the thread has none. With another OpenMP runtime (or none) these calls do nothing.
 Worker processes compute on their main thread and are not affected.
 """
 

@@ -6,7 +6,7 @@ return ``Effects``; ``apply_effects`` is the one place where their consequences 
 (emits and walk ends to the conductor, stream pushes to consumer partitions, ready nodes to
 queues or to other ranks).
 
-KV pressure (``kv_admission.py``; ARCHITECTURE.md, "KV pressure: admission and preemption"): an item
+KV pressure (``kv/admission.py``; ARCHITECTURE.md, "KV pressure: admission and preemption"): an item
 that cannot get its KV blocks waits in its queue instead of failing; when nothing of a module can
 run, the oldest waiting request is made to progress by swapping out the youngest request holding
 blocks.
@@ -110,7 +110,7 @@ class Worker:
         # requests already freed here: a message for one (sent before its sender learned of the end)
         # is dropped, so it cannot allocate KV blocks or buffers that nobody would free
         self._freed: OrderedDict[str, None] = OrderedDict()
-        self.admission = KVAdmission(self.engines, self.queues, self.fail_request)  # KV pressure (kv_admission.py)
+        self.admission = KVAdmission(self.engines, self.queues, self.fail_request)  # KV pressure (kv/admission.py)
         self._handlers = {StartWalk: self._start_walk, ExecNode: self._exec_node, NodeResult: self._node_result,
                           StreamPush: self._stream_push, StreamEnd: self._stream_end, FreeRequest: self._free_request,
                           MigrateKV: self._migrate_kv, FreeKV: self._free_kv, KVImport: self._import_kv,

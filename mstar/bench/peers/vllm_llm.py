@@ -27,7 +27,7 @@ import time
 import traceback
 
 
-def main() -> int:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--max-num-seqs", type=int, default=16)
@@ -36,56 +36,99 @@ def main() -> int:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--audio-constraint", action="store_true",
                     help="load vllm_audio_codes.AudioCodeConstraint (requests opt in per call)")
-    args = ap.parse_args()
-    # answers go to the original stdout only; everything else that writes to fd 1 (vLLM's engine
-    # processes inherit it) lands in stderr
+    return ap.parse_args()
+
+
+def _answers_channel():
+    """The original stdout, for answers only; everything else that writes to fd 1 (vLLM's engine
+    processes inherit it) lands in stderr."""
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    try:
-        t0 = time.perf_counter()
-        import torch
-        import vllm
-        from vllm import LLM, SamplingParams
+    return out
+
+
+def _load(args: argparse.Namespace):
+    """(the ``LLM``, the hello line's fields)."""
+    t0 = time.perf_counter()
+    import torch
+    import vllm
+    from vllm import LLM
+
+    extra = {"logits_processors": ["vllm_audio_codes:AudioCodeConstraint"]} if args.audio_constraint else {}
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, seed=args.seed, **extra)
+    return llm, {"ready": True, "vllm": vllm.__version__, "torch": torch.__version__,
+                 "startup_s": time.perf_counter() - t0}
+
+
+class _Peer:
+    """The commands, over one loaded ``LLM``."""
+
+    def __init__(self, llm, out) -> None:
+        self.llm, self.out, self.streams = llm, out, 0
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        res = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        return [list(r.outputs[0].token_ids) for r in res]
+
+    def stream(self, prompts: list[list[int]], max_tokens: int, sampling: dict, audio_codes: dict | None) -> None:
+        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        extra = {"logits_processors": ["vllm_audio_codes:AudioCodeConstraint"]} if args.audio_constraint else {}
-        llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, seed=args.seed, **extra)
-        startup = time.perf_counter() - t0
-    except Exception as e:  # noqa: BLE001 - reported to the driver
-        traceback.print_exc()
-        print(json.dumps({"ready": False, "error": f"{type(e).__name__}: {e}"}), file=out, flush=True)
-        return 1
-    print(json.dumps({"ready": True, "vllm": vllm.__version__, "torch": torch.__version__, "startup_s": startup}),
-          file=out, flush=True)
-
-    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-        return [list(r.outputs[0].token_ids) for r in res]
-
-    streams = 0
-
-    def stream(prompts: list[list[int]], max_tokens: int, sampling: dict, audio_codes: dict | None) -> None:
-        nonlocal streams
-        streams += 1
+        self.streams += 1
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.DELTA,
                             extra_args={"audio_codes": audio_codes} if audio_codes else None, **sampling)
-        engine = llm.llm_engine
+        engine = self.llm.llm_engine
         index = {}
         for i, p in enumerate(prompts):
-            rid = f"stream{streams}-{i}"
+            rid = f"stream{self.streams}-{i}"
             index[rid] = i
             engine.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
         while engine.has_unfinished_requests():
             step = [[index[o.request_id], list(o.outputs[0].token_ids)]
                     for o in engine.step() if o.outputs and o.outputs[0].token_ids]
             if step:
-                print(json.dumps({"step": step}), file=out, flush=True)
+                print(json.dumps({"step": step}), file=self.out, flush=True)
 
+    def answer(self, cmd: dict) -> dict:
+        """The answer to one ``concurrent`` / ``sequential`` / ``stream`` command."""
+        prompts, n = cmd["prompts"], int(cmd["max_tokens"])
+        t0 = time.perf_counter()
+        if cmd["cmd"] == "stream":
+            self.stream(prompts, n, cmd.get("sampling") or {}, cmd.get("audio_codes"))
+            return {"wall_s": time.perf_counter() - t0}
+        if cmd["cmd"] == "concurrent":
+            tokens = self.generate(prompts, n)
+            wall = time.perf_counter() - t0
+            return {"wall_s": wall, "request_s": [wall] * len(prompts), "tokens": tokens}
+        if cmd["cmd"] != "sequential":
+            raise ValueError(f"unknown command {cmd['cmd']!r}")
+        tokens, times = [], []
+        for p in prompts:
+            t = time.perf_counter()
+            tokens += self.generate([p], n)
+            times.append(time.perf_counter() - t)
+        return {"wall_s": time.perf_counter() - t0, "request_s": times, "tokens": tokens}
+
+
+def main() -> int:
+    args = _args()
+    out = _answers_channel()
+    try:
+        llm, hello = _load(args)
+    except Exception as e:  # noqa: BLE001 - reported to the driver
+        traceback.print_exc()
+        print(json.dumps({"ready": False, "error": f"{type(e).__name__}: {e}"}), file=out, flush=True)
+        return 1
+    print(json.dumps(hello), file=out, flush=True)
+    peer = _Peer(llm, out)
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -93,26 +136,7 @@ def main() -> int:
             cmd = json.loads(line)
             if cmd["cmd"] == "quit":
                 break
-            prompts, n = cmd["prompts"], int(cmd["max_tokens"])
-            t0 = time.perf_counter()
-            if cmd["cmd"] == "stream":
-                stream(prompts, n, cmd.get("sampling") or {}, cmd.get("audio_codes"))
-                print(json.dumps({"wall_s": time.perf_counter() - t0}), file=out, flush=True)
-                continue
-            if cmd["cmd"] == "concurrent":
-                tokens = generate(prompts, n)
-                wall = time.perf_counter() - t0
-                times = [wall] * len(prompts)
-            elif cmd["cmd"] == "sequential":
-                tokens, times = [], []
-                for p in prompts:
-                    t = time.perf_counter()
-                    tokens += generate([p], n)
-                    times.append(time.perf_counter() - t)
-                wall = time.perf_counter() - t0
-            else:
-                raise ValueError(f"unknown command {cmd['cmd']!r}")
-            ans = {"wall_s": wall, "request_s": times, "tokens": tokens}
+            ans = peer.answer(cmd)
         except Exception as e:  # noqa: BLE001 - reported to the driver
             traceback.print_exc()
             ans = {"error": f"{type(e).__name__}: {e}"}

@@ -9,7 +9,7 @@
 // So a row's output is the same bits in any batch, at any position and with any thread count
 // (for one build of this file). Sums are written as explicit 16-lane vectors (GCC vector
 // extensions) or elementwise loops, never left for the compiler to reassociate.
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include "parallel.h"
 #include "vec_math.h"

@@ -45,9 +45,7 @@ with no convolution recomputed over context. The state must be dropped when the 
 Batching (:meth:`Code2Wav.decode_next_many`, the node's path): the chunks of one step decode together,
 per group of equal new-frame count and alike state, with operators that compute each row as they
 would alone (``PreTransformer``, ``BatchVocoder``): a request's samples are the same bits whatever
-it shares the step with. On the benchmark model (2-core AVX2 machine, 16 requests): 16 five-frame
-first chunks 543 -> 203 ms, 16 25-frame chunks 1,545 -> 746 ms against decoding them one by one
-with the previous per-request path.
+it shares the step with (figures in BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -61,6 +59,7 @@ from torch import nn
 
 from mstar.layers import cpu_ops
 from mstar.model.checkpoint import load_into
+from mstar.models.qwen3_omni import kernels
 from mstar.models.qwen3_omni.code2wav_batch import BatchVocoder, PreTransformer
 from mstar.models.qwen3_omni.code2wav_modules import swap_fast_modules
 
@@ -269,8 +268,8 @@ class Code2Wav(nn.Module):
                 out = torch.cat([self.model.pre_transformer(inputs_embeds=e[None]).last_hidden_state for e in embeds])
             for b, i in enumerate(rows):
                 hidden[i] = out[b, chunks[i].left_context:].t()
-        batched = cpu_ops.ops() is not None and all(h.device.type == "cpu" and h.dtype == torch.float32
-                                                    for h in hidden)
+        batched = (cpu_ops.ops() is not None and kernels.ops() is not None
+                   and all(h.device.type == "cpu" and h.dtype == torch.float32 for h in hidden))
         keys = [(h.shape[1], c.state is None) for h, c in zip(hidden, chunks)]
         groups = _groups(keys) if batched else {i: [i] for i in range(len(chunks))}
         out: list[tuple[torch.Tensor, VocoderState] | None] = [None] * len(chunks)

@@ -4,6 +4,7 @@ steps (``BatchVocoder``), every row computed the same way alone and in any batch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from mstar.layers import cpu_ops
+from mstar.models.qwen3_omni import kernels
 from mstar.models.qwen3_omni.code2wav_modules import _SnakeBeta
 
 if TYPE_CHECKING:
@@ -24,15 +26,30 @@ def _kernel_width(channels: int) -> bool:
     return channels in (1, 8) or (channels > 0 and channels % 16 == 0)
 
 
-_CAUSAL = ("Qwen3OmniMoeCausalConvNet", "Qwen3OmniMoeCausalTransConvNet")
-
 # a transposed convolution over fewer input steps than this takes its taps as a panel multiply of
-# the steps' rows (``BatchVocoder._transposed``): 16 x 128 -> 1024 over 20 steps 0.99 -> 0.68 ms
+# the steps' rows (``BatchVocoder._transposed``): the convolution's 16-step blocks would mostly be padding
 _SHORT_STEPS = 32
 
 
+@functools.cache
+def _hf() -> Any:
+    """transformers' Qwen3-Omni modeling module, whose vocoder classes ``BatchVocoder`` dispatches on
+    (imported at the first vocoder step: a Code2Wav is built from transformers' module anyway)."""
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe
+
+    return modeling_qwen3_omni_moe
+
+
 def _is_snake(m: nn.Module) -> bool:
-    return isinstance(m, _SnakeBeta) or type(m).__name__ == "Qwen3OmniMoeSnakeBeta"
+    return isinstance(m, (_SnakeBeta, _hf().Qwen3OmniMoeSnakeBeta))
+
+
+def _is_causal_conv(m: nn.Module | None) -> bool:
+    return isinstance(m, _hf().Qwen3OmniMoeCausalConvNet)
+
+
+def _is_causal_trans(m: nn.Module | None) -> bool:
+    return isinstance(m, _hf().Qwen3OmniMoeCausalTransConvNet)
 
 
 def _per_row(fn: Any, x: torch.Tensor) -> torch.Tensor:
@@ -57,10 +74,17 @@ class BatchVocoder:
     linears with the GELU in the first one's store), without the kernels one request at a time. The
     SnakeBeta kernel already works per row."""
 
+    # residual units through the one-pass ``residual_unit`` kernel; False: the three-kernel form (the
+    # same bits; tests compare the two)
+    fuse_units = True
+
     def __init__(self, old: Mapping[int, torch.Tensor] | None, taps: dict[Any, tuple[object, Any]]) -> None:
         self.old = old
         self.new: dict[int, torch.Tensor] = {}
-        self.kernel = cpu_ops.ops()
+        # the vocoder kernels (``mstar.models.qwen3_omni.kernels``) go with the core panel linears (a
+        # short input's taps, the ConvNeXt pointwise layers): both, or the PyTorch paths
+        self.core = cpu_ops.ops()
+        self.kernel = kernels.ops() if self.core is not None else None
         self._taps = taps
 
     def sequence(self, modules: Iterable[nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -70,8 +94,8 @@ class BatchVocoder:
         i = 0
         while i < len(modules):
             m, nxt = modules[i], modules[i + 1] if i + 1 < len(modules) else None
-            if _is_snake(m) and nxt is not None and type(nxt).__name__ in _CAUSAL:
-                x = self._causal(nxt, x, act=m) if type(nxt).__name__ == _CAUSAL[0] else self._trans(nxt, x, act=m)
+            if _is_snake(m) and (_is_causal_conv(nxt) or _is_causal_trans(nxt)):
+                x = self._causal(nxt, x, act=m) if _is_causal_conv(nxt) else self._trans(nxt, x, act=m)
                 i += 2
             else:
                 x = self(m, x)
@@ -79,19 +103,19 @@ class BatchVocoder:
         return x
 
     def __call__(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        kind = type(m).__name__
-        if kind == _CAUSAL[0]:
+        hf = _hf()
+        if _is_causal_conv(m):
             return self._causal(m, x)
-        if kind == _CAUSAL[1]:
+        if _is_causal_trans(m):
             return self._trans(m, x)
-        if kind == "Qwen3OmniMoeConvNeXtBlock":  # its depthwise convolution, then pointwise layers
+        if isinstance(m, hf.Qwen3OmniMoeConvNeXtBlock):  # its depthwise convolution, then pointwise layers
             h = self._causal(m.dwconv, x)
             pointwise = self._packed_pointwise(m, h)
             if pointwise is not None:  # every step a row of [B * n, C]: LayerNorm, up with GELU, down
                 up, down = pointwise
                 b, c, n = h.shape
                 rows = h.transpose(1, 2).reshape(b * n, c).contiguous()
-                rows = self.kernel.layer_norm(rows, m.norm.weight, m.norm.bias, m.norm.eps)
+                rows = self.core.layer_norm(rows, m.norm.weight, m.norm.bias, m.norm.eps)
                 h = down(up.linear_gelu(rows, m.pwconv1.bias), bias=m.pwconv2.bias).view(b, n, c).transpose(1, 2)
             else:
                 h = torch.stack([m.norm(row.t()).t() for row in h])  # LayerNorm over the channels
@@ -99,16 +123,16 @@ class BatchVocoder:
                 h = torch.stack([m.act(row) for row in h])
                 h = self._pointwise(m.pwconv2, h)
             return x + m.gamma[:, None] * h
-        if kind == "Qwen3OmniMoeCode2WavDecoderResidualUnit":  # x + conv2(act2(conv1(act1(x))))
+        if isinstance(m, hf.Qwen3OmniMoeCode2WavDecoderResidualUnit):  # x + conv2(act2(conv1(act1(x))))
             fused = self._unit(m, x)
             if fused is not None:
                 return fused
             return self._causal(m.conv2, self._causal(m.conv1, x, act=m.act1), act=m.act2, residual=x)
-        if kind == "Qwen3OmniMoeCode2WavDecoderBlock":
+        if isinstance(m, hf.Qwen3OmniMoeCode2WavDecoderBlock):
             return self.sequence(m.block, x)
         if _is_snake(m):
             return self._act(m, x)
-        raise TypeError(f"Code2Wav streaming does not know the vocoder module {kind}")
+        raise TypeError(f"Code2Wav streaming does not know the vocoder module {type(m).__name__}")
 
     def _packed_pointwise(self, m: nn.Module, h: torch.Tensor) -> tuple[Any, Any] | None:
         """A ConvNeXt block's pointwise layers as panel linears (``mstar.layers.prepack``), packed once
@@ -117,7 +141,7 @@ class BatchVocoder:
         from mstar.layers.prepack import PrepackedLinear
 
         norm, act, up, down = m.norm, m.act, m.pwconv1, m.pwconv2
-        if (self.kernel is None or h.device.type != "cpu" or h.dtype != torch.float32
+        if (self.core is None or self.kernel is None or h.device.type != "cpu" or h.dtype != torch.float32
                 or not isinstance(norm, nn.LayerNorm) or norm.weight is None or norm.bias is None
                 or not isinstance(act, nn.GELU) or act.approximate != "none"
                 or any(p is None or p.dtype != torch.float32 for p in (up.weight, up.bias, down.weight, down.bias))):
@@ -133,9 +157,9 @@ class BatchVocoder:
         first, second = m.conv1, m.conv2
         a, b = first.conv, second.conv
         c = x.shape[1]
-        if not (self.kernel is not None and hasattr(self.kernel, "residual_unit")
+        if not (self.kernel is not None and self.fuse_units
                 and isinstance(m.act1, _SnakeBeta) and isinstance(m.act2, _SnakeBeta)
-                and type(first).__name__ == type(second).__name__ == _CAUSAL[0]
+                and _is_causal_conv(first) and _is_causal_conv(second)
                 and x.device.type == "cpu" and x.dtype == torch.float32 and _kernel_width(c) and c != 1
                 and all(conv.groups == 1 and conv.stride == (1,) and conv.padding == (0,)
                         and conv.in_channels == conv.out_channels == c and conv.weight.dtype == torch.float32
@@ -285,7 +309,7 @@ class PreTransformer:
     (``mstar.layers.prepack``, q/k/v and gate/up each one multiply, packed once per weight version),
     the norms through the per-row RMSNorm kernel, attention in one call (per request and head), the rest
     single-rounding elementwise steps. One forward of 16 five-frame chunks instead of 16 of
-    transformers' (each ~5 ms of per-call work on the benchmark model). ``usable()`` is False without
+    transformers' (each with its own per-call overhead). ``usable()`` is False without
     the kernels or for a config it does not cover (attention bias, another activation); callers then
     run transformers' module per request."""
 

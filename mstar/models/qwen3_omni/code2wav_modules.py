@@ -1,24 +1,24 @@
 """Code2Wav's vocoder modules swapped for faster ones with the same parameters (``swap_fast_modules``):
 kernel-1 convolutions as matrix multiplies, narrow convolutions through the compiled
-``narrow_conv1d``, SnakeBeta through the compiled ``snake_beta`` (``mstar.layers.cpu_ops``); each with
-a PyTorch path where the extension is missing."""
+``narrow_conv1d``, SnakeBeta through the compiled ``snake_beta`` (``mstar.models.qwen3_omni.kernels``);
+each with a PyTorch path where the extension is missing."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from mstar.layers import cpu_ops
 from mstar.layers.prepack import Snapshot, unchanged, versions
+from mstar.models.qwen3_omni import kernels
 
 __all__ = ["swap_fast_modules"]
 
 
 class _PointwiseConv1d(nn.Conv1d):
     """A kernel-1, stride-1 ``Conv1d`` computed as one matrix multiply over the channels. oneDNN's
-    direct convolution reorders narrow tensors into its blocked layout and back: at 8 channels x
-    66,663 steps (the last decoder block of the benchmark model) 4.1 ms against 0.15 ms here; the
-    same parameters (names and shapes), so checkpoints load unchanged."""
+    direct convolution reorders narrow tensors into its blocked layout and back at every call, which
+    costs more than the multiply on few channels over many steps; the same parameters (names and
+    shapes), so checkpoints load unchanged."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _pointwise(self, x)
@@ -36,15 +36,13 @@ class _NarrowConv1d(nn.Conv1d):
     """A stride-1, unpadded ``Conv1d`` with few channels (the vocoder's last stages: 1, 8 or 16
     outputs) through the compiled ``narrow_conv1d`` (every output channel's accumulator in a
     register; terms in a fixed order). oneDNN reorders such narrow tensors into its blocked layout
-    and back at every call: on the benchmark model's ``8 -> 8`` kernel-7 convolution over 48,000
-    steps 0.93 ms against 0.21 ms, ``8 -> 1`` over 66,651 steps 1.24 ms against 0.10 ms; the
-    kernel-1 ``8 -> 8`` over 48,000 steps 56 us against 113 us as a batched matrix multiply.
-    Without the extension a kernel-1 convolution is that multiply, a one-output convolution a matmul
+    and back at every call, which dominates a convolution of so few channels (the real model's last
+    ``96 -> 1`` convolution included). Without the extension a kernel-1 convolution is that multiply, a one-output convolution a matmul
     of its taps and a shifted sum, others ``nn.Conv1d``'s. Same parameters as the module it
     replaces."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = cpu_ops.ops()
+        kernel = kernels.ops()
         if kernel is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype == torch.float32:
             return kernel.narrow_conv1d(x.contiguous(), self.weight, self.bias, self.dilation[0])
         if self.kernel_size == (1,):
@@ -65,7 +63,7 @@ class _NarrowConv1d(nn.Conv1d):
 class _SnakeBeta(nn.Module):
     """transformers' ``Qwen3OmniMoeSnakeBeta`` (``x + sin(alpha * x)^2 / (beta + 1e-9)``, alpha and beta
     stored as logs, per channel of ``[B, C, T]``) in one pass of the compiled kernel
-    (``mstar.layers.cpu_ops``: ``snake_beta``) instead of five operators; the same arithmetic in
+    (``mstar.models.qwen3_omni.kernels``: ``snake_beta``) instead of five operators; the same arithmetic in
     PyTorch without it. Same parameters as the module it replaces."""
 
     def __init__(self, channels: int, *, device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
@@ -90,7 +88,7 @@ class _SnakeBeta(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         alpha, inv_beta = self.scales()
-        kernel = cpu_ops.ops()
+        kernel = kernels.ops()
         if kernel is not None and x.device.type == "cpu" and x.dtype == alpha.dtype == torch.float32:
             return kernel.snake_beta(x.contiguous(), alpha, inv_beta)
         return x + inv_beta[None, :, None] * torch.sin(x * alpha[None, :, None]).pow(2)

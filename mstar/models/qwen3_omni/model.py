@@ -112,7 +112,7 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point():
             raise ValueError("qwen3-omni: input_ids must be a non-empty 1-D integer tensor")
         # the checks below read the ids as one Python list: a few list scans instead of some twelve small
-        # tensor operations (a submit's largest part: ~0.1 ms a request)
+        # tensor operations, each a torch dispatch on the caller's thread for every submit
         tokens: list[int] = ids.tolist()
         vocab = self.config.thinker.vocab_size
         if min(tokens) < 0 or max(tokens) >= vocab:

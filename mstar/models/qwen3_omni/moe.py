@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.cpu_ops import ops
 from mstar.layers.prepack import (
     PrepackableLinear,
     PrepackedGroup,
@@ -29,8 +28,9 @@ from mstar.layers.prepack import (
     unchanged,
     versions,
 )
+from mstar.models.qwen3_omni import kernels
 
-__all__ = ["Experts", "SparseMoeBlock", "SwiGLU", "route", "route_reference"]
+__all__ = ["Experts", "SparseMoeBlock", "SwiGLU", "route"]
 
 
 class SwiGLU(nn.Module):
@@ -59,22 +59,15 @@ class SwiGLU(nn.Module):
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in ``logits.dtype``, expert ids [T, k]) of router logits ``[T, E]``: softmax in
-    float32, top-k, renormalised when ``normalize``. On a CPU with the compiled kernels one pass
-    (``moe_route``, within a few ulp of these operators), else the PyTorch operators."""
-    kernel = ops()
-    if (kernel is not None and logits.device.type == "cpu" and logits.dim() == 2
-            and logits.dtype in (torch.float32, torch.bfloat16)):
-        return kernel.moe_route(logits.contiguous(), top_k, normalize)
-    return route_reference(logits, top_k, normalize)
-
-
-def route_reference(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``route`` by PyTorch's operators (the reference's steps)."""
+    float32, top-k, renormalised when ``normalize`` (the reference's steps). No compiled router: at
+    the real model's 128 experts a fused kernel does not beat these operators at decode or prefill
+    batch sizes, so the block keeps one path, the reference's."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), experts
+
 
 
 class Experts(nn.Module):
@@ -93,7 +86,7 @@ class Experts(nn.Module):
         # panel route: every expert's packed gate/up and down stacked, for the kernel's ``moe_experts``
         # (the per-expert packs are views of these)
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._kernel = None  # the extension the experts were packed for (panel route)
+        self._kernel = None  # Qwen3-Omni's extension (``moe_experts``), looked up at packing
 
     def prepack(self) -> bool:
         """Each expert's gate/up (SiLU-mul fused) and down projections prepacked (``mstar.layers.prepack``)."""
@@ -107,7 +100,7 @@ class Experts(nn.Module):
                              torch.stack([dn.packed for _, dn in self.prepacked]))
             for e, (gu, dn) in enumerate(self.prepacked):
                 gu.packed, dn.packed = self._stacked[0][e], self._stacked[1][e]
-            self._kernel = ops()
+            self._kernel = kernels.ops()
         self._packed_from = versions(self.gate_up_proj, self.down_proj)
         return True
 

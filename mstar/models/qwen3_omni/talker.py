@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.attention_backends import AttentionBackend
-from mstar.layers.cpu_ops import ops
 from mstar.layers.norms import RMSNorm
+from mstar.layers.paged_decode import kernel as attention_kernel
 from mstar.layers.prepack import PrepackableLinear
 from mstar.models.qwen3_omni.config import CodePredictorConfig, TalkerConfig
 from mstar.models.qwen3_omni.moe import SwiGLU
@@ -202,7 +202,7 @@ class _DenseAttention(QKNormAttention):
         """The group's rows ``q`` [b * n, Hq, D] over its cache and new ``k``/``v`` -> [b * n, Hq * D]."""
         b, n, d, total = len(g.members), g.n, self.head_dim, g.cached + g.n
         k_cache, v_cache = g.store[layer, 0], g.store[layer, 1]  # [b, capacity, Hkv, D], contiguous
-        ext = ops()
+        ext = attention_kernel()  # the compiled attention (off with MSTAR_ATTENTION_KERNEL=torch)
         if (n == 1 and ext is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
                 and k.dtype == v.dtype == q.dtype == k_cache.dtype and all(map(_rows_ok, (q, k, v)))):
             slots, tables, ctx = _decode_plan(b, k_cache.shape[1], g.cached)

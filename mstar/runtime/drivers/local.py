@@ -157,7 +157,7 @@ class ProcessDriver:
                 raise RuntimeError(f"worker process {why}")
         self._started()
 
-    # hooks of a driver whose workers reach each other differently (``mesh_driver.py``)
+    # hooks of a driver whose workers reach each other differently (``mesh.py``)
     def _open_transport(self) -> ZmqTransport:
         return ZmqTransport(self._run_dir, CONDUCTOR)
 

@@ -10,7 +10,7 @@ Each engine's block pool therefore goes through the same sequence of operations 
 and makes the same decisions (which items are admitted, which blocks they get), so all ranks
 run the same forwards over the same token rows and meet in the collectives in the same order.
 A follower drops the outputs of its forwards; nothing else reaches its engine (a ``FreeRequest``
-from the conductor frees its walks and buffers, never its follower engines). ``tp_follower.py``
+from the conductor frees its walks and buffers, never its follower engines). ``follower.py``
 has the follower's side, including KV migration between groups of equal ``tp_size`` (shard i to
 shard i) for per-walk placement.
 

@@ -1,4 +1,4 @@
-"""The wire format shared by ``serialization.encode`` and ``wire_decode.decode``: the header
+"""The wire format shared by ``serialization.encode`` and ``decode.decode``: the header
 layout, the kind markers of non-native values, integer bounds and the dtypes that may be sent.
 
 header = msgpack array [FORMAT_VERSION, n_buffers, root]. Plain None/bool/int/float/str/bytes/

@@ -1,10 +1,11 @@
 """Reused shared-memory segments for large tensor frames between the processes of one host.
 
 A fresh /dev/shm file per frame costs the kernel a page allocation (and zeroing) per 4 KiB on the
-sender and the freeing of all of them later: several times a memcpy. The sender instead keeps a pool
-of ``memfd`` segments (anonymous: no name in /dev/shm, gone when no process holds them) and copies a
-frame into a free one, whose pages are already there; the receiver maps the segment through
-``/proc/<sender pid>/fd/<fd>`` and decodes the tensor from the mapping without a copy.
+sender and the freeing of all of them later, more work than copying the frame itself. The sender
+instead keeps a pool of ``memfd`` segments (anonymous: no name in /dev/shm, gone when no process
+holds them) and copies a frame into a free one, whose pages are already there; the receiver maps
+the segment through ``/proc/<sender pid>/fd/<fd>`` and decodes the tensor from the mapping without
+a copy.
 
 Ownership is one byte at the start of each segment's header page: the sender sets it before it
 copies, the receiver clears it when the last view of the mapping is gone (a ``weakref.finalize``
