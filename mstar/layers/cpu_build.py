@@ -6,7 +6,7 @@ An extension is a few source files compiled by ``torch.utils.cpp_extension`` wit
 kernels (``mstar.layers.cpu_ops``) and Qwen3-Omni's (``mstar.models.qwen3_omni.kernels``, sources in
 ``mstar/models/qwen3_omni/csrc``); ``mstar.models.kernels.build_all`` builds both. Kernel sources
 include ``torch/types.h``, only an extension's bindings file ``torch/extension.h`` (pybind11 and the
-whole C++ API): parsing that is most of a source's compile time.
+whole C++ API), which is slow to parse.
 
 Builds are cached under ``$MSTAR_KERNEL_DIR`` (default ``~/.cache/mstar/kernels``), one directory per
 extension, torch version, CPU feature set (a ``-march=native`` build only runs where the features

@@ -45,7 +45,7 @@ typedef float vf4 __attribute__((vector_size(16)));
 
 // p[0..16) as floats, loaded as one vector: filling a float array element by element and copying it
 // into the vector made GCC (tuned for a Xeon, 256-bit vectors preferred) store two halves and load the
-// whole, a store-forwarding stall on every load (two thirds of the decode kernel's time there).
+// whole, a store-forwarding stall on every load.
 inline vf16 load16(const float* p) {
   vf16 v;
   std::memcpy(&v, p, sizeof v);
@@ -66,7 +66,7 @@ inline VF widen_bf16(const c10::BFloat16* p) {
 
 #if defined(__AVX512F__)
 // One zero-extending load and a shift: GCC (tuned for 256-bit vectors) split the vector-extension
-// widening into two 8-lane conversions and an insert, most of the bf16 kernels' time.
+// widening into two 8-lane conversions and an insert.
 inline vf16 load16(const c10::BFloat16* p) {
   const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
   vf16 v;
@@ -119,7 +119,7 @@ inline float sum(const float* x, int64_t n) {
 // dot() of one query with 16 keys at once: each key's 16 lane-wise partial sums exactly as dot() forms
 // them, then the 16 folds together, pairs of vectors combined lane-wise so that every key's lanes are
 // added in fold()'s tree ((l + l+8), (l + l+4), then (0 + 2) + (1 + 3)): the same 16 floats as 16
-// dot() calls, for ~2 shuffles a key instead of ~4 and a scalar tail each. keys[j] + off: key j's row.
+// dot() calls, with half the shuffles a key and no scalar tail. keys[j] + off: key j's row.
 template <typename T>
 __attribute__((always_inline)) inline vf16 dot16(const float* q, const T* const* keys, int64_t off, int64_t d) {
   vf16 a[kLanes];
@@ -215,7 +215,7 @@ typedef int32_t vi8 __attribute__((vector_size(32)));
 
 // exp(x) for x <= 0 (softmax after subtracting the max), lane by lane: 2^n * poly(r), r = x - n ln2,
 // |r| <= ln2/2; within ~2 ulp of expf. Written on vectors because GCC does not vectorise a scalar
-// loop of it for every target (on an AVX2 build it stayed scalar, a third of the block kernel).
+// loop of it for every target (on an AVX2 build it stayed scalar).
 // V is the register-wide vector (16 floats with AVX-512, else 8: a 16-float select on AVX2 was
 // split into scalar code), VI its int32 twin.
 template <typename V, typename VI>

@@ -169,10 +169,21 @@ struct Ahead {
 // Rows [0, R) of x times one panel [K][64]: one float32 multiply-add per (row, column, k), k
 // ascending. R is a template argument so the accumulators live in registers; every row's
 // arithmetic is the same for any R.
+//
+// The loop works on a local copy of the accumulators. `acc` belongs to the caller, whose store
+// epilogue takes its address; the input rows are floats, which may alias a float vector's memory,
+// so on `acc` itself GCC cannot prove the loads from x leave it unchanged and may keep some tiles'
+// accumulators in memory, storing all of them at every k (it did for the 4-row tile of a 16-row batch
+// in one build and not in another, depending only on what else the translation unit held). A copy
+// whose address never escapes is promoted to registers whatever the surrounding code.
 #if defined(__AVX512F__)
 template <int R, typename TX, typename TW>
 inline void accumulate(const TX* x, int64_t ldx, int64_t n, const TW* panel, vf16 (&acc)[R][4],
                        const Ahead& ahead) {
+  vf16 a[R][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = acc[r][j];
   int64_t fetch = ahead.rows != nullptr ? ahead.phase : n;
   for (int64_t k = 0; k < n; ++k) {
     const TW* w = panel + k * kPanel;
@@ -184,14 +195,18 @@ inline void accumulate(const TX* x, int64_t ldx, int64_t n, const TW* panel, vf1
     // keep the panel's row in registers: otherwise the compiler re-reads it from memory for every
     // row of the tile (one load per multiply-add), and loads, not multiply-adds, bound the loop
     asm("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float xv = scalar(x[r * ldx + k]);
-      acc[r][0] += xv * w0;
-      acc[r][1] += xv * w1;
-      acc[r][2] += xv * w2;
-      acc[r][3] += xv * w3;
+      a[r][0] += xv * w0;
+      a[r][1] += xv * w1;
+      a[r][2] += xv * w2;
+      a[r][3] += xv * w3;
     }
   }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = a[r][j];
 }
 #else
 // Without AVX-512 a 16-float vector takes two of the 16 ymm registers, and a tile of R rows x 64

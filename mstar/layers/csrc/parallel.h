@@ -2,8 +2,8 @@
 //
 // On torch's own intra-op pool (OpenMP): one set of worker threads for torch's operators and
 // these kernels. Two pools fight over the cores on a small machine: a busy-waiting pool of our own
-// (the previous design) slowed a Qwen3-Omni step that mixes torch operators and these kernels
-// ~1.5x, because libgomp's workers spin after every torch region without yielding. libgomp only
+// (the previous design) slowed a Qwen3-Omni step that mixes torch operators and these kernels,
+// because libgomp's workers spin after every torch region without yielding. libgomp only
 // keeps spinning while the process has no more OpenMP threads than cores; the runtime frees the
 // other threads' idle pools for that reason (mstar/runtime/openmp.py).
 //
