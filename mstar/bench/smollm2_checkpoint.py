@@ -15,9 +15,10 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from mstar.bench.llm_bench import LlmShape, default_cache_dir
+from mstar.bench.llm_shape import LlmShape, default_cache_dir
 from mstar.model.gguf_file import open_gguf
-from mstar.models.llama.gguf_loader import hf_tensors, llama_config_from_gguf
+from mstar.models.llama.config import llama_config_from_gguf
+from mstar.models.llama.gguf_loader import hf_tensors
 
 __all__ = ["ensure_smollm2_checkpoint", "smollm2_shape"]
 

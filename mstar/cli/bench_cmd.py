@@ -110,8 +110,9 @@ def _add_compare(bsub) -> None:
     x.add_argument("--b1-requests", type=int, default=4,
                    help="llm: requests run one at a time for the batch-1 figures (default 4)")
     x.add_argument("--max-tokens", type=int, default=128, help="llm: new tokens per request (default 128)")
-    x.add_argument("--systems", default="mstar,vllm-cpu,hf", help="llm: comma-separated systems "
-                   "(default mstar,vllm-cpu,hf)")
+    x.add_argument("--systems", default="mstar,vllm-cpu,vllm-cpu-defaults,hf",
+                   help="llm: comma-separated systems (default mstar,vllm-cpu,vllm-cpu-defaults,hf; vllm-cpu is "
+                        "vLLM configured as its CPU docs say, vllm-cpu-defaults as it comes)")
     x.add_argument("--workloads", default="concurrent,b1",
                    help="llm: concurrent (all requests at once) and/or b1 (one at a time)")
     x.add_argument("--model", "--workload", dest="model", choices=["random", "smollm2"], default="random",

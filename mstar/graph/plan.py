@@ -111,9 +111,6 @@ class NodePlan:
     loop_exit_names: tuple[str, ...] = ()  # outputs that leave ``frame`` when it ends
     stop_signal: str | None = None  # set when this node decides a dynamic loop's end
 
-    def routes_for(self, edge_name: str) -> tuple[Route, ...]:
-        return tuple(r for r in self.routes if r.edge_name == edge_name)
-
 
 @dataclass(frozen=True)
 class LoopExit:
@@ -162,8 +159,3 @@ class WalkPlan:
             return self.top_nodes, self.top_loops
         lp = self.loops[frame]
         return lp.body_nodes, lp.inner_loops
-
-    def describe(self) -> str:
-        from mstar.graph.render import describe_plan
-
-        return describe_plan(self)

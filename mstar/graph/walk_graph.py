@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from mstar.graph.compiler import compile_walk
 from mstar.graph.plan import WalkPlan
+from mstar.graph.render import describe_plan
 from mstar.graph.sections import Section
 from mstar.graph.topology import DEFAULT_PARTITION, PartitionTopology
 
@@ -78,7 +79,7 @@ class WalkGraph:
 
     def describe(self, walk: str | None = None) -> str:
         names = [walk] if walk else list(self.plans)
-        return "\n\n".join(self.plan(n).describe() for n in names)
+        return "\n\n".join(describe_plan(self.plan(n)) for n in names)
 
     def to_dot(self, walk: str) -> str:
         from mstar.graph.render import plan_to_dot

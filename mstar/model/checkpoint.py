@@ -4,6 +4,7 @@ state dict into a module that reports every missing, unexpected and mis-shaped n
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ __all__ = [
     "LOAD_FORMATS",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "LoadReport",
     "check_load_format",
     "listed",
     "load_into",
@@ -37,6 +39,18 @@ class CheckpointError(ValueError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A model directory, config or weight file is missing."""
+
+
+@dataclass
+class LoadReport:
+    """What a loader read into a model: the files, the tensors and their bytes, the seconds it took,
+    and the entries it skipped (ignored names and tied duplicates)."""
+
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    skipped: list[str] = field(default_factory=list)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

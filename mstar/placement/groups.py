@@ -105,9 +105,6 @@ class NodeGroup:
     def scoped(self) -> bool:
         return self.graph_walks is not None
 
-    def applies_to(self, walk: str) -> bool:
-        return self.graph_walks is None or walk in self.graph_walks
-
     @property
     def label(self) -> str:
         return ", ".join(self.node_names)

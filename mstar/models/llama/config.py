@@ -1,4 +1,5 @@
-"""``LlamaConfig``: the architecture fields of a Hugging Face Llama ``config.json``.
+"""``LlamaConfig``: the architecture fields of a Hugging Face Llama ``config.json`` (or of a GGUF file's
+metadata: ``llama_config_from_gguf``).
 
 Both layouts transformers has written are read:
 
@@ -18,11 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from mstar.layers.rotary import RopeScaling, parse_rope_scaling
+from mstar.model.checkpoint import CheckpointError, CheckpointNotFoundError, listed
+from mstar.model.gguf_file import GGUFFile, open_gguf
 from mstar.model.validation import check_int
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TINY", "LlamaConfig", "read_json"]
+__all__ = ["ROPE_FREQS", "TINY", "LlamaConfig", "gguf_eos_ids", "llama_config_from_gguf", "read_json"]
+
+ROPE_FREQS = "rope_freqs.weight"  # a GGUF tensor of per-frequency RoPE factors (Llama 3.1 style): not supported
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -155,11 +160,7 @@ class LlamaConfig:
     @classmethod
     def from_pretrained(cls, model_path: str | Path) -> LlamaConfig:
         """Read ``model_path/config.json``, or the metadata of ``model_path`` when it is a ``.gguf`` file."""
-        from mstar.models.llama.loader import CheckpointNotFoundError
-
         if str(model_path).lower().endswith(".gguf"):
-            from mstar.models.llama.gguf_loader import llama_config_from_gguf
-
             return llama_config_from_gguf(model_path)
         path = Path(model_path)
         if not path.is_dir():
@@ -221,3 +222,77 @@ TINY = LlamaConfig(
     bos_token_id=1,
     eos_token_id=(2,),
 )
+
+
+# -- GGUF metadata ----------------------------------------------------------------------------------------
+def _int_field(meta: Mapping[str, Any], key: str, source: str, default: int | None = None) -> int | None:
+    value = meta.get(key, default)
+    if isinstance(value, list):
+        raise CheckpointError(f"{source}: {key} is per layer ({value[:4]}...); only one value for every "
+                              f"layer is supported for Llama")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise CheckpointError(f"{source}: {key} must be an int, got {value!r}")
+    return value
+
+
+def _rope_scaling(meta: Mapping[str, Any], arch: str, source: str, max_pos: int) -> RopeScaling | None:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "linear":
+        raise CheckpointError(f"{source}: {arch}.rope.scaling.type {kind!r} is not supported "
+                              f"(only 'none' and 'linear')")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if factor is None:
+        raise CheckpointError(f"{source}: linear rope scaling without {arch}.rope.scaling.factor")
+    original = meta.get(f"{arch}.rope.scaling.original_context_length", max_pos)
+    return RopeScaling("linear", float(factor), original_max_position_embeddings=original)
+
+
+def gguf_eos_ids(gf: GGUFFile) -> tuple[int, ...]:
+    """The ids generation stops on: the EOS token, and the end-of-turn / end-of-message ones if named."""
+    ids = [gf.metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return tuple(dict.fromkeys(i for i in ids if isinstance(i, int) and not isinstance(i, bool)))
+
+
+def llama_config_from_gguf(path: str | Path | GGUFFile) -> LlamaConfig:
+    """The ``LlamaConfig`` a GGUF file's metadata describes (``general.architecture`` must be llama)."""
+    gf = path if isinstance(path, GGUFFile) else open_gguf(path)
+    meta, source, arch = gf.metadata, gf.path.name, gf.architecture
+    if arch != "llama":
+        raise CheckpointError(f"{source}: general.architecture is {arch!r}; the llama family loads only "
+                              f"'llama' GGUF files")
+    if ROPE_FREQS in gf.tensor_names:
+        raise CheckpointError(f"{source}: tensor {ROPE_FREQS} (per-frequency RoPE factors, Llama 3.1 "
+                              f"style) is not supported")
+    required = {k: _int_field(meta, f"{arch}.{k}", source) for k in
+                ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")}
+    missing = [f"{arch}.{k}" for k, v in required.items() if v is None]
+    if missing:
+        raise CheckpointError(f"{source}: missing Llama metadata {listed(missing)}")
+    heads = required["attention.head_count"]
+    head_dim = _int_field(meta, f"{arch}.attention.key_length", source)
+    rot = _int_field(meta, f"{arch}.rope.dimension_count", source)
+    head_dim = head_dim or rot or required["embedding_length"] // heads
+    if rot is not None and rot != head_dim:
+        raise CheckpointError(f"{source}: rope.dimension_count {rot} != head dim {head_dim} "
+                              f"(partial rotary embeddings are not supported)")
+    vocab = _int_field(meta, f"{arch}.vocab_size", source)
+    if vocab is None:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens else gf.shape("token_embd.weight")[0]
+    max_pos = _int_field(meta, f"{arch}.context_length", source, 2048)
+    eos = gguf_eos_ids(gf)
+    try:
+        return LlamaConfig(
+            vocab_size=vocab, hidden_size=required["embedding_length"],
+            intermediate_size=required["feed_forward_length"], num_hidden_layers=required["block_count"],
+            num_attention_heads=heads,
+            num_key_value_heads=_int_field(meta, f"{arch}.attention.head_count_kv", source, heads),
+            head_dim=head_dim, rms_norm_eps=meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
+            rope_scaling=_rope_scaling(meta, arch, source, max_pos),
+            tie_word_embeddings="output.weight" not in gf.tensor_names, max_position_embeddings=max_pos,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=eos or None)
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from e

@@ -28,8 +28,8 @@ from typing import Any
 
 from mstar.model.checkpoint import CheckpointError
 from mstar.model.gguf_file import GGUFFile, open_gguf
-from mstar.models.llama.gguf_loader import gguf_eos_ids
-from mstar.models.llama.tokenizer import HFTokenizer
+from mstar.models.llama.config import gguf_eos_ids
+from mstar.models.llama.hf_tokenizer import HFTokenizer
 
 __all__ = ["GGUFTokenizer", "build_gguf_tokenizer", "byte_alphabet", "gguf_chat_template"]
 

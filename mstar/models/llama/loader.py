@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from mstar.model.checkpoint import (
     DTYPES,
     CheckpointError,
     CheckpointNotFoundError,
+    LoadReport,
     check_load_format,
     listed,
     mismatch_report,
@@ -37,6 +37,8 @@ from mstar.model.checkpoint import (
 )
 from mstar.model.gguf_file import is_gguf_path
 from mstar.models.llama.config import LlamaConfig, read_json
+from mstar.models.llama.gguf_loader import load_gguf_weights
+from mstar.models.llama.nodes import DEFAULT_SAMPLING, LlamaCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -84,15 +86,6 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
     hint = f" (found {listed(legacy)}: only safetensors checkpoints are supported)" if legacy else ""
     raise CheckpointNotFoundError(f"no weights in {str(path)!r}: expected {SINGLE_FILE} or "
                                   f"{INDEX_FILE}{hint}")
-
-
-@dataclass
-class LoadReport:
-    files: list[str] = field(default_factory=list)
-    tensors: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    skipped: list[str] = field(default_factory=list)  # ignored entries and tied duplicates
 
 
 def _targets(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[int, list[str]]]:
@@ -229,8 +222,6 @@ def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = No
     (``None``: unless ``MSTAR_PREPACK=0``) the projections are then prepacked
     (``mstar.layers.prepack``), which keeps a second copy of those weights.
     """
-    from mstar.models.llama.nodes import DEFAULT_SAMPLING, LlamaCausalLM
-
     check_load_format(load_format, LOAD_FORMATS)
     torch_dtype = resolve_dtype(dtype)
     files: list[Path] = []
@@ -248,8 +239,6 @@ def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = No
         init_dummy_weights(module, seed)
         log.info("initialised dummy Llama weights (seed %d, %s)", seed, torch_dtype)
     elif is_gguf_path(model_path):
-        from mstar.models.llama.gguf_loader import load_gguf_weights
-
         load_gguf_weights(module, model_path, config)
     else:
         report = load_safetensors(module, files)

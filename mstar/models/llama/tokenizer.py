@@ -11,7 +11,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mstar.models.llama.config import read_json
+from mstar.model.checkpoint import CheckpointNotFoundError
+from mstar.model.gguf_file import open_gguf
+from mstar.models.llama.config import gguf_eos_ids, read_json
+from mstar.models.llama.gguf_tokenizer import GGUFTokenizer
+from mstar.models.llama.hf_tokenizer import HFTokenizer
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "checkpoint_eos_ids", "load_tokenizer"]
 
@@ -46,43 +50,6 @@ class ByteTokenizer:
         return "ByteTokenizer()"
 
 
-class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library."""
-
-    def __init__(self, path: str | Path, eos_token_ids: Sequence[int] = (), bos_token_id: int | None = None,
-                 pad_token_id: int | None = None) -> None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as e:  # pragma: no cover - tokenizers ships with the serving extras
-            raise ImportError("loading tokenizer.json needs the 'tokenizers' package "
-                              "(pip install tokenizers)") from e
-        self.path = str(path)
-        try:
-            self._tok: Any = Tokenizer.from_file(self.path)
-        except Exception as e:  # noqa: BLE001 - name the file
-            raise ValueError(f"cannot load tokenizer {self.path!r}: {e}") from e
-        self.eos_token_ids = tuple(eos_token_ids)
-        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
-        self.bos_token_id = bos_token_id
-        self.pad_token_id = pad_token_id
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
-
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
-    def __repr__(self) -> str:
-        return f"HFTokenizer({self.path!r})"
-
-
 def _ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, int) and not isinstance(value, bool):
         return (value,)
@@ -95,9 +62,6 @@ def checkpoint_eos_ids(model_path: str | Path) -> tuple[int, ...]:
     """The EOS ids generation stops on: ``generation_config.json``'s if it names some (as transformers'
     ``generate`` uses them), else ``config.json``'s; for a ``.gguf`` file, the ids its metadata names."""
     if str(model_path).lower().endswith(".gguf"):
-        from mstar.model.gguf_file import open_gguf
-        from mstar.models.llama.gguf_loader import gguf_eos_ids
-
         return gguf_eos_ids(open_gguf(model_path))
     path = Path(model_path)
     for name in ("generation_config.json", "config.json"):
@@ -111,11 +75,7 @@ def checkpoint_eos_ids(model_path: str | Path) -> tuple[int, ...]:
 
 def load_tokenizer(model_path: str | Path, eos_token_ids: Sequence[int] | None = None) -> HFTokenizer:
     """The tokenizer of a checkpoint directory (its ``tokenizer.json``) or of a ``.gguf`` file (its metadata)."""
-    from mstar.models.llama.loader import CheckpointNotFoundError
-
     if str(model_path).lower().endswith(".gguf"):
-        from mstar.models.llama.gguf_tokenizer import GGUFTokenizer
-
         return GGUFTokenizer(model_path, eos_token_ids)
     path = Path(model_path)
     if not path.is_dir():

@@ -21,23 +21,11 @@ import torch
 from mstar.model.adapter import GENERATE, POLICY, ApiAdapter, ApiRequest
 from mstar.models.pi05 import inputs as pi
 from mstar.models.pi05.config import Pi05Config, Pi05Request
+from mstar.models.pi05.inputs import Observation
 
 OBSERVATION_INPUTS = frozenset({*pi.CAMERA_SLOTS, "state", "token_ids", "noise"})
 MODEL_INPUTS = frozenset({"images", "image_masks", "token_ids", "token_mask", "noise"})
 MAX_SEED = 2**63 - 1
-
-
-@dataclass(frozen=True)
-class Observation:
-    """One robot observation as a client sends it (cameras by slot name, the state unnormalised)."""
-
-    cameras: Mapping[str, torch.Tensor]
-    state: np.ndarray | None = None
-    prompt: str | None = None
-    token_ids: torch.Tensor | None = None
-    noise: torch.Tensor | None = None
-    seed: int | None = None
-    action_dim: int | None = None
 
 
 @dataclass(frozen=True)

@@ -103,10 +103,6 @@ class Pi05Config:
         if self.expert.width % 2:
             raise ValueError("Pi05Config: the expert width must be even (sin/cos time embedding)")
 
-    @property
-    def max_prefix_tokens(self) -> int:
-        return self.max_cameras * self.vision.tokens_per_image + self.max_text_tokens
-
 
 PI05_BASE = Pi05Config(
     vision=VisionConfig(hidden_size=1152, intermediate_size=4304, num_layers=27, num_heads=16),

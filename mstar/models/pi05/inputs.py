@@ -28,6 +28,19 @@ TOKENIZER_FILES = ("paligemma_tokenizer.model", "tokenizer.model")
 # -- images ----------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Observation:
+    """One robot observation as a client sends it (cameras by slot name, the state unnormalised)."""
+
+    cameras: Mapping[str, torch.Tensor]
+    state: np.ndarray | None = None
+    prompt: str | None = None
+    token_ids: torch.Tensor | None = None
+    noise: torch.Tensor | None = None
+    seed: int | None = None
+    action_dim: int | None = None
+
+
 def resize_with_pad(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """An ``[H, W, 3]`` image (uint8, or float in [0, 1]) scaled to fit ``height x width`` keeping its
     aspect ratio (bilinear, ``align_corners=False``), centred, the rest black; same dtype out.

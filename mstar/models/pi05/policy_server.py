@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from mstar.models.pi05 import inputs as pi
-from mstar.models.pi05.adapter import Observation
+from mstar.models.pi05.inputs import Observation
 
 if TYPE_CHECKING:
     from mstar.models.pi05.adapter import Pi05Adapter

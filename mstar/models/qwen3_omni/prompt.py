@@ -76,10 +76,6 @@ class TalkerPrompt:
     input_ids: torch.Tensor
     user_positions: torch.Tensor
 
-    @property
-    def num_user(self) -> int:
-        return int(self.user_positions.numel())
-
 
 def _as_ids(prompt_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     ids = torch.as_tensor(prompt_ids, dtype=torch.long)

@@ -83,7 +83,3 @@ def spawn_worker(rank: int, model: Any, placement: Any, run_dir: str, device: st
     p.start()
     return p
 
-
-def spawn_workers(model: Any, placement: Any, run_dir: str, device: str, num_ranks: int,
-                  dist_address: str | None = None) -> list:
-    return [spawn_worker(rank, model, placement, run_dir, device, dist_address) for rank in range(num_ranks)]
