@@ -9,10 +9,10 @@ from mstar.graph import InputKind, RouteKind, Walk, WalkGraph
 from mstar.model import WalkState
 from mstar.models.bagel.graph import build_graph as build_bagel_graph
 from mstar.models.bagel.model import BagelTiny
-from mstar.models.bagel.seed_walks import image_gen_cfg_walk, image_gen_walk
 from mstar.models.orpheus.graph import build_graph as build_orpheus_graph
 from mstar.models.orpheus.model import OrpheusGraph
 from mstar.models.qwen3_omni.graph import build_graph as build_qwen3_omni_graph
+from tests.bagel_seed_walks import image_gen_cfg_walk, image_gen_walk
 
 
 def test_import_graph_does_not_import_torch():

@@ -15,6 +15,7 @@ from mstar.models.vjepa2.config import TINY_ENCODER, TINY_PREDICTOR, PredictorCo
 from mstar.models.vjepa2.encoder import VJepaEncoder, encode_frames
 from mstar.models.vjepa2.loader import dummy_vjepa2, init_random_weights, load_vjepa2_ac
 from mstar.models.vjepa2.predictor import ACPredictor
+from tests.vjepa2_frame_cache import FrameKVCache, forward_frame
 from tests.vjepa2_ref import reference
 
 T = 3  # frames in a trajectory
@@ -108,12 +109,12 @@ def test_cached_rollout_equals_native(predictor_pair):
     cfg = TINY_PREDICTOR
     n = cfg.tokens_per_frame
     tokens, actions, states, _ = _inputs(cfg, seed=1)
-    cache = ours.new_cache()
+    cache = FrameKVCache.empty(ours.cfg.depth)
     for t in range(1, T + 1):
         native = ours.forward_full(tokens[:, : t * n], actions[:, :t], states[:, :t])[:, -n:]
         native_ref = ref_model(tokens[:, : t * n], actions[:, :t], states[:, :t])[:, -n:]
-        cached = ours.forward_frame(tokens[:, (t - 1) * n: t * n], actions[:, t - 1], states[:, t - 1],
-                                    frame_index=t - 1, cache=cache)
+        cached = forward_frame(ours, tokens[:, (t - 1) * n: t * n], actions[:, t - 1], states[:, t - 1],
+                               frame_index=t - 1, cache=cache)
         assert cached.shape == (tokens.shape[0], n, cfg.embed_dim)
         assert (cached - native).abs().max() < TOL, t
         assert (cached - native_ref).abs().max() < TOL, t
@@ -122,7 +123,7 @@ def test_cached_rollout_equals_native(predictor_pair):
     k = cache.layers[0].k
     assert k is not None and k.shape == (tokens.shape[0], cfg.num_heads, T * cfg.block_tokens, cfg.head_dim)
     with pytest.raises(ValueError, match="frame_index"):
-        ours.forward_frame(tokens[:, :n], actions[:, 0], states[:, 0], frame_index=0, cache=cache)
+        forward_frame(ours, tokens[:, :n], actions[:, 0], states[:, 0], frame_index=0, cache=cache)
 
 
 @torch.no_grad()
@@ -141,10 +142,10 @@ def test_autoregressive_rollout_cached_equals_native():
         nxt = predictor.forward_full(traj_native, actions[:, :t], states[:, :t])[:, -n:]
         traj_native = torch.cat([traj_native, F.layer_norm(nxt, (nxt.shape[-1],))], dim=1)
 
-    cache = predictor.new_cache()
+    cache = FrameKVCache.empty(predictor.cfg.depth)
     traj_cached, cur = frame0, frame0
     for t in range(T):
-        nxt = predictor.forward_frame(cur, actions[:, t], states[:, t], frame_index=t, cache=cache)
+        nxt = forward_frame(predictor, cur, actions[:, t], states[:, t], frame_index=t, cache=cache)
         cur = F.layer_norm(nxt, (nxt.shape[-1],))
         traj_cached = torch.cat([traj_cached, cur], dim=1)
     assert (traj_cached - traj_native).abs().max() < TOL

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from mstar import Runtime
+from mstar.bench.vjepa2_oracle import native_rollout
 from mstar.model import resolve_model
 from mstar.models.vjepa2.encoder import encode_frames
 from mstar.models.vjepa2.graph import MAX_FRAMES
-from mstar.models.vjepa2.oracle import native_rollout
 from mstar.models.vjepa2.pose import compute_new_pose, euler_xyz_to_matrix, matrix_to_euler_xyz
 from mstar.placement import Placement
 from tests.helpers import kv_blocks_in_use

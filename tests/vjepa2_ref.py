@@ -1,4 +1,4 @@
-"""The V-JEPA 2 reference for tests: ``mstar.models.vjepa2.reference`` (documented timm stand-in),
+"""The V-JEPA 2 reference for tests: ``mstar.bench.vjepa2_reference`` (documented timm stand-in),
 skipping the tests that need it when cc-vjepa2 is not installed."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from mstar.models.vjepa2.reference import INSTALL_HINT, import_reference
+from mstar.bench.vjepa2_reference import INSTALL_HINT, import_reference
 
 SKIP_REASON = INSTALL_HINT
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from mstar.bench import harness
+from mstar.bench.vjepa2_oracle import native_rollout
 from mstar.models.vjepa2.config import PredictorConfig
 from mstar.models.vjepa2.graph import MAX_FRAMES
 from mstar.models.vjepa2.model import VJepa2AC
-from mstar.models.vjepa2.oracle import native_rollout
 from mstar.runtime.api import Runtime
 
 
@@ -124,8 +124,8 @@ class CompareRow(RolloutResult):
 
 def run_rollout_compare(horizons: list[int], batches: list[int], repeats: int = 1,
                         cem_samples: int = 64, cem_horizon: int = 4, cem_iters: int = 2):
+    from mstar.bench.vjepa2_reference import reference_predictor
     from mstar.models.vjepa2.config import TINY_ENCODER
-    from mstar.models.vjepa2.reference import reference_predictor
 
     pc = bench_config(**COMPARE_CONFIG)
     model = VJepa2AC(load_format="dummy", encoder_config=TINY_ENCODER, predictor_config=pc)

@@ -3,7 +3,6 @@ norm2, mlp.fc1/fc2[/fc3], as Meta's state dicts).
 
 Attention is plain scaled dot product (scale ``head_dim ** -0.5``); the predictor masks it frame-causally:
 a token of frame ``t`` sees every token of frames ``0..t`` (its own frame bidirectionally).
-``forward_block`` runs a new frame's tokens against a layer of the frame cache (``frame_cache.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from mstar.layers.cpu_ops import ops
 from mstar.layers.norms import PrepackableLayerNorm
 from mstar.layers.prepack import PrepackableLinear, hooked
 from mstar.models.vjepa2.config import swiglu_hidden
-from mstar.models.vjepa2.frame_cache import BlockAttention, KVLayer
 from mstar.models.vjepa2.rope import rotate
 
 __all__ = ["Attention", "Block", "GeluMLP", "LeanBlock", "SwiGLUMLP"]
@@ -62,10 +60,6 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, cos, sin)
         return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
-    def forward_block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer: KVLayer,
-                      attend: BlockAttention) -> torch.Tensor:
-        q, k, v = self._qkv(x, cos, sin)
-        return self._out(attend(q, k, v, cache_layer))
 
 
 class GeluMLP(nn.Module):
@@ -152,10 +146,6 @@ class Block(nn.Module):
         x = x + self.attn(self.norm1(x), cos, sin, mask)
         return x + self.mlp(self.norm2(x))
 
-    def forward_block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer: KVLayer,
-                      attend: BlockAttention) -> torch.Tensor:
-        x = x + self.attn.forward_block(self.norm1(x), cos, sin, cache_layer, attend)
-        return x + self.mlp(self.norm2(x))
 
     def lean(self) -> LeanBlock | None:
         """This block's ``forward_rows`` as direct kernel calls (the same bits), or None where it would

@@ -1,5 +1,5 @@
-"""V-JEPA 2-AC's action-conditioned predictor: a whole trajectory under the frame-causal mask, or one
-frame appended to a ``FrameKVCache``.
+"""V-JEPA 2-AC's action-conditioned predictor: a whole trajectory under the frame-causal mask (served
+rollouts run its blocks row by row over the runtime's paged cache).
 
 Parameter names equal Meta's state dicts once ``module.`` / ``backbone.`` are stripped (see ``loader``);
 token positions: ``rope.py``.
@@ -13,7 +13,6 @@ from torch import nn
 from mstar.layers.prepack import PrepackableLinear
 from mstar.models.vjepa2.blocks import Block
 from mstar.models.vjepa2.config import PredictorConfig
-from mstar.models.vjepa2.frame_cache import BlockAttention, FrameKVCache, block_append_attention
 from mstar.models.vjepa2.rope import rope_tables
 
 __all__ = ["ACPredictor"]
@@ -23,13 +22,11 @@ class ACPredictor(nn.Module):
     """V-JEPA 2-AC predictor. Per frame the sequence holds [action, state, (extrinsics), H*W patch tokens].
 
     ``forward_full``: a whole trajectory under the frame-causal mask (= reference ``forward``).
-    ``forward_frame``: one frame appended to a ``FrameKVCache``; returns that frame's predicted tokens.
     """
 
-    def __init__(self, cfg: PredictorConfig, block_attention: BlockAttention = block_append_attention) -> None:
+    def __init__(self, cfg: PredictorConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.block_attention = block_attention
         d = cfg.predictor_embed_dim
         self.predictor_embed = PrepackableLinear(cfg.embed_dim, d)
         self.action_encoder = PrepackableLinear(cfg.action_dim, d)
@@ -76,8 +73,6 @@ class ACPredictor(nn.Module):
         x = x[:, :, self.cfg.cond_tokens:].flatten(1, 2)
         return self.predictor_proj(self.predictor_norm(x))
 
-    def new_cache(self) -> FrameKVCache:
-        return FrameKVCache.empty(self.cfg.depth)
 
     # -- entry points ---------------------------------------------------------------------------------
     def forward_full(self, tokens: torch.Tensor, actions: torch.Tensor, states: torch.Tensor,
@@ -103,27 +98,3 @@ class ACPredictor(nn.Module):
         for blk in self.predictor_blocks:
             x = blk(x, cos, sin, mask)
         return self._readout(x.view(b, t, kb, -1))
-
-    def forward_frame(self, frame_tokens: torch.Tensor, action: torch.Tensor, state: torch.Tensor,
-                      frame_index: int, cache: FrameKVCache,
-                      extrinsics: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one frame against the cached earlier frames and append it to ``cache``.
-
-        frame_tokens [B, N, D_enc], action / state [B, action_dim] (extrinsics [B, action_dim - 1]) ->
-        the frame's predictions [B, N, D_enc] (= the last frame of ``forward_full`` over frames
-        0..frame_index). ``frame_index`` must equal the number of frames already cached.
-        """
-        if frame_index != cache.num_frames:
-            raise ValueError(f"frame_index {frame_index} but the cache holds {cache.num_frames} frames: "
-                             "frames must be appended in order, starting at 0")
-        if len(cache.layers) != self.cfg.depth:
-            raise ValueError(f"cache has {len(cache.layers)} layers, predictor has {self.cfg.depth}")
-        ext = None if extrinsics is None else extrinsics.unsqueeze(1)
-        x = self._embed_frames(frame_tokens.unsqueeze(1), action.unsqueeze(1), state.unsqueeze(1), ext)
-        b = x.shape[0]
-        x = x.flatten(1, 2)
-        cos, sin = self._frame_rope(frame_index, x.device)
-        for blk, layer in zip(self.predictor_blocks, cache.layers, strict=True):
-            x = blk.forward_block(x, cos, sin, layer, self.block_attention)
-        cache.num_frames += 1
-        return self._readout(x.view(b, 1, self.cfg.block_tokens, -1))
