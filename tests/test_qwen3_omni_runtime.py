@@ -387,6 +387,48 @@ def test_image_input_matches_transformers_generate(omni, runtime):
     assert kv_blocks_in_use(runtime) == 0
 
 
+def test_image_preprocessing_from_the_checkpoint_through_the_chat_path(omni, tmp_path):
+    """A checkpoint whose ``preprocessor_config.json`` differs from the image processor's defaults (the
+    released mean = std = 0.5, a smaller pixel budget): an ``image_url`` chat message becomes
+    transformers' pixel values and grid (its processor loaded from the same directory), and the
+    answer's text, codes and waveform are transformers' ``generate`` on them."""
+    import json
+
+    from mstar.models.llama.tokenizer import ByteTokenizer
+    from mstar.models.qwen3_omni.adapter import Qwen3OmniAdapter
+
+    model, path = omni
+    ckpt = tmp_path / "with_preprocessor"
+    ckpt.mkdir()
+    for f in path.iterdir():
+        (ckpt / f.name).symlink_to(f)
+    (ckpt / "preprocessor_config.json").write_text(json.dumps({
+        "processor_class": "Qwen3OmniMoeProcessor", "image_processor_type": "Qwen2VLImageProcessor",
+        "feature_extractor_type": "WhisperFeatureExtractor", "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5], "min_pixels": 3136, "max_pixels": 100_000, "patch_size": 16,
+        "temporal_patch_size": 2, "merge_size": 2, "feature_size": 128, "sampling_rate": 16000,
+        "hop_length": 160, "n_fft": 400, "chunk_length": 300}))
+    pixels = torch.randint(0, 256, (480, 640, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    ref = transformers.AutoImageProcessor.from_pretrained(ckpt)(images=[pixels.numpy()], return_tensors="pt")
+    served = Qwen3Omni(ckpt)
+    served._tokenizer = ByteTokenizer()  # the saved checkpoint has no tokenizer.json; ids are compared, not text
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}},
+                                                      {"type": "text", "text": "What is it?"}]}]}
+    request = Qwen3OmniAdapter(served).chat_request(body, [pixels], [])
+    got_pixels, got_grid = request.inputs["pixel_values"][0], request.inputs["image_grid_thw"][0]
+    assert got_grid.tolist() == ref["image_grid_thw"].tolist() == [[1, 16, 22]]  # the default budget: [1, 30, 40]
+    assert torch.equal(got_pixels, ref["pixel_values"].float())
+    ids = request.inputs["input_ids"][0]
+    assert int((ids == IMAGE).sum()) == 16 * 22 // 4
+    ref_text, ref_codes, ref_wav = hf_generate(model, ids, 6, 30, pixel_values=ref["pixel_values"].float(),
+                                               image_grid_thw=ref["image_grid_thw"])
+    with Runtime(served) as rt:
+        text, codes, wav = ours(rt.generate(request.inputs, audio_params(6, 30))[0])
+        assert kv_blocks_in_use(rt) == 0
+    assert text == ref_text and torch.equal(codes, ref_codes)
+    assert wav.numel() == ref_wav.numel() and (wav - ref_wav).norm() <= 1e-5 * ref_wav.norm()
+
+
 def test_abort_mid_speech_frees_everything(runtime):
     """A client leaving after the first audio chunk: the request ends ABORTED, while the Talker is
     still speaking, and its KV blocks (both caches) and walks are gone."""

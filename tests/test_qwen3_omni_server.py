@@ -9,6 +9,7 @@ import torch
 
 from mstar.model.adapter import CHAT, SPEECH, AudioChunk, TextDelta
 from mstar.models.qwen3_omni import adapter as A
+from mstar.models.qwen3_omni.media import MediaSettings
 from mstar.models.qwen3_omni.prompt import AUDIO_SYSTEM_PROMPT, OmniTokenIds
 
 IDS = OmniTokenIds()
@@ -28,6 +29,8 @@ class ByteTokenizer:
 
 class FakeModel:
     tokenizer = ByteTokenizer()
+    media = MediaSettings()  # no preprocessor_config.json: the processors' defaults
+    audio_window = 50
 
     def __init__(self):
         self.validated = []

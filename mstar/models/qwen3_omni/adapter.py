@@ -130,7 +130,9 @@ class Qwen3OmniAdapter(ApiAdapter):
     # -- requests ----------------------------------------------------------------------------------
 
     def chat_request(self, body, images, audio):
-        media = _Media(images=[image_input(p) for p in images], audio=[audio_input(p, r) for p, r in audio])
+        settings, window = self.model.media, self.model.audio_window  # the checkpoint's preprocessing
+        media = _Media(images=[image_input(p, settings.image) for p in images],
+                       audio=[audio_input(p, r, window, settings.audio) for p, r in audio])
         speech = self._speech_params(body) if "audio" in (body.get("modalities") or ()) else None
         turns = _turns(body["messages"], media)
         return self._request(turns, media, body, speech)

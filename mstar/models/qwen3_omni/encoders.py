@@ -2,12 +2,14 @@
 
 Preprocessing (pure functions, run by the API adapter when a request arrives):
 
-* :func:`audio_input`: PCM at any rate -> mono float -> 16 kHz (:func:`resample`, a Hann-windowed
-  sinc) -> 128-bin log-mel features with transformers' ``WhisperFeatureExtractor`` at the
-  checkpoint's settings (n_fft 400, hop 160, no truncation) -> :class:`AudioInput`, whose
+* :func:`audio_input`: PCM at any rate -> mono float -> the extractor's rate (:func:`resample`, a
+  Hann-windowed sinc) -> log-mel features with transformers' ``WhisperFeatureExtractor`` at the
+  checkpoint's settings (``media.AudioSettings``: 128 bins, n_fft 400, hop 160 unless its
+  ``preprocessor_config.json`` says otherwise; no truncation) -> :class:`AudioInput`, whose
   ``num_tokens`` is the audio tower's output length (:func:`audio_token_count`);
-* :func:`image_input`: uint8 ``[H, W, 3]`` -> transformers' Qwen2-VL image processor (patch 16,
-  temporal patch 2, spatial merge 2) -> :class:`ImageInput` (patches, ``grid_thw``, ``num_tokens``).
+* :func:`image_input`: uint8 ``[H, W, 3]`` -> transformers' Qwen2-VL image processor at the
+  checkpoint's settings (``media.ImageSettings``: patch, temporal patch, merge size, mean / std and
+  pixel budget) -> :class:`ImageInput` (patches, ``grid_thw``, ``num_tokens``).
 
 Towers (stateless batched modules wrapping transformers' classes, weights ``thinker.audio_tower.*``
 and ``thinker.visual.*``):
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.model.checkpoint import load_into
+from mstar.models.qwen3_omni.media import AudioSettings, ImageSettings
 
 __all__ = [
     "AUDIO_SAMPLE_RATE",
@@ -44,16 +47,13 @@ __all__ = [
     "resample",
 ]
 
-AUDIO_SAMPLE_RATE = 16_000
-NUM_MEL_BINS = 128
-HOP_LENGTH = 160
-MIN_AUDIO_SAMPLES = 2 * HOP_LENGTH  # shorter clips have no feature frame to encode
-PATCH_SIZE, TEMPORAL_PATCH, MERGE_SIZE = 16, 2, 2
+DEFAULT_AUDIO, DEFAULT_IMAGE = AudioSettings(), ImageSettings()  # the tiny model's (no preprocessor_config.json)
+AUDIO_SAMPLE_RATE = DEFAULT_AUDIO.sampling_rate  # Qwen3-Omni's feature extractor rate (a checkpoint may say another)
 
 
 @dataclass(frozen=True)
 class AudioInput:
-    """One clip's features ``[128, T]`` (float32) and the number of placeholder tokens it takes."""
+    """One clip's features ``[mel bins, T]`` (float32) and the number of placeholder tokens it takes."""
 
     features: torch.Tensor
     num_tokens: int
@@ -61,7 +61,8 @@ class AudioInput:
 
 @dataclass(frozen=True)
 class ImageInput:
-    """One image's patches ``[N, 3 * 2 * 16 * 16]``, its ``grid_thw`` ``[3]`` and placeholder count."""
+    """One image's patches ``[N, 3 * temporal patch * patch * patch]``, its ``grid_thw`` ``[3]`` and
+    placeholder count."""
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
@@ -111,11 +112,13 @@ def audio_token_count(num_frames: int, n_window: int = 50) -> int:
 
 
 @cache
-def _feature_extractor() -> Any:
+def _feature_extractor(settings: AudioSettings) -> Any:
     from transformers import WhisperFeatureExtractor
 
-    return WhisperFeatureExtractor(feature_size=NUM_MEL_BINS, sampling_rate=AUDIO_SAMPLE_RATE,
-                                   hop_length=HOP_LENGTH, n_fft=400, chunk_length=300, padding_value=0.0)
+    return WhisperFeatureExtractor(feature_size=settings.feature_size, sampling_rate=settings.sampling_rate,
+                                   hop_length=settings.hop_length, n_fft=settings.n_fft,
+                                   chunk_length=settings.chunk_length, padding_value=settings.padding_value,
+                                   dither=settings.dither)
 
 
 def _mono_float(pcm: torch.Tensor) -> torch.Tensor:
@@ -123,14 +126,16 @@ def _mono_float(pcm: torch.Tensor) -> torch.Tensor:
     return wave.mean(dim=-1) if wave.dim() == 2 else wave.reshape(-1)
 
 
-def audio_input(pcm: torch.Tensor, sample_rate: int, n_window: int = 50) -> AudioInput:
+def audio_input(pcm: torch.Tensor, sample_rate: int, n_window: int = 50,
+                settings: AudioSettings = DEFAULT_AUDIO) -> AudioInput:
     """Mono or ``[samples, channels]`` PCM (int16 or float) -> :class:`AudioInput`."""
-    wave = resample(_mono_float(pcm), int(sample_rate), AUDIO_SAMPLE_RATE)
-    if wave.numel() < MIN_AUDIO_SAMPLES:
-        raise ValueError(f"input_audio is too short: {wave.numel()} samples at 16 kHz, at least "
-                         f"{MIN_AUDIO_SAMPLES} needed")
-    out = _feature_extractor()(wave.numpy(), sampling_rate=AUDIO_SAMPLE_RATE, return_attention_mask=True,
-                               padding="longest", truncation=False, return_tensors="pt")
+    rate = settings.sampling_rate
+    wave = resample(_mono_float(pcm), int(sample_rate), rate)
+    if wave.numel() < settings.min_samples:
+        raise ValueError(f"input_audio is too short: {wave.numel()} samples at {rate} Hz, at least "
+                         f"{settings.min_samples} needed")
+    out = _feature_extractor(settings)(wave.numpy(), sampling_rate=rate, return_attention_mask=True,
+                                       padding="longest", truncation=False, return_tensors="pt")
     frames = int(out["attention_mask"][0].sum())
     features = out["input_features"][0, :, :frames].float()
     return AudioInput(features=features, num_tokens=audio_token_count(frames, n_window))
@@ -140,20 +145,24 @@ def audio_input(pcm: torch.Tensor, sample_rate: int, n_window: int = 50) -> Audi
 
 
 @cache
-def _image_processor() -> Any:
+def _image_processor(settings: ImageSettings) -> Any:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessorPil(patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH, merge_size=MERGE_SIZE)
+    return Qwen2VLImageProcessorPil(patch_size=settings.patch_size, temporal_patch_size=settings.temporal_patch_size,
+                                    merge_size=settings.merge_size, image_mean=list(settings.image_mean),
+                                    image_std=list(settings.image_std), min_pixels=settings.min_pixels,
+                                    max_pixels=settings.max_pixels)
 
 
-def image_input(pixels: torch.Tensor) -> ImageInput:
-    """uint8 ``[H, W, 3]`` -> :class:`ImageInput` (resized so both sides are multiples of 32)."""
+def image_input(pixels: torch.Tensor, settings: ImageSettings = DEFAULT_IMAGE) -> ImageInput:
+    """uint8 ``[H, W, 3]`` -> :class:`ImageInput` (resized so both sides are multiples of patch x merge,
+    within the pixel budget)."""
     if pixels.dim() != 3 or pixels.shape[-1] != 3 or pixels.dtype != torch.uint8:
         raise ValueError(f"an image must be uint8 [H, W, 3], got {pixels.dtype} {tuple(pixels.shape)}")
-    out = _image_processor()(images=[pixels.numpy()], return_tensors="pt")
+    out = _image_processor(settings)(images=[pixels.numpy()], return_tensors="pt")
     grid = out["image_grid_thw"][0].long()
     return ImageInput(pixel_values=out["pixel_values"].float(), grid_thw=grid,
-                      num_tokens=int(grid.prod()) // MERGE_SIZE ** 2)
+                      num_tokens=int(grid.prod()) // settings.merge_size ** 2)
 
 
 # ---------------------------------------------------------------------------------------- towers

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 __all__ = ["CODE2WAV_CHUNK", "CODE2WAV_FIRST_CHUNK", "CODE2WAV_LEFT_CONTEXT", "NUM_CODE_GROUPS", "build_graph", "code2wav_exact_context",
            "next_walk", "prefill_walk_name", "wants_audio"]
 
-NUM_CODE_GROUPS = 16
+NUM_CODE_GROUPS = 16  # the released checkpoints' (talker_config.num_code_groups); build_graph takes the config's
 CODE2WAV_CHUNK = 25
 CODE2WAV_FIRST_CHUNK = 5  # the first audio after 5 frames (0.4 s); then 10, 20, 25, 25, ... new frames
 CODE2WAV_LEFT_CONTEXT = 25  # the seeds' value; the model passes its exact context (see build_graph)
@@ -116,7 +116,7 @@ def _thinker_walks(max_text_tokens: int) -> list[Walk]:
     return walks
 
 
-def _talker_walks(max_frames: int) -> list[Walk]:
+def _talker_walks(max_frames: int, num_code_groups: int) -> list[Walk]:
     prefill_out = [GraphEdge(TO_STATE, "codec_sum"), GraphEdge(TO_STATE, "talker_seen"),
                    GraphEdge(TO_STATE, "talker_delta")]
     prefill = GraphNode("Talker", ["thinker_states", "input_ids"], prefill_out)
@@ -131,7 +131,7 @@ def _talker_walks(max_frames: int) -> list[Walk]:
         GraphNode("code_predictor", ["talker_hidden", "code", "cp_cache", "cp_sum"],
                   [GraphEdge("code_predictor", "code"), GraphEdge("code_predictor", "cp_cache"),
                    GraphEdge("code_predictor", "cp_sum")]),
-        max_iters=NUM_CODE_GROUPS - 1,
+        max_iters=num_code_groups - 1,
         outputs=[GraphEdge("frame_assembler", "code"), GraphEdge("frame_assembler", "cp_sum")],
         accumulate=["code"],
         name="code_groups",
@@ -156,11 +156,16 @@ def code2wav_exact_context(num_layers: int, sliding_window: int, conv_context: i
 
 def build_graph(max_text_tokens: int = 2048, max_frames: int = 4096,
                 code2wav_left_context: int = CODE2WAV_LEFT_CONTEXT,
-                code2wav_first_chunk: int = CODE2WAV_FIRST_CHUNK) -> WalkGraph:
+                code2wav_first_chunk: int = CODE2WAV_FIRST_CHUNK,
+                num_code_groups: int = NUM_CODE_GROUPS) -> WalkGraph:
     """``code2wav_left_context``: frames of context each Code2Wav chunk re-reads. The seeds' 25 is
     shorter than the pre-transformer's reach, so a served model passes ``code2wav_exact_context``
     of its config (the convolutions still run over only 10 + new frames). ``code2wav_first_chunk``:
-    new frames of the first chunk, doubling up to ``CODE2WAV_CHUNK`` (time to first audio)."""
+    new frames of the first chunk, doubling up to ``CODE2WAV_CHUNK`` (time to first audio).
+    ``num_code_groups``: codes per frame (the Talker's one, then the code predictor's loop over the
+    others), the config's ``talker_config.num_code_groups``."""
+    if num_code_groups < 2:
+        raise ValueError(f"num_code_groups must be at least 2, got {num_code_groups}")
     audio_out = GraphEdge(EMIT_TO_CLIENT, "audio", output_modality="audio")
     code2wav = GraphNode("Code2Wav", ["codec_frames"], [audio_out])
     topology = PartitionTopology(connections=[
@@ -170,7 +175,7 @@ def build_graph(max_text_tokens: int = 2048, max_frames: int = 4096,
                    lambda: LeftContextChunkPolicy(chunk=CODE2WAV_CHUNK, left_context=code2wav_left_context,
                                                   first_chunk=code2wav_first_chunk)),
     ])
-    return WalkGraph([*_thinker_walks(max_text_tokens), *_talker_walks(max_frames),
+    return WalkGraph([*_thinker_walks(max_text_tokens), *_talker_walks(max_frames, num_code_groups),
                       Walk("code2wav_chunk", code2wav, partition="Code2Wav")], topology=topology)
 
 

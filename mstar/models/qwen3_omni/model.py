@@ -37,6 +37,7 @@ from mstar.model.decode import ParamsMemo, generation_done, stop_token_set
 from mstar.model.tokenizer import LazyTokenizer
 from mstar.models.qwen3_omni import graph as omni_graph
 from mstar.models.qwen3_omni.config import TINY_HF_CONFIG, Qwen3OmniConfig
+from mstar.models.qwen3_omni.media import MediaSettings
 
 __all__ = ["Qwen3Omni", "Qwen3OmniTiny"]
 
@@ -58,6 +59,7 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
         if isinstance(config, Mapping):
             config = Qwen3OmniConfig.from_hf_dict(config)
         self._config: Qwen3OmniConfig | None = config  # else read from the checkpoint on first use
+        self._media: MediaSettings | None = None  # read with it
         # a submit validates a request, then sizes its caches: both read its Thinker and Talker sampling
         self._thinker_sampling, self._talker_sampling = ParamsMemo(_thinker_sampling), ParamsMemo(_talker_sampling)
         if load_format != "dummy" and self.model_path is None and config is not None:
@@ -71,9 +73,29 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
             self._config = Qwen3OmniConfig.from_pretrained(self.model_path)
         return self._config
 
+    @property
+    def media(self) -> MediaSettings:
+        """The checkpoint's image and audio preprocessing (``media.py``: its ``preprocessor_config.json``,
+        the defaults without one), checked against the towers' config."""
+        if self._media is None:
+            from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+                Qwen3OmniMoeAudioEncoderConfig,
+                Qwen3OmniMoeVisionEncoderConfig,
+            )
+
+            media = MediaSettings.from_checkpoint(self.model_path)
+            th = self.config.hf.get("thinker_config") or {}
+            # the towers' sizes as transformers builds them (its defaults for keys config.json lacks)
+            vision = Qwen3OmniMoeVisionEncoderConfig(**(th.get("vision_config") or {}))
+            audio = Qwen3OmniMoeAudioEncoderConfig(**(th.get("audio_config") or {}))
+            media.check_against(vision.to_dict(), audio.to_dict())
+            self._media = media
+        return self._media
+
     def preflight(self) -> None:
-        """The checkpoint's config.json parses (before any worker starts)."""
-        self.config  # noqa: B018 - read for its checks
+        """The checkpoint's config.json and preprocessor_config.json parse and fit (before any worker
+        starts)."""
+        self.media  # noqa: B018 - read for its checks
 
     def _load_tokenizer(self) -> Any:
         from mstar.models.llama.tokenizer import ByteTokenizer, load_tokenizer
@@ -90,7 +112,8 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
         exact = omni_graph.code2wav_exact_context(int(c2w.get("num_hidden_layers", 8)),
                                                   int(c2w.get("sliding_window", 72)))
         return omni_graph.build_graph(self.config.thinker.max_position_embeddings,
-                                      self.config.talker.text.max_position_embeddings, exact)
+                                      self.config.talker.text.max_position_embeddings, exact,
+                                      num_code_groups=self.config.talker.num_code_groups)
 
     def next_walk(self, state: WalkState) -> str | None:
         ends = state.partition == "Thinker" and state.last_walk is not None and \
@@ -127,15 +150,16 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
             self._validate_audio(tokens, params, nodes)
 
     def _validate_audio_input(self, tokens: list[int], clips: list[Any]) -> None:
-        """Each clip ``[128, T]`` float; the prompt holds one placeholder per audio-tower output row."""
-        from mstar.models.qwen3_omni.encoders import NUM_MEL_BINS, audio_token_count
+        """Each clip ``[mel bins, T]`` float; the prompt holds one placeholder per audio-tower output row."""
+        from mstar.models.qwen3_omni.encoders import audio_token_count
 
+        bins = self.media.audio.feature_size
         expected = 0
         for clip in clips:
-            if not isinstance(clip, torch.Tensor) or clip.dim() != 2 or clip.shape[0] != NUM_MEL_BINS \
+            if not isinstance(clip, torch.Tensor) or clip.dim() != 2 or clip.shape[0] != bins \
                     or not clip.is_floating_point() or clip.shape[1] < 1:
-                raise ValueError(f"qwen3-omni: audio_features must be float [{NUM_MEL_BINS}, frames] tensors")
-            expected += audio_token_count(clip.shape[1], self._audio_window)
+                raise ValueError(f"qwen3-omni: audio_features must be float [{bins}, frames] tensors")
+            expected += audio_token_count(clip.shape[1], self.audio_window)
         placeholders = tokens.count(self.config.tokens.audio)
         if placeholders != expected:
             raise ValueError(f"qwen3-omni: the prompt has {placeholders} audio placeholders, its audio_features "
@@ -157,9 +181,10 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
         if not isinstance(grids, torch.Tensor) or grids.dim() != 2 or grids.shape[1] != 3 \
                 or grids.is_floating_point():
             raise ValueError("qwen3-omni: image_grid_thw must be an integer [images, 3] tensor")
-        if not isinstance(pixels, torch.Tensor) or pixels.dim() != 2 \
+        dim = self.media.image.patch_dim
+        if not isinstance(pixels, torch.Tensor) or pixels.dim() != 2 or pixels.shape[1] != dim \
                 or int(grids.prod(-1).sum()) != pixels.shape[0]:
-            raise ValueError("qwen3-omni: pixel_values must be [patches, dim] with one row per grid patch")
+            raise ValueError(f"qwen3-omni: pixel_values must be [patches, {dim}] with one row per grid patch")
         merge = vision_layout(self.config)[0]
         if bool((grids[:, 1:] % merge != 0).any()) or int(grids.min()) < 1:
             raise ValueError(f"qwen3-omni: image grids must be positive with h, w multiples of {merge}")
@@ -169,7 +194,8 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
                              f"{expected}")
 
     @property
-    def _audio_window(self) -> int:
+    def audio_window(self) -> int:
+        """The audio tower's ``n_window`` (its output length per clip: ``encoders.audio_token_count``)."""
         return int(self.config.hf.get("thinker_config", {}).get("audio_config", {}).get("n_window", 50))
 
     def _validate_audio(self, tokens: list[int], params: Mapping[str, Any], nodes: Any) -> None:
