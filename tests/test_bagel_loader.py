@@ -165,6 +165,27 @@ def test_spec_is_read_from_the_files(loaded):
     assert spec.latent_dim == 4 * LATENT_CHANNELS and spec.latent_downsample == 4
 
 
+def test_image_transforms_are_sized_from_the_files(loaded):
+    """The transforms follow the checkpoint's geometry, not the released model's constants: this
+    autoencoder's 2 px cells x latent patch 2 give 4 px latent cells, so images are cut to multiples
+    of 4 and at most 64 cells (256 px) a side, the latent position table's size (the released
+    1024 px would index past it); the ViT's follow vit_config.json (980 px at patch 14)."""
+    from PIL import Image
+
+    from mstar.models.bagel.config import ImageTransformSpec
+
+    model, _ = loaded
+    spec = model.spec
+    assert spec.vae_transform == ImageTransformSpec(256, 128, 4)
+    assert spec.vit_transform == ImageTransformSpec(980, 224, 14)
+    assert spec.default_size == (256, 256)
+    vae_resize, vit_resize = model.vae_resize, model.vit_resize
+    w, h = vae_resize.resize(Image.new("RGB", (2000, 1000))).size
+    assert w % 4 == h % 4 == 0 and max(w, h) <= 256
+    w, h = vit_resize.resize(Image.new("RGB", (2000, 1000))).size
+    assert w % 14 == h % 14 == 0 and max(w, h) <= 980
+
+
 def test_vae_geometry_of_a_flux_sized_file(tmp_path):
     """Only the header counts: int8 tensors with the FLUX autoencoder's shapes give exactly ``FLUX``."""
     def w(o, i, k=3):

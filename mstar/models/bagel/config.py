@@ -93,6 +93,33 @@ class BagelSpec:
     vit_transform: ImageTransformSpec = ImageTransformSpec(980, 224, 14)
     default_size: tuple[int, int] = (1024, 1024)  # (height, width) of text-to-image
 
+    def __post_init__(self) -> None:
+        """The transforms must cut whole latent cells and ViT patches and stay within the position
+        tables (a bigger image would index past them)."""
+        vae, vit = self.vae_transform, self.vit_transform
+        if vae.stride % self.latent_downsample or vae.max_size > self.max_image_side:
+            raise ValueError(f"vae_transform {vae} needs a stride that is a multiple of the latent cell "
+                             f"({self.latent_downsample} px) and a max_size of at most {self.max_image_side}")
+        vit_side = self.vit.patch_size * self.vit.vit_max_num_patch_per_side
+        if vit.stride % self.vit.patch_size or vit.max_size > vit_side:
+            raise ValueError(f"vit_transform {vit} needs a stride that is a multiple of the ViT patch "
+                             f"({self.vit.patch_size} px) and a max_size of at most {vit_side}")
+
+    @classmethod
+    def from_checkpoint_parts(cls, llm: BagelLLMConfig, vit: BagelViTConfig, vae: BagelVAEConfig,
+                              latent_patch_size: int = 2, max_latent_size: int = 64) -> BagelSpec:
+        """A checkpoint's spec, the image transforms sized from its files as the reference sizes them
+        for the released one: the VAE's at most ``max_latent_size`` latent cells a side and at least
+        half that (1024 / 512 px at FLUX's 8 px x latent patch 2), the ViT's at most its
+        ``image_size`` and at least 16 patches a side (980 / 224 px at patch 14)."""
+        cell = vae.downsample * latent_patch_size
+        side = max_latent_size * cell
+        return cls(llm=llm, vit=vit, vae=vae, latent_patch_size=latent_patch_size, max_latent_size=max_latent_size,
+                   vae_transform=ImageTransformSpec(side, side // 2, cell),
+                   vit_transform=ImageTransformSpec(vit.image_size, min(16 * vit.patch_size, vit.image_size),
+                                                    vit.patch_size),
+                   default_size=(side, side))
+
     @property
     def latent_downsample(self) -> int:
         return self.vae.downsample * self.latent_patch_size

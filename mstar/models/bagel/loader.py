@@ -101,14 +101,19 @@ def vae_config_from_file(file: Path) -> BagelVAEConfig:
 def load_spec(model_path: str | Path) -> BagelSpec:
     """The ``BagelSpec`` of a checkpoint directory (the reference's fixed settings: latent patch 2,
     64 latent cells per side, 70 ViT patches per side; the autoencoder as ``ae.safetensors`` shapes
-    it, FLUX's when the file is absent, e.g. on a rank that hosts only the LLM)."""
+    it, FLUX's when the file is absent, e.g. on a rank that hosts only the LLM; the image transforms
+    sized from the ViT's patch and image size and the autoencoder's downsampling:
+    ``BagelSpec.from_checkpoint_parts``)."""
     path = Path(model_path)
     if not path.is_dir():
         raise CheckpointError(f"model path {str(path)!r} does not exist or is not a directory")
     llm = llm_config_from_json(_json(path / "llm_config.json"))
     vit = BagelViTConfig.from_json(_json(path / "vit_config.json"), llm_hidden=llm.hidden_size)
     ae = path / "ae.safetensors"
-    return BagelSpec(llm=llm, vit=vit, vae=vae_config_from_file(ae) if ae.is_file() else FLUX)
+    try:
+        return BagelSpec.from_checkpoint_parts(llm, vit, vae_config_from_file(ae) if ae.is_file() else FLUX)
+    except ValueError as e:
+        raise CheckpointError(f"{str(path)!r}: {e}") from e
 
 
 def load_tokenizer(model_path: str | Path | None):
