@@ -295,6 +295,21 @@ def test_config_from_lerobot_json(tmp_path):
         config_from_json(f)
 
 
+def test_normalization_mapping_is_read_not_assumed(tmp_path):
+    """lerobot's default mapping loads (in any letter case); a fine-tune whose
+    state or actions use another mode is refused naming it, not served with quantiles."""
+    f = tmp_path / "config.json"
+    ok = {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "quantiles"}
+    f.write_text(json.dumps({"type": "pi05", "normalization_mapping": ok}))
+    assert config_from_json(f).horizon == PI05_BASE.horizon
+    f.write_text(json.dumps({"type": "pi05", "normalization_mapping": {**ok, "STATE": "MEAN_STD"}}))
+    with pytest.raises(CheckpointError, match="normalization_mapping STATE: MEAN_STD is not supported"):
+        config_from_json(f)
+    f.write_text(json.dumps({"type": "pi05", "normalization_mapping": ["QUANTILES"]}))
+    with pytest.raises(CheckpointError, match="normalization_mapping must be an object"):
+        config_from_json(f)
+
+
 def test_model_needs_a_checkpoint_directory(tmp_path):
     from mstar.models.pi05.model import Pi05Model, Pi05Tiny
 

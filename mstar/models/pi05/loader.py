@@ -129,6 +129,7 @@ def config_from_json(path: Path, base: Pi05Config = PI05_BASE) -> Pi05Config:
     for field, want in (("paligemma_variant", "gemma_2b"), ("action_expert_variant", "gemma_300m")):
         if data.get(field, want) != want:
             raise CheckpointError(f"{path.name}: {field} {data[field]!r} is not supported (only {want!r})")
+    _check_normalization(data.get("normalization_mapping"), path.name)
     res = data.get("image_resolution", [base.vision.image_size] * 2)
     if not isinstance(res, list) or len(res) != 2 or res[0] != res[1]:
         raise CheckpointError(f"{path.name}: image_resolution must be square, got {res!r}")
@@ -140,6 +141,26 @@ def config_from_json(path: Path, base: Pi05Config = PI05_BASE) -> Pi05Config:
                        max_text_tokens=int(data.get("tokenizer_max_length", base.max_text_tokens)))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path.name}: {e}") from e
+
+
+# How pi0.5 normalises each feature kind (lerobot's PI05Config default); the only modes served:
+# images go in as [-1, 1] pixels, the state and actions through the checkpoint's quantile statistics
+SERVED_NORMALIZATION = {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"}
+
+
+def _check_normalization(mapping: Any, source: str) -> None:
+    """A ``normalization_mapping`` other than ``SERVED_NORMALIZATION`` (e.g. a fine-tune with
+    ``STATE: MEAN_STD``) is refused: served with quantiles its states and actions would be wrong."""
+    if mapping is None:
+        return
+    if not isinstance(mapping, dict):
+        raise CheckpointError(f"{source}: normalization_mapping must be an object, got {mapping!r}")
+    bad = [f"{kind}: {mode}" for kind, mode in mapping.items()
+           if kind in SERVED_NORMALIZATION and str(mode).upper() != SERVED_NORMALIZATION[kind]]
+    if bad:
+        served = ", ".join(f"{k}: {v}" for k, v in SERVED_NORMALIZATION.items())
+        raise CheckpointError(f"{source}: normalization_mapping {', '.join(bad)} is not supported "
+                              f"(served: {served})")
 
 
 def _dummy_init(module: torch.nn.Module, seed: int) -> None:
