@@ -112,6 +112,14 @@ CASES = {
     "n of 2": (chat("x", n=2), "n"),
     "stop_token_ids not a list": (chat("x", stop_token_ids=5), "stop_token_ids"),
     "extra field past 64 bits": (chat("x", cfg_renorm_min=2**70), "64 bits"),
+    # OpenAI fields with no effect yet: refused, never accepted and ignored
+    "logprobs": (chat("x", logprobs=True, top_logprobs=2), "logprobs is not supported yet"),
+    "presence_penalty": (chat("x", presence_penalty=0.5), "presence_penalty is not supported yet"),
+    "frequency_penalty": (chat("x", frequency_penalty=2.0), "frequency_penalty is not supported yet"),
+    "logit_bias": (chat("x", logit_bias={"5": 100}), "logit_bias is not supported yet"),
+    "response_format json": (chat("x", response_format={"type": "json_object"}), "response_format is not"),
+    "tools": (chat("x", tools=[{"type": "function", "function": {"name": "f"}}]), "tools is not supported yet"),
+    "tool_choice": (chat("x", tool_choice="required"), "tool_choice is not supported yet"),
     "speed 10": (("/v1/audio/speech", {"model": MODEL, "input": "x", "speed": 10}), "speed"),
     "speech max_tokens list": (("/v1/audio/speech", {"model": MODEL, "input": "x", "max_tokens": [1]}),
                                "max_tokens"),
@@ -149,6 +157,15 @@ def test_hostile_input_is_a_400(server, name):
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert fragment in error["message"] + str(error["param"]), error
+
+
+def test_no_op_values_of_unsupported_fields_are_accepted(server):
+    """What SDKs and tools send by default (``logprobs: false``, zero penalties, an empty bias, plain
+    text format, no tools) is not refused: only a value that asks for something is."""
+    _, body = chat("x", max_tokens=2, logprobs=False, top_logprobs=0, presence_penalty=0, frequency_penalty=0.0,
+                   logit_bias={}, response_format={"type": "text"}, tools=[], tool_choice="none")
+    r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_nan_literal_in_the_json_body_is_a_400(server):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # Every number a request carries is bounded: the runtime's wire format holds 64-bit ints, and no
 # model has a use for a non-finite float or a context of more than MAX_TOKENS.
@@ -83,6 +83,25 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI chat fields with no effect in mstar yet -> whether a value asks for something (their no-op
+# values, e.g. ``logprobs: false`` or ``presence_penalty: 0``, are accepted: SDKs and tools send them)
+_UNSUPPORTED_CHAT_FIELDS: dict[str, Any] = {
+    "logprobs": lambda v: v is not False,
+    "top_logprobs": lambda v: v != 0,
+    "presence_penalty": lambda v: v != 0,
+    "frequency_penalty": lambda v: v != 0,
+    "logit_bias": lambda v: v != {},
+    "response_format": lambda v: not (isinstance(v, dict) and v.get("type") == "text" and len(v) == 1),
+    "tools": lambda v: v != [],
+    "tool_choice": lambda v: v != "none",
+    "functions": lambda v: v != [],
+    "function_call": lambda v: v != "none",
+    "prediction": lambda _v: True,
+    "web_search_options": lambda _v: True,
+}
+_UNSUPPORTED_FIELD_NAMES = tuple(_UNSUPPORTED_CHAT_FIELDS)
+
+
 class ChatCompletionRequest(_Open):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
@@ -101,6 +120,28 @@ class ChatCompletionRequest(_Open):
     modalities: list[Literal["text", "audio", "image"]] | None = None
     audio: AudioParams | None = None
     ignore_eos: bool = False
+
+    # OpenAI fields mstar does not implement yet (``_UNSUPPORTED_CHAT_FIELDS``): declared so that a value
+    # asking for something is refused naming its field, never accepted with no effect
+    logprobs: Any = None
+    top_logprobs: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    @field_validator(*_UNSUPPORTED_FIELD_NAMES)
+    @classmethod
+    def _no_silent_gaps(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and _UNSUPPORTED_CHAT_FIELDS[info.field_name](value):
+            raise ValueError(f"{info.field_name} is not supported yet (remove it, or send its no-op value)")
+        return value
 
 
 class ResponseAudio(BaseModel):
