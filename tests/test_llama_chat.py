@@ -57,6 +57,63 @@ def test_incremental_detokenizing_holds_back_partial_utf8():
     assert dec.feed("token", [torch.tensor([2])])[0].text == "" and dec.finish_reason == "stop"
 
 
+def _feed_all(dec, text):
+    out = [d.text for i in ByteTokenizer().encode(text, add_special_tokens=False) if not dec.done
+           for d in dec.feed("token", [torch.tensor([i])])]
+    return out + [d.text for d in dec.finish()]
+
+
+def test_stop_strings_cut_the_text_and_never_stream_a_part():
+    """A stop string spread over several tokens: the text ends before it, no delta ever holds a
+    piece of it (a tail that could become one waits), finish_reason is "stop" and the decoder is done;
+    without a match every character comes out, the held tail at the end."""
+    tok = ByteTokenizer()
+    dec = _TextDecoder(tok, max_tokens=100, stop_ids={2}, stop=("END", "xyz"))
+    sent, after = "", {}
+    for i, ch in enumerate("abc ENxEND more"):
+        for d in dec.feed("token", [torch.tensor(tok.encode(ch, add_special_tokens=False))]):
+            sent += d.text
+        after["abc ENxEND more"[:i + 1]] = sent
+        if dec.done:
+            break
+    assert after["abc EN"] == "abc "  # "EN" may grow into "END": held back
+    assert after["abc ENx"] == "abc EN"  # "x" ruled "END" out, but may start "xyz"
+    assert after["abc ENxEN"] == "abc ENx" and sent == "abc ENx" and dec.done and dec.finish_reason == "stop"
+    assert dec.finish() == [] and dec.feed("token", [torch.tensor([65])]) == []
+    held = _TextDecoder(ByteTokenizer(), max_tokens=100, stop_ids={2}, stop=("END",))
+    parts = _feed_all(held, "xx EN")
+    assert "".join(parts) == "xx EN" and parts[-1] == "EN" and not held.done  # the tail held, then flushed
+    first = _TextDecoder(ByteTokenizer(), max_tokens=100, stop_ids={2}, stop=("ab",))
+    assert "".join(_feed_all(first, "abc")) == "" and first.done
+
+
+def test_stop_strings_through_the_api(server):
+    """Greedy llama-tiny: a stop string taken from the middle of its answer ends the answer right
+    before it, streamed or not, with finish_reason "stop"; no KV block stays held; a bad stop is a
+    400 naming it."""
+    url, engine = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "Hello!"}]
+    full = client.chat.completions.create(model="llama-tiny", messages=msgs, max_tokens=24).choices[0].message.content
+    printable = [i for i in range(4, len(full) - 3) if full[i:i + 3].isprintable() and full[i:i + 3].strip()]
+    assert printable, full
+    at = printable[len(printable) // 2]
+    stop = full[at:at + 3]
+    want = full[:full.find(stop)]
+    r = client.chat.completions.create(model="llama-tiny", messages=msgs, max_tokens=24, stop=stop)
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 24
+    chunks = list(client.chat.completions.create(model="llama-tiny", messages=msgs, max_tokens=24,
+                                                 stop=[stop, "\x00never"], stream=True))
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(deltas) == want and all(stop not in d for d in deltas)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    stats = engine.runtime.stats()
+    assert stats["running_requests"] == 0
+    with pytest.raises(openai.BadRequestError, match="stop must be"):
+        client.chat.completions.create(model="llama-tiny", messages=msgs, stop=["a", "b", "c", "d", "e"])
+
+
 def test_checkpoint_chat_template_is_rendered(tmp_path):
     template = "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}" \
                "{% if add_generation_prompt %}<|assistant|>{% endif %}"

@@ -118,8 +118,11 @@ def test_bad_chat_requests(adapter):
     with pytest.raises(ValueError, match="user messages"):
         _chat(adapter, [{"role": "assistant", "content": [{"type": "image_url"}]}],
               media_images=[torch.zeros(32, 32, 3, dtype=torch.uint8)])
-    with pytest.raises(ValueError, match="stop"):
-        _chat(adapter, [{"role": "user", "content": "x"}], stop=["a"])
+    with pytest.raises(ValueError, match="stop strings apply to text-only answers"):
+        _chat(adapter, [{"role": "user", "content": "x"}], stop=["a"], modalities=["text", "audio"])
+    with pytest.raises(ValueError, match="stop must be"):
+        _chat(adapter, [{"role": "user", "content": "x"}], stop=[""])
+    assert _chat(adapter, [{"role": "user", "content": "x"}], stop="a").stop == ("a",)  # text only: the decoder's
     with pytest.raises(ValueError, match="too short"):
         _chat(adapter, [{"role": "user", "content": [{"type": "input_audio"}]}], media_audio=[(_tone(0.01, 16000), 16000)])
     with pytest.raises(ValueError, match="at most"):

@@ -30,13 +30,29 @@ ROUTE_PATHS = {
 }
 
 
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 4, 256  # OpenAI's count; a bound on each string's search
+
+
+def stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """The request's ``stop``: a string or a list of up to ``MAX_STOP_STRINGS`` non-empty strings of at
+    most ``MAX_STOP_CHARS`` characters (ValueError naming ``stop`` otherwise); () when absent."""
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list | tuple) or not 1 <= len(items) <= MAX_STOP_STRINGS or not all(
+            isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in items):
+        raise ValueError(f"stop must be a string or a list of 1-{MAX_STOP_STRINGS} non-empty strings of at most "
+                         f"{MAX_STOP_CHARS} characters")
+    return tuple(dict.fromkeys(items))
+
+
 def text_sampling_params(body: Mapping[str, Any], fields: Mapping[str, str]) -> dict[str, Any]:
     """A text model's runtime params from an OpenAI request body: ``{"sampling": ..., "max_tokens":
     ...}`` with the body's ``fields`` (OpenAI name -> SamplingParams name) that are set, its
-    ``stop_token_ids``, and ``max_completion_tokens`` (else ``max_tokens``). ``stop`` strings are
-    refused (ValueError)."""
-    if body.get("stop"):
-        raise ValueError("'stop' strings are not supported; use stop_token_ids")
+    ``stop_token_ids``, and ``max_completion_tokens`` (else ``max_tokens``). ``stop`` strings are the
+    decoder's (``stop_strings``, ``TextStreamDecoder``), not the runtime's."""
+    stop_strings(body)  # a bad ``stop`` is a 400 before anything runs
     sampling = {ours: body[theirs] for theirs, ours in fields.items() if body.get(theirs) is not None}
     if body.get("stop_token_ids"):
         sampling["stop_token_ids"] = list(body["stop_token_ids"])
@@ -71,6 +87,7 @@ class ApiRequest:
     inputs: dict[str, Any]
     params: dict[str, Any]
     prompt_tokens: int = 0
+    stop: tuple[str, ...] = ()  # text that ends the answer (``stop_strings``): the decoder's, not the runtime's
 
 
 class ApiAdapter:
@@ -119,9 +136,12 @@ class ApiAdapter:
 
 class ItemDecoder:
     """Turns one request's emitted items into API outputs (stateful: e.g. incremental detokenizing).
-    ``finish_reason`` is reported to the client when the request ends ("stop" or "length")."""
+    ``finish_reason`` is reported to the client when the request ends ("stop" or "length"); ``done``
+    set by ``feed`` ends the request there (a stop string was produced): the route reads no more items
+    and the runtime request is cancelled."""
 
     finish_reason: str = "stop"
+    done: bool = False
 
     def feed(self, name: str, value: list[torch.Tensor]) -> list[TextDelta | AudioChunk | ImageOut]:
         raise NotImplementedError
@@ -132,14 +152,21 @@ class ItemDecoder:
 
 class TextStreamDecoder(ItemDecoder):
     """Incremental detokenizing: decode all ids so far, emit what was added; hold back a trailing
-    replacement character (an incomplete UTF-8 sequence) until the next token completes it."""
+    replacement character (an incomplete UTF-8 sequence) until the next token completes it.
 
-    def __init__(self, tokenizer, max_tokens: int, stop_ids: set[int]) -> None:
-        self.tok, self.max_tokens, self.stop_ids = tokenizer, max_tokens, stop_ids
+    ``stop``: strings that end the answer, matched on the decoded text (so across token boundaries).
+    The text is cut before the first one, ``finish_reason`` is "stop" and ``done`` is set; while
+    streaming, a tail of the text that could still grow into a stop string is held back, so no part
+    of one is ever sent."""
+
+    def __init__(self, tokenizer, max_tokens: int, stop_ids: set[int], stop: tuple[str, ...] = ()) -> None:
+        self.tok, self.max_tokens, self.stop_ids, self.stop = tokenizer, max_tokens, stop_ids, stop
         self.ids: list[int] = []
         self.sent = ""
 
     def feed(self, name, value):
+        if self.done:
+            return []
         token = int(value[0].reshape(-1)[0])
         self.ids.append(token)
         if token in self.stop_ids:
@@ -150,10 +177,29 @@ class TextStreamDecoder(ItemDecoder):
         text = self.tok.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):
             return [TextDelta("", 1)]
+        if self.stop:
+            return [TextDelta(self._until_stop(text), 1)]
         delta, self.sent = text[len(self.sent):], text
         return [TextDelta(delta, 1)]
 
+    def _until_stop(self, text: str) -> str:
+        """The new text that may be sent: up to the first stop string (then done), else all but a tail
+        that is the start of a stop string."""
+        start = max(0, len(self.sent) - max(len(s) for s in self.stop) + 1)  # a match may begin in sent text
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            cut = min(hits)
+            self.done, self.finish_reason = True, "stop"
+            delta, self.sent = text[len(self.sent):cut], text[:max(cut, len(self.sent))]
+            return delta
+        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        safe = max(len(self.sent), len(text) - hold)
+        delta, self.sent = text[len(self.sent):safe], text[:safe]
+        return delta
+
     def finish(self):
+        if self.done:
+            return []
         text = self.tok.decode(self.ids, skip_special_tokens=True)
         rest = text[len(self.sent):]
         self.sent = text

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mstar.runtime.api import Runtime
@@ -47,8 +47,10 @@ class ServingEngine:
             reason = self.runtime.unhealthy_reason or "starting"
             raise APIError(503, f"model {self.model_name} is not ready: {reason}")
 
-    async def stream(self, route: str, inputs: dict[str, Any], params: dict[str, Any]) -> AsyncIterator[StreamItem]:
-        """Submit and stream items; a consumer that stops iterating (client gone) aborts the request."""
+    async def stream(self, route: str, inputs: dict[str, Any], params: dict[str, Any],
+                     ended: Callable[[], bool] | None = None) -> AsyncIterator[StreamItem]:
+        """Submit and stream items; a consumer that stops iterating aborts the request: a client gone,
+        counted as aborted, or an answer that ``ended`` early (a stop string), which is not."""
         self.check_ready()
         if self.in_flight >= self.max_queue:
             raise APIError(429, f"server is at capacity ({self.max_queue} requests in flight); retry later")
@@ -78,7 +80,8 @@ class ServingEngine:
             self.in_flight -= 1
             self.metrics.running.labels(self.model_name).dec()
             if not finished:
-                self.metrics.aborted.labels(self.model_name).inc()
+                if ended is None or not ended():
+                    self.metrics.aborted.labels(self.model_name).inc()
                 self.runtime.abort(handle.request_id)
 
 

@@ -30,6 +30,7 @@ from mstar.model.adapter import (
     ImageOut,
     ItemDecoder,
     TextStreamDecoder,
+    stop_strings,
     text_sampling_params,
 )
 from mstar.model.validation import check_int
@@ -60,10 +61,10 @@ class BagelAdapter(ApiAdapter):
     def _encode(self, text: str) -> torch.Tensor:
         return torch.tensor(self.model.tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
 
-    def _finish(self, inputs: dict[str, list], params: dict[str, Any]) -> ApiRequest:
+    def _finish(self, inputs: dict[str, list], params: dict[str, Any], stop: tuple[str, ...] = ()) -> ApiRequest:
         self.model.validate_request(inputs, params)  # bad sizes, scales, vocab -> HTTP 400
         prompt = sum(int(t.numel()) + 2 for t in inputs.get("text_ids", []))
-        return ApiRequest(inputs, params, prompt_tokens=prompt)
+        return ApiRequest(inputs, params, prompt_tokens=prompt, stop=stop)
 
     def chat_request(self, body, images, audio):
         if audio:
@@ -92,18 +93,22 @@ class BagelAdapter(ApiAdapter):
         if not texts and not imgs:
             raise ValueError("messages contain neither text nor images")
         params: dict[str, Any] = {"order": order}
+        stop: tuple[str, ...] = ()
         if body.get("modalities") and "image" in body["modalities"]:
+            if body.get("stop"):
+                raise ValueError("stop strings apply to text answers, not to image generation")
             params.update(target="image", **_flow_params(body))
             if body.get("seed") is not None:
                 params["seed"] = body["seed"]
         else:
             params.update(target="text", **text_sampling_params(body, {k: k for k in _SAMPLING_FIELDS}))
+            stop = stop_strings(body)
         inputs: dict[str, list] = {}
         if texts:
             inputs["text_ids"] = texts
         if imgs:
             inputs["images"] = imgs
-        return self._finish(inputs, params)
+        return self._finish(inputs, params, stop)
 
     def image_request(self, body, image):
         params: dict[str, Any] = {"target": "image", **_flow_params(body)}
@@ -125,7 +130,7 @@ class BagelAdapter(ApiAdapter):
 
         sp = request_sampling(request.params)
         stop = set(sp.stop_token_ids) | {self.model.special_tokens.im_end}
-        return TextStreamDecoder(self.model.tokenizer, sp.max_tokens, stop)
+        return TextStreamDecoder(self.model.tokenizer, sp.max_tokens, stop, request.stop)
 
 
 class _ImageDecoder(ItemDecoder):

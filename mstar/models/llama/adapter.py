@@ -15,6 +15,7 @@ from mstar.model.adapter import (
     ApiAdapter,
     ApiRequest,
     TextStreamDecoder,
+    stop_strings,
     text_sampling_params,
 )
 
@@ -88,11 +89,12 @@ class LlamaChatAdapter(ApiAdapter):
         params = text_sampling_params(body, _SAMPLING_FIELDS)
         inputs = {"input_ids": [torch.tensor(ids, dtype=torch.long)]}
         self.model.validate_request(inputs, params)  # context-length and vocabulary checks -> 400
-        return ApiRequest(inputs, params, prompt_tokens=len(ids))
+        return ApiRequest(inputs, params, prompt_tokens=len(ids), stop=stop_strings(body))
 
     def new_decoder(self, route, request):
         sp = self.model.sampling_params(request.params)
-        return _TextDecoder(self.model.tokenizer, sp.max_tokens, set(self.model.eos_token_ids) | set(sp.stop_token_ids))
+        return _TextDecoder(self.model.tokenizer, sp.max_tokens, set(self.model.eos_token_ids) | set(sp.stop_token_ids),
+                            request.stop)
 
 
 _TextDecoder = TextStreamDecoder  # the shared incremental detokenizer (mstar.model.adapter)

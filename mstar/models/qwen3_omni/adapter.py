@@ -49,6 +49,7 @@ from mstar.model.adapter import (
     ItemDecoder,
     TextDelta,
     TextStreamDecoder,
+    stop_strings,
     text_sampling_params,
 )
 from mstar.models.qwen3_omni.code2wav import SAMPLE_RATE, to_pcm16
@@ -163,7 +164,10 @@ class Qwen3OmniAdapter(ApiAdapter):
         validate = getattr(self.model, "validate_request", None)
         if validate is not None:
             validate(inputs, params)
-        return ApiRequest(inputs, params, prompt_tokens=len(ids))
+        stop = stop_strings(body)
+        if stop and speech is not None:  # the Talker speaks behind the text: a cut would end it mid-word
+            raise ValueError("stop strings apply to text-only answers; not with modalities ['audio']")
+        return ApiRequest(inputs, params, prompt_tokens=len(ids), stop=stop)
 
     def _thinker_params(self, body: Mapping[str, Any]) -> dict[str, Any]:
         return text_sampling_params(body, {k: k for k in _SAMPLING})
@@ -187,7 +191,7 @@ class Qwen3OmniAdapter(ApiAdapter):
     def new_decoder(self, route, request):
         max_tokens = int(request.params.get("max_tokens") or self._default_max_tokens())
         stops = {self.ids.im_end, *request.params.get("sampling", {}).get("stop_token_ids", ())}
-        return OmniDecoder(TextStreamDecoder(self.model.tokenizer, max_tokens, stops), self.sample_rate)
+        return OmniDecoder(TextStreamDecoder(self.model.tokenizer, max_tokens, stops, request.stop), self.sample_rate)
 
     @staticmethod
     def _default_max_tokens() -> int:
@@ -208,6 +212,10 @@ class OmniDecoder(ItemDecoder):
     @property
     def finish_reason(self) -> str:  # type: ignore[override]
         return self.text.finish_reason
+
+    @property
+    def done(self) -> bool:  # type: ignore[override]
+        return self.text.done
 
     def feed(self, name: str, value: list[torch.Tensor]) -> list[TextDelta | AudioChunk]:
         if name == "text":

@@ -78,13 +78,13 @@ def png_base64(pixels: Any) -> str:
 
 
 async def started(engine: ServingEngine, route: str, inputs: dict[str, Any],
-                  params: dict[str, Any]) -> AsyncIterator[StreamItem]:
+                  params: dict[str, Any], decoder: ItemDecoder | None = None) -> AsyncIterator[StreamItem]:
     """Submit and wait for the first item, so that admission and input errors surface as a plain HTTP
     error before any byte of the response is sent; the iterator returned yields every item.
 
     A client that leaves cancels (or drops) the chain of generators over the engine's stream, whose
     ``finally`` then aborts the request."""
-    items = engine.stream(route, inputs, params)
+    items = engine.stream(route, inputs, params, ended=lambda: _done(decoder))
     try:
         head: tuple[StreamItem, ...] = (await anext(items),)
     except StopAsyncIteration:
@@ -111,14 +111,24 @@ class Started:
 async def start(engine: ServingEngine, route: str, api_req: ApiRequest) -> Started:
     decoder = engine.adapter.new_decoder(route, api_req)
     timer = Timer(engine.metrics, ROUTE_PATHS[route])  # before the submit: latency includes admission
-    items = await started(engine, route, api_req.inputs, api_req.params)
+    items = await started(engine, route, api_req.inputs, api_req.params, decoder)
     return Started(decoder, timer, _decoded(items, decoder))
 
 
+def _done(decoder: ItemDecoder | None) -> bool:
+    """Whether the decoder ended the answer (``ItemDecoder.done``; a decoder without the flag never does)."""
+    return bool(getattr(decoder, "done", False))
+
+
 async def _decoded(items: AsyncIterator[StreamItem], decoder: ItemDecoder) -> AsyncIterator[Output]:
+    """The decoder's outputs of every item; once the decoder is ``done`` (a stop string), no more items
+    are read: closing the stream cancels the runtime request, as a finished one (not counted aborted)."""
     async for item in items:
         for out in decoder.feed(item.name, item.value):
             yield out
+        if _done(decoder):
+            await items.aclose()
+            break
     for out in decoder.finish():
         yield out
 
