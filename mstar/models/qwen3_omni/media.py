@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from mstar.model.checkpoint import CheckpointError
+from mstar.model.validation import check_int
+from mstar.models.llama.config import read_json
 
 __all__ = ["PREPROCESSOR_FILE", "AudioSettings", "ImageSettings", "MediaSettings"]
 
@@ -48,7 +50,7 @@ class ImageSettings:
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
-            _positive_int(getattr(self, name), name)
+            check_int(getattr(self, name), name)
         for name in ("image_mean", "image_std"):
             value = getattr(self, name)
             if len(value) != 3 or not all(isinstance(v, float) and math.isfinite(v) for v in value):
@@ -78,7 +80,7 @@ class AudioSettings:
 
     def __post_init__(self) -> None:
         for name in ("feature_size", "sampling_rate", "hop_length", "n_fft", "chunk_length"):
-            _positive_int(getattr(self, name), name)
+            check_int(getattr(self, name), name)
         if not math.isfinite(self.padding_value) or not math.isfinite(self.dither) or self.dither < 0:
             raise ValueError(f"padding_value and dither must be finite (dither >= 0), got {self.padding_value}, "
                              f"{self.dither}")
@@ -113,8 +115,6 @@ class MediaSettings:
         path = Path(model_path) / PREPROCESSOR_FILE
         if not path.is_file():
             return cls()
-        from mstar.models.llama.config import read_json
-
         try:
             d = read_json(path, PREPROCESSOR_FILE)
         except ValueError as e:
@@ -134,25 +134,19 @@ class MediaSettings:
             raise CheckpointError(f"{self.source}: preprocessing does not fit the model: {', '.join(bad)}")
 
 
-def _positive_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 def _number(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{name} must be a number, got {value!r}")
     return float(value)
 
 
+_FLOAT_FIELDS = frozenset({"padding_value", "dither"})  # numbers a file may write as ints
+
+
 def _picked(d: Mapping[str, Any], cls: type) -> dict[str, Any]:
-    """The keys of ``d`` that are fields of ``cls`` (floats made float)."""
-    out = {}
-    for f in fields(cls):
-        if f.name in d and d[f.name] is not None:
-            value = d[f.name]
-            out[f.name] = _number(value, f.name) if f.type == "float" else value
-    return out
+    """The keys of ``d`` that are fields of ``cls`` and set."""
+    names = {f.name for f in fields(cls)} & {k for k, v in d.items() if v is not None}
+    return {k: _number(d[k], k) if k in _FLOAT_FIELDS else d[k] for k in names}
 
 
 def _image_kwargs(d: Mapping[str, Any]) -> dict[str, Any]:
