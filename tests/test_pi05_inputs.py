@@ -199,3 +199,30 @@ def test_tokenizer_from_checkpoint_dir_puts_bos_first(tmp_path):
     ids = tok.encode(text)
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "paligemma_tokenizer.model"))
     assert ids[0] == pi.BOS_ID and ids[1:] == sp.encode(text) and len(ids) > 5
+
+
+def test_checkpoint_image_resolution_gives_lerobots_pixels(tmp_path):
+    """A checkpoint whose config.json asks for 56 x 56 cameras (not the released 224): the adapter's
+    request holds lerobot's resize_with_pad output at that size, scaled to [-1, 1] as its policy
+    does; a missing camera is all -1 and masked out."""
+    from safetensors.torch import load_file
+
+    from mstar.models.pi05.adapter import Pi05Adapter
+    from mstar.models.pi05.model import Pi05Model
+
+    (tmp_path / "config.json").write_text(json.dumps({"type": "pi05", "image_resolution": [56, 56]}))
+    model = Pi05Model(model_path=tmp_path, load_format="dummy")
+    assert model.config.vision.image_size == 56
+    fx = load_file(str(RESIZE_FIXTURE))
+    req = Pi05Adapter(model).request(pi.Observation(cameras={"base_0_rgb": fx["uint8.0.in"],
+                                                             "right_wrist_0_rgb": fx["uint8.3.in"]},
+                                                    token_ids=torch.tensor([2, 5, 7])))
+    images, mask = req.inputs["images"][0], req.inputs["image_masks"][0]
+    assert images.shape == (3, 3, 56, 56) and mask.tolist() == [True, False, True]
+
+    def scaled(name):
+        return (fx[name].to(torch.float32) / 255.0 * 2.0 - 1.0).permute(2, 0, 1)
+
+    assert torch.equal(images[0], scaled("uint8.0.out"))
+    assert torch.equal(images[2], scaled("uint8.3.out"))
+    assert torch.equal(images[1], torch.full((3, 56, 56), -1.0))
