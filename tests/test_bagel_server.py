@@ -101,6 +101,12 @@ def test_image_understanding_streams_the_generated_text(server, client):
     expected = engine.runtime.model.tokenizer.decode(ids)
     assert streamed == expected == r.choices[0].message.content
     assert r.usage.completion_tokens == len(ids)
+    # usage counts the image's tokens too: its ViT patches and their start / end tokens
+    text_only = client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "what is this?"}]}])
+    h, w = as_tensor(png).shape[:2]
+    vit_tokens = engine.runtime.model._image_tokens(int(h), int(w))[1]
+    assert vit_tokens > 2 and r.usage.prompt_tokens - text_only.usage.prompt_tokens == vit_tokens
 
 
 def test_chat_can_answer_with_an_image(server):
@@ -126,6 +132,12 @@ def test_chat_can_answer_with_an_image(server):
      "num_inference_steps"),
     (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]), "audio|wav"),
+    # fields BAGEL's text decoding does not read are refused by name, not ignored
+    (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                         extra_body={"repetition_penalty": 1.3}), "repetition_penalty"),
+    (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2), "n is not"),
+    (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                         extra_body={"cfg_text_scale": 2.0}), "cfg_text_scale"),
 ])
 def test_bad_input_is_a_400(client, call, match):
     with pytest.raises(openai.BadRequestError, match=match):

@@ -8,6 +8,7 @@ and on a prefill/decode split over two ranks.
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import logging
@@ -261,6 +262,69 @@ def test_repetition_penalty_and_stop_tokens_match_hf(tied_ckpt, hf_greedy):
         assert tokens(stop) == full[:k + 1]  # the stop token is emitted, nothing after it
         assert tokens(one) == full[:1]
         assert kv_blocks_in_use(rt) == 0
+
+
+class _OpenAIPenalties:
+    """OpenAI's presence / frequency penalties as a transformers logits processor, written here from
+    the API reference (counts over the generated tokens only): the reference the sampler is held to."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        for row, ids in enumerate(input_ids):
+            for tok, count in collections.Counter(ids[self.prompt_len:].tolist()).items():
+                scores[row, tok] -= self.presence + self.frequency * count
+        return scores
+
+
+def test_openai_penalties_bias_and_logprobs_match_hf(tied_ckpt, hf_greedy):
+    """presence / frequency penalties and logit_bias give transformers' greedy tokens with the same
+    penalties (a logits processor) and bias (``sequence_bias``); logprobs are the log-softmax of its
+    processed scores, top 5 included; and a free greedy row batched beside them keeps its tokens."""
+    transformers = pytest.importorskip("transformers")
+    hf, path = tied_ckpt
+    p, n = PROMPTS[0], 24
+    bias = {hf_greedy[0][3]: -100.0, 300: 4.0, 17: 2.5}
+    with torch.no_grad():
+        ids = torch.tensor([p])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          sequence_bias={(t,): b for t, b in bias.items()}, output_scores=True,
+                          return_dict_in_generate=True,
+                          logits_processor=transformers.LogitsProcessorList([_OpenAIPenalties(len(p), 0.7, 0.9)]))
+    ref_tokens = ref.sequences[0, len(p):].tolist()
+    ref_lp = torch.log_softmax(torch.cat(ref.scores).float(), dim=-1)
+    assert ref_tokens != hf_greedy[0][:n]  # the options change the answer
+    sampling = {"presence_penalty": 0.7, "frequency_penalty": 0.9, "logit_bias": {str(t): b for t, b in bias.items()},
+                "logprobs": 5, "ignore_eos": True}
+    with Runtime(LlamaLM(model_path=path)) as rt:
+        shaped, free = rt.generate([{"input_ids": torch.tensor(p)}, {"input_ids": torch.tensor(PROMPTS[1])}],
+                                   [{"max_tokens": n, "sampling": sampling}, GREEDY])
+        assert tokens(shaped) == ref_tokens
+        assert tokens(free) == hf_greedy[1] and "logprobs" not in free.outputs
+        steps = shaped.outputs["logprobs"]
+        assert len(steps) == n
+        for i, (ids_i, lps_i) in enumerate(steps):
+            assert ids_i.shape == lps_i.shape == (6,) and int(ids_i[0]) == ref_tokens[i]
+            want_top = torch.topk(ref_lp[i], 5)
+            assert ids_i[1:].tolist() == want_top.indices.tolist()
+            torch.testing.assert_close(lps_i, torch.cat([ref_lp[i, ref_tokens[i]].reshape(1), want_top.values]),
+                                       atol=1e-4, rtol=0)
+        assert kv_blocks_in_use(rt) == 0
+
+
+def test_extended_sampling_is_refused_where_not_read():
+    """A model whose nodes do not read presence / frequency penalties, logit_bias or logprobs refuses
+    them by name instead of ignoring them; the bias ids are checked against the vocabulary."""
+    from mstar.layers.sampling import request_sampling
+
+    with pytest.raises(ValueError, match="presence_penalty, logprobs: not supported"):
+        request_sampling({"sampling": {"presence_penalty": 0.5, "logprobs": 2}}, {})
+    assert request_sampling({"sampling": {"logprobs": 2}}, {}, extended=True).logprobs == 2
+    model = LlamaTiny()
+    with pytest.raises(ValueError, match="logit_bias token ids \\[99999\\]"):
+        model.validate_request({"input_ids": [torch.tensor([1, 2])]}, {"sampling": {"logit_bias": {"99999": 1}}})
 
 
 # -- loading -----------------------------------------------------------------------------------------

@@ -278,6 +278,12 @@ def test_bad_requests_are_400s(server, client):
     long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 4}
     r = httpx.post(url + "/v1/chat/completions", json=long_chat, timeout=60)
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    # fields the thinker does not read are refused by name, not ignored
+    for field, value in (("ignore_eos", True), ("presence_penalty", 0.5), ("logprobs", True), ("n", 2),
+                         ("audio", {"voice": "ethan"})):
+        r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
 
 
 def test_audio_and_image_input_with_speech_out(server, client):

@@ -423,9 +423,9 @@ def test_from_dict() -> None:
     assert p == SamplingParams(temperature=0.5, seed=3, stop_token_ids=(1, 2))
     assert SamplingParams.from_dict({}) == SamplingParams()
     with pytest.raises(ValueError) as ei:
-        SamplingParams.from_dict({"temperature": 0.5, "frequency_penalty": 0.1})
+        SamplingParams.from_dict({"temperature": 0.5, "min_p": 0.1})
     msg = str(ei.value)
-    assert "frequency_penalty" in msg
+    assert "min_p" in msg
     for name in (
         "temperature",
         "top_k",
@@ -512,3 +512,45 @@ def test_inverse_cdf_draw_edges() -> None:
     probs = torch.tensor([0.1, 0.6, 0.3])
     picks = [_draw(probs.log(), u) for u in (0.05, 0.099, 0.101, 0.69, 0.71, 0.99)]
     assert picks == [0, 0, 1, 1, 2, 2]
+
+
+def test_openai_options_are_row_wise_and_logprobs_match_the_processed_logits() -> None:
+    """Bias, presence / frequency penalties (over the generated tail of the seen tokens only) and
+    logprobs: each row alone gives the tokens and logprobs it gets in a mixed batch, greedy and
+    seeded; logprobs are the log-softmax of the biased, penalised logits, top-k sorted."""
+    from mstar.layers.sampling import sample_with_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g) * 3
+    seen = [torch.tensor([1, 2, 3, 7, 7, 9]), None, torch.tensor([4, 4, 4, 5]), torch.tensor([0, 1])]
+    steps = [3, 0, 2, 1]  # the last `step` seen tokens are the generated ones
+    params = [SamplingParams(temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5, logit_bias={9: 2.0},
+                             logprobs=3),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.8, seed=5, frequency_penalty=-1.0, logprobs=0),
+              SamplingParams(temperature=0.0, logit_bias={"2": 100}, logprobs=20)]
+    tokens, lps = sample_with_logprobs(logits, params, seen, steps)
+    for i in range(4):
+        alone, alone_lp = sample_with_logprobs(logits[i:i + 1], [params[i]], [seen[i]], [steps[i]])
+        assert int(alone[0]) == int(tokens[i])
+        assert (alone_lp[0] is None) == (lps[i] is None)
+        if lps[i] is not None:
+            assert torch.equal(alone_lp[0].ids, lps[i].ids) and torch.equal(alone_lp[0].logprobs, lps[i].logprobs)
+    assert lps[1] is None and int(tokens[3]) == 2  # a +100 bias wins the argmax
+    want = logits[0].clone()
+    want[9] += 2.0
+    want[7] -= 1.0 + 2 * 0.5  # generated: 7, 7, 9 (1, 2, 3 are the prompt's)
+    want[9] -= 1.0 + 0.5
+    ref = torch.log_softmax(want, -1)
+    assert int(tokens[0]) == int(want.argmax())
+    assert lps[0].ids.tolist() == [int(tokens[0]), *torch.topk(ref, 3).indices.tolist()]
+    torch.testing.assert_close(lps[0].logprobs, torch.cat([ref[tokens[0]].reshape(1), torch.topk(ref, 3).values]))
+    assert lps[2].ids.shape == (1,) and lps[3].ids.shape == (21,)
+    with pytest.raises(ValueError, match="presence_penalty"):
+        SamplingParams(presence_penalty=2.5)
+    with pytest.raises(ValueError, match="logit_bias values"):
+        SamplingParams(logit_bias={3: 101})
+    with pytest.raises(ValueError, match="logit_bias keys"):
+        SamplingParams(logit_bias={"x": 1})
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)

@@ -96,3 +96,80 @@ def test_omni_chat_never_5xx(omni_server, body):
                                    if isinstance(b, dict) and isinstance(b.get("params"), dict) else b))
 def test_omni_generate_never_5xx(omni_server, body):
     fz._post(omni_server, "/generate", body)
+
+
+# -- every field of every route has an effect or is refused -------------------------------------------
+# A non-default value of each declared field of each OpenAI route's request model. The test fails
+# when a model field has no entry here (a new field must be walked too).
+FIELD_VALUES = {
+    "/v1/chat/completions": {
+        "max_tokens": 3, "max_completion_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
+        "repetition_penalty": 1.2, "seed": 3, "stop": "zz", "stop_token_ids": [5], "n": 2, "stream": True,
+        "stream_options": {"include_usage": True}, "modalities": ["audio"], "audio": {"voice": "tara"},
+        "ignore_eos": True, "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+        "logit_bias": {"5": 1.0}, "response_format": {"type": "json_object"},
+        "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "functions": [{}],
+        "function_call": "auto", "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
+        "cfg_text_scale": 2.0},
+    "/v1/completions": {
+        "max_tokens": 3, "max_completion_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
+        "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"5": 1.0},
+        "logprobs": 2, "seed": 3, "stop": "zz", "stop_token_ids": [5], "ignore_eos": True, "n": 2, "best_of": 3,
+        "echo": True, "suffix": "x", "stream": True, "stream_options": {"include_usage": True}, "min_p": 0.1},
+    "/v1/responses": {
+        "instructions": "be brief", "max_output_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_logprobs": 2,
+        "stream": True, "store": False, "previous_response_id": "resp_unknown", "metadata": {"k": "v"},
+        "text": {"format": {"type": "json_object"}}, "include": ["message.output_text.logprobs"],
+        "tools": [{"type": "function"}], "tool_choice": "auto", "parallel_tool_calls": True,
+        "truncation": "disabled", "user": "u1", "reasoning": {"effort": "low"}, "background": True, "seed": 1},
+    "/v1/audio/speech": {
+        "voice": "tara", "response_format": "pcm", "speed": 1.5, "stream_format": "sse", "max_tokens": 7,
+        "temperature": 0.7, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.2, "seed": 3, "cfg_text_scale": 2.0},
+}
+BASES = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+         "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+         "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+         "/v1/audio/speech": {"input": "hi", "max_tokens": 7}}
+
+
+def test_request_models_are_walked_whole():
+    from mstar.server import protocol as p
+
+    models = {"/v1/chat/completions": p.ChatCompletionRequest, "/v1/completions": p.CompletionRequest,
+              "/v1/responses": p.ResponsesRequest, "/v1/audio/speech": p.SpeechRequest}
+    for path, model in models.items():
+        missing = set(model.model_fields) - set(FIELD_VALUES[path]) - set(BASES[path]) - {"model", "input", "prompt"}
+        assert not missing, f"{path}: give {sorted(missing)} a value in FIELD_VALUES"
+
+
+def test_every_field_has_an_effect_or_is_refused(server):
+    """Each field of each route this family serves, set alone to a non-default value (and an extra
+    field nothing reads): a 200, or a 400 naming the field; never accepted and ignored, since the
+    routes refuse what neither they nor the model's adapter read (``refuse_unread``)."""
+    url, engine, name = server
+    served = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["routes"]
+    outcomes = {}
+    for path, values in FIELD_VALUES.items():
+        if path not in served:
+            continue
+        for field, value in values.items():
+            body = {**BASES[path], "model": name, field: value}
+            if field == "top_logprobs" and path == "/v1/chat/completions":
+                body["logprobs"] = True
+            r = httpx.post(url + path, json=body, timeout=60)
+            if r.status_code == 200:
+                outcomes[(path, field)] = "ok"
+                continue
+            assert r.status_code == 400, (path, field, r.status_code, r.text)
+            err = r.json()["error"]
+            assert field in (err["param"] or "") + err["message"], (path, field, err)
+            outcomes[(path, field)] = "refused"
+    if "/v1/chat/completions" in served:
+        assert outcomes[("/v1/chat/completions", "cfg_text_scale")] == "refused"  # an extra no model here reads
+        assert outcomes[("/v1/chat/completions", "tools")] == "refused"
+    if "/v1/completions" in served:
+        assert outcomes[("/v1/completions", "min_p")] == "refused"
+        assert outcomes[("/v1/completions", "logprobs")] == "ok"
+    if "/v1/audio/speech" in served:
+        assert outcomes[("/v1/audio/speech", "cfg_text_scale")] == "refused"
+    fz._settled(engine)

@@ -74,6 +74,7 @@ class ToyAdapter(ApiAdapter):
         if max_tokens + len(ids) > 250:
             raise ValueError(f"max_tokens {max_tokens} + prompt {len(ids)} exceeds the context of 250 tokens")
         sampling = {"temperature": body["temperature"] if body.get("temperature") is not None else 0.0}
+        body.get("ignore_eos")  # read: the toy has no EOS, it always generates max_tokens
         if body.get("seed") is not None:
             sampling["seed"] = body["seed"]
         audio_out = bool(body.get("modalities") and "audio" in body["modalities"])
@@ -82,6 +83,7 @@ class ToyAdapter(ApiAdapter):
         return ApiRequest({"input_ids": torch.tensor(ids)}, params, prompt_tokens=len(ids))
 
     def speech_request(self, body):
+        body.get("voice")  # read (the route checked it is one of ``voices``): the toy speaks every voice alike
         ids = encode_text(body["input"])
         if len(ids) > 200:
             raise ValueError("input is too long (200 characters at most)")
@@ -89,6 +91,7 @@ class ToyAdapter(ApiAdapter):
                           prompt_tokens=len(ids))
 
     def image_request(self, body, image):
+        body.get("seed")  # read: the toy's images are the same for every seed
         if body["width"] * body["height"] > 512 * 512:
             raise ValueError(f"size {body['width']}x{body['height']} exceeds 512x512")
         if len(body["prompt"]) > 200:

@@ -187,6 +187,18 @@ def suite_prefix(repeats: int | None) -> SuiteResult:
                        notes=_fewer(repeats, 3), data=res)
 
 
+def suite_sampler(repeats: int | None) -> SuiteResult:
+    from mstar.bench.sampler_bench import format_table, goal_line, run_sampler_bench
+
+    n = _n(repeats, 3)
+    res = run_sampler_bench(repeats=n, log=_log)
+    return SuiteResult("sampler", f"mstar bench sampler --repeats {n}",
+                       description=f"SmolLM2-135M, {res.concurrency} concurrent greedy requests of {res.max_tokens} "
+                                   "tokens each, with no sampling option and with presence + frequency penalties, "
+                                   "a 50-token logit_bias and top_logprobs 5 on every row (alternating).",
+                       tables=[format_table(res)], goals=[goal_line(res)], notes=_fewer(repeats, 3), data=res)
+
+
 def suite_soak(repeats: int | None) -> SuiteResult:
     from mstar.bench.soak_bench import format_report, soak_in_process
 
@@ -274,6 +286,7 @@ SUITES: dict[str, Suite] = {
     "policy": Suite("pi0.5 policy over openpi's websocket protocol vs. lerobot", suite_policy),
     "pressure": Suite("KV pressure: 4x oversubscription", suite_pressure),
     "prefix": Suite("Prefix caching: a shared system prompt, on vs. off", suite_prefix),
+    "sampler": Suite("Sampler: OpenAI sampling options on every row vs. none", suite_sampler),
     "serve": Suite("Load generator against a running server", suite_serve),
     "soak": Suite("Soak: mixed load, leaks", suite_soak),
     "tp": Suite("Tensor parallelism: one decode step at TP1 vs TP2", suite_tp),

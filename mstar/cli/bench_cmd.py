@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark", description="Run a benchmark.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve, _add_pressure, _add_prefix,
-                _add_soak, _add_tp, _add_transport):
+                _add_sampler, _add_soak, _add_tp, _add_transport):
         add(bsub)
 
 
@@ -461,6 +461,31 @@ def run_tp(args: argparse.Namespace) -> int:
     from mstar.bench.tp_bench import run
 
     return run(args)
+
+
+def _add_sampler(bsub) -> None:
+    sm = bsub.add_parser("sampler", help="decode throughput with the OpenAI sampling options on every row vs. none",
+                         description="The same concurrent greedy requests with no sampling option and with presence "
+                                     "+ frequency penalties, a 50-token logit_bias and top_logprobs 5 on every row, "
+                                     "alternating in one run: generated tokens per second.")
+    sm.add_argument("--model", choices=["smollm2", "random"], default="smollm2",
+                    help="SmolLM2-135M (the shipped checkpoint) or the compare-llm random model (default smollm2)")
+    sm.add_argument("--concurrency", type=int, default=16, help="concurrent requests (default 16)")
+    sm.add_argument("--max-tokens", type=int, default=128, help="tokens per request, EOS ignored (default 128)")
+    sm.add_argument("--repeats", type=int, default=3, help="alternating repeats (default 3)")
+    sm.set_defaults(func=run_sampler)
+
+
+def run_sampler(args: argparse.Namespace) -> int:
+    import sys
+
+    from mstar.bench.sampler_bench import format_table, goal_line, run_sampler_bench
+
+    res = run_sampler_bench(model=args.model, concurrency=args.concurrency, max_tokens=args.max_tokens,
+                            repeats=args.repeats, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_table(res))
+    print(goal_line(res).line())
+    return 0
 
 
 def _add_transport(bsub) -> None:

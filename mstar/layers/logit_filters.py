@@ -1,6 +1,8 @@
-"""The logit filters of :mod:`mstar.layers.sampling`, in the order ``sample`` applies them (after
-the repetition penalty): repetition penalty, temperature, top-k / top-p. All are row-wise, and all
-return new float32 tensors: a row's result never depends on the other rows of its batch."""
+"""The logit filters of :mod:`mstar.layers.sampling`, in the order ``sample`` applies them: logit
+bias, repetition penalty, presence / frequency penalties, temperature, top-k / top-p. All are
+row-wise: a row's result never depends on the other rows of its batch. The bias and the presence /
+frequency penalties change the float32 logits they are given in place; the others return new
+float32 tensors."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import torch
 
 from mstar.layers.host_longs import long_tensor
 
-__all__ = ["apply_repetition_penalty", "apply_temperature", "apply_top_k_top_p"]
+__all__ = ["apply_logit_bias", "apply_presence_frequency", "apply_repetition_penalty", "apply_temperature",
+           "apply_top_k_top_p"]
 
 
 def _per_row(
@@ -32,6 +35,33 @@ def _seen_ids(toks: Sequence[int] | torch.Tensor) -> torch.Tensor:
     if isinstance(toks, torch.Tensor):
         return toks.reshape(-1).to(device="cpu", dtype=torch.int64)
     return long_tensor(map(int, toks))
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[int],
+                     biases: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Add each of ``rows``' ``(ids, biases)`` to its logits, in place (float32 ``[B, V]``). An id
+    outside ``[0, V)`` raises ValueError (the model's request checks refuse one first)."""
+    vocab = logits.shape[1]
+    for i, (ids, b) in zip(rows, biases):
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(f"logit_bias token id out of range [0, {vocab}) in row {i}")
+        logits[i].index_add_(0, ids.to(logits.device), b.to(logits.device))
+
+
+def apply_presence_frequency(logits: torch.Tensor, rows: Sequence[int], generated: Sequence[torch.Tensor],
+                             presence: Sequence[float], frequency: Sequence[float]) -> None:
+    """OpenAI's penalties, in place on float32 ``[B, V]`` logits: for each of ``rows``, every token
+    of its ``generated`` ids (int64, the tokens it sampled so far) loses ``presence`` once and
+    ``frequency`` times its count."""
+    vocab = logits.shape[1]
+    for i, ids, p, f in zip(rows, generated, presence, frequency):
+        if ids.numel() == 0:
+            continue
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"generated token id out of range [0, {vocab}) in row {i}")
+        tokens, counts = torch.unique(ids, return_counts=True)
+        drop = counts.to(torch.float32) * f + p
+        logits[i].index_add_(0, tokens.to(logits.device), -drop.to(logits.device))
 
 
 def apply_repetition_penalty(

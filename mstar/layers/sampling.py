@@ -1,15 +1,19 @@
 """Token sampling for autoregressive decoding.
 
 The central entry point is :func:`sample`, which turns a batch of next-token logits ``[B, V]`` into one
-token id per row.  Processing follows the order used by Hugging Face ``generate``:
+token id per row.  Processing follows the order vLLM uses:
 
-1. repetition penalty (over prompt + generated tokens),
-2. temperature,
-3. top-k,
-4. top-p (nucleus),
+1. ``logit_bias`` (added to the listed tokens' logits),
+2. repetition penalty (HF semantics, over prompt + generated tokens),
+3. presence and frequency penalties (OpenAI semantics, over the generated tokens only),
+4. temperature,
+5. top-k,
+6. top-p (nucleus),
 
-followed by either an argmax (``temperature == 0``) or a random draw. Steps 1-4 live in
-:mod:`mstar.layers.logit_filters` (re-exported here).
+followed by either an argmax (``temperature == 0``) or a random draw. The filters live in
+:mod:`mstar.layers.logit_filters` (re-exported here). A row asking for ``logprobs`` gets the log-softmax
+of its logits after steps 1-3 (biased and penalised, before temperature and top-k / top-p): the
+distribution the request's own choices shaped, independent of how it is then sampled.
 
 Batch invariance
 ----------------
@@ -38,22 +42,41 @@ import secrets
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from mstar.layers.cpu_ops import ops
-from mstar.layers.logit_filters import apply_repetition_penalty, apply_temperature, apply_top_k_top_p
+from mstar.layers.logit_filters import (
+    apply_logit_bias,
+    apply_presence_frequency,
+    apply_repetition_penalty,
+    apply_temperature,
+    apply_top_k_top_p,
+)
 
 __all__ = [
+    "EXTENDED_FIELDS",
+    "MAX_LOGPROBS",
+    "RowLogprobs",
     "SamplingParams",
+    "apply_logit_bias",
+    "apply_presence_frequency",
     "apply_repetition_penalty",
     "apply_temperature",
     "apply_top_k_top_p",
     "request_sampling",
     "row_seed",
     "sample",
+    "sample_with_logprobs",
 ]
+
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_LOGIT_BIAS = 100.0  # OpenAI's: a bias is in [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's bound on how many tokens one request biases
+# The fields beyond HF's set: a model whose nodes do not read them refuses them (``request_sampling``)
+EXTENDED_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -82,6 +105,14 @@ class SamplingParams:
       ``1.0`` disables.
     * ``repetition_penalty``: HF semantics; for every token already seen (prompt + generated) a positive
       logit is divided by the penalty and a non-positive one multiplied by it. ``1.0`` disables.
+    * ``presence_penalty`` / ``frequency_penalty``: OpenAI semantics, in [-2, 2]; for every token
+      generated so far (not the prompt's), its logit is lowered by the presence penalty once and by the
+      frequency penalty times its count. ``0`` disables.
+    * ``logit_bias``: ``(token id, bias)`` pairs (a mapping is accepted), each bias in [-100, 100],
+      added to that token's logit before anything else. The ids are checked against the vocabulary
+      by the model (``validate_request``).
+    * ``logprobs``: ``None`` (off), or how many most likely alternatives (0-20) to report beside the
+      sampled token's log probability (``sample_with_logprobs``).
     * ``seed``: makes sampling reproducible and batch invariant; ``None`` uses a process-wide generator.
     * ``max_tokens``, ``stop_token_ids``, ``ignore_eos``: stopping criteria, carried for the scheduler.
     """
@@ -94,6 +125,10 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # temperature
@@ -139,6 +174,50 @@ class SamplingParams:
         # ignore_eos
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        self._check_extended()
+
+    def _check_extended(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+            object.__setattr__(self, name, float(v))
+        bias = self.logit_bias
+        pairs = list(bias.items()) if isinstance(bias, Mapping) else bias
+        if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence) or not all(
+                isinstance(p, Sequence) and len(p) == 2 for p in pairs):
+            raise ValueError(f"logit_bias must map token ids to biases, got {bias!r}")
+        if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(pairs)}")
+        clean = {}
+        for tok, b in pairs:
+            tok = int(tok) if isinstance(tok, str) and tok.strip().isdigit() else tok
+            if not _is_int(tok) or tok < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok!r}")
+            if not _is_real(b) or not math.isfinite(b) or abs(b) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {tok}")
+            clean[tok] = float(b)
+        object.__setattr__(self, "logit_bias", tuple(sorted(clean.items())))
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def needs_seen(self) -> bool:
+        """Whether sampling reads the tokens seen so far (a repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def extended(self) -> tuple[str, ...]:
+        """The ``EXTENDED_FIELDS`` this request sets (a model that does not read them refuses it)."""
+        used = (self.presence_penalty != 0.0, self.frequency_penalty != 0.0, bool(self.logit_bias),
+                self.logprobs is not None)
+        return tuple(name for name, on in zip(EXTENDED_FIELDS, used) if on)
+
+    @cached_property
+    def bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logit_bias`` as ``(ids int64, biases float32)`` (built once per request)."""
+        return (torch.tensor([t for t, _ in self.logit_bias], dtype=torch.long),
+                torch.tensor([b for _, b in self.logit_bias], dtype=torch.float32))
 
     @property
     def greedy(self) -> bool:
@@ -172,16 +251,20 @@ class SamplingParams:
 
 
 def request_sampling(params: Mapping[str, Any],
-                     defaults: Mapping[str, Any]) -> SamplingParams:
+                     defaults: Mapping[str, Any], *, extended: bool = False) -> SamplingParams:
     """The request's ``SamplingParams``: ``defaults``, then ``params["sampling"]``, then a top-level
-    ``params["max_tokens"]``. Bad values raise ValueError."""
+    ``params["max_tokens"]``. Bad values raise ValueError; so does a field of ``EXTENDED_FIELDS``
+    unless ``extended`` (the caller's nodes apply them), rather than being ignored."""
     sampling = params.get("sampling") or {}
     if not isinstance(sampling, Mapping):
         raise ValueError(f"params['sampling'] must be a mapping, got {type(sampling).__name__}")
     merged = {**defaults, **{k: v for k, v in sampling.items() if v is not None}}
     if params.get("max_tokens") is not None:
         merged["max_tokens"] = params["max_tokens"]
-    return SamplingParams.from_dict(merged)
+    sp = SamplingParams.from_dict(merged)
+    if not extended and sp.extended:
+        raise ValueError(f"{', '.join(sp.extended)}: not supported by this model")
+    return sp
 
 
 def _splitmix64(x: int) -> int:
@@ -261,6 +344,15 @@ def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return ext.argmax_rows(x.contiguous())
 
 
+@dataclass(frozen=True)
+class RowLogprobs:
+    """One row's log probabilities: ``ids`` int64 ``[1 + k]`` (the sampled token, then the ``k`` most
+    likely tokens in descending order) and ``logprobs`` float32 ``[1 + k]``, theirs."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -272,15 +364,20 @@ def sample(
     Args:
         logits: ``[B, V]`` next-token logits, any floating dtype (computed in float32).
         params: one :class:`SamplingParams` per row.
-        seen_tokens: per row, the token ids seen so far (prompt + generated) for the repetition penalty,
-            as a sequence of ids or a 1-D integer tensor (a row's None: none); ``None`` means none for
-            every row.
+        seen_tokens: per row, the token ids seen so far (prompt + generated) for the penalties, as a
+            sequence of ids or a 1-D integer tensor (a row's None: none); ``None`` means none for every
+            row. The last ``step_indices[i]`` of a row are its generated tokens.
         step_indices: per row, how many tokens that request has sampled so far (0 for the first).
 
     Returns:
         int64 tensor ``[B]`` on ``logits.device``.  For seeded rows the result depends only on that row's
-        inputs (see the module docstring); greedy rows are the argmax of the penalised logits.
+        inputs (see the module docstring); greedy rows are the argmax of the biased, penalised logits.
     """
+    return sample_with_logprobs(logits, params, seen_tokens, step_indices)[0]
+
+
+def _check_batch(logits: torch.Tensor, params: list[SamplingParams], seen_tokens: Sequence | None,
+                 step_indices: list[int]) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [batch, vocab], got shape {tuple(logits.shape)}")
     batch, vocab = logits.shape
@@ -293,24 +390,94 @@ def sample(
     for s in step_indices:
         if not _is_int(s) or s < 0:
             raise ValueError(f"step indices must be ints >= 0, got {s!r}")
-    device = logits.device
-    if batch == 0:
-        return torch.empty(0, dtype=torch.long, device=device)
-    if vocab == 0:
+    if batch and vocab == 0:
         raise ValueError("logits have an empty vocabulary dimension")
 
-    penalties = [p.repetition_penalty for p in params]
-    unpenalised = all(p == 1.0 for p in penalties)
-    greedy = [p.greedy for p in params]
-    if unpenalised and all(greedy):  # the argmax of the logits as they are (no float32 copy)
-        return _argmax_rows(logits)
-    if unpenalised:  # nothing to penalise: skip the copy of the logits
-        x = logits.to(torch.float32)
-    else:
-        x = apply_repetition_penalty(logits, seen_tokens, penalties)
 
-    if all(greedy):
+def _processed(logits: torch.Tensor, params: list[SamplingParams],
+               seen_tokens: Sequence[Sequence[int] | torch.Tensor | None] | None,
+               step_indices: list[int]) -> torch.Tensor | None:
+    """The float32 logits after the bias and the penalties, or None when no row asks for any (the
+    logits are then used as they are, without a copy)."""
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    penalised = any(p.repetition_penalty != 1.0 for p in params)
+    pf = [i for i, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
+    if not (biased or penalised or pf):
+        return None
+    x = logits.to(torch.float32, copy=True)
+    if biased:
+        apply_logit_bias(x, biased, [params[i].bias_tensors for i in biased])
+    if penalised:
+        x = apply_repetition_penalty(x, seen_tokens, [p.repetition_penalty for p in params])
+    if pf:
+        generated = []
+        for i in pf:
+            seen, n = None if seen_tokens is None else seen_tokens[i], step_indices[i]
+            ids = _seen_tensor(seen)
+            generated.append(ids[ids.numel() - min(n, ids.numel()):] if n else ids[:0])
+        apply_presence_frequency(x, pf, generated, [params[i].presence_penalty for i in pf],
+                                 [params[i].frequency_penalty for i in pf])
+    return x
+
+
+def _seen_tensor(seen: Sequence[int] | torch.Tensor | None) -> torch.Tensor:
+    if seen is None:
+        return torch.zeros(0, dtype=torch.long)
+    if isinstance(seen, torch.Tensor):
+        return seen.reshape(-1).to(device="cpu", dtype=torch.long)
+    return torch.tensor(list(seen), dtype=torch.long)
+
+
+def _row_logprobs(x: torch.Tensor, rows: list[int], tokens: torch.Tensor,
+                  params: list[SamplingParams]) -> list[RowLogprobs | None]:
+    """``RowLogprobs`` of ``rows`` of the processed logits ``x`` (None for the other rows)."""
+    out: list[RowLogprobs | None] = [None] * x.shape[0]
+    idx = torch.tensor(rows, dtype=torch.long, device=x.device)
+    lp = torch.log_softmax(x[idx].to(torch.float32), dim=-1)
+    most = max(params[i].logprobs for i in rows)
+    if most:
+        top_vals, top_ids = torch.topk(lp, min(most, lp.shape[1]), dim=-1)
+    else:
+        top_vals, top_ids = lp[:, :0], torch.zeros((len(rows), 0), dtype=torch.long, device=x.device)
+    chosen = tokens[idx].to(x.device)
+    chosen_lp = lp.gather(1, chosen[:, None])[:, 0]
+    for r, i in enumerate(rows):
+        k = params[i].logprobs
+        out[i] = RowLogprobs(torch.cat([chosen[r:r + 1], top_ids[r, :k]]).cpu(),
+                             torch.cat([chosen_lp[r:r + 1], top_vals[r, :k]]).cpu())
+    return out
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seen_tokens: Sequence[Sequence[int] | torch.Tensor | None] | None,
+    step_indices: list[int],
+) -> tuple[torch.Tensor, list[RowLogprobs | None]]:
+    """``sample``, and per row its ``RowLogprobs`` when its params ask for ``logprobs`` (else None):
+    the log-softmax of the row's biased and penalised logits, before temperature and top-k / top-p."""
+    _check_batch(logits, params, seen_tokens, step_indices)
+    batch = logits.shape[0]
+    device = logits.device
+    if batch == 0:
+        return torch.empty(0, dtype=torch.long, device=device), []
+    x = _processed(logits, params, seen_tokens, step_indices)
+    tokens = _sample_processed(logits if x is None else x, x is not None, params, step_indices)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return tokens, [None] * batch
+    return tokens, _row_logprobs(logits if x is None else x, rows, tokens, params)
+
+
+def _sample_processed(x: torch.Tensor, is_float32_copy: bool, params: list[SamplingParams],
+                      step_indices: list[int]) -> torch.Tensor:
+    batch, vocab = x.shape
+    device = x.device
+    greedy = [p.greedy for p in params]
+    if all(greedy):  # the argmax of the logits as they are (no float32 copy)
         return _argmax_rows(x)
+    if not is_float32_copy:
+        x = x.to(torch.float32)
     out = torch.empty(batch, dtype=torch.long, device=device)
     g_rows = [i for i, g in enumerate(greedy) if g]
     s_rows = [i for i, g in enumerate(greedy) if not g]

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 CHAT = "chat"  # POST /v1/chat/completions
+COMPLETIONS = "completions"  # POST /v1/completions
 SPEECH = "speech"  # POST /v1/audio/speech (+ GET /v1/audio/voices)
 IMAGES = "images"  # POST /v1/images/generations
 IMAGE_EDITS = "image_edits"  # POST /v1/images/edits
@@ -22,6 +23,7 @@ POLICY = "policy"  # websocket at "/": openpi's policy protocol (msgpack-numpy o
 
 ROUTE_PATHS = {
     CHAT: "/v1/chat/completions",
+    COMPLETIONS: "/v1/completions",
     SPEECH: "/v1/audio/speech",
     IMAGES: "/v1/images/generations",
     IMAGE_EDITS: "/v1/images/edits",
@@ -57,16 +59,35 @@ def text_sampling_params(body: Mapping[str, Any], fields: Mapping[str, str]) -> 
     if body.get("stop_token_ids"):
         sampling["stop_token_ids"] = list(body["stop_token_ids"])
     params: dict[str, Any] = {"sampling": sampling}
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    newer, older = body.get("max_completion_tokens"), body.get("max_tokens")  # both read: clients send both
+    max_tokens = newer or older
     if max_tokens is not None:
         params["max_tokens"] = int(max_tokens)
     return params
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log probability as OpenAI reports it: its text, the text's UTF-8 bytes, and (for
+    the sampled token) the most likely alternatives."""
+
+    token: str
+    logprob: float
+    top: tuple[TokenLogprob, ...] = ()
+
+    def to_openai(self) -> dict[str, Any]:
+        entry = {"token": self.token, "logprob": self.logprob, "bytes": list(self.token.encode("utf-8"))}
+        return {**entry, "top_logprobs": [t.to_openai_alternative() for t in self.top]}
+
+    def to_openai_alternative(self) -> dict[str, Any]:
+        return {"token": self.token, "logprob": self.logprob, "bytes": list(self.token.encode("utf-8"))}
+
+
+@dataclass(frozen=True)
 class TextDelta:
     text: str
     num_tokens: int = 1
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens this delta covers, when the request asked
 
 
 @dataclass(frozen=True)
@@ -88,12 +109,19 @@ class ApiRequest:
     params: dict[str, Any]
     prompt_tokens: int = 0
     stop: tuple[str, ...] = ()  # text that ends the answer (``stop_strings``): the decoder's, not the runtime's
+    echo: str = ""  # the prompt's text, sent before the answer (``/v1/completions`` with ``echo``)
+
+
+LOGPROBS_OUTPUT = "logprobs"  # the emitted item of a step's log probabilities (``[ids, logprobs]``)
 
 
 class ApiAdapter:
     """Base adapter: only the native ``/generate`` route."""
 
     routes: frozenset[str] = frozenset({GENERATE})
+    # the optional OpenAI chat fields this model reads (``mstar.server.protocol.CHAT_OPTIONS``); the
+    # chat route refuses the others with a 400 naming the field
+    chat_options: frozenset[str] = frozenset()
     voices: tuple[str, ...] = ()
     default_voice: str | None = None
     sample_rate: int = 24000
@@ -101,6 +129,10 @@ class ApiAdapter:
     def chat_request(self, body: Mapping[str, Any], images: list[torch.Tensor],
                      audio: list[tuple[torch.Tensor, int]]) -> ApiRequest:
         """``body``: the chat completion request; ``images`` decoded (uint8 HWC), ``audio`` (pcm, rate)."""
+        raise NotImplementedError
+
+    def completion_request(self, body: Mapping[str, Any], prompt: str | list[int]) -> ApiRequest:
+        """One prompt of a ``/v1/completions`` body (its text, or its token ids)."""
         raise NotImplementedError
 
     def speech_request(self, body: Mapping[str, Any]) -> ApiRequest:
@@ -157,16 +189,40 @@ class TextStreamDecoder(ItemDecoder):
     ``stop``: strings that end the answer, matched on the decoded text (so across token boundaries).
     The text is cut before the first one, ``finish_reason`` is "stop" and ``done`` is set; while
     streaming, a tail of the text that could still grow into a stop string is held back, so no part
-    of one is ever sent."""
+    of one is ever sent.
 
-    def __init__(self, tokenizer, max_tokens: int, stop_ids: set[int], stop: tuple[str, ...] = ()) -> None:
+    ``logprobs``: the request asked for them; each token's delta then waits for the ``logprobs`` item
+    of its step (emitted after the token) and carries it as ``TokenLogprob``."""
+
+    def __init__(self, tokenizer, max_tokens: int, stop_ids: set[int], stop: tuple[str, ...] = (),
+                 logprobs: bool = False) -> None:
         self.tok, self.max_tokens, self.stop_ids, self.stop = tokenizer, max_tokens, stop_ids, stop
+        self.logprobs = logprobs
         self.ids: list[int] = []
         self.sent = ""
+        self._pending: TextDelta | None = None  # a token's delta waiting for its logprobs
 
     def feed(self, name, value):
         if self.done:
             return []
+        if name == LOGPROBS_OUTPUT:
+            return self._with_logprobs(value)
+        out = self._token(value)
+        if self.logprobs and not self.done:
+            self._pending = out[0]
+            return []
+        return out
+
+    def _with_logprobs(self, value: list[torch.Tensor]) -> list[TextDelta]:
+        ids, lps = value[0].reshape(-1).tolist(), value[1].reshape(-1).tolist()
+        top = tuple(TokenLogprob(self.tok.decode([i]), lp) for i, lp in zip(ids[1:], lps[1:]))
+        entry = TokenLogprob(self.tok.decode([ids[0]]), lps[0], top)
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return []
+        return [TextDelta(pending.text, pending.num_tokens, (entry,))]
+
+    def _token(self, value: list[torch.Tensor]) -> list[TextDelta]:
         token = int(value[0].reshape(-1)[0])
         self.ids.append(token)
         if token in self.stop_ids:
@@ -198,9 +254,11 @@ class TextStreamDecoder(ItemDecoder):
         return delta
 
     def finish(self):
+        pending, self._pending = self._pending, None
+        held = [pending] if pending is not None else []
         if self.done:
-            return []
+            return held
         text = self.tok.decode(self.ids, skip_special_tokens=True)
         rest = text[len(self.sent):]
         self.sent = text
-        return [TextDelta(rest, 0)] if rest else []
+        return held + ([TextDelta(rest, 0)] if rest else [])

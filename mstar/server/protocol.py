@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Every number a request carries is bounded: the runtime's wire format holds 64-bit ints, and no
 # model has a use for a non-finite float or a context of more than MAX_TOKENS.
@@ -83,9 +83,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-# OpenAI chat fields with no effect in mstar yet -> whether a value asks for something (their no-op
-# values, e.g. ``logprobs: false`` or ``presence_penalty: 0``, are accepted: SDKs and tools send them)
-_UNSUPPORTED_CHAT_FIELDS: dict[str, Any] = {
+# OpenAI chat fields that only some models implement -> whether a value asks for something (their
+# no-op values, e.g. ``logprobs: false`` or ``presence_penalty: 0``, are accepted from every model:
+# SDKs and tools send them). A model's adapter lists those it reads (``ApiAdapter.chat_options``); the
+# chat route refuses the others with a 400 naming the field (``refused_chat_option``), never ignoring one.
+CHAT_OPTIONS: dict[str, Any] = {
+    "n": lambda v: v != 1,
     "logprobs": lambda v: v is not False,
     "top_logprobs": lambda v: v != 0,
     "presence_penalty": lambda v: v != 0,
@@ -99,7 +102,19 @@ _UNSUPPORTED_CHAT_FIELDS: dict[str, Any] = {
     "prediction": lambda _v: True,
     "web_search_options": lambda _v: True,
 }
-_UNSUPPORTED_FIELD_NAMES = tuple(_UNSUPPORTED_CHAT_FIELDS)
+
+
+def refused_chat_option(body: dict[str, Any], supported: frozenset[str]) -> str | None:
+    """The first field of ``CHAT_OPTIONS`` in ``body`` that asks for something outside ``supported``."""
+    for name, asks in CHAT_OPTIONS.items():
+        value = dict.get(body, name)  # the route's look: not a read of the model's (``ReadBody``)
+        if value is not None and name not in supported and asks(value):
+            return name
+    return None
+
+
+MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 8  # ``n``: the choices of one request, each its own runtime request over the shared prompt
 
 
 class ChatCompletionRequest(_Open):
@@ -114,20 +129,19 @@ class ChatCompletionRequest(_Open):
     seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     modalities: list[Literal["text", "audio", "image"]] | None = None
     audio: AudioParams | None = None
     ignore_eos: bool = False
 
-    # OpenAI fields mstar does not implement yet (``_UNSUPPORTED_CHAT_FIELDS``): declared so that a value
-    # asking for something is refused naming its field, never accepted with no effect
-    logprobs: Any = None
-    top_logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
+    # ``CHAT_OPTIONS``: read by the models that list them, refused by the others
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    presence_penalty: float | None = _finite(ge=-2, le=2)
+    frequency_penalty: float | None = _finite(ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -136,12 +150,100 @@ class ChatCompletionRequest(_Open):
     prediction: Any = None
     web_search_options: Any = None
 
-    @field_validator(*_UNSUPPORTED_FIELD_NAMES)
-    @classmethod
-    def _no_silent_gaps(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and _UNSUPPORTED_CHAT_FIELDS[info.field_name](value):
-            raise ValueError(f"{info.field_name} is not supported yet (remove it, or send its no-op value)")
-        return value
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+
+Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(_Open):
+    """``POST /v1/completions`` (OpenAI's legacy text completions, as vLLM serves them)."""
+
+    model: str
+    prompt: Prompt
+    max_tokens: Tokens | None = 16  # OpenAI's default
+    max_completion_tokens: Tokens | None = None  # takes precedence over max_tokens (guidellm sends both)
+    temperature: float | None = _finite(ge=0, le=2)
+    top_p: float | None = _finite(gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_TOKENS)
+    repetition_penalty: float | None = _finite(gt=0)
+    presence_penalty: float | None = _finite(ge=-2, le=2)
+    frequency_penalty: float | None = _finite(ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    best_of: int | None = None  # only its no-op value (None or n): ranking candidates is not implemented
+    echo: bool = False
+    suffix: str | None = None  # only its no-op value (None or ""): insertion is not implemented
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="after")
+    def _no_silent_gaps(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (send n instead)")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (the prompt's log probabilities are not computed)")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
+
+
+class ResponseInputText(BaseModel):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class ResponseInputMessage(BaseModel):
+    """One message of a ``/v1/responses`` input (other item kinds, e.g. images or tool output, are refused)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ResponseInputText]
+
+
+class ResponseTextFormat(BaseModel):
+    type: Literal["text"]
+
+
+class ResponseTextConfig(BaseModel):
+    format: ResponseTextFormat | None = None  # json output is the structured-output issue's
+
+
+class ResponsesRequest(_Open):
+    """``POST /v1/responses`` for text: what it reads; a field asking for something else (tools,
+    reasoning, images) is a 400 naming it."""
+
+    model: str
+    input: str | list[ResponseInputMessage]
+    instructions: str | None = None
+    max_output_tokens: Tokens | None = None
+    temperature: float | None = _finite(ge=0, le=2)
+    top_p: float | None = _finite(gt=0, le=1)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = Field(default=None, max_length=128)
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(default=None, max_length=16)
+    text: ResponseTextConfig | None = None
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    tools: list[Any] | None = Field(default=None, max_length=0)  # only the no-op value: no tools
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None  # no tools: nothing to run in parallel
+    truncation: Literal["disabled"] | None = None
+    user: str | None = Field(default=None, max_length=256)  # echoed in the response
+    reasoning: None = None  # refused: no reasoning model served
+    background: Literal[False] | None = None
 
 
 class ResponseAudio(BaseModel):
@@ -157,10 +259,15 @@ class ResponseMessage(BaseModel):
     audio: ResponseAudio | None = None
 
 
+class ChoiceLogprobs(BaseModel):
+    content: list[dict[str, Any]] | None = None
+
+
 class Choice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: str | None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class Usage(BaseModel):

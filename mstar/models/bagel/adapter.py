@@ -38,7 +38,7 @@ from mstar.model.validation import check_int
 _FLOW_FIELDS = ("cfg_text_scale", "cfg_img_scale", "cfg_interval", "cfg_renorm_type", "cfg_renorm_min",
                 "num_timesteps", "timestep_shift")
 _ALIASES = {"guidance_scale": "cfg_text_scale", "image_guidance_scale": "cfg_img_scale"}
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "repetition_penalty")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
 
 
 def _flow_params(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -63,8 +63,7 @@ class BagelAdapter(ApiAdapter):
 
     def _finish(self, inputs: dict[str, list], params: dict[str, Any], stop: tuple[str, ...] = ()) -> ApiRequest:
         self.model.validate_request(inputs, params)  # bad sizes, scales, vocab -> HTTP 400
-        prompt = sum(int(t.numel()) + 2 for t in inputs.get("text_ids", []))
-        return ApiRequest(inputs, params, prompt_tokens=prompt, stop=stop)
+        return ApiRequest(inputs, params, prompt_tokens=self.model.prompt_tokens(inputs, params), stop=stop)
 
     def chat_request(self, body, images, audio):
         if audio:

@@ -234,6 +234,11 @@ class BagelModel(LazyTokenizer, ModelDef):
         steps, ctx = plan_layout(items, target, cfg_img, lat_hw)
         return steps, ctx, lat_hw, fs
 
+    def prompt_tokens(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> int:
+        """The tokens the request's prompt puts in the main context: its texts with their wrapping
+        tokens and each input image's ViT tokens (and, when generating an image, its VAE tokens)."""
+        return self._plan(inputs, params)[1].length
+
     def _check_context(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> None:
         ctx = self._plan(inputs, params)[1]
         gen = request_sampling(params).max_tokens + 1 if params.get("target", "text") == "text" else 1

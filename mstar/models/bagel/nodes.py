@@ -57,8 +57,12 @@ class SpecialTokens:
 
 
 def request_sampling(params: Mapping[str, Any]) -> SamplingParams:
-    """Decode sampling: greedy and 256 new tokens by default (see ``mstar.layers.sampling``)."""
-    return sampling_from_request(params, DEFAULT_SAMPLING)
+    """Decode sampling: greedy and 256 new tokens by default (see ``mstar.layers.sampling``). The
+    text decoder keeps no seen tokens, so a repetition penalty is refused rather than ignored."""
+    sp = sampling_from_request(params, DEFAULT_SAMPLING)
+    if sp.repetition_penalty != 1.0:
+        raise ValueError("repetition_penalty is not supported by BAGEL's text decoding")
+    return sp
 
 
 class BagelLLMNode(NodeSubmodule):

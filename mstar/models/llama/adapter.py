@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 
 from mstar.model.adapter import (
     CHAT,
+    COMPLETIONS,
     GENERATE,
     ApiAdapter,
     ApiRequest,
@@ -21,7 +23,9 @@ from mstar.model.adapter import (
 
 # OpenAI request fields -> our sampling fields (None values are left to the model's defaults)
 _SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-                    "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos"}
+                    "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
+                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                    "logit_bias": "logit_bias"}
 
 
 def _text_of(content: Any) -> str:
@@ -75,7 +79,8 @@ class ChatTemplate:
 
 
 class LlamaChatAdapter(ApiAdapter):
-    routes = frozenset({CHAT, GENERATE})
+    routes = frozenset({CHAT, COMPLETIONS, GENERATE})
+    chat_options = frozenset({"n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias"})
 
     def __init__(self, model) -> None:
         self.model = model
@@ -87,6 +92,29 @@ class LlamaChatAdapter(ApiAdapter):
         prompt, has_specials = self.template.render(body["messages"])
         ids = self.model.tokenizer.encode(prompt, add_special_tokens=not has_specials)
         params = text_sampling_params(body, _SAMPLING_FIELDS)
+        if body.get("logprobs"):
+            params["sampling"]["logprobs"] = body.get("top_logprobs") or 0
+        return self._request(ids, params, body)
+
+    def completion_request(self, body, prompt):
+        """A text prompt is encoded with the tokenizer's special tokens (a BOS), as vLLM does; token ids
+        are the prompt as they are. ``logprobs`` is the number of alternatives (the legacy API's)."""
+        if isinstance(prompt, str):
+            ids = self.model.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+        params = text_sampling_params(body, _SAMPLING_FIELDS)
+        if body.get("logprobs") is not None:
+            params["sampling"]["logprobs"] = body["logprobs"]
+        req = self._request(ids, params, body)
+        if not body.get("echo"):
+            return req
+        text = prompt if isinstance(prompt, str) else self.model.tokenizer.decode(ids, skip_special_tokens=True)
+        return dataclasses.replace(req, echo=text)
+
+    def _request(self, ids: list[int], params: dict[str, Any], body: Mapping[str, Any]) -> ApiRequest:
+        if not ids:
+            raise ValueError("the prompt is empty")
         inputs = {"input_ids": [torch.tensor(ids, dtype=torch.long)]}
         self.model.validate_request(inputs, params)  # context-length and vocabulary checks -> 400
         return ApiRequest(inputs, params, prompt_tokens=len(ids), stop=stop_strings(body))
@@ -94,7 +122,7 @@ class LlamaChatAdapter(ApiAdapter):
     def new_decoder(self, route, request):
         sp = self.model.sampling_params(request.params)
         return _TextDecoder(self.model.tokenizer, sp.max_tokens, set(self.model.eos_token_ids) | set(sp.stop_token_ids),
-                            request.stop)
+                            request.stop, logprobs=sp.logprobs is not None)
 
 
 _TextDecoder = TextStreamDecoder  # the shared incremental detokenizer (mstar.model.adapter)

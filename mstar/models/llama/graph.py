@@ -2,8 +2,10 @@
 
 ::
 
-    prefill:  input_ids -> LLM -> token (TO_STATE, EMIT "text"), seen (TO_STATE)
-    decode:   DynamicLoop(LLM: token, seen -> token, seen (fed back), token (EMIT "text"), stop)
+    prefill:  input_ids -> LLM -> token (TO_STATE, EMIT "text"), seen (TO_STATE), logprobs (EMIT)
+    decode:   DynamicLoop(LLM: token, seen -> token, seen (fed back), token (EMIT "text"), logprobs (EMIT), stop)
+
+``logprobs`` is emitted only for requests that ask for them (after the step's ``token``).
 
 Generation stops at an EOS id (unless ``ignore_eos``), at a ``stop_token_ids`` id (either is
 emitted) or after ``max_tokens`` tokens (``mstar.model.decode``); the ``LLM`` node raises the loop's
@@ -26,10 +28,11 @@ NODE = "LLM"
 
 def build_graph(max_decode_iters: int) -> WalkGraph:
     emit = GraphEdge(EMIT_TO_CLIENT, "token", output_modality="text")
+    logprobs = GraphEdge(EMIT_TO_CLIENT, "logprobs", output_modality="logprobs")
     prefill = GraphNode(NODE, ["input_ids"],
-                        [GraphEdge(TO_STATE, "token"), GraphEdge(TO_STATE, "seen"), emit])
+                        [GraphEdge(TO_STATE, "token"), GraphEdge(TO_STATE, "seen"), emit, logprobs])
     decode = DynamicLoop(
-        GraphNode(NODE, ["token", "seen"], [GraphEdge(NODE, "token"), GraphEdge(NODE, "seen"), emit]),
+        GraphNode(NODE, ["token", "seen"], [GraphEdge(NODE, "token"), GraphEdge(NODE, "seen"), emit, logprobs]),
         max_iters=max_decode_iters,
         defer_stop_check=True,
     )

@@ -90,7 +90,7 @@ class LlamaLM(LazyTokenizer, ModelDef):
         return llama_graph.build_graph(self.config.max_position_embeddings)
 
     def sampling_params(self, params: Mapping[str, Any]):
-        return request_sampling(params, self.default_sampling)
+        return request_sampling(params, self.default_sampling, extended=True)
 
     def next_walk(self, state: WalkState) -> str | None:
         return llama_graph.next_walk(state, state.last_walk == "prefill" and self._prefill_token_ends(state))
@@ -122,6 +122,10 @@ class LlamaLM(LazyTokenizer, ModelDef):
         bad_stop = [t for t in sp.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"{self.name}: stop_token_ids {bad_stop} are outside the vocabulary "
+                             f"[0, {vocab})")
+        bad_bias = [t for t, _ in sp.logit_bias if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"{self.name}: logit_bias token ids {bad_bias[:8]} are outside the vocabulary "
                              f"[0, {vocab})")
         n = ids.numel()
         if n + sp.max_tokens > max_pos:

@@ -6,9 +6,11 @@ One module serves both walks and batches them together:
 * ``decode``: input ``token`` (the previous token) -> the next one, plus the loop's ``stop`` flag.
 
 Besides ``token`` and ``stop`` the node outputs ``seen``: the prompt and every generated token so
-far (int64), which the repetition penalty needs. It travels through the walk (request state after
-prefill, a loop feedback edge in decode), so it is correct wherever each walk runs; requests
-without a repetition penalty carry an empty tensor instead.
+far (int64), which the repetition, presence and frequency penalties need. It travels through the
+walk (request state after prefill, a loop feedback edge in decode), so it is correct wherever each
+walk runs; requests without a penalty carry an empty tensor instead. ``logprobs`` is, for a request
+that asks for them, ``[ids, logprobs]`` of the sampled token and its most likely alternatives
+(``mstar.layers.sampling.RowLogprobs``), and an empty list (nothing emitted) for the others.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import nn
 from mstar.layers.attention_backends import AttentionBackend
 from mstar.layers.llama import LlamaBackbone, pack_linears
 from mstar.layers.prepack import PrepackedLinear, can_prepack
-from mstar.layers.sampling import SamplingParams, request_sampling, sample
+from mstar.layers.sampling import RowLogprobs, SamplingParams, request_sampling, sample, sample_with_logprobs
 from mstar.model.decode import ParamsMemo, generation_done_rows, stop_token_set
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
 from mstar.models.llama.config import LlamaConfig
@@ -35,6 +37,9 @@ DEFAULT_SAMPLING: Mapping[str, Any] = {"temperature": 0.0, "max_tokens": 16}
 
 class LlamaCausalLM(NodeSubmodule):
     """``model`` (a ``LlamaBackbone``) + ``lm_head``: HF ``LlamaForCausalLM`` parameter names."""
+
+    # reads presence / frequency penalties, logit_bias and logprobs (``sampling.EXTENDED_FIELDS``)
+    extended_sampling = True
 
     def __init__(self, config: LlamaConfig, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, eos_token_ids: Iterable[int] | None = None,
@@ -109,7 +114,7 @@ class LlamaCausalLM(NodeSubmodule):
         return self._sampling_memo(params)
 
     def _build_sampling(self, params: Mapping[str, Any]) -> tuple[SamplingParams, frozenset[int]]:
-        sp = request_sampling(params, self.default_sampling)
+        sp = request_sampling(params, self.default_sampling, extended=self.extended_sampling)
         return sp, stop_token_set(sp, self.eos_token_ids)
 
     # -- runtime interface -----------------------------------------------------------------------
@@ -119,13 +124,13 @@ class LlamaCausalLM(NodeSubmodule):
         if "input_ids" in inputs:  # prefill: the prompt; first sampled token
             ids = inputs["input_ids"][0].reshape(-1).to(torch.long)
             step = 0
-            seen = ids if sp.repetition_penalty != 1.0 else None
+            seen = ids if sp.needs_seen else None
         else:  # decode: the previous token; iteration i samples token i + 1
             ids = inputs["token"][0]
             if ids.dim() != 1 or ids.dtype != torch.long:  # as step_outputs makes it: int64 [1]
                 ids = ids.reshape(-1).to(torch.long)
             step = fwd_info.iteration[-1] + 1 if fwd_info.iteration else 0
-            seen = inputs["seen"][0].reshape(-1).to(torch.long) if sp.repetition_penalty != 1.0 else None
+            seen = inputs["seen"][0].reshape(-1).to(torch.long) if sp.needs_seen else None
         if ids.numel() == 0:
             raise ValueError("LLM node got no tokens")
         return NodeInputs(tensor_inputs={"ids": ids}, num_tokens=ids.numel(),
@@ -150,7 +155,7 @@ class LlamaCausalLM(NodeSubmodule):
             ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0].reshape(-1)
         if ids.dtype != torch.long or ids.shape[0] != len(tokens):
             return None
-        if seen.count(None) != len(seen):  # rows with a repetition penalty count the new token too
+        if seen.count(None) != len(seen):  # rows with a penalty count the new token too
             seen = [None if s is None else t.reshape(-1) for s, t in zip(seen, outputs["seen"])]
         return {"ids": ids}, {"sampling": x["sampling"], "step": [s + 1 for s in x["step"]], "seen": seen,
                               "stop_ids": x["stop_ids"]}
@@ -161,25 +166,36 @@ class LlamaCausalLM(NodeSubmodule):
         hidden = self.model(ids, ei)
         # one token per request (a decode step): every row is a request's last
         last = hidden if hidden.shape[0] == ei.batch_size else hidden[ei.last_token_rows().to(hidden.device)]
+        if any(sp.logprobs is not None for sp in ei.extras["sampling"]):
+            tokens, logprobs = self._sample(last, ei, with_logprobs=True)
+            return self.step_outputs(tokens, ei, logprobs)
         return self.step_outputs(self.sample_next(last, ei), ei)
 
     @staticmethod
     def seen_lists(engine_inputs: EngineInputs) -> list[list[int]] | None:
-        """Per request, the tokens the repetition penalty counts (None when no request uses one)."""
+        """Per request, the tokens the penalties count (None when no request uses one)."""
         seen = engine_inputs.extras["seen"]
         return None if all(s is None for s in seen) else [[] if s is None else s.tolist() for s in seen]
 
     def sample_next(self, last: torch.Tensor, engine_inputs: EngineInputs) -> torch.Tensor:
         """The next token of every request (int64 [B], CPU) from its last hidden state."""
-        ei = engine_inputs
+        return self._sample(last, engine_inputs, with_logprobs=False)[0]
+
+    def _sample(self, last: torch.Tensor, ei: EngineInputs,
+                with_logprobs: bool) -> tuple[torch.Tensor, list[RowLogprobs | None] | None]:
         logits = self.process_logits(self.compute_logits(last), ei)
         seen = ei.extras["seen"]  # the rows' seen-token tensors as they are (None: no penalty)
-        return sample(logits, ei.extras["sampling"], None if all(s is None for s in seen) else seen,
-                      ei.extras["step"]).cpu()
+        seen = None if all(s is None for s in seen) else seen
+        if with_logprobs:
+            tokens, logprobs = sample_with_logprobs(logits, ei.extras["sampling"], seen, ei.extras["step"])
+            return tokens.cpu(), logprobs
+        return sample(logits, ei.extras["sampling"], seen, ei.extras["step"]).cpu(), None
 
-    def step_outputs(self, tokens: torch.Tensor, engine_inputs: EngineInputs) -> dict[str, list[torch.Tensor]]:
-        """Per request: its new token (int64 [1], a view of one batch tensor), ``seen`` and the loop's
-        ``stop`` flag (a bool: the tracker reads it, nothing else does)."""
+    def step_outputs(self, tokens: torch.Tensor, engine_inputs: EngineInputs,
+                     logprobs: list[RowLogprobs | None] | None = None) -> dict[str, list[Any]]:
+        """Per request: its new token (int64 [1], a view of one batch tensor), ``seen``, ``logprobs``
+        (``[ids, logprobs]``, or an empty list: none asked for) and the loop's ``stop`` flag (a bool:
+        the tracker reads it, nothing else does)."""
         x = engine_inputs.extras
         seen = x["seen"]
         batch = tokens.clone()
@@ -191,4 +207,11 @@ class LlamaCausalLM(NodeSubmodule):
             out_seen = [empty] * len(out_tokens)
         else:
             out_seen = [empty if s is None else torch.cat([s.cpu(), t]) for s, t in zip(seen, out_tokens)]
-        return {"token": out_tokens, "seen": out_seen, "stop": out_stop}
+        if logprobs is None:
+            out_logprobs: list[Any] = [_NO_LOGPROBS] * len(out_tokens)
+        else:
+            out_logprobs = [_NO_LOGPROBS if r is None else [r.ids, r.logprobs] for r in logprobs]
+        return {"token": out_tokens, "seen": out_seen, "logprobs": out_logprobs, "stop": out_stop}
+
+
+_NO_LOGPROBS: list[Any] = []  # a row's ``logprobs`` when it asked for none: nothing is emitted

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from mstar.server.routes import chat, generate, images, policy, speech, system
+from mstar.server.routes import chat, completions, generate, images, policy, responses, speech, system
 
-ROUTERS = (system.router, chat.router, speech.router, images.router, generate.router, policy.router)
+ROUTERS = (system.router, chat.router, completions.router, responses.router, speech.router, images.router,
+           generate.router, policy.router)

@@ -17,19 +17,24 @@ from mstar.model.adapter import CHAT, AudioChunk, ImageOut, TextDelta
 from mstar.server import media
 from mstar.server.errors import APIError
 from mstar.server.limits import ServerLimits
-from mstar.server.protocol import ChatCompletion, ChatCompletionRequest, ContentPart
+from mstar.server.protocol import ChatCompletion, ChatCompletionRequest, ContentPart, refused_chat_option
 from mstar.server.routes.common import (
     SSE_DONE,
     ClosingStreamingResponse,
     Engine,
     Limits,
+    ReadBody,
     Started,
     adapt,
+    choice_body,
     ending_in_error,
+    merged,
     png_base64,
+    refuse_unread,
     require,
+    sent_fields,
     sse,
-    start,
+    start_choices,
 )
 
 router = APIRouter()
@@ -38,17 +43,40 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=ChatCompletion)
 async def chat(req: ChatCompletionRequest, engine: Engine, limits: Limits):
     require(engine, CHAT, req.model)
+    body = ReadBody(req.model_dump())
+    refused = refused_chat_option(body, engine.adapter.chat_options)
+    if refused is not None:
+        raise APIError(400, f"{refused} is not supported by {engine.model_name} (remove it, or send its no-op value)",
+                       param=refused)
+    _refuse_message_extras(req)
     images, audio = _media_inputs(req, limits)
-    api_req = adapt(engine.adapter.chat_request, req.model_dump(), images, audio)
-    completion = _Completion(await start(engine, CHAT, api_req), engine.model_name, api_req.prompt_tokens,
-                             want_audio=bool(req.modalities and "audio" in req.modalities),
+    requests = [adapt(engine.adapter.chat_request, choice_body(body, j), images, audio) for j in range(req.n)]
+    want_audio = bool(req.modalities and "audio" in req.modalities)
+    text_only = not req.modalities or set(req.modalities) <= {"text"}
+    refuse_unread(sent_fields(req), body, engine.model_name, _ROUTE_READS | ({"modalities"} if text_only else set())
+                  | ({"audio"} if want_audio else set()))
+    completion = _Completion(await start_choices(engine, CHAT, [requests]), engine.model_name, requests[0].prompt_tokens,
+                             want_audio=want_audio,
                              sample_rate=engine.adapter.sample_rate,
-                             audio_format=req.audio.format if req.audio else "wav")
+                             audio_format=req.audio.format if req.audio else "wav", logprobs=bool(req.logprobs))
     if not req.stream:
         return await completion.collect()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     events = ending_in_error(completion.chunks(include_usage), after_error=(SSE_DONE,))
     return ClosingStreamingResponse(events, media_type="text/event-stream")
+
+
+# what the chat route itself reads (``refuse_unread``); the adapter reads the rest
+_ROUTE_READS = frozenset({"model", "messages", "n", "stream", "stream_options"})
+
+
+def _refuse_message_extras(req: ChatCompletionRequest) -> None:
+    """A message field beyond role and content (``name``, ``tool_calls``...) is refused: no chat
+    template here renders one."""
+    for i, m in enumerate(req.messages):
+        for key, value in (m.model_extra or {}).items():
+            if value is not None:
+                raise APIError(400, f"messages[{i}].{key} is not supported", param=f"messages[{i}].{key}")
 
 
 def _media_inputs(req: ChatCompletionRequest,
@@ -88,69 +116,98 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 @dataclass
-class _Completion:
-    """One chat completion under way, answered whole (``collect``) or streamed (``chunks``)."""
+class _Answer:
+    """What one choice has said so far."""
 
-    request: Started
+    text: list[str] = field(default_factory=list)
+    pcm: list[torch.Tensor] = field(default_factory=list)
+    images: list[dict] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    tokens: int = 0
+
+
+@dataclass
+class _Completion:
+    """One chat completion under way (``n`` choices, each its own runtime request), answered whole
+    (``collect``) or streamed (``chunks``)."""
+
+    choices: list[Started]
     model: str
     prompt_tokens: int
     want_audio: bool
     sample_rate: int
     audio_format: str = "wav"  # of message.audio.data: a WAV file, or "pcm16" raw samples
+    logprobs: bool = False  # the choices carry ``logprobs.content`` (one entry per token)
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
     async def collect(self) -> dict:
-        text, pcm, images, n_tokens = [], [], [], 0
-        timer = self.request.timer
-        async for out in self.request.outputs:
+        answers = [_Answer() for _ in self.choices]
+        async for i, out in merged([c.outputs for c in self.choices]):
+            a, timer = answers[i], self.choices[i].timer
             if isinstance(out, TextDelta):
-                text.append(out.text)
-                n_tokens += out.num_tokens
+                a.text.append(out.text)
+                a.logprobs.extend(lp.to_openai() for lp in out.logprobs)
+                a.tokens += out.num_tokens
                 timer.token(out.num_tokens)
             elif isinstance(out, AudioChunk):
                 timer.audio()
-                pcm.append(out.pcm)
+                a.pcm.append(out.pcm)
             elif isinstance(out, ImageOut):
-                images.append(_image_part(out))
-        content = "".join(text)
+                a.images.append(_image_part(out))
+        choices = [self._choice(i, a) for i, a in enumerate(answers)]
+        usage = _usage(self.prompt_tokens, sum(a.tokens for a in answers))
+        return {**self._head("chat.completion"), "choices": choices, "usage": usage}
+
+    def _choice(self, index: int, a: _Answer) -> dict:
+        content = "".join(a.text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        if images:  # images out: content becomes a list of parts, text first
-            message["content"] = ([{"type": "text", "text": content}] if content else []) + images
+        if a.images:  # images out: content becomes a list of parts, text first
+            message["content"] = ([{"type": "text", "text": content}] if content else []) + a.images
         audio_s = 0.0
-        if self.want_audio and pcm:
-            message["audio"] = self._audio(pcm, content)
-            audio_s = sum(p.numel() for p in pcm) / self.sample_rate
-        timer.done(audio_s)
-        choice = {"index": 0, "message": message, "finish_reason": self.request.decoder.finish_reason}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": _usage(self.prompt_tokens, n_tokens)}
+        if self.want_audio and a.pcm:
+            message["audio"] = self._audio(a.pcm, content)
+            audio_s = sum(p.numel() for p in a.pcm) / self.sample_rate
+        started = self.choices[index]
+        started.timer.done(audio_s)
+        choice = {"index": index, "message": message, "finish_reason": started.decoder.finish_reason}
+        if self.logprobs:
+            choice["logprobs"] = {"content": a.logprobs}
+        return choice
 
     async def chunks(self, include_usage: bool) -> AsyncIterator[str]:
-        timer, n_tokens = self.request.timer, 0
-        yield self._chunk({"role": "assistant", "content": ""})
-        async for out in self.request.outputs:
+        n_tokens = 0
+        for i in range(len(self.choices)):
+            yield self._chunk(i, {"role": "assistant", "content": ""})
+        async for i, out in merged([c.outputs for c in self.choices]):
+            timer = self.choices[i].timer
             if isinstance(out, TextDelta):
                 n_tokens += out.num_tokens
                 timer.token(out.num_tokens)
-                if out.text:
-                    yield self._chunk({"content": out.text})
+                if out.logprobs:
+                    yield self._chunk(i, {"content": out.text}, logprobs=[lp.to_openai() for lp in out.logprobs])
+                elif out.text:
+                    yield self._chunk(i, {"content": out.text})
             elif isinstance(out, AudioChunk) and self.want_audio:
                 timer.audio()
-                yield self._chunk({"audio": {"data": base64.b64encode(media.pcm_bytes(out.pcm)).decode()}})
+                yield self._chunk(i, {"audio": {"data": base64.b64encode(media.pcm_bytes(out.pcm)).decode()}})
             elif isinstance(out, ImageOut):
-                yield self._chunk({"content": [_image_part(out)]})
-        yield self._chunk({}, self.request.decoder.finish_reason)
+                yield self._chunk(i, {"content": [_image_part(out)]})
+        for i, c in enumerate(self.choices):
+            yield self._chunk(i, {}, c.decoder.finish_reason)
+            c.timer.done()
         if include_usage:
             yield sse({**self._head("chat.completion.chunk"), "choices": [],
                        "usage": _usage(self.prompt_tokens, n_tokens)})
-        timer.done()
         yield SSE_DONE
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _chunk(self, delta: dict, finish: str | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    def _chunk(self, index: int, delta: dict, finish: str | None = None, logprobs: list[dict] | None = None) -> str:
+        choice = {"index": index, "delta": delta, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = {"content": logprobs}
         return sse({**self._head("chat.completion.chunk"), "choices": [choice]})
 
     def _audio(self, pcm: list[torch.Tensor], transcript: str) -> dict:

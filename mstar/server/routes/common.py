@@ -3,6 +3,7 @@ request and decoding its items, and the event that ends a stream which failed af
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import AsyncIterator, Callable
@@ -11,12 +12,14 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
 from mstar.model.adapter import ROUTE_PATHS, ApiRequest, AudioChunk, ImageOut, ItemDecoder, TextDelta
 from mstar.runtime.handles import StreamItem
 from mstar.server import media
 from mstar.server.errors import APIError, error_body, internal_error, log, request_id
 from mstar.server.limits import ServerLimits
+from mstar.server.protocol import CHAT_OPTIONS
 from mstar.server.serving import ServingEngine, Timer
 
 Output = TextDelta | AudioChunk | ImageOut
@@ -51,6 +54,62 @@ def require(engine: ServingEngine, route: str, model: str | None) -> None:
         supported = ", ".join(ROUTE_PATHS[r] for r in sorted(routes))
         raise APIError(404, f"model {engine.model_name!r} does not serve {ROUTE_PATHS[route]}; "
                             f"its routes: {supported}", code="route_not_supported")
+
+
+# -- the rule: every field a client sets has an effect or is refused -----------------------------------
+
+
+class ReadBody(dict):
+    """A route's parsed body as the model's adapter sees it, recording each key read (``[]``,
+    ``get``, ``in``): after the adapter made its request, ``refuse_unread`` refuses any field the
+    client set that nothing read, so no field is ever accepted and ignored. ``with_changes`` copies
+    it (a choice's seed) sharing what was read."""
+
+    def __init__(self, data: dict[str, Any], read: set[str] | None = None) -> None:
+        super().__init__(data)
+        self.read: set[str] = set() if read is None else read
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str):
+            self.read.add(key)
+        return super().__contains__(key)
+
+    def with_changes(self, **changes: Any) -> ReadBody:
+        return ReadBody({**self, **changes}, self.read)
+
+
+def sent_fields(req: BaseModel) -> list[str]:
+    """The fields a client set to something other than their no-op value: a declared field set to a
+    value other than its default (and, for the optional chat fields, other than their no-op value,
+    ``CHAT_OPTIONS``), and every extra field not null."""
+    out = []
+    for name in req.model_fields_set:
+        info = type(req).model_fields.get(name)
+        value = getattr(req, name, None)
+        if info is None or value is None or value == info.default:
+            continue
+        if name in CHAT_OPTIONS and not CHAT_OPTIONS[name](value):
+            continue
+        out.append(name)
+    out.extend(k for k, v in (req.model_extra or {}).items() if v is not None)
+    return sorted(out)
+
+
+def refuse_unread(sent: list[str], body: ReadBody, model: str, route_reads: frozenset[str] = frozenset()) -> None:
+    """400 naming the first field the client set (``sent``, e.g. ``sent_fields``) that neither the
+    route (``route_reads``) nor the model's adapter read: a field this model does not implement."""
+    for name in sent:
+        if name not in body.read and name not in route_reads:
+            raise APIError(400, f"{name} is not supported by {model} (remove it, or send its no-op value)",
+                           param=name)
 
 
 # what adapter code raises on a body of the wrong shape (``int([1])``, ``list(5)``, a missing key)
@@ -113,6 +172,86 @@ async def start(engine: ServingEngine, route: str, api_req: ApiRequest) -> Start
     timer = Timer(engine.metrics, ROUTE_PATHS[route])  # before the submit: latency includes admission
     items = await started(engine, route, api_req.inputs, api_req.params, decoder)
     return Started(decoder, timer, _decoded(items, decoder))
+
+
+def choice_body(body: ReadBody, j: int) -> ReadBody:
+    """Choice ``j``'s body (of ``n``): a seed moves on by ``j``, so that seeded choices differ and reproduce."""
+    seed = dict.get(body, "seed")  # the route's own look, not the adapter's read
+    if j == 0 or seed is None:
+        return body
+    return body.with_changes(seed=seed + j)
+
+
+async def start_choices(engine: ServingEngine, route: str, groups: list[list[ApiRequest]]) -> list[Started]:
+    """Start every choice of a call, in order (``groups``: per prompt, its ``n`` requests). The first
+    choice of each prompt starts first; once its first item came, its prompt's full KV blocks are in
+    the prefix cache, and the prompt's other choices start and reuse them (the shared prompt is
+    prefilled once, less its last partial block). A choice that cannot start (a 429) closes the
+    others and raises."""
+    firsts = await _start_all(engine, route, [g[0] for g in groups])
+    try:
+        rests = await _start_all(engine, route, [r for g in groups for r in g[1:]])
+    except BaseException:
+        await _close(firsts)
+        raise
+    out, it = [], iter(rests)
+    for first, group in zip(firsts, groups):
+        out.append(first)
+        out.extend(next(it) for _ in group[1:])
+    return out
+
+
+async def _start_all(engine: ServingEngine, route: str, requests: list[ApiRequest]) -> list[Started]:
+    results = await asyncio.gather(*(start(engine, route, r) for r in requests), return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        await _close([r for r in results if isinstance(r, Started)])
+        raise failed[0]
+    return list(results)
+
+
+async def _close(started: list[Started]) -> None:
+    for s in started:
+        await s.outputs.aclose()  # aborts its runtime request
+
+
+async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """``(index, item)`` of several async iterators as their items come; closing it (or an error in
+    one) stops them all."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+            await queue.put((i, end))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # each stream's own ``finally`` has run
+        for s in streams:
+            close = getattr(s, "aclose", None)
+            if close is not None:
+                await close()
 
 
 def _done(decoder: ItemDecoder | None) -> bool:

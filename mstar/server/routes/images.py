@@ -14,7 +14,17 @@ from mstar.model.adapter import IMAGE_EDITS, IMAGES, ApiRequest, ImageOut
 from mstar.server import media
 from mstar.server.errors import APIError
 from mstar.server.protocol import ImageRequest, ImagesResponse, check_json_value
-from mstar.server.routes.common import Engine, Limits, adapt, png_base64, require, start
+from mstar.server.routes.common import (
+    Engine,
+    Limits,
+    ReadBody,
+    adapt,
+    png_base64,
+    refuse_unread,
+    require,
+    sent_fields,
+    start,
+)
 from mstar.server.serving import ServingEngine
 
 router = APIRouter()
@@ -25,9 +35,9 @@ _EDIT_FIELDS = ("image", "prompt", "model", "n", "size")  # the form fields imag
 @router.post("/v1/images/generations", response_model=ImagesResponse)
 async def images(req: ImageRequest, engine: Engine, limits: Limits):
     require(engine, IMAGES, req.model)
-    body = req.model_dump()
+    body = ReadBody(req.model_dump())
     body["width"], body["height"] = _parse_size(req.size, limits.max_image_side)
-    return await _run(engine, IMAGES, body, None, req.n)
+    return await _run(engine, IMAGES, body, None, req.n, sent_fields(req))
 
 
 @router.post("/v1/images/edits", response_model=ImagesResponse)
@@ -44,16 +54,18 @@ async def image_edits(request: Request, engine: Engine, limits: Limits, image: A
              if k not in _EDIT_FIELDS and isinstance(v, str)}
     for k, v in extra.items():
         adapt(check_json_value, v, k)
-    body = {**extra, "model": model, "prompt": prompt, "n": n, "size": size}
+    body = ReadBody({**extra, "model": model, "prompt": prompt, "n": n, "size": size})
     body["width"], body["height"] = _parse_size(size, limits.max_image_side)
-    return await _run(engine, IMAGE_EDITS, body, pixels, n)
+    return await _run(engine, IMAGE_EDITS, body, pixels, n, sorted(extra))
 
 
-async def _run(engine: ServingEngine, route: str, body: dict, image: torch.Tensor | None,
-               n: int) -> ImagesResponse:
+async def _run(engine: ServingEngine, route: str, body: ReadBody, image: torch.Tensor | None,
+               n: int, sent: list[str]) -> ImagesResponse:
     """The n images run as n concurrent requests (the runtime batches them). Every input is validated
-    before any starts, so a bad request starts nothing."""
-    reqs = [adapt(engine.adapter.image_request, {**body, "index": i}, image) for i in range(n)]
+    before any starts, so a bad request starts nothing; nor does one setting a field (``sent``) that
+    the model's adapter does not read."""
+    reqs = [adapt(engine.adapter.image_request, body.with_changes(index=i), image) for i in range(n)]
+    refuse_unread(sent, body, engine.model_name, _ROUTE_READS)
     tasks = [asyncio.ensure_future(_one(engine, route, r)) for r in reqs]
     try:
         results = await asyncio.gather(*tasks)
@@ -63,6 +75,9 @@ async def _run(engine: ServingEngine, route: str, body: dict, image: torch.Tenso
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
     return ImagesResponse(created=int(time.time()), data=[d for r in results for d in r])
+
+
+_ROUTE_READS = frozenset({"model", "n", "size", "response_format"})  # read here, not by the adapter
 
 
 async def _one(engine: ServingEngine, route: str, api_req: ApiRequest) -> list[dict]:

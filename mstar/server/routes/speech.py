@@ -20,9 +20,12 @@ from mstar.server.routes.common import (
     ClosingStreamingResponse,
     Engine,
     Output,
+    ReadBody,
     adapt,
     ending_in_error,
+    refuse_unread,
     require,
+    sent_fields,
     sse,
     start,
 )
@@ -41,7 +44,9 @@ async def voices(engine: Engine):
 async def speech(req: SpeechRequest, engine: Engine):
     require(engine, SPEECH, req.model)
     _check(req, engine.adapter)
-    api_req = adapt(engine.adapter.speech_request, req.model_dump())
+    body = ReadBody(req.model_dump())
+    api_req = adapt(engine.adapter.speech_request, body)
+    refuse_unread(sent_fields(req), body, engine.model_name, frozenset({"model", "response_format", "stream_format"}))
     request = await start(engine, SPEECH, api_req)
     rate, fmt = engine.adapter.sample_rate, req.response_format
     pcm = _pcm(request.outputs)
