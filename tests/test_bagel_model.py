@@ -243,6 +243,10 @@ def test_bad_requests_are_rejected_with_clear_errors(model, inputs, params, matc
 class _Poisoned(BagelTiny):
     """Requests with ``poison`` carry a corrupt layout input into their final walk (a node error)."""
 
+    def validate_request(self, inputs, params):
+        params.get("poison")  # a key this model reads (Runtime.submit refuses keys nothing reads)
+        super().validate_request(inputs, params)
+
     def create_state(self, request_id, partition, inputs, params):
         state = super().create_state(request_id, partition, inputs, params)
         if params.get("poison"):

@@ -70,7 +70,7 @@ def _calls_of_generate(monkeypatch, max_tokens: int) -> collections.Counter:
         monkeypatch.setattr(owner, attr, fallback)
     with Runtime("llama-tiny") as rt:
         out = rt.generate([{"input_ids": torch.tensor([1, 5, 9, 14, 22, 3])}],
-                          {"max_tokens": max_tokens, "ignore_eos": True})
+                          {"max_tokens": max_tokens, "sampling": {"ignore_eos": True}})
     tokens = len(out[0].outputs.get("token", []))
     assert out[0].finished and tokens == max_tokens, (out[0].outputs.keys(), tokens)
     monkeypatch.undo()

@@ -312,3 +312,18 @@ def test_guidellm_style_bodies_get_the_tokens_asked_for(server, route):
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events[-1]["usage"]["completion_tokens"] == 20
     assert any(c.get("text") or c.get("delta", {}).get("content") for e in events for c in e["choices"])
+
+
+def test_generate_params_nothing_reads_are_refused(server):
+    """A params key no part of the model reads is refused by name, through Runtime.submit and /generate,
+    instead of being ignored; the keys it does read pass."""
+    import httpx
+
+    url, engine = server
+    with pytest.raises(ValueError, match=r"params \['temprature'\] are not read .* \['max_tokens', 'sampling'\]"):
+        engine.runtime.submit({"input_ids": torch.tensor([1, 2])}, {"max_tokens": 2, "temprature": 0.5})
+    body = {"inputs": {"input_ids": [1, 72, 105]}, "params": {"max_tokens": 2, "beam_width": 4}}
+    r = httpx.post(url + "/generate", json=body, timeout=60)
+    assert r.status_code == 400 and "beam_width" in r.json()["error"]["message"]
+    body["params"] = {"max_tokens": 2, "sampling": {"temperature": 0.0}}
+    assert httpx.post(url + "/generate", json=body, timeout=60).status_code == 200

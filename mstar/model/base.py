@@ -79,6 +79,10 @@ class ModelDef:
         """Cheap checks run where the ``Runtime`` is built, before any worker starts (e.g. that the
         checkpoint directory exists and its configs parse); raise with a clear message."""
 
+    # ``validate_request`` looks up every params key the model uses (it need not use each value):
+    # ``Runtime.submit`` then refuses any other key by name instead of ignoring it
+    checks_params: bool = False
+
     def validate_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> None:
         """Raise ValueError with a clear message for bad input (the server answers HTTP 400)."""
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from mstar.model.base import ModelDef
+from mstar.model.reads import ReadDict
 from mstar.model.registry import resolve_model
 from mstar.placement import Placement
 from mstar.runtime.conductor import Conductor
@@ -190,8 +191,12 @@ class Runtime:
         release_thread_pool()  # torch work the caller ran since start() left a pool (openmp.py)
         params = dict(params or {})
         norm = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in inputs.items()}
-        self.model.validate_request(norm, params)
-        self._check_fits(norm, params)
+        looked = ReadDict(params)
+        self.model.validate_request(norm, looked)
+        self._check_fits(norm, looked)
+        if self.model.checks_params and (unread := looked.unread()):
+            raise ValueError(f"{self.model.name}: params {unread} are not read by this model (it reads "
+                             f"{sorted(looked.read)})")
         fresh = uuid.uuid4().hex[:16]
         handle = RequestHandle(f"{request_id}-{fresh}" if request_id else fresh)
         self._command(lambda: self._conductor.submit(handle.request_id, norm, params, handle))

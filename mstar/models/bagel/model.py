@@ -86,6 +86,8 @@ class BagelModel(LazyTokenizer, ModelDef):
     """``ByteDance-Seed/BAGEL-7B-MoT`` (``model_path``: ema.safetensors, ae.safetensors, llm_config.json,
     vit_config.json, tokenizer.json) or, with ``load_format="dummy"``, seeded random weights."""
 
+    checks_params = True  # validate_request looks up every params key (Runtime.submit refuses others)
+
     name = "bagel"
     family = "bagel"
     views = {"LLM_cfg_text": "LLM", "LLM_cfg_img": "LLM"}

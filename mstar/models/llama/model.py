@@ -48,6 +48,8 @@ class LlamaLM(LazyTokenizer, ModelDef):
     yes, with the compiled panel kernel where it builds, unless ``MSTAR_PREPACK=0``).
     """
 
+    checks_params = True  # validate_request looks up every params key (Runtime.submit refuses others)
+
     name = "llama"
     default_sampling: Mapping[str, Any] = DEFAULT_SAMPLING
 

@@ -56,6 +56,7 @@ class OrpheusGraph(ModelDef):
 
 
 class OrpheusTTS(LazyTokenizer, ModelDef):
+    checks_params = True  # validate_request looks up every params key (Runtime.submit refuses others)
     name = "orpheus"
     constrain_audio = False
     candidate_logits = True  # with constrain_audio: see OrpheusLM

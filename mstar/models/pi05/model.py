@@ -87,6 +87,8 @@ class Pi05Model(ModelDef):
     """A lerobot pi0.5 checkpoint directory (``model_path``: ``model.safetensors``, optionally
     ``config.json``) or, with ``load_format="dummy"``, seeded random weights."""
 
+    checks_params = True  # validate_request looks up every params key (Runtime.submit refuses others)
+
     name = "pi05"
     family = "pi05"
     views = {"expert": "prefix"}

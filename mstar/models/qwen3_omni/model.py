@@ -48,6 +48,8 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
     """A Qwen3-Omni checkpoint directory (``model_path``; its config is read on first use, so the graph
     alone needs none), or ``config`` with ``load_format="dummy"`` for seeded random weights."""
 
+    checks_params = True  # validate_request looks up every params key (Runtime.submit refuses others)
+
     name = "qwen3-omni"
     family = "qwen3-omni"
 

@@ -38,6 +38,8 @@ LOAD_FORMATS = ("auto", "dummy")
 class VJepa2AC(ModelDef):
     """V-JEPA 2-AC: ``model_path`` is the ``vjepa2-ac-vitg.pt`` checkpoint (encoder + predictor)."""
 
+    checks_params = True  # validate_request looks up every params key (Runtime.submit refuses others)
+
     name = "vjepa2-ac"
 
     def __init__(self, model_path: str | None = None, load_format: str = "auto",
@@ -130,6 +132,10 @@ class VJepa2AC(ModelDef):
         samples, topk, iters = (params.get(k, d) for k, d in (("samples", 64), ("topk", 8), ("iterations", 4)))
         for name, v, hi in (("samples", samples, 1024), ("topk", topk, samples), ("iterations", iters, 64)):
             check_int(v, f"vjepa2-ac: {name}", 1, hi)
+        check_int(params.get("seed", 0), "vjepa2-ac: seed", 0, (1 << 62) // 1_000_003)  # the CEM draws' seed
+        std = params.get("init_std", 0.1)  # the CEM's initial spread
+        if isinstance(std, bool) or not isinstance(std, (int, float)) or not 0.0 < float(std) < 1e6:
+            raise ValueError(f"vjepa2-ac: init_std must be a positive number, got {std!r}")
 
     def build_submodules(self, node_names: Iterable[str]) -> dict[str, NodeSubmodule]:
         names = list(node_names)

@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from mstar.model.adapter import ROUTE_PATHS, ApiRequest, AudioChunk, ImageOut, ItemDecoder, TextDelta
+from mstar.model.reads import ReadDict
 from mstar.runtime.handles import StreamItem
 from mstar.server import media
 from mstar.server.errors import APIError, error_body, internal_error, log, request_id
@@ -59,31 +60,9 @@ def require(engine: ServingEngine, route: str, model: str | None) -> None:
 # -- the rule: every field a client sets has an effect or is refused -----------------------------------
 
 
-class ReadBody(dict):
-    """A route's parsed body as the model's adapter sees it, recording each key read (``[]``,
-    ``get``, ``in``): after the adapter made its request, ``refuse_unread`` refuses any field the
-    client set that nothing read, so no field is ever accepted and ignored. ``with_changes`` copies
-    it (a choice's seed) sharing what was read."""
-
-    def __init__(self, data: dict[str, Any], read: set[str] | None = None) -> None:
-        super().__init__(data)
-        self.read: set[str] = set() if read is None else read
-
-    def __getitem__(self, key: str) -> Any:
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        if isinstance(key, str):
-            self.read.add(key)
-        return super().__contains__(key)
-
-    def with_changes(self, **changes: Any) -> ReadBody:
-        return ReadBody({**self, **changes}, self.read)
+# a route's parsed body as the model's adapter sees it: after the adapter made its request,
+# ``refuse_unread`` refuses any field the client set that nothing read
+ReadBody = ReadDict
 
 
 def sent_fields(req: BaseModel) -> list[str]:
