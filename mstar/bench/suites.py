@@ -188,15 +188,16 @@ def suite_prefix(repeats: int | None) -> SuiteResult:
 
 
 def suite_sampler(repeats: int | None) -> SuiteResult:
-    from mstar.bench.sampler_bench import format_table, goal_line, run_sampler_bench
+    from mstar.bench.sampler_bench import format_table, goal_lines, run_sampler_bench
 
     n = _n(repeats, 3)
     res = run_sampler_bench(repeats=n, log=_log)
     return SuiteResult("sampler", f"mstar bench sampler --repeats {n}",
                        description=f"SmolLM2-135M, {res.concurrency} concurrent greedy requests of {res.max_tokens} "
                                    "tokens each, with no sampling option and with presence + frequency penalties, "
-                                   "a 50-token logit_bias and top_logprobs 5 on every row (alternating).",
-                       tables=[format_table(res)], goals=[goal_line(res)], notes=_fewer(repeats, 3), data=res)
+                                   "a 50-token logit_bias and top_logprobs 5 on every row, and with every row "
+                                   "constrained to a JSON schema (llguidance masks), alternating.",
+                       tables=[format_table(res)], goals=goal_lines(res), notes=_fewer(repeats, 3), data=res)
 
 
 def suite_soak(repeats: int | None) -> SuiteResult:

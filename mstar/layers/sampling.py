@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from mstar.layers.cpu_ops import ops
+from mstar.layers.grammar import GrammarSpec
 from mstar.layers.logit_filters import (
     apply_logit_bias,
     apply_presence_frequency,
@@ -76,7 +77,7 @@ MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's: a bias is in [-100, 100]
 MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's bound on how many tokens one request biases
 # The fields beyond HF's set: a model whose nodes do not read them refuses them (``request_sampling``)
-EXTENDED_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
+EXTENDED_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "grammar")
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -113,6 +114,8 @@ class SamplingParams:
       by the model (``validate_request``).
     * ``logprobs``: ``None`` (off), or how many most likely alternatives (0-20) to report beside the
       sampled token's log probability (``sample_with_logprobs``).
+    * ``grammar``: a ``GrammarSpec`` (or ``{"type", "value"}``) the output must match: the model's node
+      masks each step's logits to it (``mstar.layers.grammar``) before they reach ``sample``.
     * ``seed``: makes sampling reproducible and batch invariant; ``None`` uses a process-wide generator.
     * ``max_tokens``, ``stop_token_ids``, ``ignore_eos``: stopping criteria, carried for the scheduler.
     """
@@ -129,6 +132,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # temperature
@@ -200,17 +204,20 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(sorted(clean.items())))
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.grammar is not None:
+            object.__setattr__(self, "grammar", GrammarSpec.parse(self.grammar))
 
     @property
     def needs_seen(self) -> bool:
-        """Whether sampling reads the tokens seen so far (a repetition, presence or frequency penalty)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether sampling reads the tokens seen so far (a penalty, or a grammar's generated tokens)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.grammar is not None)
 
     @property
     def extended(self) -> tuple[str, ...]:
         """The ``EXTENDED_FIELDS`` this request sets (a model that does not read them refuses it)."""
         used = (self.presence_penalty != 0.0, self.frequency_penalty != 0.0, bool(self.logit_bias),
-                self.logprobs is not None)
+                self.logprobs is not None, self.grammar is not None)
         return tuple(name for name, on in zip(EXTENDED_FIELDS, used) if on)
 
     @cached_property

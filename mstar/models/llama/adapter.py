@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from mstar.layers.grammar import GrammarSpec
 from mstar.model.adapter import (
     CHAT,
     COMPLETIONS,
@@ -78,9 +79,34 @@ class ChatTemplate:
         return "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:", False
 
 
+def response_grammar(fmt: Any) -> GrammarSpec | None:
+    """The grammar of a chat ``response_format``: None for text, any JSON object for ``json_object``,
+    the schema of ``json_schema`` (``{"name", "schema", "strict", "description"}``)."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, Mapping) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise ValueError('response_format: type must be "text", "json_object" or "json_schema"')
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    inner = fmt.get("json_schema")
+    if not isinstance(inner, Mapping) or not isinstance(inner.get("name"), str) or not inner["name"]:
+        raise ValueError("response_format: json_schema needs an object with a name and a schema")
+    unknown = sorted(set(inner) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise ValueError(f"response_format: json_schema has unknown fields {unknown}")
+    schema = inner.get("schema", {})
+    if not isinstance(schema, Mapping):
+        raise ValueError("response_format: json_schema.schema must be an object")
+    return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True))
+
+
 class LlamaChatAdapter(ApiAdapter):
     routes = frozenset({CHAT, COMPLETIONS, GENERATE})
-    chat_options = frozenset({"n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias"})
+    chat_options = frozenset({"n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+                              "response_format"})
 
     def __init__(self, model) -> None:
         self.model = model
@@ -94,6 +120,13 @@ class LlamaChatAdapter(ApiAdapter):
         params = text_sampling_params(body, _SAMPLING_FIELDS)
         if body.get("logprobs"):
             params["sampling"]["logprobs"] = body.get("top_logprobs") or 0
+        spec = response_grammar(body.get("response_format"))
+        if spec is not None:
+            try:
+                self.model.grammars.check(spec)
+            except ValueError as e:
+                raise ValueError(f"response_format: {e}") from e
+            params["sampling"]["grammar"] = spec.to_params()
         return self._request(ids, params, body)
 
     def completion_request(self, body, prompt):

@@ -43,5 +43,9 @@ class HFTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what a grammar engine builds its vocabulary from)."""
+        return self._tok.to_str()
+
     def __repr__(self) -> str:
         return f"HFTokenizer({self.path!r})"

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from mstar.graph import WalkGraph
+from mstar.layers.grammar import GrammarEngine
 from mstar.layers.llama import check_llama_architecture
 from mstar.layers.sampling import request_sampling
 from mstar.model import ModelDef, NodeSubmodule, WalkState
@@ -125,6 +126,8 @@ class LlamaLM(LazyTokenizer, ModelDef):
         if bad_stop:
             raise ValueError(f"{self.name}: stop_token_ids {bad_stop} are outside the vocabulary "
                              f"[0, {vocab})")
+        if sp.grammar is not None:
+            self.grammars.check(sp.grammar)
         bad_bias = [t for t, _ in sp.logit_bias if t >= vocab]
         if bad_bias:
             raise ValueError(f"{self.name}: logit_bias token ids {bad_bias[:8]} are outside the vocabulary "
@@ -154,7 +157,21 @@ class LlamaLM(LazyTokenizer, ModelDef):
         module = build_llama_model(self.config, model_path=self.model_path, load_format=self.load_format,
                                    dtype=self.dtype, eos_token_ids=self.eos_token_ids, seed=self.seed,
                                    default_sampling=self.default_sampling, prepack=self.prepack)
+        module.grammars = self.grammars
         return {llama_graph.NODE: module}
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.pop("_grammars", None)  # compiled per process (it holds the tokenizer's vocabulary)
+        return state
+
+    @property
+    def grammars(self) -> GrammarEngine:
+        """Constrained decoding over this model's tokenizer (built on first use, in each process)."""
+        engine = self.__dict__.get("_grammars")
+        if engine is None:
+            engine = self.__dict__["_grammars"] = GrammarEngine(lambda: self.tokenizer, self.config.vocab_size)
+        return engine
 
 
 class LlamaTiny(LlamaLM):

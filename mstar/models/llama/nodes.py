@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from mstar.layers.attention_backends import AttentionBackend
+from mstar.layers.grammar import GrammarEngine, GrammarRow
 from mstar.layers.llama import LlamaBackbone, pack_linears
 from mstar.layers.prepack import PrepackedLinear, can_prepack
 from mstar.layers.sampling import RowLogprobs, SamplingParams, request_sampling, sample, sample_with_logprobs
@@ -54,6 +55,7 @@ class LlamaCausalLM(NodeSubmodule):
         self.eos_token_ids = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.default_sampling = dict(default_sampling)
         self.prepacked: PrepackedLinear | None = None  # the LM head, prepacked
+        self.grammars: GrammarEngine | None = None  # constrained decoding (the model sets it)
         # a request's SamplingParams and stop ids: built once, not at every step
         self._sampling_memo: ParamsMemo[tuple[SamplingParams, frozenset[int]]] = ParamsMemo(self._build_sampling)
         # the last ``step_outputs``' per-row tokens and the batch tensor they are rows of
@@ -186,10 +188,33 @@ class LlamaCausalLM(NodeSubmodule):
         logits = self.process_logits(self.compute_logits(last), ei)
         seen = ei.extras["seen"]  # the rows' seen-token tensors as they are (None: no penalty)
         seen = None if all(s is None for s in seen) else seen
+        logits = self._constrained(logits, ei, seen)
         if with_logprobs:
             tokens, logprobs = sample_with_logprobs(logits, ei.extras["sampling"], seen, ei.extras["step"])
             return tokens.cpu(), logprobs
         return sample(logits, ei.extras["sampling"], seen, ei.extras["step"]).cpu(), None
+
+    def _constrained(self, logits: torch.Tensor, ei: EngineInputs, seen: list | None) -> torch.Tensor:
+        """The logits with each grammar row's disallowed tokens at -inf (``mstar.layers.grammar``); a
+        row's generated tokens are the last ``step`` of its seen tokens."""
+        sampling = ei.extras["sampling"]
+        rows = [i for i, sp in enumerate(sampling) if sp.grammar is not None]
+        if not rows:
+            return logits
+        if self.grammars is None:
+            raise ValueError("this LLM node has no grammar engine: constrained decoding is not available")
+        steps = ei.extras["step"]
+        grammar_rows = []
+        for i in rows:
+            ids = seen[i].reshape(-1) if seen is not None and seen[i] is not None else torch.zeros(0, dtype=torch.long)
+            n = steps[i]
+            grammar_rows.append(GrammarRow(i, ei.request_ids[i], sampling[i].grammar,
+                                           ids[ids.numel() - n:].tolist() if n else []))
+        return self.grammars.mask_rows(logits, grammar_rows)
+
+    def release(self, request_id: str) -> None:
+        if self.grammars is not None:
+            self.grammars.release(request_id)
 
     def step_outputs(self, tokens: torch.Tensor, engine_inputs: EngineInputs,
                      logprobs: list[RowLogprobs | None] | None = None) -> dict[str, list[Any]]:

@@ -29,6 +29,7 @@ class ByteTokenizer:
     offset = 3
     vocab_size = 256 + 3
     eos_token_ids: tuple[int, ...] = (2,)
+    special_token_ids = (0, 1, 2)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [b + self.offset for b in text.encode("utf-8")]
@@ -45,6 +46,10 @@ class ByteTokenizer:
                 raise ValueError(f"token id {i} is not a byte token (special or out of range) and "
                                  f"skip_special_tokens is False")
         return out.decode("utf-8", errors="replace")
+
+    def token_bytes(self) -> list[bytes]:
+        """Every token's bytes, by id (the specials named), for a grammar engine's vocabulary."""
+        return [b"<pad>", b"<s>", b"</s>", *(bytes([b]) for b in range(256))]
 
     def __repr__(self) -> str:
         return "ByteTokenizer()"
