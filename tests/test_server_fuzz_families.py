@@ -110,7 +110,7 @@ FIELD_VALUES = {
         "logit_bias": {"5": 1.0}, "response_format": {"type": "json_object"},
         "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "functions": [{}],
         "function_call": "auto", "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
-        "cfg_text_scale": 2.0},
+        "parallel_tool_calls": False, "cfg_text_scale": 2.0},
     "/v1/completions": {
         "max_tokens": 3, "max_completion_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
         "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"5": 1.0},
@@ -166,7 +166,7 @@ def test_every_field_has_an_effect_or_is_refused(server):
             outcomes[(path, field)] = "refused"
     if "/v1/chat/completions" in served:
         assert outcomes[("/v1/chat/completions", "cfg_text_scale")] == "refused"  # an extra no model here reads
-        assert outcomes[("/v1/chat/completions", "tools")] == "refused"
+        assert outcomes[("/v1/chat/completions", "functions")] == "refused"  # the deprecated form
     if "/v1/completions" in served:
         assert outcomes[("/v1/completions", "min_p")] == "refused"
         assert outcomes[("/v1/completions", "logprobs")] == "ok"

@@ -74,6 +74,9 @@ def test_json_object_and_bad_schemas(smollm2):
     short = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=3,
                                            response_format={"type": "json_object"})
     assert short.choices[0].finish_reason == "length" and short.choices[0].message.content.startswith("{")
+    with pytest.raises(openai.BadRequestError, match="response_format: .*Unimplemented keys"):  # a keyword llguidance lacks
+        client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"if": {"type": "string"}, "then": {}}}})
     for fmt in ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}},
                 {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
                 {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}},
@@ -146,3 +149,90 @@ def test_matcher_state_is_rebuilt_from_the_request_tokens():
     assert allowed(a) == "b"  # not an extension of "ab": rebuilt from the grammar
     engine.release("r")
     assert "r" not in engine._matchers
+
+
+TOOLS = [{"type": "function", "function": {
+              "name": "get_weather", "description": "Current weather of a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                             "required": ["city"], "additionalProperties": False}}},
+         {"type": "function", "function": {
+              "name": "add", "description": "Add two integers",
+              "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                             "required": ["a", "b"], "additionalProperties": False}}}]
+
+
+def test_tool_call_round_trip_through_the_sdk(smollm2):
+    """tool_choice "required": the answer is one call of a listed tool with arguments that fit its
+    parameters, finish_reason "tool_calls"; the call and the tool's result sent back give a text
+    answer; a named tool_choice streams deltas that reassemble to the call the same request gets
+    whole (greedy)."""
+    url, engine = smollm2
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="smollm2-135m", messages=msgs, tools=TOOLS, tool_choice="required",
+                                       max_tokens=60)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in ("get_weather", "add")
+    args = json.loads(call.function.arguments)
+    assert set(args) == ({"city"} if call.function.name == "get_weather" else {"a", "b"})
+    result = {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 21, "sky": "sunny"})}
+    final = client.chat.completions.create(model="smollm2-135m", messages=[*msgs, choice.message, result],
+                                           tools=TOOLS, tool_choice="none", max_tokens=30)
+    assert final.choices[0].message.tool_calls is None and final.choices[0].message.content
+    named = {"type": "function", "function": {"name": "add"}}
+    whole = client.chat.completions.create(model="smollm2-135m", messages=msgs, tools=TOOLS, tool_choice=named,
+                                           max_tokens=60).choices[0].message.tool_calls[0]
+    chunks = list(client.chat.completions.create(model="smollm2-135m", messages=msgs, tools=TOOLS,
+                                                 tool_choice=named, max_tokens=60, stream=True))
+    parts = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
+    assert len(parts) >= 2 and {t.index for t in parts} == {0} and parts[0].id.startswith("call_")
+    assert parts[0].function.name == whole.function.name == "add"
+    assert "".join(t.function.arguments or "" for t in parts) == whole.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert kv_blocks_in_use(engine.runtime) == 0
+    for bad, field in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                       ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+                       ({"tools": [{"type": "code_interpreter"}]}, "tools")):
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=5,
+                                           **{"tools": TOOLS, **bad})
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=5, tool_choice="required")
+
+
+def test_tool_turns_render_and_free_answers_parse():
+    """The tools go into the system message, an assistant's call and a tool's result into ChatML
+    turns; a free ("auto") answer's <tool_call> blocks are its calls, malformed ones stay text."""
+    from mstar.models.llama.adapter import _text_of
+    from mstar.models.llama.tools import parse_tool_calls, render_messages, tool_request
+
+    tools = tool_request(TOOLS, "auto")
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    turns = render_messages([{"role": "user", "content": "1+2?"},
+                             {"role": "assistant", "content": None, "tool_calls": [call]},
+                             {"role": "tool", "tool_call_id": "call_1", "content": "3"}], _text_of, tools)
+    assert [t["role"] for t in turns] == ["system", "user", "assistant", "tool"]
+    assert '"name": "get_weather"' in turns[0]["content"] and "<tools>" in turns[0]["content"]
+    assert turns[2]["content"] == '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert turns[3]["content"] == "<tool_response>\n3\n</tool_response>"
+    text = 'Sure. <tool_call>{"name": "add", "arguments": {"a": 4, "b": 5}}</tool_call> <tool_call>{oops}</tool_call>'
+    (parsed,) = parse_tool_calls(text, forced=False)
+    assert parsed.name == "add" and json.loads(parsed.arguments) == {"a": 4, "b": 5}
+    assert parse_tool_calls("no calls here", forced=False) == ()
+    assert tool_request(TOOLS, "none") is None and tool_request(TOOLS, "required").forced
+
+
+def test_mstar_client_json_answers_and_tool_calls(smollm2):
+    from mstar.client import MStarClient
+
+    url, _ = smollm2
+    with MStarClient(url) as client:
+        schema = {**Person.model_json_schema(), "additionalProperties": False}
+        r = client.chat([{"role": "user", "content": "Give the name, age and city of this person as JSON: Ann, 31, from Oslo"}], max_tokens=80,
+                        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+        assert Person.model_validate(r.json())
+        r = client.chat([{"role": "user", "content": "Weather in Rome?"}], tools=TOOLS, tool_choice="required",
+                        max_tokens=60)
+        assert r.finish_reason == "tool_calls" and r.tool_calls[0]["function"]["name"] in ("get_weather", "add")

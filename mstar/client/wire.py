@@ -82,7 +82,12 @@ class ChatResult:
     usage: dict[str, int]
     audio: bytes | None = None
     images: list[bytes] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's shape: id, type, function
     raw: dict[str, Any] = field(default_factory=dict)
+
+    def json(self) -> Any:
+        """The text parsed as JSON (an answer with ``response_format`` json_object / json_schema)."""
+        return json.loads(self.text)
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class ChatDelta:
     images: list[bytes] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # pieces: join arguments by ``index``
 
 
 def chat_body(model: str, messages: list[dict], stream: bool, params: Mapping[str, Any]) -> dict:
@@ -125,7 +131,8 @@ def chat_result(body: dict) -> ChatResult:
     text, images = _split_content(message.get("content"))
     audio = message.get("audio")
     return ChatResult(text=text, finish_reason=choice.get("finish_reason"), usage=body.get("usage") or {},
-                      audio=base64.b64decode(audio["data"]) if audio else None, images=images, raw=body)
+                      audio=base64.b64decode(audio["data"]) if audio else None, images=images,
+                      tool_calls=message.get("tool_calls") or [], raw=body)
 
 
 def chat_delta(payload: dict) -> ChatDelta:
@@ -136,7 +143,7 @@ def chat_delta(payload: dict) -> ChatDelta:
     text, images = _split_content(delta.get("content"))
     audio = base64.b64decode(delta["audio"]["data"]) if delta.get("audio") else b""
     return ChatDelta(text=text, audio=audio, images=images, finish_reason=choice.get("finish_reason"),
-                     usage=payload.get("usage"))
+                     usage=payload.get("usage"), tool_calls=delta.get("tool_calls") or [])
 
 
 # -- stream framing ----------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -91,6 +91,25 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One function call of an answer: its id, the function's name and its arguments (JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ToolCallsOut:
+    """The answer is these function calls (``message.tool_calls``; finish_reason "tool_calls")."""
+
+    calls: tuple[ToolCall, ...]
+
+
+@dataclass(frozen=True)
 class AudioChunk:
     pcm: torch.Tensor  # int16 mono samples
     sample_rate: int
@@ -110,6 +129,10 @@ class ApiRequest:
     prompt_tokens: int = 0
     stop: tuple[str, ...] = ()  # text that ends the answer (``stop_strings``): the decoder's, not the runtime's
     echo: str = ""  # the prompt's text, sent before the answer (``/v1/completions`` with ``echo``)
+    # the answer may be function calls: "forced" (it is one, constrained), "auto" (the model may write
+    # some), None (no tools); the decoder parses them
+    tool_mode: Literal["forced", "auto"] | None = None
+    parallel_tool_calls: bool = True  # False: at most the first call of an "auto" answer
 
 
 LOGPROBS_OUTPUT = "logprobs"  # the emitted item of a step's log probabilities (``[ids, logprobs]``)
@@ -175,10 +198,10 @@ class ItemDecoder:
     finish_reason: str = "stop"
     done: bool = False
 
-    def feed(self, name: str, value: list[torch.Tensor]) -> list[TextDelta | AudioChunk | ImageOut]:
+    def feed(self, name: str, value: list[torch.Tensor]) -> list[TextDelta | AudioChunk | ImageOut | ToolCallsOut]:
         raise NotImplementedError
 
-    def finish(self) -> list[TextDelta | AudioChunk | ImageOut]:
+    def finish(self) -> list[TextDelta | AudioChunk | ImageOut | ToolCallsOut]:
         return []
 
 

@@ -69,9 +69,26 @@ class ContentPart(BaseModel):
     input_audio: InputAudio | None = None
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=64)
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """A function call an earlier assistant turn made (sent back with its result)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(max_length=128)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Open):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = Field(default=None, max_length=128)  # a tool turn: the call it answers
 
 
 class AudioParams(BaseModel):
@@ -149,6 +166,7 @@ class ChatCompletionRequest(_Open):
     function_call: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    parallel_tool_calls: bool | None = None  # read with tools: False keeps an answer's first call only
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -257,6 +275,7 @@ class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | list[dict[str, Any]] | None = None
     audio: ResponseAudio | None = None
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class ChoiceLogprobs(BaseModel):

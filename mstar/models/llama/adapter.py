@@ -17,10 +17,14 @@ from mstar.model.adapter import (
     GENERATE,
     ApiAdapter,
     ApiRequest,
+    ItemDecoder,
+    TextDelta,
     TextStreamDecoder,
+    ToolCallsOut,
     stop_strings,
     text_sampling_params,
 )
+from mstar.models.llama.tools import parse_tool_calls, render_messages, tool_request
 
 # OpenAI request fields -> our sampling fields (None values are left to the model's defaults)
 _SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
@@ -106,7 +110,7 @@ def response_grammar(fmt: Any) -> GrammarSpec | None:
 class LlamaChatAdapter(ApiAdapter):
     routes = frozenset({CHAT, COMPLETIONS, GENERATE})
     chat_options = frozenset({"n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
-                              "response_format"})
+                              "response_format", "tools", "tool_choice"})
 
     def __init__(self, model) -> None:
         self.model = model
@@ -115,19 +119,31 @@ class LlamaChatAdapter(ApiAdapter):
     def chat_request(self, body, images, audio):
         if images or audio:
             raise ValueError(f"{self.model.name} is a text model: image and audio inputs are not supported")
-        prompt, has_specials = self.template.render(body["messages"])
+        tools = tool_request(body.get("tools"), body.get("tool_choice"))
+        parallel = body.get("parallel_tool_calls")
+        prompt, has_specials = self.template.render(render_messages(body["messages"], _text_of, tools))
         ids = self.model.tokenizer.encode(prompt, add_special_tokens=not has_specials)
         params = text_sampling_params(body, _SAMPLING_FIELDS)
         if body.get("logprobs"):
             params["sampling"]["logprobs"] = body.get("top_logprobs") or 0
         spec = response_grammar(body.get("response_format"))
+        if tools is not None and tools.forced:
+            if spec is not None:
+                raise ValueError("response_format: a JSON answer and a required tool call cannot both be asked for")
+            spec, field = tools.grammar(), "tools"
+        else:
+            field = "response_format"
         if spec is not None:
             try:
                 self.model.grammars.check(spec)
             except ValueError as e:
-                raise ValueError(f"response_format: {e}") from e
+                raise ValueError(f"{field}: {e}") from e
             params["sampling"]["grammar"] = spec.to_params()
-        return self._request(ids, params, body)
+        req = self._request(ids, params, body)
+        if tools is None:
+            return req
+        return dataclasses.replace(req, tool_mode="forced" if tools.forced else "auto",
+                                   parallel_tool_calls=parallel is not False)
 
     def completion_request(self, body, prompt):
         """A text prompt is encoded with the tokenizer's special tokens (a BOS), as vLLM does; token ids
@@ -154,8 +170,47 @@ class LlamaChatAdapter(ApiAdapter):
 
     def new_decoder(self, route, request):
         sp = self.model.sampling_params(request.params)
-        return _TextDecoder(self.model.tokenizer, sp.max_tokens, set(self.model.eos_token_ids) | set(sp.stop_token_ids),
+        text = _TextDecoder(self.model.tokenizer, sp.max_tokens, set(self.model.eos_token_ids) | set(sp.stop_token_ids),
                             request.stop, logprobs=sp.logprobs is not None)
+        return text if request.tool_mode is None else ToolCallDecoder(text, request)
 
 
 _TextDecoder = TextStreamDecoder  # the shared incremental detokenizer (mstar.model.adapter)
+
+
+class ToolCallDecoder(ItemDecoder):
+    """An answer that may be function calls: the text is held (its tokens still counted) until the
+    answer ends, then either its calls (``ToolCallsOut``, finish_reason "tool_calls") or the text."""
+
+    def __init__(self, text: TextStreamDecoder, request: ApiRequest) -> None:
+        self.text, self.request = text, request
+        self.held: list[str] = []
+
+    @property
+    def done(self) -> bool:  # type: ignore[override]
+        return self.text.done
+
+    def _hold(self, outs: list) -> list:
+        out = []
+        for d in outs:
+            if isinstance(d, TextDelta):
+                self.held.append(d.text)
+                out.append(TextDelta("", d.num_tokens, d.logprobs))
+            else:
+                out.append(d)
+        return out
+
+    def feed(self, name, value):
+        return self._hold(self.text.feed(name, value))
+
+    def finish(self):
+        out = self._hold(self.text.finish())
+        self.finish_reason = self.text.finish_reason
+        answer = "".join(self.held)
+        calls = parse_tool_calls(answer, forced=self.request.tool_mode == "forced")
+        if not self.request.parallel_tool_calls:
+            calls = calls[:1]
+        if calls and self.finish_reason != "length":
+            self.finish_reason = "tool_calls"
+            return [*out, ToolCallsOut(calls)]
+        return [*out, TextDelta(answer, 0)] if answer else out

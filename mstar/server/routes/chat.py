@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from fastapi import APIRouter
 
-from mstar.model.adapter import CHAT, AudioChunk, ImageOut, TextDelta
+from mstar.model.adapter import CHAT, AudioChunk, ImageOut, TextDelta, ToolCallsOut
 from mstar.server import media
 from mstar.server.errors import APIError
 from mstar.server.limits import ServerLimits
@@ -48,7 +48,7 @@ async def chat(req: ChatCompletionRequest, engine: Engine, limits: Limits):
     if refused is not None:
         raise APIError(400, f"{refused} is not supported by {engine.model_name} (remove it, or send its no-op value)",
                        param=refused)
-    _refuse_message_extras(req)
+    _refuse_message_extras(req, "tools" in engine.adapter.chat_options)
     images, audio = _media_inputs(req, limits)
     requests = [adapt(engine.adapter.chat_request, choice_body(body, j), images, audio) for j in range(req.n)]
     want_audio = bool(req.modalities and "audio" in req.modalities)
@@ -70,13 +70,29 @@ async def chat(req: ChatCompletionRequest, engine: Engine, limits: Limits):
 _ROUTE_READS = frozenset({"model", "messages", "n", "stream", "stream_options"})
 
 
-def _refuse_message_extras(req: ChatCompletionRequest) -> None:
-    """A message field beyond role and content (``name``, ``tool_calls``...) is refused: no chat
-    template here renders one."""
+def _refuse_message_extras(req: ChatCompletionRequest, tools: bool) -> None:
+    """A message field no chat template here renders (``name``...) is refused; so are tool calls and
+    tool results for a model without tools."""
     for i, m in enumerate(req.messages):
-        for key, value in (m.model_extra or {}).items():
-            if value is not None:
-                raise APIError(400, f"messages[{i}].{key} is not supported", param=f"messages[{i}].{key}")
+        extra = [k for k, v in (m.model_extra or {}).items() if v is not None]
+        if not tools:
+            extra += [k for k in ("tool_calls", "tool_call_id") if getattr(m, k) is not None]
+        if extra:
+            raise APIError(400, f"messages[{i}].{extra[0]} is not supported", param=f"messages[{i}].{extra[0]}")
+
+
+def _tool_call_deltas(out: ToolCallsOut) -> list[dict]:
+    """The deltas of streamed calls, as OpenAI sends them: per call, its id, name and empty arguments,
+    then the arguments in pieces (the SDK joins them by ``index``)."""
+    deltas = []
+    for k, call in enumerate(out.calls):
+        deltas.append({"tool_calls": [{"index": k, "id": call.id, "type": "function",
+                                       "function": {"name": call.name, "arguments": ""}}]})
+        half = len(call.arguments) // 2
+        for piece in (call.arguments[:half], call.arguments[half:]):
+            if piece:
+                deltas.append({"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
+    return deltas
 
 
 def _media_inputs(req: ChatCompletionRequest,
@@ -123,6 +139,7 @@ class _Answer:
     pcm: list[torch.Tensor] = field(default_factory=list)
     images: list[dict] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    tool_calls: list[dict] = field(default_factory=list)
     tokens: int = 0
 
 
@@ -155,6 +172,8 @@ class _Completion:
                 a.pcm.append(out.pcm)
             elif isinstance(out, ImageOut):
                 a.images.append(_image_part(out))
+            elif isinstance(out, ToolCallsOut):
+                a.tool_calls.extend(c.to_openai() for c in out.calls)
         choices = [self._choice(i, a) for i, a in enumerate(answers)]
         usage = _usage(self.prompt_tokens, sum(a.tokens for a in answers))
         return {**self._head("chat.completion"), "choices": choices, "usage": usage}
@@ -164,6 +183,8 @@ class _Completion:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if a.images:  # images out: content becomes a list of parts, text first
             message["content"] = ([{"type": "text", "text": content}] if content else []) + a.images
+        if a.tool_calls:
+            message["content"], message["tool_calls"] = content or None, a.tool_calls
         audio_s = 0.0
         if self.want_audio and a.pcm:
             message["audio"] = self._audio(a.pcm, content)
@@ -193,6 +214,9 @@ class _Completion:
                 yield self._chunk(i, {"audio": {"data": base64.b64encode(media.pcm_bytes(out.pcm)).decode()}})
             elif isinstance(out, ImageOut):
                 yield self._chunk(i, {"content": [_image_part(out)]})
+            elif isinstance(out, ToolCallsOut):
+                for chunk in _tool_call_deltas(out):
+                    yield self._chunk(i, chunk)
         for i, c in enumerate(self.choices):
             yield self._chunk(i, {}, c.decoder.finish_reason)
             c.timer.done()
