@@ -13,7 +13,8 @@ from PIL import Image
 
 from mstar.model.validation import check_int
 
-__all__ = ["VAE_TRANSFORM_ARGS", "VIT_TRANSFORM_ARGS", "BagelImageTransform", "to_pil", "to_rgb"]
+__all__ = ["VAE_TRANSFORM_ARGS", "VIT_TRANSFORM_ARGS", "BagelImageTransform", "InputImageTransforms", "to_pil",
+           "to_rgb"]
 
 # (max_size, min_size, stride) of the two transforms BAGEL serves with.
 VAE_TRANSFORM_ARGS = (1024, 512, 16)
@@ -92,3 +93,22 @@ class BagelImageTransform:
 
     def __call__(self, image: Image.Image, img_num: int = 1) -> torch.Tensor:
         return self.to_tensor(self.resize(image, img_num=img_num))
+
+
+class InputImageTransforms:
+    """An input image's two views, as the reference makes them: resized for the VAE first, and the
+    ViT's resized from that (``vae`` / ``vit``: uint8 ``[H, W, 3]`` -> normalised ``[3, h, w]``). The
+    encoder nodes call them on their worker, not the runtime's control thread."""
+
+    def __init__(self, vae: BagelImageTransform, vit: BagelImageTransform) -> None:
+        self.vae_transform, self.vit_transform = vae, vit
+
+    def _vae_sized(self, image: torch.Tensor) -> Image.Image:
+        pixels = np.ascontiguousarray(image.to(torch.uint8).numpy())
+        return self.vae_transform.resize(Image.fromarray(pixels, "RGB"))
+
+    def vae(self, image: torch.Tensor) -> torch.Tensor:
+        return self.vae_transform.to_tensor(self._vae_sized(image))
+
+    def vit(self, image: torch.Tensor) -> torch.Tensor:
+        return self.vit_transform(self._vae_sized(image))

@@ -27,9 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
 
 from mstar.graph import WalkGraph
 from mstar.model import ModelDef, NodeSubmodule, WalkState
@@ -39,7 +37,7 @@ from mstar.model.validation import check_int
 from mstar.models.bagel import graph as bagel_graph
 from mstar.models.bagel.config import TINY_SPEC, BagelSpec, ImageTransformSpec
 from mstar.models.bagel.flow import flow_settings, timestep_schedule
-from mstar.models.bagel.image_transform import BagelImageTransform
+from mstar.models.bagel.image_transform import BagelImageTransform, InputImageTransforms
 from mstar.models.bagel.layout import plan_layout
 from mstar.models.bagel.nodes import (
     CombineCFG,
@@ -76,10 +74,6 @@ class BagelByteTokenizer:
 class BagelState(WalkState):
     steps: list[tuple[str, dict[str, list[Any]]]] = field(default_factory=list)
     final: tuple[str, dict[str, list[Any]]] | None = None
-
-
-def _to_pil(img: torch.Tensor) -> Image.Image:
-    return Image.fromarray(np.ascontiguousarray(img.to(torch.uint8).numpy()), "RGB")
 
 
 class BagelModel(LazyTokenizer, ModelDef):
@@ -122,6 +116,10 @@ class BagelModel(LazyTokenizer, ModelDef):
     @property
     def vit_resize(self) -> BagelImageTransform:
         return self._transforms()[1]
+
+    @property
+    def input_transforms(self) -> InputImageTransforms:
+        return InputImageTransforms(*self._transforms())
 
     def _transforms(self) -> tuple[BagelImageTransform, BagelImageTransform]:
         if self._resize is None:
@@ -265,9 +263,8 @@ class BagelModel(LazyTokenizer, ModelDef):
             if kind == "text":
                 walk_inputs.append({"prefill_text": {"text_ids": [next(texts).long()]}})
                 continue
-            pil = self.vae_resize.resize(_to_pil(next(images)))  # as the reference: VAE size first
-            vae_px, vit_px = self.vae_resize.to_tensor(pil), self.vit_resize(pil)
-            walk_inputs.append({"prefill_vae": {"image": [vae_px]}, "prefill_vit": {"image": [vit_px]}})
+            raw = next(images)  # resized and normalised by the encoder nodes (InputImageTransforms)
+            walk_inputs.append({"prefill_vae": {"image": [raw]}, "prefill_vit": {"image": [raw]}})
         walk_steps = [(s.walk, {**walk_inputs[s.item][s.walk], "ctx": [s.ctx.to_tensor()]}) for s in steps]
         if target == "image":
             seed = params.get("seed")
@@ -304,9 +301,10 @@ class BagelModel(LazyTokenizer, ModelDef):
             elif base == "combine_cfg":
                 mods[n] = parts.setdefault("combine_cfg", CombineCFG())
             elif base == "vit_encoder":
-                mods[n] = parts.setdefault("vit_encoder", ViTNode(parts["vit"]))
+                mods[n] = parts.setdefault("vit_encoder", ViTNode(parts["vit"], self.input_transforms))
             elif base == "vae_encoder":
-                mods[n] = parts.setdefault("vae_encoder", VAEEncoderNode(parts["vae"], self.spec.latent_patch_size))
+                mods[n] = parts.setdefault("vae_encoder", VAEEncoderNode(parts["vae"], self.spec.latent_patch_size,
+                                                                         self.input_transforms))
             elif base == "vae_decoder":
                 mods[n] = parts.setdefault("vae_decoder", VAEDecoderNode(parts["vae"], self.spec.latent_patch_size,
                                                                          self.spec.vae.latent_channels))

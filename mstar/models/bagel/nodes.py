@@ -33,6 +33,7 @@ from mstar.model.decode import generation_done, stop_token_set
 from mstar.models.bagel.config import BagelLLMConfig
 from mstar.models.bagel.embeddings import PositionEmbedding, TimestepEmbedder, flattened_position_ids
 from mstar.models.bagel.flow import cfg_combine, flow_settings, timestep_schedule
+from mstar.models.bagel.image_transform import InputImageTransforms
 from mstar.models.bagel.layout import Ctx
 from mstar.models.bagel.mot import MoTLLM
 
@@ -254,29 +255,31 @@ class CombineCFG(NodeSubmodule):
 
 
 class ViTNode(NodeSubmodule):
-    """SigLIP + connector + position embedding: a normalised image ``[3, H, W]`` -> LLM tokens."""
+    """SigLIP + connector + position embedding: an input image (uint8 ``[H, W, 3]``, resized and
+    normalised here: ``InputImageTransforms.vit``) -> LLM tokens."""
 
-    def __init__(self, vit: nn.Module) -> None:
+    def __init__(self, vit: nn.Module, transforms: InputImageTransforms) -> None:
         super().__init__()
-        self.vit = vit
+        self.vit, self.transforms = vit, transforms
 
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
-        return NodeInputs(extras={"image": inputs["image"][0]})
+        return NodeInputs(extras={"image": self.transforms.vit(inputs["image"][0])})
 
     def forward(self, graph_walk, engine_inputs, **_):
         return {"vit_embeds": list(self.vit(list(engine_inputs.extras["image"])))}
 
 
 class VAEEncoderNode(NodeSubmodule):
-    """FLUX VAE (posterior mean) + 2x2 patchify: an image ``[3, H, W]`` in [-1, 1] -> latent tokens
-    ``[h*w, p*p*C]`` and the grid ``(h, w)``."""
+    """FLUX VAE (posterior mean) + 2x2 patchify: an input image (uint8 ``[H, W, 3]``, resized and
+    scaled to [-1, 1] here: ``InputImageTransforms.vae``) -> latent tokens ``[h*w, p*p*C]`` and the
+    grid ``(h, w)``."""
 
-    def __init__(self, vae: nn.Module, patch: int) -> None:
+    def __init__(self, vae: nn.Module, patch: int, transforms: InputImageTransforms) -> None:
         super().__init__()
-        self.vae, self.patch = vae, patch
+        self.vae, self.patch, self.transforms = vae, patch, transforms
 
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
-        return NodeInputs(extras={"image": inputs["image"][0]})
+        return NodeInputs(extras={"image": self.transforms.vae(inputs["image"][0])})
 
     def forward(self, graph_walk, engine_inputs, **_):
         from mstar.models.bagel.vae import patchify_latents
