@@ -24,7 +24,7 @@ from mstar.model.registry import resolve_model
 from mstar.placement import Placement
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.wire.transport import SHM_DIR
-from mstar.server.serving import STATUS_OF_FAILURE
+from mstar.server.errors import STATUS_OF_FAILURE
 from tests.helpers import kv_blocks_in_use
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -324,7 +324,7 @@ def test_burst_gets_429_and_memory_stays_bounded():
 
 def test_every_failure_kind_has_one_status():
     from mstar.runtime.failures import FailureKind
-    from mstar.server.serving import STATUS_OF_FAILURE
+    from mstar.server.errors import STATUS_OF_FAILURE
 
     assert STATUS_OF_FAILURE == {FailureKind.INPUT: 400, FailureKind.WORKER_LOST: 503,
                                  FailureKind.OUT_OF_MEMORY: 503, FailureKind.ABORTED: 503,

@@ -17,7 +17,7 @@ from mstar.placement import Placement, PlacementError
 from mstar.runtime import Runtime
 from mstar.runtime.conductor import RequestStatus
 from mstar.runtime.failures import FailureKind
-from mstar.server.serving import STATUS_OF_FAILURE
+from mstar.server.errors import STATUS_OF_FAILURE
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, 72, 101, 108, 108, 111], [1, 84, 80, 50, 32, 105, 115, 32, 102, 117, 110], [1, 33]]

@@ -13,6 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mstar.runtime.failures import FailureKind
+from mstar.runtime.handles import RequestError
+
 log = logging.getLogger("mstar.server")
 
 # The id of the request being served, set by the app's middleware for the task that serves it (and
@@ -37,6 +40,42 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+# The one table from what went wrong to an HTTP status. A request the runtime ran and failed: bad
+# input is the client's fault; a lost worker, exhausted memory or a request ended by shutdown will
+# likely succeed on retry elsewhere or later.
+STATUS_OF_FAILURE: dict[FailureKind, int] = {
+    FailureKind.INPUT: 400,
+    FailureKind.WORKER_LOST: 503,
+    FailureKind.OUT_OF_MEMORY: 503,
+    FailureKind.ABORTED: 503,
+    FailureKind.INTERNAL: 500,
+}
+# What adapter or model checks raise on a body of the wrong shape (``int([1])``, ``list(5)``, a missing key)
+SHAPE_ERRORS = (TypeError, KeyError, IndexError, OverflowError)
+
+
+def api_error(exc: BaseException, what: str = "the model") -> APIError:
+    """The ``APIError`` of an exception raised while a request was read, submitted or run: a
+    ``ValueError`` (bad input) or a wrong-shaped body is 400, a failed request its failure kind's
+    status, a runtime not serving (``RuntimeError`` at submit) 503, anything else a logged 500.
+    ``what``: who rejected a wrong-shaped body (for the log)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestError):
+        status = STATUS_OF_FAILURE[exc.kind]
+        if status == 500:
+            log.error("request %s failed: %s", request_id.get(), exc)
+        return APIError(status, str(exc))
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    if isinstance(exc, SHAPE_ERRORS):
+        log.warning("request %s: %s rejected its input", request_id.get(), what, exc_info=exc)
+        return APIError(400, f"invalid request: {type(exc).__name__}: {exc}")
+    if isinstance(exc, RuntimeError):
+        return APIError(503, str(exc))
+    return internal_error(exc)
 
 
 def internal_error(exc: BaseException) -> APIError:

@@ -7,20 +7,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mstar.runtime.api import Runtime
-from mstar.runtime.failures import FailureKind
 from mstar.runtime.handles import RequestError, StreamItem
-from mstar.server.errors import APIError, log, request_id
+from mstar.server.errors import SHAPE_ERRORS, APIError, api_error
 from mstar.server.metrics import ServerMetrics
-
-# The one place a failure becomes an HTTP status: bad input is the client's fault; a lost worker,
-# exhausted memory or a request ended by shutdown will likely succeed on retry elsewhere or later.
-STATUS_OF_FAILURE: dict[FailureKind, int] = {
-    FailureKind.INPUT: 400,
-    FailureKind.WORKER_LOST: 503,
-    FailureKind.OUT_OF_MEMORY: 503,
-    FailureKind.ABORTED: 503,
-    FailureKind.INTERNAL: 500,
-}
 
 
 class ServingEngine:
@@ -56,13 +45,8 @@ class ServingEngine:
             raise APIError(429, f"server is at capacity ({self.max_queue} requests in flight); retry later")
         try:
             handle = self.runtime.submit(inputs, params)
-        except ValueError as e:
-            raise APIError(400, str(e)) from e
-        except (TypeError, KeyError, IndexError, OverflowError) as e:  # a check meeting a value of the wrong type
-            log.warning("request %s: the model rejected its input", request_id.get(), exc_info=e)
-            raise APIError(400, f"invalid request: {type(e).__name__}: {e}") from e
-        except RuntimeError as e:
-            raise APIError(503, str(e)) from e
+        except (ValueError, RuntimeError, *SHAPE_ERRORS) as e:  # bad input 400, a runtime not serving 503
+            raise api_error(e) from e
         self.in_flight += 1
         self.metrics.running.labels(self.model_name).inc()
         finished = False
@@ -72,10 +56,7 @@ class ServingEngine:
             finished = True
         except RequestError as e:
             finished = True
-            status = STATUS_OF_FAILURE[e.kind]
-            if status == 500:
-                log.error("request %s (runtime id %s) failed: %s", request_id.get(), handle.request_id, e)
-            raise APIError(status, str(e)) from e
+            raise api_error(e) from e
         finally:
             self.in_flight -= 1
             self.metrics.running.labels(self.model_name).dec()

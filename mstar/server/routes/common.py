@@ -18,7 +18,7 @@ from mstar.model.adapter import ROUTE_PATHS, ApiRequest, AudioChunk, ImageOut, I
 from mstar.model.reads import ReadDict
 from mstar.runtime.handles import StreamItem
 from mstar.server import media
-from mstar.server.errors import APIError, error_body, internal_error, log, request_id
+from mstar.server.errors import SHAPE_ERRORS, APIError, api_error, error_body, internal_error
 from mstar.server.limits import ServerLimits
 from mstar.server.protocol import CHAT_OPTIONS
 from mstar.server.serving import ServingEngine, Timer
@@ -91,8 +91,6 @@ def refuse_unread(sent: list[str], body: ReadBody, model: str, route_reads: froz
                            param=name)
 
 
-# what adapter code raises on a body of the wrong shape (``int([1])``, ``list(5)``, a missing key)
-_SHAPE_ERRORS = (TypeError, KeyError, IndexError, OverflowError)
 
 
 def adapt(fn: Callable[..., Any], *args: Any) -> Any:
@@ -100,12 +98,8 @@ def adapt(fn: Callable[..., Any], *args: Any) -> Any:
     So does a ``TypeError`` (and kin) from a body of the wrong shape, logged in case it is a bug."""
     try:
         return fn(*args)
-    except ValueError as e:
-        raise APIError(400, str(e)) from e
-    except _SHAPE_ERRORS as e:
-        log.warning("request %s: %s rejected its input", request_id.get(), getattr(fn, "__qualname__", fn),
-                    exc_info=e)
-        raise APIError(400, f"invalid request: {type(e).__name__}: {e}") from e
+    except (ValueError, *SHAPE_ERRORS) as e:
+        raise api_error(e, getattr(fn, "__qualname__", str(fn))) from e
 
 
 def png_base64(pixels: Any) -> str:
