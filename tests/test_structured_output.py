@@ -222,6 +222,14 @@ def test_tool_turns_render_and_free_answers_parse():
     assert parsed.name == "add" and json.loads(parsed.arguments) == {"a": 4, "b": 5}
     assert parse_tool_calls("no calls here", forced=False) == ()
     assert tool_request(TOOLS, "none") is None and tool_request(TOOLS, "required").forced
+    # a forced call's arguments hold only the declared parameters unless the schema says otherwise
+    open_tool = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+    schema = json.loads(tool_request(open_tool, "required").grammar().source)
+    assert schema["properties"]["arguments"]["additionalProperties"] is False
+    open_tool[0]["function"]["parameters"]["additionalProperties"] = True
+    schema = json.loads(tool_request(open_tool, "required").grammar().source)
+    assert schema["properties"]["arguments"]["additionalProperties"] is True
 
 
 def test_mstar_client_json_answers_and_tool_calls(smollm2):

@@ -52,10 +52,18 @@ class ToolRequest:
                 '"arguments": <args-object>}</tool_call>')
 
     def grammar(self) -> GrammarSpec:
-        """One call of an allowed tool, as a JSON object."""
+        """One call of an allowed tool, as a JSON object. Its arguments hold only the parameters the
+        function declares unless its schema says otherwise (``additionalProperties``), as in OpenAI's
+        strict function calling: left open, a small model keeps inventing keys until ``max_tokens``."""
         by_name = {t.name: t for t in self.tools}
+
+        def arguments(t: Tool) -> dict[str, Any]:
+            if "properties" in t.parameters and "additionalProperties" not in t.parameters:
+                return {**t.parameters, "additionalProperties": False}
+            return t.parameters
+
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                  "properties": {"name": {"const": n}, "arguments": by_name[n].parameters}} for n in self.allowed]
+                  "properties": {"name": {"const": n}, "arguments": arguments(by_name[n])}} for n in self.allowed]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True))
 
