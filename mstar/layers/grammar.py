@@ -19,6 +19,7 @@ recomputed request, a decode placed on another rank). ``release`` drops a reques
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +32,7 @@ __all__ = ["GRAMMAR_KINDS", "GrammarEngine", "GrammarRow", "GrammarSpec"]
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema or grammar's text; compiling is linear in it
+_BYTE_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -191,13 +193,19 @@ class GrammarEngine:
         words = (self.vocab_size + 31) // 32
         bits = torch.empty((len(rows), words), dtype=torch.int32)
         for k, r in enumerate(rows):
-            matcher = self._matcher(r)
             v = bits[k]
-            matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).reshape(len(rows), words * 32)[:, :out.shape[1]].bool()
+            self._matcher(r).unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        # bit j of 32-bit word w allows token 32 w + j; read as bytes (little-endian), bit k of byte b
+        # is token 8 b + k: unpacked bytewise, a quarter of the memory of unpacking the words
+        if sys.byteorder == "little":
+            unpacked = (bits.view(torch.uint8).unsqueeze(-1) >> _BYTE_SHIFTS) & 1
+        else:
+            unpacked = (bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        blocked = unpacked.view(len(rows), -1)[:, :out.shape[1]] == 0
+        if len(rows) == out.shape[0] and all(r.row == k for k, r in enumerate(rows)):
+            return out.masked_fill_(blocked.to(out.device), float("-inf"))
         idx = torch.tensor([r.row for r in rows], dtype=torch.long)
-        out[idx] = out[idx].masked_fill(~allowed.to(out.device), float("-inf"))
+        out[idx] = out[idx].masked_fill(blocked.to(out.device), float("-inf"))
         return out
 
     def release(self, request_id: str) -> None:
