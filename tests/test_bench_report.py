@@ -25,11 +25,14 @@ def test_every_registered_suite_has_one_block_in_benchmarks_md():
 
 def test_every_bench_subcommand_is_a_suite():
     # `mstar bench X` (and `compare X`) all reach make bench; orpheus is the tts suite without vLLM
-    from mstar.cli import bench_cmd
+    from mstar.cli import bench_cmd, bench_engine_cmd
 
-    tree = ast.parse(Path(bench_cmd.__file__).read_text())
-    names = {n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call)
-             and getattr(n.func, "attr", "") == "add_parser" and n.args and isinstance(n.args[0], ast.Constant)}
+    names = set()
+    for module in (bench_cmd, bench_engine_cmd):
+        tree = ast.parse(Path(module.__file__).read_text())
+        names |= {n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call)
+                  and getattr(n.func, "attr", "") == "add_parser" and n.args and isinstance(n.args[0], ast.Constant)}
+    assert {"sampler", "prefix", "compare"} <= names
     compared = {"rollout", "llm", "tts", "t2i", "policy", "omni"}
     assert (names - {"bench", "compare", "orpheus"}) | compared <= set(suites.SUITES)
 

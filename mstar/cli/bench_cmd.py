@@ -1,7 +1,8 @@
 """``mstar bench``: one benchmark suite by hand. ``runtime`` (mstar/bench/runtime_bench.py), ``orpheus``
 (orpheus_bench.py), ``rollout`` (rollout_bench.py), ``compare llm|rollout|tts|t2i|policy|omni`` (ours
 vs. the peers in one run: llm_bench.py, rollout_bench.py, orpheus_bench.py, bagel_bench.py,
-policy_bench.py, omni_bench.py), ``serve``, ``pressure``, ``prefix``, ``soak``, ``tp``, ``transport``.
+policy_bench.py, omni_bench.py), ``serve``; the engine's
+own (``pressure``, ``prefix``, ``sampler``, ``soak``, ``tp``, ``transport``) in bench_engine_cmd.py.
 Every suite's repeats go through mstar/bench/harness.py; ``make bench`` (mstar/bench/report.py) runs
 them all at their defaults (mstar/bench/suites.py) and rewrites BENCHMARKS.md."""
 
@@ -10,28 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mstar.cli.bench_engine_cmd import ENGINE_BENCHES, int_list
 
-def _int_list(flag: str):
-    def parse(text: str) -> list[int]:
-        try:
-            vals = [int(v) for v in text.split(",") if v.strip()]
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated ints, got {text!r}") from e
-        if not vals or min(vals) < 1:
-            raise argparse.ArgumentTypeError(f"{flag} takes positive ints, got {text!r}")
-        return vals
-
-    return parse
-
-
-_batches = _int_list("--batch")
+_batches = int_list("--batch")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark", description="Run a benchmark.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve, _add_pressure, _add_prefix,
-                _add_sampler, _add_soak, _add_tp, _add_transport):
+    for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve, *ENGINE_BENCHES):
         add(bsub)
 
 
@@ -52,7 +40,7 @@ def _add_orpheus(bsub) -> None:
                         description="orpheus-tiny (scaled up) served by mstar vs. the same weights in HF "
                                     "transformers: sequential generate+decode and one static batch. Reports "
                                     "audio-s per wall-s, time to first audio and RTF per concurrency.")
-    o.add_argument("--concurrency", type=_int_list("--concurrency"), default=[1, 4, 16],
+    o.add_argument("--concurrency", type=int_list("--concurrency"), default=[1, 4, 16],
                    help="comma-separated numbers of concurrent requests (default 1,4,16)")
     o.add_argument("--tokens", type=int, default=140, help="new tokens per request, EOS ignored (default 140)")
     o.add_argument("--repeats", type=int, default=1, help="runs per system and concurrency (default 1)")
@@ -152,7 +140,7 @@ def _add_tts_options(p, head: str) -> None:
 
 
 def _add_compare_omni(x) -> None:
-    x.add_argument("--levels", type=_int_list("--levels"), default=[1, 4, 16],
+    x.add_argument("--levels", type=int_list("--levels"), default=[1, 4, 16],
                    help="omni / tts: comma-separated numbers of concurrent requests (default 1,4,16)")
     x.add_argument("--text-tokens", type=int, default=12, help="omni: most thinker tokens per request (default 12)")
     x.add_argument("--talker-steps", type=int, default=61,
@@ -335,186 +323,4 @@ def run_compare_llm(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(to_json(res), f, indent=1)
-    return 0
-
-
-def _add_pressure(bsub) -> None:
-    pr = bsub.add_parser("pressure", help="llama-tiny with KV oversubscribed vs. a cache large enough for all",
-                         description="N mixed greedy requests whose KV demand is a multiple of the cache, vs. "
-                                     "the same load with a cache for everything, alternating in one run: "
-                                     "completion, tokens/s, p50/p99 latency, preemptions, same tokens.")
-    pr.add_argument("--requests", type=int, default=32, help="requests, all submitted at once (default 32)")
-    pr.add_argument("--oversubscription", type=float, default=4.0,
-                    help="KV demand / the pressure cache's blocks (default 4)")
-    pr.add_argument("--repeats", type=int, default=3, help="alternating repeats (default 3)")
-    pr.add_argument("--model", choices=["tiny", "scaled"], default="tiny",
-                    help="llama-tiny, or its config scaled to hidden 256 / 4 layers (default tiny)")
-    pr.add_argument("--prompt-len", type=_int_list("--prompt-len"), default=[16, 192], help="LO,HI (default 16,192)")
-    pr.add_argument("--max-tokens", type=_int_list("--max-tokens"), default=[16, 128], help="LO,HI (default 16,128)")
-    pr.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
-    pr.add_argument("--seed", type=int, default=0, help="prompts and lengths seed (default 0)")
-    pr.set_defaults(func=run_pressure)
-
-
-def run_pressure(args: argparse.Namespace) -> int:
-    import sys
-
-    from mstar.bench.pressure_bench import format_table, run_pressure_bench
-
-    for flag, pair in (("--prompt-len", args.prompt_len), ("--max-tokens", args.max_tokens)):
-        if len(pair) != 2:
-            raise ValueError(f"{flag} takes two ints, LO,HI; got {pair}")
-    res = run_pressure_bench(args.requests, args.oversubscription, args.repeats, args.seed, args.model,
-                             args.block_size, tuple(args.prompt_len), tuple(args.max_tokens),
-                             log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    print(format_table(res))
-    return 0
-
-
-def _add_prefix(bsub) -> None:
-    pf = bsub.add_parser("prefix", help="chats sharing a long system prompt with prefix caching on vs. off",
-                         description="N greedy chats sharing one system prompt, with automatic prefix caching "
-                                     "and without it, alternating in one run: time to first token one request "
-                                     "at a time, wall time of all at once, hit rate, same tokens.")
-    pf.add_argument("--requests", type=int, default=16, help="chats per load (default 16)")
-    pf.add_argument("--system-tokens", type=int, default=512, help="shared system prompt length (default 512)")
-    pf.add_argument("--user-tokens", type=_int_list("--user-tokens"), default=[8, 32],
-                    help="LO,HI of each chat's own tokens (default 8,32)")
-    pf.add_argument("--max-tokens", type=int, default=8, help="tokens generated per chat (default 8)")
-    pf.add_argument("--repeats", type=int, default=3, help="alternating repeats (default 3)")
-    pf.add_argument("--model", choices=["tiny", "scaled"], default="tiny",
-                    help="llama-tiny, or its config scaled to hidden 256 / 4 layers (default tiny)")
-    pf.add_argument("--seed", type=int, default=0)
-    pf.set_defaults(func=run_prefix)
-
-
-def run_prefix(args: argparse.Namespace) -> int:
-    import sys
-
-    from mstar.bench.prefix_bench import format_table, run_prefix_bench
-
-    if len(args.user_tokens) != 2:
-        raise ValueError(f"--user-tokens takes two ints, LO,HI; got {args.user_tokens}")
-    res = run_prefix_bench(args.requests, args.system_tokens, tuple(args.user_tokens), args.max_tokens,
-                           args.repeats, args.model, seed=args.seed,
-                           log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    print(format_table(res))
-    return 0 if res.same_tokens else 1
-
-
-def _add_soak(bsub) -> None:
-    sk = bsub.add_parser("soak", help="mixed load with hostile bodies, disconnects and aborts, then a leak audit",
-                         description="Send a bounded number of mixed requests concurrently (chat whole and "
-                                     "streamed, speech, /generate, hostile bodies that must get a 4xx, clients "
-                                     "that leave mid-stream or cancel), count outcomes, and compare resources "
-                                     "before and after: KV blocks, walks, stream buffers, /dev/shm files, file "
-                                     "descriptors, threads, RSS. Exits 1 on an unexpected outcome or a leak.")
-    sk.add_argument("--url", default=None, help="a running server (only what its /metrics shows is audited)")
-    sk.add_argument("--model", default="llama-tiny",
-                    help="model id; without --url, the registered model served in this process (default llama-tiny)")
-    sk.add_argument("--requests", type=int, default=2000, help="requests in all (default 2000)")
-    sk.add_argument("--concurrency", type=int, default=32, help="requests kept in flight (default 32)")
-    sk.add_argument("--kinds", default=None, help="comma-separated request kinds (default: every kind the "
-                    "model's routes serve; with --url, all of chat,chat-stream,speech,generate,hostile,disconnect,abort)")
-    sk.add_argument("--max-tokens", type=int, default=16, help="most new tokens per request (default 16)")
-    sk.add_argument("--max-queue", type=int, default=256, help="in-process server: requests in flight before 429")
-    sk.add_argument("--workers", choices=["inline", "process"], default="inline",
-                    help="in-process server: runtime mode (default inline)")
-    sk.add_argument("--seed", type=int, default=0)
-    sk.add_argument("--api-key", default=None, help="with --url: the server's API key")
-    sk.add_argument("--out", default=None, help="also write the report as JSON to this file")
-    sk.set_defaults(func=run_soak)
-
-
-def run_soak(args: argparse.Namespace) -> int:
-    import json
-    import sys
-
-    from mstar.bench.soak_bench import format_report, run_soak, soak_in_process
-
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
-    if args.url:
-        report = run_soak(args.url, args.model, args.requests, args.concurrency, kinds=kinds, seed=args.seed,
-                          max_tokens=args.max_tokens, api_key=args.api_key)
-    else:
-        report = soak_in_process(args.model, args.model, args.requests, args.concurrency, workers=args.workers,
-                                 max_queue=args.max_queue, kinds=kinds, seed=args.seed, max_tokens=args.max_tokens,
-                                 log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    print(format_report(report))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    return 1 if report["errors"] or report["leaks"] else 0
-
-
-def _add_tp(bsub) -> None:
-    from mstar.bench.tp_bench import add_arguments
-
-    tp = bsub.add_parser("tp", help="one decode step at TP1 vs TP2 (2 gloo processes) and the all-reduce cost",
-                         description="Time one decode step of a Llama node dense on one rank and sharded over "
-                                     "two gloo ranks (apply_tp), and one all-reduce of the step's hidden states.")
-    add_arguments(tp)
-    tp.set_defaults(func=run_tp)
-
-
-def run_tp(args: argparse.Namespace) -> int:
-    from mstar.bench.tp_bench import run
-
-    return run(args)
-
-
-def _add_sampler(bsub) -> None:
-    sm = bsub.add_parser("sampler", help="decode throughput with the OpenAI sampling options or a JSON schema on "
-                                         "every row vs. none",
-                         description="The same concurrent greedy requests with no sampling option, with presence "
-                                     "+ frequency penalties, a 50-token logit_bias and top_logprobs 5 on every row, "
-                                     "and constrained to a JSON schema, alternating in one run: generated tokens "
-                                     "per second; and a schema's compile time.")
-    sm.add_argument("--concurrency", type=int, default=16, help="concurrent requests (default 16)")
-    sm.add_argument("--max-tokens", type=int, default=128, help="tokens per request, EOS ignored (default 128)")
-    sm.add_argument("--repeats", type=int, default=3, help="alternating repeats (default 3)")
-    sm.set_defaults(func=run_sampler)
-
-
-def run_sampler(args: argparse.Namespace) -> int:
-    import sys
-
-    from mstar.bench.sampler_bench import format_table, goal_lines, run_sampler_bench
-
-    res = run_sampler_bench(concurrency=args.concurrency, max_tokens=args.max_tokens,
-                            repeats=args.repeats, log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(format_table(res))
-    for goal in goal_lines(res):
-        print(goal.line())
-    return 0
-
-
-def _add_transport(bsub) -> None:
-    tr = bsub.add_parser("transport", help="one tensor message per path (in-process, IPC, shm, TCP) vs. memcpy "
-                                           "and a loopback socket",
-                         description="Median time per message of one uint8 tensor (sent, decoded by a peer "
-                                     "process, acknowledged) through each transport path, as GB/s, next to a "
-                                     "single-threaded memcpy and a plain loopback TCP socket (into a warm "
-                                     "buffer, and into a new one per message).")
-    tr.add_argument("--sizes", default="4K,64K,1M,16M,64M",
-                    help="comma-separated sizes in bytes, K/M suffixes allowed (default 4K,64K,1M,16M,64M)")
-    tr.add_argument("--paths", default="inline,ipc,shm,tcp", help="comma-separated paths (default all)")
-    tr.add_argument("--out", default=None, help="also write the results as JSON to this file")
-    tr.set_defaults(func=run_transport)
-
-
-def run_transport(args: argparse.Namespace) -> int:
-    import json
-
-    from mstar.bench.transport_bench import PATHS, format_table, parse_sizes, run_transport_bench
-
-    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
-    unknown = [p for p in paths if p not in PATHS]
-    if unknown or not paths:
-        raise ValueError(f"--paths takes some of {', '.join(PATHS)}; got {args.paths!r}")
-    rows = run_transport_bench(parse_sizes(args.sizes), paths)
-    print(format_table(rows))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump([{"size": r.size, "seconds": r.seconds} for r in rows], f, indent=1)
     return 0

@@ -124,7 +124,7 @@ CHAT_OPTIONS: dict[str, Any] = {
 def refused_chat_option(body: dict[str, Any], supported: frozenset[str]) -> str | None:
     """The first field of ``CHAT_OPTIONS`` in ``body`` that asks for something outside ``supported``."""
     for name, asks in CHAT_OPTIONS.items():
-        value = dict.get(body, name)  # the route's look: not a read of the model's (``ReadBody``)
+        value = dict.get(body, name)  # the route's look: not a read of the model's (``ReadDict``)
         if value is not None and name not in supported and asks(value):
             return name
     return None

@@ -14,6 +14,7 @@ import torch
 from fastapi import APIRouter
 
 from mstar.model.adapter import CHAT, AudioChunk, ImageOut, TextDelta, ToolCallsOut
+from mstar.model.reads import ReadDict
 from mstar.server import media
 from mstar.server.errors import APIError
 from mstar.server.limits import ServerLimits
@@ -23,7 +24,6 @@ from mstar.server.routes.common import (
     ClosingStreamingResponse,
     Engine,
     Limits,
-    ReadBody,
     Started,
     adapt,
     choice_body,
@@ -43,7 +43,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=ChatCompletion)
 async def chat(req: ChatCompletionRequest, engine: Engine, limits: Limits):
     require(engine, CHAT, req.model)
-    body = ReadBody(req.model_dump())
+    body = ReadDict(req.model_dump())
     refused = refused_chat_option(body, engine.adapter.chat_options)
     if refused is not None:
         raise APIError(400, f"{refused} is not supported by {engine.model_name} (remove it, or send its no-op value)",

@@ -60,11 +60,6 @@ def require(engine: ServingEngine, route: str, model: str | None) -> None:
 # -- the rule: every field a client sets has an effect or is refused -----------------------------------
 
 
-# a route's parsed body as the model's adapter sees it: after the adapter made its request,
-# ``refuse_unread`` refuses any field the client set that nothing read
-ReadBody = ReadDict
-
-
 def sent_fields(req: BaseModel) -> list[str]:
     """The fields a client set to something other than their no-op value: a declared field set to a
     value other than its default (and, for the optional chat fields, other than their no-op value,
@@ -82,7 +77,7 @@ def sent_fields(req: BaseModel) -> list[str]:
     return sorted(out)
 
 
-def refuse_unread(sent: list[str], body: ReadBody, model: str, route_reads: frozenset[str] = frozenset()) -> None:
+def refuse_unread(sent: list[str], body: ReadDict, model: str, route_reads: frozenset[str] = frozenset()) -> None:
     """400 naming the first field the client set (``sent``, e.g. ``sent_fields``) that neither the
     route (``route_reads``) nor the model's adapter read: a field this model does not implement."""
     for name in sent:
@@ -147,7 +142,7 @@ async def start(engine: ServingEngine, route: str, api_req: ApiRequest) -> Start
     return Started(decoder, timer, _decoded(items, decoder))
 
 
-def choice_body(body: ReadBody, j: int) -> ReadBody:
+def choice_body(body: ReadDict, j: int) -> ReadDict:
     """Choice ``j``'s body (of ``n``): a seed moves on by ``j``, so that seeded choices differ and reproduce."""
     seed = dict.get(body, "seed")  # the route's own look, not the adapter's read
     if j == 0 or seed is None:

@@ -13,12 +13,12 @@ from typing import Any
 from fastapi import APIRouter
 
 from mstar.model.adapter import COMPLETIONS, ApiRequest, TextDelta, TokenLogprob
+from mstar.model.reads import ReadDict
 from mstar.server.protocol import CompletionRequest
 from mstar.server.routes.common import (
     SSE_DONE,
     ClosingStreamingResponse,
     Engine,
-    ReadBody,
     Started,
     adapt,
     choice_body,
@@ -37,7 +37,7 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, engine: Engine):
     require(engine, COMPLETIONS, req.model)
-    body = ReadBody(req.model_dump())
+    body = ReadDict(req.model_dump())
     groups = [[adapt(engine.adapter.completion_request, choice_body(body, j), prompt) for j in range(req.n)]
               for prompt in _prompts(req.prompt)]
     refuse_unread(sent_fields(req), body, engine.model_name, _ROUTE_READS)

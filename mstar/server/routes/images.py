@@ -11,13 +11,13 @@ import torch
 from fastapi import APIRouter, File, Form, Request, UploadFile
 
 from mstar.model.adapter import IMAGE_EDITS, IMAGES, ApiRequest, ImageOut
+from mstar.model.reads import ReadDict
 from mstar.server import media
 from mstar.server.errors import APIError
 from mstar.server.protocol import ImageRequest, ImagesResponse, check_json_value
 from mstar.server.routes.common import (
     Engine,
     Limits,
-    ReadBody,
     adapt,
     png_base64,
     refuse_unread,
@@ -35,7 +35,7 @@ _EDIT_FIELDS = ("image", "prompt", "model", "n", "size")  # the form fields imag
 @router.post("/v1/images/generations", response_model=ImagesResponse)
 async def images(req: ImageRequest, engine: Engine, limits: Limits):
     require(engine, IMAGES, req.model)
-    body = ReadBody(req.model_dump())
+    body = ReadDict(req.model_dump())
     body["width"], body["height"] = _parse_size(req.size, limits.max_image_side)
     return await _run(engine, IMAGES, body, None, req.n, sent_fields(req))
 
@@ -54,12 +54,12 @@ async def image_edits(request: Request, engine: Engine, limits: Limits, image: A
              if k not in _EDIT_FIELDS and isinstance(v, str)}
     for k, v in extra.items():
         adapt(check_json_value, v, k)
-    body = ReadBody({**extra, "model": model, "prompt": prompt, "n": n, "size": size})
+    body = ReadDict({**extra, "model": model, "prompt": prompt, "n": n, "size": size})
     body["width"], body["height"] = _parse_size(size, limits.max_image_side)
     return await _run(engine, IMAGE_EDITS, body, pixels, n, sorted(extra))
 
 
-async def _run(engine: ServingEngine, route: str, body: ReadBody, image: torch.Tensor | None,
+async def _run(engine: ServingEngine, route: str, body: ReadDict, image: torch.Tensor | None,
                n: int, sent: list[str]) -> ImagesResponse:
     """The n images run as n concurrent requests (the runtime batches them). Every input is validated
     before any starts, so a bad request starts nothing; nor does one setting a field (``sent``) that

@@ -13,6 +13,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from mstar.model.adapter import SPEECH, ApiAdapter, AudioChunk
+from mstar.model.reads import ReadDict
 from mstar.server import audio
 from mstar.server.errors import APIError
 from mstar.server.protocol import SpeechRequest, Voices
@@ -20,7 +21,6 @@ from mstar.server.routes.common import (
     ClosingStreamingResponse,
     Engine,
     Output,
-    ReadBody,
     adapt,
     ending_in_error,
     refuse_unread,
@@ -44,7 +44,7 @@ async def voices(engine: Engine):
 async def speech(req: SpeechRequest, engine: Engine):
     require(engine, SPEECH, req.model)
     _check(req, engine.adapter)
-    body = ReadBody(req.model_dump())
+    body = ReadDict(req.model_dump())
     api_req = adapt(engine.adapter.speech_request, body)
     refuse_unread(sent_fields(req), body, engine.model_name, frozenset({"model", "response_format", "stream_format"}))
     request = await start(engine, SPEECH, api_req)
