@@ -259,7 +259,7 @@ def test_code_predictor_lockstep_gives_the_general_paths_speech(runtime):
         t2, c2, w2 = ours(out)
         assert text == t2 and torch.equal(codes, c2) and torch.equal(wav, w2)
     assert kv_blocks_in_use(runtime) == 0 and runtime.stats()["ranks"][0]["walks"] == 0
-    assert not runtime.local_worker("Talker")._partition_walks  # the walks' index by partition forgot them too
+    assert runtime.local_worker("Talker").walks.partitions == 0  # the walks' index by partition forgot them too
 
 
 def test_thinker_lockstep_streams_as_the_general_path(runtime):

@@ -133,7 +133,7 @@ class _Relay:
 
         assert dest == 1
         msg = decode(encode(msg))
-        self.calls.append(msg.method)
+        self.calls.append(type(msg).__name__)
         self.follower.call(msg)
 
 
@@ -177,8 +177,7 @@ def test_a_follower_repeating_the_leaders_calls_keeps_the_same_pool_and_cache():
             assert a == b if not isinstance(a, list) else all(torch.equal(x, y) for x, y in zip(a, b))
     assert results[1] == [DEFERRED] and results[4] == [DEFERRED] and results[6] != [DEFERRED]
     # one message per call the worker made: the swap-in inside a run is the follower's own
-    assert relay.calls == ["run", "run", "swap_out", "run", "run", "free_request", "run", "free_request",
-                           "free_request"]
+    assert relay.calls == ["TPRun", "TPRun", "TPSwapOut", "TPRun", "TPRun", "TPFree", "TPRun", "TPFree", "TPFree"]
     assert leader.manager.pool.num_used == follower.manager.pool.num_used == 0
 
 
@@ -197,18 +196,18 @@ def test_a_failed_collective_is_a_lost_worker_not_an_internal_error():
 def test_a_follower_holds_calls_back_until_the_shard_of_an_import_arrives():
     from mstar.runtime.kv.engine import KVCacheEngine
     from mstar.runtime.tp.follower import TPFollower, TPShard
-    from mstar.runtime.tp.groups import TPCall
+    from mstar.runtime.tp.groups import TPForget, TPFree, TPImport, TPRun
     from tests.toy_models import TinyAttentionLM
 
     eng = KVCacheEngine(TinyAttentionLM(0), 6, 4)
     follower = TPFollower({"LLM": eng}, None, None)
     k = [torch.ones(5, eng.kv_caches[0][0].shape[2], eng.kv_caches[0][0].shape[3])]
-    follower.call(TPCall("LLM", "import", ["a", 7]))
-    follower.call(TPCall("LLM", "run", [[_item(0, "a", [3], decode_step=0)]]))
+    follower.call(TPImport("LLM", "a", 7))
+    follower.call(TPRun("LLM", [_item(0, "a", [3], decode_step=0)]))
     assert follower.waiting == 2 and eng.manager.pool.num_used == 0  # nothing ran out of order
     follower.shard(TPShard("LLM", "a", {"LLM": {"num_tokens": 5, "k": k, "v": k}}, 7))
     assert follower.waiting == 0 and eng.manager.num_tokens("a", "LLM") == 6  # imported, then appended
-    follower.call(TPCall("LLM", "free_request", ["a"]))
-    follower.call(TPCall("LLM", "forget", ["a"]))
+    follower.call(TPFree("LLM", "a"))
+    follower.call(TPForget("LLM", "a"))
     follower.shard(TPShard("LLM", "a", {"LLM": {"num_tokens": 5, "k": k, "v": k}}, 8))  # late: its import never comes
     assert follower.waiting == 0 and eng.manager.pool.num_used == 0 and follower.held_shards == 0

@@ -72,13 +72,13 @@ def test_an_overdue_producer_item_whose_consumer_holds_its_chunks_waits():
     the guard."""
     w, _ = worker(scheduling_max_wait_ms=0.0)
     w.handle(StreamPush("b", "prod", "cons", "summer", "item", [torch.tensor(1.0)] * WINDOW, 0))
-    assert w.streams[PartitionKey("b", "cons")].pending_from("prod")
+    assert w.inbox.buffers[PartitionKey("b", "cons")].pending_from("prod")
     w.handle(exec_node("counter", "b"))
     w.handle(exec_node("summer", "a", "cons", "window"))
     w.queues["counter"][0].queued_at -= 1.0
     assert w.next_batch()[0] == "summer"
     w.handle(exec_node("summer", "a", "cons", "window"))
-    assert w.streams[PartitionKey("b", "cons")].pull("summer", "item") is not None  # the consumer takes it
+    assert w.inbox.buffers[PartitionKey("b", "cons")].pull("summer", "item") is not None  # the consumer takes it
     assert w.next_batch()[0] == "counter"
     w.queues["summer"].clear()
     w.handle(exec_node("counter", "c"))
@@ -112,7 +112,7 @@ def test_an_overdue_producer_item_waits_while_its_request_has_deeper_work_queued
 
 def test_batches_respect_the_module_limit():
     w, _ = worker()
-    w.max_batch["counter"] = 2
+    w.sched.max_batch["counter"] = 2
     for rid in "abc":
         w.handle(exec_node("counter", rid))
     assert [len(w.next_batch()[1]) for _ in range(2)] == [2, 1]
@@ -128,7 +128,7 @@ def test_a_walk_streams_in_order_and_reports_its_counts():
     assert [float(p.items[0]) for p in pushes] == [10.0 * i for i in range(STREAM_STEPS)]
     [done] = [m for d, m in box.sent if d == CONDUCTOR and isinstance(m, WalkDone)]
     assert decode_counts(done.streamed) == {StreamKey("cons", "summer", "item"): STREAM_STEPS}
-    assert w.walks == {}
+    assert not w.walks
 
 
 def test_bad_walk_inputs_fail_the_request_as_input():
@@ -205,7 +205,7 @@ def test_the_youngest_holder_is_swapped_out_for_an_older_request_and_resumes():
     decode(w, box, "b")
     while w.step():
         pass
-    assert not box.take(RequestFailed) and w.walks.keys() == {WalkKey("b", "main", 1)}  # b waits for a
+    assert not box.take(RequestFailed) and set(w.walks.keys()) == {WalkKey("b", "main", 1)}  # b waits for a
     w.handle(FreeRequest("a"))
     while w.step():
         pass

@@ -19,10 +19,9 @@ its end routes on.
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.self_loops import LockstepBound, LoopExits
@@ -40,11 +39,11 @@ from mstar.runtime.wire.messages import (
 from mstar.runtime.work_items import WorkItem, as_values
 
 if TYPE_CHECKING:
-    from mstar.runtime.kv.admission import KVAdmission
-    from mstar.runtime.scheduling import ModuleScheduler
-    from mstar.runtime.walk_records import Effects
+    from mstar.runtime.postprocess import Postprocess
+    from mstar.runtime.scheduling import RankScheduler
+    from mstar.runtime.walk_table import WalkTable
 
-__all__ = ["DecodeCohort", "Lockstep", "LockstepHost", "row_outputs"]
+__all__ = ["DecodeCohort", "Lockstep", "row_outputs"]
 
 # messages that touch one partition of a request (their ``partition``) and nothing else
 _WALK_MESSAGES = frozenset({StartWalk, ExecNode, NodeResult, StreamPush, StreamEnd})
@@ -61,7 +60,7 @@ class DecodeCohort:
 
     base: str  # the module
     items: list[WorkItem]
-    walks: list[Any]  # each item's walk record (the worker's ``_Walk``)
+    walks: list[Any]  # each item's walk record (``LiveWalk``)
     seen: list[tuple[int, ...]]  # per item: the iteration its tracker saw start
     rows: list[int]  # per item: its row in ``outputs``
     outputs: dict[str, list]  # the last forward's outputs: the rows' trackers have not seen them
@@ -72,7 +71,7 @@ class DecodeCohort:
     flat: bool  # every row's loop is a top-level one (its iterations are ``(i,)``)
     request_id_list: list[str] | None = None  # per item (made at the first usual step; replaced, never changed)
     walk_names: list[str] | None = None  # per item: its walk's name (ditto)
-    ended_seen: int = -1  # the worker's ``walks_ended`` when every row's walk was last seen live
+    ended_seen: int = -1  # the walk table's ``ended`` when every row's walk was last seen live
     exits: list[LoopExits] | None = None  # per item, when the loop has exits: where its iterations' values go
     partitions: frozenset[str] = frozenset()  # of every row's walk (``Lockstep.before``)
 
@@ -98,49 +97,20 @@ class DecodeCohort:
         return [i for i, f in enumerate(flags) if read_stop(as_values(f))]
 
 
-class LockstepHost(Protocol):
-    """What ``Lockstep`` uses of the worker that owns it (``mstar.runtime.worker.Worker``)."""
-
-    engines: Mapping[str, Any]  # module -> its engine
-    queues: Mapping[str, deque[WorkItem]]  # module -> its queued items
-    admission: KVAdmission
-    scheduler: ModuleScheduler
-    batch_hist: Mapping[str, Counter]  # module -> batch size -> forwards
-    seqs: Iterator[int]  # queue order of items
-    walks_ended: int  # walks made not live so far
-
-    def emit(self, value: Emit | EmitRows) -> None:
-        """Gather a value for clients."""
-
-    def push(self, w: Any, partition: str, node: str, name: str, items: list) -> None:
-        """Stream a walk's items to a node of another partition."""
-
-    def enqueue(self, item: WorkItem) -> None:
-        """Queue an item on its module."""
-
-    def apply_effects(self, w: Any, fx: Effects) -> None:
-        """Carry out what a tracker call returned."""
-
-    def fail_request(self, rid: str, error: str, kind: FailureKind) -> None:
-        """Fail a request alone."""
-
-    def guarded(self, rid: str, fn: Callable[[], None]) -> None:
-        """Run ``fn``; an error in it fails request ``rid`` alone."""
-
-
 class Lockstep:
     """A worker's cohorts (one per module at most) and the steps it runs through them: a part of the
-    ``Worker`` (``worker.lockstep``), like its ``KVAdmission``, using the worker's engines, queues
-    and outgoing client values through ``LockstepHost``."""
+    ``Worker`` (``worker.lockstep``), using the rank's engines, its queues (``RankScheduler``), its
+    walk table (``ended``) and the one place results leave it (``Postprocess``)."""
 
-    def __init__(self, worker: LockstepHost) -> None:
-        self.worker = worker
+    def __init__(self, engines: Mapping[str, Any], sched: RankScheduler, post: Postprocess,
+                 walks: WalkTable) -> None:
+        self.engines, self.sched, self.post, self.walks = engines, sched, post, walks
         self.cohorts: dict[str, DecodeCohort] = {}
 
     def form(self, base: str, items: list[WorkItem], walks: list[Any]) -> None:
         """Make the requeued continuations of a forward (``items``, with their walks) a cohort when
         all of them may go on in lockstep."""
-        eng = self.worker.engines[base]
+        eng = self.engines[base]
         if not getattr(eng, "continues_batches", False):
             return
         found = eng.decode_rows(items)
@@ -181,18 +151,18 @@ class Lockstep:
     def _step(self, cohort: DecodeCohort) -> bool:
         """One forward of the cohort (the module's whole batch); False, with nothing changed, when it
         cannot run that way."""
-        worker, base = self.worker, cohort.base
-        if cohort.steps_left <= 0 or not worker.admission.unhindered(base):
+        sched, base = self.sched, cohort.base
+        if cohort.steps_left <= 0 or not sched.admission.unhindered(base):
             return False
-        out = worker.engines[base].run_rows(cohort.items, cohort.rows)
+        out = self.engines[base].run_rows(cohort.items, cohort.rows)
         if out is None:
             return False
-        worker.admission.stalled.clear()
+        sched.admission.stalled.clear()
         n = len(cohort.items)
-        worker.batch_hist[base][n] += 1
+        sched.batch_hist[base][n] += 1
         leaving = cohort.leaving(out) if out.keys() >= cohort.needs else list(range(n))
         columns = [(name, modality, out[name]) for name, modality in cohort.bound.emits]
-        if not leaving and (worker.walks_ended == cohort.ended_seen or self._all_live(cohort)):
+        if not leaving and (self.walks.ended == cohort.ended_seen or self._all_live(cohort)):
             self._all_go_on(cohort, out, columns)
         else:
             self._some_go_on(cohort, out, columns, leaving)
@@ -200,23 +170,23 @@ class Lockstep:
 
     def _all_go_on(self, cohort: DecodeCohort, out: dict[str, list], columns: list[tuple[str, Any, list]]) -> None:
         """The usual step: every row sends its values and goes on."""
-        worker, items, walks, n = self.worker, cohort.items, cohort.walks, len(cohort.items)
+        post, sched, items, walks, n = self.post, self.sched, cohort.items, cohort.walks, len(cohort.items)
         rids, names = cohort.request_id_list, cohort.walk_names
         if rids is None:
             rids = cohort.request_id_list = [it.request_id for it in items]
             names = cohort.walk_names = [w.walk for w in walks]
         node = items[0].node
         for name, modality, col in columns:  # one message per output, for every row
-            worker.emit(EmitRows(rids, names, name, modality, node, list(col)))
+            post.emit(EmitRows(rids, names, name, modality, node, list(col)))
         for st in cohort.bound.streams:  # each row's items of a stream to another partition
-            push = worker.push
+            push = post.push
             for w, value in zip(walks, out[st.name]):
                 if sent := list(value):  # (as the tracker routes it; none: nothing this step)
                     push(w, st.partition, st.node, st.name, sent)
         if cohort.exits is not None:  # each row's values of the loop's exits
             for ex, values in zip(cohort.exits, zip(*[out[name] for name in cohort.bound.exits])):
                 ex.add(values)
-        seq, now = worker.seqs, worker.scheduler.now()  # each item requeued (``ModuleScheduler.stamp``)
+        seq, now = sched.seqs, sched.policy.now()  # each item requeued (``ModuleScheduler.stamp``)
         if cohort.flat:  # a top-level loop's iterations: (i,) -> (i + 1,)
             for item in items:
                 item.seq, item.iteration, item.queued_at = next(seq), (item.iteration[0] + 1,), now
@@ -224,7 +194,7 @@ class Lockstep:
             for item in items:
                 it = item.iteration
                 item.seq, item.iteration, item.queued_at = next(seq), (*it[:-1], it[-1] + 1), now
-        worker.queues[cohort.base].extend(items)
+        sched.queues[cohort.base].extend(items)
         if len(cohort.rows) != n or cohort.rows[-1] != n - 1:  # rows ascend: this is range(n)
             cohort.rows = list(range(n))
         cohort.outputs = out
@@ -234,7 +204,7 @@ class Lockstep:
                     leaving: list[int]) -> None:
         """Rows ``leaving`` (and those whose walk ended) leave the cohort; the others send their values
         one by one and go on. The cohort ends when no row is left."""
-        worker, items, walks = self.worker, cohort.items, cohort.walks
+        post, sched, items, walks = self.post, self.sched, cohort.items, cohort.walks
         kept_items, kept_walks, kept_seen, kept_rows = [], [], [], []
         exits, kept_exits = cohort.exits, []
         leave = iter(leaving)
@@ -251,16 +221,16 @@ class Lockstep:
             rid, node = item.request_id, item.node
             for name, modality, col in columns:
                 if value := as_values(col[i]):
-                    worker.emit(Emit(rid, name, value, modality, node, w.walk))
+                    post.emit(Emit(rid, name, value, modality, node, w.walk))
             for st in cohort.bound.streams:
                 if sent := list(out[st.name][i]):
-                    worker.push(w, st.partition, st.node, st.name, sent)
+                    post.push(w, st.partition, st.node, st.name, sent)
             if exits is not None:
                 exits[i].add([out[name][i] for name in cohort.bound.exits])
                 kept_exits.append(exits[i])
             it = item.iteration
-            item.seq, item.iteration = next(worker.seqs), (*it[:-1], it[-1] + 1)
-            worker.enqueue(item)
+            item.seq, item.iteration = next(sched.seqs), (*it[:-1], it[-1] + 1)
+            sched.enqueue(item)
             kept_items.append(item)
             kept_walks.append(w)
             kept_seen.append(cohort.seen[i])
@@ -279,7 +249,7 @@ class Lockstep:
         """Every row's walk is live (looked at again only after some walk of the worker ended)."""
         if not all(w.live for w in cohort.walks):
             return False
-        cohort.ended_seen = self.worker.walks_ended
+        cohort.ended_seen = self.walks.ended
         return True
 
     def _catch_up(self, cohort: DecodeCohort, i: int) -> None:
@@ -294,12 +264,12 @@ class Lockstep:
 
     def _leave(self, cohort: DecodeCohort, i: int, out: dict[str, list]) -> None:
         """Row ``i``'s iteration ended its lockstep: catch its tracker up, then hand it the iteration."""
-        worker, item, w = self.worker, cohort.items[i], cohort.walks[i]
+        post, item, w = self.post, cohort.items[i], cohort.walks[i]
         try:
             self._catch_up(cohort, i)
-            worker.apply_effects(w, w.tracker.node_done(item.node, item.iteration, row_outputs(out, i)))
+            post.apply(w, w.tracker.node_done(item.node, item.iteration, row_outputs(out, i)))
         except Exception as e:  # noqa: BLE001 - one request's error must not stop the worker
-            worker.fail_request(item.request_id, describe(e), FailureKind.of(e))
+            post.fail(item.request_id, describe(e), FailureKind.of(e))
 
     def before(self, msg: Any) -> None:
         """A message reached the worker: end every cohort if handling it may look at one of their walks
@@ -328,4 +298,4 @@ class Lockstep:
                 continue
             for i, w in enumerate(cohort.walks):
                 if w.live:
-                    self.worker.guarded(cohort.items[i].request_id, lambda c=cohort, i=i: self._catch_up(c, i))
+                    self.post.guarded(cohort.items[i].request_id, lambda c=cohort, i=i: self._catch_up(c, i))

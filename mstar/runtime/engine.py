@@ -36,6 +36,7 @@ __all__ = ["DEFERRED", "ItemError", "Prepared", "StatelessEngine", "WorkItem"]
 @dataclass
 class StatelessEngine:
     module: NodeSubmodule
+    holds_kv = False  # a KV cache engine's blocks and preemptions appear in the rank's stats
     batch_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=4096))  # the latest forwards' sizes
 
     def cache_len(self, item: WorkItem) -> int:
@@ -149,6 +150,18 @@ class StatelessEngine:
     def import_request(self, request_id: str, caches: dict[str, Any]) -> None:
         if caches:
             raise ValueError(f"{type(self.module).__name__} holds no KV cache: cannot import one")
+
+    # -- moving a request's state between ranks (a sharded engine also tells its other shards) --------
+    def export_migrating(self, request_id: str, dests: list[int], tokens: list[int], keep: bool) -> dict[str, Any]:
+        """This request's state, leaving for ranks ``dests`` (one import ``token`` each)."""
+        return self.export_request(request_id, free=not keep)
+
+    def import_migrated(self, request_id: str, caches: dict[str, Any], token: int) -> None:
+        """Import state sent by ``export_migrating`` under ``token``."""
+        self.import_request(request_id, caches)
+
+    def forget(self, request_id: str) -> None:
+        """The request is freed for good (after ``free_request``): nothing of it may arrive later."""
 
     def stats(self) -> dict[str, Any]:
         return {}

@@ -17,16 +17,19 @@ chunk. With one stage on the rank (no streams) both policies are FCFS.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from mstar.placement import RuntimeLimits
+from mstar.runtime.failures import FailureKind
+from mstar.runtime.kv.admission import KVAdmission
 from mstar.runtime.routing import Routing
 from mstar.runtime.work_items import WorkItem
 
-__all__ = ["ModuleScheduler", "module_stages"]
+__all__ = ["ModuleScheduler", "RankScheduler", "module_stages"]
 
 
 def module_stages(routing: Routing, model: Any, nodes: Collection[str]) -> dict[str, int]:
@@ -85,3 +88,50 @@ class ModuleScheduler:
             if item.request_id not in deeper:
                 return True
         return False
+
+
+class RankScheduler:
+    """A rank's queues and the choice of its next batch: one queue per module, the policy
+    (``ModuleScheduler``), KV admission (``KVAdmission``: which items may run, who is preempted) and
+    each module's batch limit. The *schedule* part of a worker's step."""
+
+    def __init__(self, rank: int, engines: Mapping[str, Any], module_of: Mapping[str, str],
+                 max_batch: Mapping[str, int], policy: ModuleScheduler,
+                 fail: Callable[[str, str, FailureKind], None]) -> None:
+        self.rank = rank
+        self.queues: dict[str, deque[WorkItem]] = {b: deque() for b in engines}
+        self._queue_of = {node: self.queues[base] for node, base in module_of.items()}
+        self.max_batch = dict(max_batch)
+        self.policy = policy
+        self.admission = KVAdmission(engines, self.queues, fail)  # KV pressure (kv/admission.py)
+        self.seqs = itertools.count()  # queue order of items
+        self.batch_hist: dict[str, Counter] = {b: Counter() for b in engines}  # module -> batch size -> forwards
+
+    def enqueue(self, item: WorkItem) -> None:
+        q = self._queue_of.get(item.node)
+        if q is None:
+            raise RuntimeError(f"worker {self.rank} got node {item.node!r}, which is not placed on it")
+        self.policy.stamp(item)
+        q.append(item)
+
+    def next_batch(self) -> tuple[str, list[WorkItem]] | None:
+        """The next module to run (the policy's pick; modules stalled for KV blocks skipped) and its
+        items, up to its batch limit."""
+        base = self.policy.pick(self.queues, self.admission.stalled)
+        if base is None:
+            return None
+        q = self.queues[base]
+        return base, [q.popleft() for _ in range(min(len(q), self.max_batch[base]))]
+
+    def runnable(self) -> bool:
+        stalled = self.admission.stalled
+        return any(q and base not in stalled for base, q in self.queues.items())
+
+    def drop_request(self, rid: str) -> None:
+        """The request's queued items, gone."""
+        for q in self.queues.values():
+            if any(it.request_id == rid for it in q):
+                kept = [it for it in q if it.request_id != rid]
+                q.clear()
+                q.extend(kept)
+        self.admission.forget(rid)

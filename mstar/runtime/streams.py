@@ -105,3 +105,62 @@ def holds_chunks(streams: Mapping[PartitionKey, StreamBuffer], request_id: str, 
         if buf is not None and buf.pending_from(partition):
             return True
     return False
+
+
+class StreamInbox:
+    """A worker's stream buffers: one per (request, consumer partition) homed on its rank. It takes
+    the pushes and ends that reach the rank and says, per buffer, when its idle partition has
+    work for the conductor (``notice``)."""
+
+    def __init__(self, producers: Mapping[str, set[str]], consumers: Mapping[str, Iterable[str]],
+                 roots: Iterable[str], factory) -> None:
+        self.buffers: dict[PartitionKey, StreamBuffer] = {}
+        self._producers, self._roots, self._factory = producers, frozenset(roots), factory
+        self._consumers = {p: sorted(c) for p, c in consumers.items()}
+
+    def walk_started(self, pkey: PartitionKey) -> StreamBuffer | None:
+        """A walk of the partition starts: its buffer (None for a root partition that has none),
+        marked running."""
+        buf = self.buffers.get(pkey)
+        if buf is None and pkey.partition not in self._roots:
+            buf = self.buffers.setdefault(pkey, StreamBuffer())
+        if buf is not None:
+            buf.walk_running = True
+            buf.notified = False
+        return buf
+
+    def walk_ended(self, pkey: PartitionKey) -> bool:
+        """A walk of the partition ended: True when it has a buffer (look at it: ``notice``)."""
+        buf = self.buffers.get(pkey)
+        if buf is None:
+            return False
+        buf.walk_running = False
+        return True
+
+    def push(self, pkey: PartitionKey, from_partition: str, node: str, name: str, items: list, offset: int) -> None:
+        buf = self.buffers.setdefault(pkey, StreamBuffer())
+        buf.push(node, name, from_partition, self._factory(from_partition, pkey.partition, name), items, offset)
+
+    def end(self, pkey: PartitionKey, from_partition: str, expected: dict[tuple[str, str], int]) -> None:
+        self.buffers.setdefault(pkey, StreamBuffer()).end(from_partition, expected)
+
+    def notice(self, pkey: PartitionKey) -> bool | None:
+        """After new items or an end: None when the conductor need not hear of it (a walk of the
+        partition runs, or it was told already); else whether every producer ended with nothing
+        left (the partition has work, or is done)."""
+        buf = self.buffers.get(pkey)
+        if buf is None or buf.walk_running or buf.notified:  # (None: its request failed meanwhile)
+            return None
+        ended = buf.all_ended(self._producers[pkey.partition])
+        if not (buf.has_pending() or ended):
+            return None
+        buf.notified = True
+        return ended and not buf.has_pending()
+
+    def ahead(self, request_id: str, partition: str) -> bool:
+        """``holds_chunks`` for a partition's consumers homed here (``ModuleScheduler``)."""
+        return holds_chunks(self.buffers, request_id, partition, self._consumers.get(partition, ()))
+
+    def drop_request(self, rid: str) -> None:
+        for key in [k for k in self.buffers if k.request_id == rid]:
+            del self.buffers[key]

@@ -15,6 +15,7 @@ from mstar.runtime.kv.engine import KVCacheEngine
 from mstar.runtime.kv.sizing import blocks_in_memory
 from mstar.runtime.routing import Routing
 from mstar.runtime.stateless_rows import ContinuedStatelessEngine
+from mstar.runtime.tp.follower import FollowerEngine
 from mstar.runtime.tp.groups import TPContext, build_tp_engine
 
 __all__ = ["RankEngines", "build_engines", "pool_blocks"]
@@ -22,10 +23,11 @@ __all__ = ["RankEngines", "build_engines", "pool_blocks"]
 
 @dataclass
 class RankEngines:
-    """A rank's engines by module, the tensor-parallel modules it follows, each module's batch limit."""
+    """A rank's engines by module (a followed module's as a ``FollowerEngine``), the shards of the
+    tensor-parallel modules it follows, each module's batch limit."""
 
-    engines: dict[str, StatelessEngine] = field(default_factory=dict)
-    following: set[str] = field(default_factory=set)  # tensor-parallel modules this rank follows
+    engines: dict[str, Any] = field(default_factory=dict)
+    shards: dict[str, StatelessEngine] = field(default_factory=dict)  # followed module -> its shard's engine
     max_batch: dict[str, int] = field(default_factory=dict)
 
 
@@ -45,11 +47,13 @@ def build_engines(model: ModelDef, routing: Routing, nodes: list[str], device: s
         elif tp is not None and base in tp.layouts and shardable(module):
             layout = tp.layouts[base]  # shard the module over its group; the leader's engine mirrors its calls
             apply_tp(module, tp.tp_group(base))
-            if not layout.is_leader:
-                out.following.add(base)
             blocks = pool_blocks(routing, module) if module.kv_spec is not None else 0
-            out.engines[base] = build_tp_engine(module, layout, transport, blocks, limits.kv_block_size, device,
-                                                prefix_caching=limits.prefix_caching)
+            eng = build_tp_engine(module, layout, transport, blocks, limits.kv_block_size, device,
+                                  prefix_caching=limits.prefix_caching)
+            if not layout.is_leader:
+                out.shards[base] = eng
+                eng = FollowerEngine(eng)
+            out.engines[base] = eng
         else:
             out.engines[base] = (KVCacheEngine(module, pool_blocks(routing, module), limits.kv_block_size, device,
                                                prefix_caching=limits.prefix_caching)

@@ -24,6 +24,8 @@ __all__ = ["KVCacheEngine"]
 class KVCacheEngine(ContinuedRows, StatelessEngine):
     """Stateless batching plus the module's paged KV cache."""
 
+    holds_kv = True
+
     def __init__(self, module: NodeSubmodule, num_blocks: int, block_size: int, device: str = "cpu",
                  prefix_caching: bool = False):
         super().__init__(module)

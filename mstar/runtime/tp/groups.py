@@ -5,7 +5,7 @@ A node group with ``tp_size: N`` is one replica of its modules sharded over its 
 group's first rank, the **leader**: it alone queues work items, schedules batches, allocates KV
 blocks, preempts, samples what it routes on, and talks to the rest of the runtime. The other
 ranks, **followers**, hold a plain engine over their shard and only repeat the leader's engine
-calls (``TPCall``: run a batch, free a request, swap one out), in the order the leader made them.
+calls (typed messages, ``TPRun`` / ``TPFree`` / ``TPSwapOut``...), in the order the leader made them.
 Each engine's block pool therefore goes through the same sequence of operations on every rank
 and makes the same decisions (which items are admitted, which blocks they get), so all ranks
 run the same forwards over the same token rows and meet in the collectives in the same order.
@@ -45,20 +45,75 @@ log = logging.getLogger(__name__)
 
 register_message(WorkItem)  # a leader's batch travels to its followers as the items themselves
 
-MIRRORED = ("run", "free_request", "swap_out")  # the engine calls a follower repeats
 TIMEOUT_S = float(os.environ.get("MSTAR_DIST_TIMEOUT_S", "300"))
 NO_RESTART = "tensor-parallel ranks cannot rejoin their process group (a runtime with tp_size > 1 does not " \
              "restart workers)"
 
 
+# Leader -> followers: the engine calls a follower repeats on its shard of ``module``, one typed
+# message per call (``TPFollower`` runs them in arrival order). A request's id is ``rid``, not
+# ``request_id``: the worker drops messages of requests it freed, and these must reach the engine.
 @register_message
 @dataclass
-class TPCall:
-    """Leader -> followers: repeat ``engine.<method>(*args)`` on the shard of ``module``."""
+class TPRun:
+    """Run this batch (the leader's ``run``)."""
 
     module: str
-    method: str
-    args: list
+    items: list
+
+
+@register_message
+@dataclass
+class TPFree:
+    """Free a request's state (the leader's ``free_request``)."""
+
+    module: str
+    rid: str
+
+
+@register_message
+@dataclass
+class TPSwapOut:
+    """Swap a request's blocks out to host memory (the leader's ``swap_out``)."""
+
+    module: str
+    rid: str
+    preempted: bool
+
+
+@register_message
+@dataclass
+class TPMigrate:
+    """A request's caches leave for other groups: each follower exports its own shard and sends it
+    to the rank of the same shard index in each destination group."""
+
+    module: str
+    rid: str
+    dests: list
+    tokens: list
+    keep: bool
+
+
+@register_message
+@dataclass
+class TPImport:
+    """Import the shard of migrated caches that came with ``token`` (``TPShard``)."""
+
+    module: str
+    rid: str
+    token: int
+
+
+@register_message
+@dataclass
+class TPForget:
+    """The request is freed for good: drop its shards not imported, and any that arrive later."""
+
+    module: str
+    rid: str
+
+
+TPCall = TPRun | TPFree | TPSwapOut | TPMigrate | TPImport | TPForget
 
 
 @register_message
@@ -239,9 +294,8 @@ class _Mirror:
         self._tp_depth = 0
 
     @contextmanager
-    def _mirrored(self, method: str, *args: Any):
+    def _mirrored(self, call: TPCall):
         if self._tp_depth == 0:
-            call = TPCall(self._tp_module, method, list(args))
             for rank in self._tp_followers:
                 self._tp_transport.send(rank, call)
         self._tp_depth += 1
@@ -250,28 +304,35 @@ class _Mirror:
         finally:
             self._tp_depth -= 1
 
-    def tell(self, method: str, *args: Any) -> None:
-        """Send the followers a call with no engine call here (``migrate``, ``forget``)."""
-        with self._mirrored(method, *args):
+    def _tell(self, call: TPCall) -> None:
+        """Send the followers a call with no engine call here."""
+        with self._mirrored(call):
             pass
 
-    def import_shard(self, request_id: str, caches: dict[str, Any], token: int) -> None:
+    def export_migrating(self, request_id: str, dests: list[int], tokens: list[int], keep: bool) -> dict[str, Any]:
+        self._tell(TPMigrate(self._tp_module, request_id, list(dests), list(tokens), keep))  # each sends its shard
+        return super().export_migrating(request_id, dests, tokens, keep)
+
+    def import_migrated(self, request_id: str, caches: dict[str, Any], token: int) -> None:
         """Import this rank's shard of migrated caches; each follower imports the shard of ``token``."""
-        with self._mirrored("import", request_id, token):
+        with self._mirrored(TPImport(self._tp_module, request_id, token)):
             super().import_request(request_id, caches)
+
+    def forget(self, request_id: str) -> None:
+        self._tell(TPForget(self._tp_module, request_id))
 
     def run(self, items: list[WorkItem]) -> list:
         # the followers get the items without the leader's local walk records
         sent = [dataclasses.replace(it, walk_ref=None) if it.walk_ref is not None else it for it in items]
-        with self._mirrored("run", sent):
+        with self._mirrored(TPRun(self._tp_module, sent)):
             return super().run(items)
 
     def free_request(self, request_id: str) -> None:
-        with self._mirrored("free_request", request_id):
+        with self._mirrored(TPFree(self._tp_module, request_id)):
             super().free_request(request_id)
 
     def swap_out(self, request_id: str, preempted: bool = True) -> None:
-        with self._mirrored("swap_out", request_id, preempted):
+        with self._mirrored(TPSwapOut(self._tp_module, request_id, preempted)):
             super().swap_out(request_id, preempted)
 
 
