@@ -182,7 +182,7 @@ def test_emit_rows_reach_each_live_request_in_row_order():
 def test_emit_rows_sinks_are_looked_up_again_once_a_request_ends():
     c, _ = conductor(ToyLM())
     a, b = submit(c, "a"), submit(c, "b")
-    rids = ["a", "b"]  # the same list at every step, as a worker's lockstep rows send it
+    rids = ["a", "b"]  # the same list at every step, as a worker's running rows send it
 
     def step(k):
         c.handle(Emits([EmitRows(rids, ["decode"] * 2, "token", None, "LLM", [torch.tensor([k]), torch.tensor([k])])]))

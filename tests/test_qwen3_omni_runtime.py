@@ -228,28 +228,28 @@ def test_audio_needs_an_assistant_turn_at_the_end(runtime):
         runtime.submit({"input_ids": chat(151652, 151655, 151653)}, {})
 
 
-def test_code_predictor_lockstep_gives_the_general_paths_speech(runtime):
-    """The code predictor's steps of a batch go on in lockstep (``ContinuedStatelessEngine``, the
+def test_code_predictor_running_rows_give_the_general_paths_speech(runtime):
+    """The code predictor's steps of a batch go on as running rows (``StatelessRowsEngine``, the
     loop's codes and sum handed to its exits as they come): with the talker and predictor sampled
     (seeded) and requests of different lengths, every output equals the general path's, where each
     step is prepared and finished by the tracker."""
-    from mstar.runtime.stateless_rows import ContinuedStatelessEngine
+    from mstar.runtime.stateless_rows import StatelessRowsEngine
 
     params = [{"audio": True, "max_tokens": n, "voice": "Ethan", "talker_sampling": {"seed": 3 + n, "max_tokens": m, "ignore_eos": True}}
               for n, m in ((8, 30), (6, 12), (4, 21))]
     engine = runtime.local_engine("code_predictor")
-    before = engine.continued_forwards
-    lockstep = [ours(out) for out in runtime.generate([{"input_ids": p} for p in PROMPTS], params)]
-    assert engine.continued_forwards > before
+    before = engine.row_forwards
+    rows = [ours(out) for out in runtime.generate([{"input_ids": p} for p in PROMPTS], params)]
+    assert engine.row_forwards > before
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ContinuedStatelessEngine, "continues_batches", False)
-        before = engine.continued_forwards
+        mp.setattr(StatelessRowsEngine, "continues_batches", False)
+        before = engine.row_forwards
         general = [ours(out) for out in runtime.generate([{"input_ids": p} for p in PROMPTS], params)]
-        assert engine.continued_forwards == before
-    for (text, codes, wav), (t2, c2, w2) in zip(lockstep, general):
+        assert engine.row_forwards == before
+    for (text, codes, wav), (t2, c2, w2) in zip(rows, general):
         assert text == t2 and torch.equal(codes, c2) and torch.equal(wav, w2) and codes.shape[0] >= 11
     # arrivals apart: the first request's frames are under way when the others come (its frames run
-    # alone, then with theirs: other batches, other cohorts), the same outputs
+    # alone, then with theirs: other batches, other running rows), the same outputs
     first = runtime.submit({"input_ids": PROMPTS[0]}, params[0])
     for item in first:
         if item.name == "frame_codes":
@@ -262,10 +262,10 @@ def test_code_predictor_lockstep_gives_the_general_paths_speech(runtime):
     assert runtime.local_worker("Talker").walks.partitions == 0  # the walks' index by partition forgot them too
 
 
-def test_thinker_lockstep_streams_as_the_general_path(runtime):
-    """The Thinker's decode steps, which stream every position's states to the Talker, go on in
-    lockstep (the worker pushes each row's items; those pushes reach the Talker's partition without
-    ending the cohort): with a seeded sampled Thinker and answers of different lengths, every output
+def test_thinker_running_rows_stream_as_the_general_path(runtime):
+    """The Thinker's decode steps, which stream every position's states to the Talker, go on
+    as running rows (the worker pushes each row's items; those pushes reach the Talker's partition without
+    ending the running rows): with a seeded sampled Thinker and answers of different lengths, every output
     equals the general path's, where each step is prepared and finished by the tracker."""
     from mstar.runtime.kv.engine import KVCacheEngine
 
@@ -273,15 +273,15 @@ def test_thinker_lockstep_streams_as_the_general_path(runtime):
               for n in (12, 9, 6)]
     params[1]["sampling"] = {"temperature": 0.0, "ignore_eos": True}
     engine = runtime.local_engine("Thinker")
-    before = engine.continued_forwards
-    lockstep = [ours(out) for out in runtime.generate([{"input_ids": p} for p in PROMPTS], params)]
-    assert engine.continued_forwards - before >= 8  # of the longest answer's 11 decode steps
+    before = engine.row_forwards
+    rows = [ours(out) for out in runtime.generate([{"input_ids": p} for p in PROMPTS], params)]
+    assert engine.row_forwards - before >= 8  # of the longest answer's 11 decode steps
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(KVCacheEngine, "continues_batches", False)
-        before = engine.continued_forwards
+        before = engine.row_forwards
         general = [ours(out) for out in runtime.generate([{"input_ids": p} for p in PROMPTS], params)]
-        assert engine.continued_forwards == before
-    for (text, codes, wav), (t2, c2, w2), q in zip(lockstep, general, params):
+        assert engine.row_forwards == before
+    for (text, codes, wav), (t2, c2, w2), q in zip(rows, general, params):
         assert text == t2 and len(text) == q["max_tokens"]
         assert torch.equal(codes, c2) and torch.equal(wav, w2) and codes.shape[0] == 13
 

@@ -57,7 +57,7 @@ class TinyAttentionLM(NodeSubmodule):
                                   "step": step, "max_tokens": fwd_info.params.get("max_tokens", 8)})
 
     def continue_batch(self, graph_walk, engine_inputs, tensors, outputs):
-        """The next decode step of every row (the worker's lockstep path, runtime/decode_cohort.py)."""
+        """The next decode step of every row (the worker's running rows, runtime/running_rows.py)."""
         x = engine_inputs.extras
         return ({"ids": torch.cat(outputs["token"]).long()},
                 {"params": x["params"], "step": [s + 1 for s in x["step"]], "max_tokens": x["max_tokens"]})

@@ -201,7 +201,7 @@ class Conductor:
 
     def _deliver_rows(self, e: EmitRows) -> None:
         """Each live row of ``e`` to its request's sink. The sinks of a row list are looked up once
-        while no request starts or ends: a worker's lockstep rows send the same ``request_ids`` list
+        while no request starts or ends: a worker's running rows send the same ``request_ids`` list
         at every step (inline; over the wire each message brings its own, looked up afresh)."""
         rids = e.request_ids
         cached = self._row_sinks

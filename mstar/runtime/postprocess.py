@@ -2,11 +2,13 @@
 caused leaves the worker. A batch's results go to their walks' trackers (here, or as a
 ``NodeResult`` to the walk's home rank); the trackers' ``Effects`` become client values (gathered,
 sent as one ``Emits`` before the next message to the conductor), stream pushes to consumer
-partitions, ready nodes queued here or sent to their rank, and walk ends. A self-loop's usual
-iteration (an AR decode step) skips the tracker's general routing: ``go_on`` sends its client values
-and streams and queues the same item as the next iteration; the decode rows
-(``runtime/decode_rows.py``) do the same for rows that go on in lockstep, through ``emit`` and
-``push``.
+partitions, ready nodes queued here or sent to their rank, and walk ends.
+
+A self-loop's usual iteration (an AR decode step) skips the tracker's general routing: the rows
+that go on send their client values as one ``EmitRows`` per output and their stream items, and each
+item is queued again as its next iteration (``_rows_values``), whether the forward was a general one
+(``results``: each row's tracker has moved on) or the module's running rows' (``rows_ran``,
+``runtime/running_rows.py``: the trackers catch up later).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from typing import Any
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.keys import PartitionKey, StreamKey, encode_counts
 from mstar.runtime.routing import Routing
+from mstar.runtime.running_rows import RunningRows, RunningSet, row_outputs
 from mstar.runtime.scheduling import RankScheduler
-from mstar.runtime.self_loops import Continued
+from mstar.runtime.self_loops import NextIteration
 from mstar.runtime.streams import StreamInbox
 from mstar.runtime.walk_records import Effects, ReadyNode
 from mstar.runtime.walk_table import LiveWalk, WalkTable
@@ -81,11 +84,12 @@ class Postprocess:
 
     # -- a batch's results -----------------------------------------------------------------------
     def results(self, batch: list[WorkItem], results: list) -> tuple[list[WorkItem], list[LiveWalk]]:
-        """Hand each item's outputs on; returns the items requeued as their self-loop's next
-        iteration, and their walks."""
+        """Hand each item's outputs on (a general forward's: one result per item); returns the items
+        requeued as their self-loop's next iteration, and their walks."""
         rank, walks = self.rank, self.walks
         continued: list[WorkItem] = []
         continued_walks: list[LiveWalk] = []
+        going: dict[str, tuple[NextIteration, list[dict[str, Any]]]] = {}  # node -> the rows that go on
         for item, out in zip(batch, results):
             if out is DEFERRED:
                 continue
@@ -97,36 +101,100 @@ class Postprocess:
                 if w is None or not w.live:
                     continue
                 try:
-                    c = w.tracker.continue_self_loop(item.node, item.iteration, out)
-                    if c is None:
+                    nxt = w.tracker.continue_self_loop(item.node, item.iteration, out)
+                    if nxt is None:
                         self.apply(w, w.tracker.node_done(item.node, item.iteration, out))
-                    else:
-                        self.go_on(item, w, out, c)
-                        continued.append(item)
-                        continued_walks.append(w)
+                        continue
                 except Exception as e:  # noqa: BLE001 - one request's error must not stop the worker
                     self.fail(item.request_id, describe(e), FailureKind.of(e))
+                    continue
+                going.setdefault(item.node, (nxt, []))[1].append(out)
+                item.seq, item.iteration, item.inputs = next(self.sched.seqs), nxt.iteration, nxt.inputs
+                if item.chunks:
+                    item.chunks = {}
+                self.sched.enqueue(item)
+                continued.append(item)
+                continued_walks.append(w)
             else:
                 self.transport.send(item.home, NodeResult(item.request_id, item.partition, item.walk_seq,
                                                           item.node, item.iteration, out))
+        if len(going) == 1:
+            node, (nxt, outs) = going.popitem()
+            self._rows_values(continued, continued_walks, node, nxt.emits, nxt.streams,
+                              lambda name: [o[name] for o in outs])
+        else:
+            for node, (nxt, outs) in going.items():
+                at = [i for i, it in enumerate(continued) if it.node == node]
+                self._rows_values([continued[i] for i in at], [continued_walks[i] for i in at], node, nxt.emits,
+                                  nxt.streams, lambda name, outs=outs: [o[name] for o in outs])
         return continued, continued_walks
 
-    def go_on(self, item: WorkItem, w: LiveWalk, out: dict[str, Any], c: Continued) -> None:
-        """The usual self-loop iteration: its client values and stream items, and the same item
-        queued as the next iteration."""
-        rid = item.request_id
-        for name, modality in c.emits:
-            value = out[name]
-            if not (type(value) is list and not value):
-                self._emits.append(Emit(rid, name, value, modality, item.node, w.walk))
-        for st in c.streams:
-            items = list(out[st.name])  # as the tracker routes a stream's values
-            if items:
-                self.push(w, st.partition, st.node, st.name, items)
-        item.seq, item.iteration, item.inputs = next(self.sched.seqs), c.iteration, c.inputs
-        if item.chunks:
-            item.chunks = {}
-        self.sched.enqueue(item)
+    def rows_ran(self, running: RunningSet, rows: RunningRows, out: dict[str, list]) -> None:
+        """A forward of a module's running rows (``run_rows``: ``out`` is the module's outputs, a row
+        each): the rows that leave (a stop, the loop's bound, their walk ended) are caught up and
+        handed to their trackers; the others send their values and go on."""
+        items, walks, n = rows.items, rows.walks, len(rows.items)
+        leaving = rows.leaving(out) if out.keys() >= rows.needs else list(range(n))
+        if not leaving and rows.all_live(self.walks.ended):  # the usual step: every row goes on
+            keep = None
+            rids, names = rows.request_id_list, rows.walk_names
+            if rids is None:
+                rids = rows.request_id_list = [it.request_id for it in items]
+                names = rows.walk_names = [w.walk for w in walks]
+            values = out.__getitem__
+        else:
+            leave, keep = set(leaving), []
+            for i, w in enumerate(walks):
+                if w.live and i in leave:
+                    self._leave(running, rows, i, out)
+                elif w.live:
+                    keep.append(i)
+            if not keep:
+                running.ended(rows.base)
+                return
+            items, walks = [items[i] for i in keep], [walks[i] for i in keep]
+            rids, names = [it.request_id for it in items], [w.walk for w in walks]
+            values = lambda name: [out[name][i] for i in keep]  # noqa: E731
+        bound = rows.bound
+        self._rows_values(items, walks, items[0].node, bound.emits, bound.streams, values, rids, names)
+        if rows.exits is not None:  # each row's values of the loop's exits
+            exits = rows.exits if keep is None else [rows.exits[i] for i in keep]
+            for ex, vals in zip(exits, zip(*[values(name) for name in bound.exits])):
+                ex.add(vals)
+        seq, now = self.sched.seqs, self.sched.policy.now()  # each item requeued (``ModuleScheduler.stamp``)
+        if rows.flat:  # a top-level loop's iterations: (i,) -> (i + 1,)
+            for item in items:
+                item.seq, item.iteration, item.queued_at = next(seq), (item.iteration[0] + 1,), now
+        else:
+            for item in items:
+                it = item.iteration
+                item.seq, item.iteration, item.queued_at = next(seq), (*it[:-1], it[-1] + 1), now
+        self.sched.queues[rows.base].extend(items)
+        rows.kept(keep if keep is not None else list(range(n)), out)
+
+    def _rows_values(self, items: list[WorkItem], walks: list[LiveWalk], node: str,
+                     emits: tuple[tuple[str, str | None], ...], streams: tuple, values: Callable[[str], list],
+                     rids: list[str] | None = None, names: list[str] | None = None) -> None:
+        """The client values (one ``EmitRows`` per output) and stream items of rows going on:
+        ``values(name)`` is an output's value per row."""
+        if emits:
+            if rids is None:
+                rids, names = [it.request_id for it in items], [w.walk for w in walks]
+            for name, modality in emits:
+                self._emits.append(EmitRows(rids, names, name, modality, node, list(values(name))))
+        for st in streams:  # each row's items of a stream to another partition
+            for w, value in zip(walks, values(st.name)):
+                if sent := list(value):  # (as the tracker routes it; none: nothing this step)
+                    self.push(w, st.partition, st.node, st.name, sent)
+
+    def _leave(self, running: RunningSet, rows: RunningRows, i: int, out: dict[str, list]) -> None:
+        """Row ``i``'s iteration ended its running: catch its tracker up, then hand it the iteration."""
+        item, w = rows.items[i], rows.walks[i]
+        try:
+            running.catch_up(rows, i)
+            self.apply(w, w.tracker.node_done(item.node, item.iteration, row_outputs(out, i)))
+        except Exception as e:  # noqa: BLE001 - one request's error must not stop the worker
+            self.fail(item.request_id, describe(e), FailureKind.of(e))
 
     # -- a tracker's effects ---------------------------------------------------------------------
     def apply(self, w: LiveWalk, fx: Effects) -> None:

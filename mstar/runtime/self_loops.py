@@ -3,9 +3,9 @@ step, a rollout, a code predictor's step). Their iterations skip the general rou
 iteration's inputs are the node's fed-back outputs plus inputs that are the same at every iteration
 (``_next_self_iteration``), and a node whose outputs only feed itself, reach the client, stream to
 another partition or leave the loop is finished in one pass (``_SelfLoopStep``, looked up once per walk). ``continue_self_loop``
-answers the usual iteration without an ``Effects``; ``lockstep_bound`` / ``advance_self_loop`` let
-the worker run several iterations before the tracker catches up (``runtime/decode_cohort.py``), the
-values its iterations give the loop's exits handed over as they come (``lockstep_exits``).
+answers the usual iteration without an ``Effects``; ``rows_bound`` / ``catch_up_rows`` let
+the worker run several iterations before the tracker catches up (``runtime/running_rows.py``), the
+values its iterations give the loop's exits handed over as they come (``rows_exits``).
 
 ``SelfLoops`` is a base class of ``WalkTracker``, using its plan, frames and routing."""
 
@@ -20,7 +20,7 @@ from mstar.runtime.walk_records import Effects, Emitted, Pushed, ReadyNode, Vec,
 if TYPE_CHECKING:
     from mstar.runtime.walk_records import Frame
 
-__all__ = ["Continued", "LockstepBound", "LoopExits", "SelfLoops", "StreamOut"]
+__all__ = ["NextIteration", "RowsBound", "LoopExits", "SelfLoops", "StreamOut"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +34,7 @@ class StreamOut:
 
 
 @dataclass(slots=True)
-class Continued:
+class NextIteration:
     """``continue_self_loop``'s answer: the self-loop's next iteration is running with these inputs,
     and these outputs of the finished one go to the client."""
 
@@ -45,32 +45,32 @@ class Continued:
 
 
 @dataclass(frozen=True, slots=True)
-class LockstepBound:
+class RowsBound:
     """What running a self-loop's next iterations without the tracker must respect
-    (``WalkTracker.lockstep_bound``)."""
+    (``WalkTracker.rows_bound``)."""
 
     steps_left: int  # usual continuations left before the loop's bound
     stop_signal: str | None
     defer_stop_check: bool
     outputs: tuple[str, ...]  # every output the node must return
     emits: tuple[tuple[str, str | None], ...]  # (edge name, modality) sent to the client
-    exits: tuple[str, ...] = ()  # outputs whose values leave the loop when it ends (``lockstep_exits``)
+    exits: tuple[str, ...] = ()  # outputs whose values leave the loop when it ends (``rows_exits``)
     streams: tuple[StreamOut, ...] = ()  # outputs pushed to other partitions' streams, every iteration
 
 
 @dataclass(slots=True)
 class LoopExits:
-    """Where the iterations a worker runs in lockstep leave their values of the loop's exits: the
-    loop instance's record (``WalkTracker.lockstep_exits``), as ``node_done`` would (a code
+    """Where the iterations a worker runs as running rows leave their values of the loop's exits: the
+    loop instance's record (``WalkTracker.rows_exits``), as ``node_done`` would (a code
     predictor's codes, accumulated over its steps, and its running sum)."""
 
     vals: dict[str, Any]  # the frame's exit values
-    names: tuple[str, ...]  # ``LockstepBound.exits``
+    names: tuple[str, ...]  # ``RowsBound.exits``
     accumulated: tuple[bool, ...]  # per name: its values are gathered over the iterations
 
     def add(self, values: Any) -> None:
         """One iteration's value of each exit, in ``names`` order (as the module returned them):
-        ``put_exit`` of its ``as_values``, inlined (a call per row and step of a cohort)."""
+        ``put_exit`` of its ``as_values``, inlined (a call per row and step of running rows)."""
         vals = self.vals
         for name, acc, value in zip(self.names, self.accumulated, values):
             if type(value) is not list:
@@ -195,7 +195,7 @@ class SelfLoops:
             else self._lookup_outer(frame, node, inp) for inp in self._routed[node][0]}
         return frame.invariant
 
-    def continue_self_loop(self, node: str, vec: Vec, outputs: dict[str, Any]) -> Continued | None:
+    def continue_self_loop(self, node: str, vec: Vec, outputs: dict[str, Any]) -> NextIteration | None:
         """``node_done`` for the usual iteration of a ``_SelfLoopStep`` node (an AR decode step): the
         loop goes on, so the next iteration is running when this returns, and nothing but the client
         values it names is routed. None, with nothing changed, in every other case (the last
@@ -231,26 +231,26 @@ class SelfLoops:
         frame.it += 1
         nxt = frame.base + (frame.it,)
         running.add((node, nxt))
-        return Continued(nxt, {inp: invariant[inp] if inp in invariant else outputs[inp]
+        return NextIteration(nxt, {inp: invariant[inp] if inp in invariant else outputs[inp]
                                for inp in self.plan.nodes[node].inputs}, lean.emits, lean.streams)
 
-    # -- the worker's lockstep decode path ---------------------------------------------------------
-    def lockstep_bound(self, node: str, vec: Vec) -> LockstepBound | None:
+    # -- the worker's running rows ---------------------------------------------------------
+    def rows_bound(self, node: str, vec: Vec) -> RowsBound | None:
         """For a running iteration of a ``_SelfLoopStep`` node: what the worker needs to run its next
-        iterations without calling the tracker (``advance_self_loop`` catches up later; a loop with
-        exits takes their values through ``lockstep_exits``). None for any other node instance."""
+        iterations without calling the tracker (``catch_up_rows`` catches up later; a loop with
+        exits takes their values through ``rows_exits``). None for any other node instance."""
         lean = self._lean.get(node)
         if lean is None or (node, vec) not in self.running:
             return None
         frame = self.frames.get((lean.loop, vec[:-1] if lean.nested else ()))
         if frame is None or frame.stop or frame.invariant is None or frame.it != vec[-1]:
             return None
-        return LockstepBound(self.plan.loops[lean.loop].max_iters - 1 - frame.it, lean.stop_signal,
+        return RowsBound(self.plan.loops[lean.loop].max_iters - 1 - frame.it, lean.stop_signal,
                              lean.defer_stop_check, lean.outputs, lean.emits, lean.exits, lean.streams)
 
-    def lockstep_exits(self, node: str, vec: Vec) -> LoopExits | None:
-        """Where the worker puts the exit values of the lockstep iterations of the loop instance whose
-        iteration ``vec`` of ``node`` runs (``lockstep_bound`` said yes to it): each iteration's, in
+    def rows_exits(self, node: str, vec: Vec) -> LoopExits | None:
+        """Where the worker puts the exit values of the running rows' iterations of the loop instance whose
+        iteration ``vec`` of ``node`` runs (``rows_bound`` said yes to it): each iteration's, in
         order, once it ran as a usual continuation, as ``continue_self_loop`` records them."""
         lean = self._lean.get(node)
         if lean is None or not lean.exits:
@@ -261,8 +261,8 @@ class SelfLoops:
         accumulated = self._accumulated[lean.loop]
         return LoopExits(frame.exit_vals, lean.exits, tuple(name in accumulated for name in lean.exits))
 
-    def advance_self_loop(self, node: str, vec: Vec, to: Vec, outputs: dict[str, Any]) -> dict[str, Any]:
-        """Catch up on the iterations of a ``_SelfLoopStep`` node the worker ran in lockstep, from
+    def catch_up_rows(self, node: str, vec: Vec, to: Vec, outputs: dict[str, Any]) -> dict[str, Any]:
+        """Catch up on the iterations of a ``_SelfLoopStep`` node the worker ran as running rows, from
         ``vec`` (the iteration this tracker saw start) to ``to`` (the one running now): each was a
         usual continuation (no stop, within the bound, no exits; the worker checked), ``outputs`` the
         last finished one's. Returns the running iteration's inputs."""

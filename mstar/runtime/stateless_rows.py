@@ -1,7 +1,7 @@
 """A stateless engine's steady path for the rows of a self-loop (a code predictor's steps): a forward
 of a module that can continue its batch (``NodeSubmodule.continue_batch``) is kept, and ``run_rows``
 runs the next iterations of its rows from it without ``prepare_inputs`` or per-item planning, for
-the worker's lockstep rows (``runtime/decode_cohort.py``). ``ContinuedRows`` (``kv/continued.py``)
+the worker's running rows (``runtime/running_rows.py``). ``KVRows`` (``kv/rows.py``)
 is the same path for a KV engine's decode rows, with their cache slots."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 
 from mstar.model.submodule import EngineInputs, NodeSubmodule
 from mstar.runtime.engine import StatelessEngine
-from mstar.runtime.kv.continued import next_inputs, rows_in, select_rows
+from mstar.runtime.kv.rows import next_inputs, rows_in, select_rows
 from mstar.runtime.work_items import Prepared, WorkItem
 
-__all__ = ["ContinuedStatelessEngine"]
+__all__ = ["StatelessRowsEngine"]
 
 
 @dataclass(slots=True)
@@ -29,8 +29,8 @@ class _KeptForward:
     outputs: dict[str, list]  # what the module returned
 
 
-class ContinuedStatelessEngine(StatelessEngine):
-    """A ``StatelessEngine`` whose forwards' rows may go on in lockstep (module docstring)."""
+class StatelessRowsEngine(StatelessEngine):
+    """A ``StatelessEngine`` whose forwards' rows may go on as running rows (module docstring)."""
 
     continues_batches = True
 
@@ -38,9 +38,9 @@ class ContinuedStatelessEngine(StatelessEngine):
         super().__init__(module)
         self._kept: _KeptForward | None = None
         self._continues = type(module).continue_batch is not NodeSubmodule.continue_batch
-        self.continued_forwards = 0  # forwards made by ``run_rows``
+        self.row_forwards = 0  # forwards made by ``run_rows``
 
-    def decode_rows(self, items: list[WorkItem]) -> tuple[list[int], dict[str, list]] | None:
+    def rows_of(self, items: list[WorkItem]) -> tuple[list[int], dict[str, list]] | None:
         """Each item's row in the last forward and that forward's outputs, when every item ran in it
         and its module can continue the batch; else None."""
         return rows_in(self._kept, items)
@@ -88,5 +88,5 @@ class ContinuedStatelessEngine(StatelessEngine):
         except Exception:  # noqa: BLE001 - run's general path retries and isolates the failure
             return None
         self._kept = _KeptForward(items, last.walk, ei, tensors, out)
-        self.continued_forwards += 1
+        self.row_forwards += 1
         return out

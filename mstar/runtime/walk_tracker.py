@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mstar.graph.plan import InputBinding, InputKind, NodePlan, RouteKind, WalkPlan
-from mstar.runtime.self_loops import Continued, LockstepBound, SelfLoops
+from mstar.runtime.self_loops import NextIteration, RowsBound, SelfLoops
 from mstar.runtime.walk_records import Effects, Emitted, Frame, Pushed, ReadyNode, Vec, put_exit, read_stop
 
-__all__ = ["Continued", "Effects", "LockstepBound", "ReadyNode", "StreamSource", "WalkTracker", "read_stop"]
+__all__ = ["NextIteration", "Effects", "RowsBound", "ReadyNode", "StreamSource", "WalkTracker", "read_stop"]
 
 
 @dataclass(frozen=True, slots=True)

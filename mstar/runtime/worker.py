@@ -7,8 +7,9 @@ The worker routes messages to small owners and runs one step path:
   preemption"): an item that cannot get its KV blocks waits in its queue instead of failing; when
   nothing of a module can run, the oldest waiting request is made to progress by swapping out the
   youngest request holding blocks;
-* **run**: one batched forward of the module's engine (the module's decode rows, when the batch is
-  exactly them: ``decode_cohort.py``);
+* **run**: one batched forward of the module's engine: ``run_rows`` when the batch is exactly the
+  module's running rows (``RunningSet``, ``running_rows.py``: self-loop iterations that go on
+  together), else ``run``;
 * **postprocess** (``Postprocess``, ``postprocess.py``): the one place results leave the worker
   (client values, stream pushes, loop continuations, ready nodes, walk ends).
 
@@ -23,12 +24,12 @@ from collections import OrderedDict
 from typing import Any
 
 from mstar.model.base import ModelDef
-from mstar.runtime.decode_cohort import Lockstep
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.keys import PartitionKey, decode_counts
 from mstar.runtime.kv_mover import KVMover
 from mstar.runtime.postprocess import Postprocess
 from mstar.runtime.routing import Routing
+from mstar.runtime.running_rows import RunningSet
 from mstar.runtime.scheduling import ModuleScheduler, RankScheduler, module_stages
 from mstar.runtime.streams import StreamInbox
 from mstar.runtime.tp.follower import TPRank
@@ -70,8 +71,8 @@ class Worker:
         self.sched = RankScheduler(rank, self.engines, {n: model.module_of(n) for n in nodes}, built.max_batch,
                                    policy, self.fail_request)
         self.queues, self.admission = self.sched.queues, self.sched.admission
+        self.running_set = RunningSet(self.engines, self.sched, self.walks, self.fail_request)  # running_rows.py
         self.post = Postprocess(rank, routing, transport, self.walks, self.inbox, self.sched, self.fail_request)
-        self.lockstep = Lockstep(self.engines, self.sched, self.post, self.walks)  # decode_cohort.py
         self.tp = TPRank(tp, built.shards, transport, self._reply_stats)
         self.running = True
         # requests already freed here: a message for one (sent before its sender learned of the end)
@@ -87,8 +88,8 @@ class Worker:
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> None:
         try:
-            if self.lockstep.cohorts:
-                self.lockstep.before(msg)
+            if self.running_set.modules:
+                self.running_set.before(msg)
             self._handle(msg)
         finally:
             self.post.flush()
@@ -168,8 +169,12 @@ class Worker:
         if picked is None:
             return False
         base, batch = picked
-        if base in self.lockstep.cohorts and self.lockstep.run(base, batch):  # run: the module's decode rows
-            return True
+        rows = self.running_set.of(base, batch)
+        if rows is not None:  # the module's running rows
+            out = self.running_set.run(rows)  # run
+            if out is not None:
+                self.post.rows_ran(self.running_set, rows, out)  # postprocess
+                return True
         results = self.admission.run(base, batch)  # run: any batch
         if results is None:
             if self.admission.relieve(base):
@@ -180,7 +185,7 @@ class Worker:
         self.sched.batch_hist[base][sum(out is not DEFERRED for out in results)] += 1
         continued, walks = self.post.results(batch, results)  # postprocess
         if continued:
-            self.lockstep.form(base, continued, walks)
+            self.running_set.form(base, continued, walks)
         return True
 
     # -- failures and cleanup --------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The engines of the modules placed on a worker's rank: a ``KVCacheEngine`` for a module with a KV
-spec, a ``ContinuedStatelessEngine`` otherwise, and for a module sharded over a tensor-parallel group
+spec, a ``StatelessRowsEngine`` otherwise, and for a module sharded over a tensor-parallel group
 its leader's or follower's engine (``runtime/tp/groups.py``); each module's largest batch over
 its nodes' placements. The ``Worker`` builds them once, at start."""
 
@@ -14,7 +14,7 @@ from mstar.runtime.engine import StatelessEngine
 from mstar.runtime.kv.engine import KVCacheEngine
 from mstar.runtime.kv.sizing import blocks_in_memory
 from mstar.runtime.routing import Routing
-from mstar.runtime.stateless_rows import ContinuedStatelessEngine
+from mstar.runtime.stateless_rows import StatelessRowsEngine
 from mstar.runtime.tp.follower import FollowerEngine
 from mstar.runtime.tp.groups import TPContext, build_tp_engine
 
@@ -57,7 +57,7 @@ def build_engines(model: ModelDef, routing: Routing, nodes: list[str], device: s
         else:
             out.engines[base] = (KVCacheEngine(module, pool_blocks(routing, module), limits.kv_block_size, device,
                                                prefix_caching=limits.prefix_caching)
-                                 if module.kv_spec is not None else ContinuedStatelessEngine(module))
+                                 if module.kv_spec is not None else StatelessRowsEngine(module))
         out.max_batch[base] = min(out.max_batch.get(base, 1 << 30), placement.max_batch_size(node))
     return out
 

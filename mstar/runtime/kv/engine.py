@@ -13,15 +13,15 @@ from mstar.model.submodule import KVSequence, NodeInputs, NodeSubmodule
 from mstar.runtime.engine import StatelessEngine
 from mstar.runtime.kv.block_pool import BlockPool, OutOfBlocks, prefix_hashes
 from mstar.runtime.kv.cache_manager import KVCacheManager
-from mstar.runtime.kv.continued import ContinuedRows
 from mstar.runtime.kv.records import KVPlan, PrefixUse, SwappedKV
+from mstar.runtime.kv.rows import KVRows
 from mstar.runtime.kv.sizing import as_blocks, cdiv
 from mstar.runtime.work_items import DEFERRED, Prepared, WorkItem
 
 __all__ = ["KVCacheEngine"]
 
 
-class KVCacheEngine(ContinuedRows, StatelessEngine):
+class KVCacheEngine(KVRows, StatelessEngine):
     """Stateless batching plus the module's paged KV cache."""
 
     holds_kv = True
@@ -324,4 +324,4 @@ class KVCacheEngine(ContinuedRows, StatelessEngine):
     def stats(self) -> dict[str, Any]:
         return {**self.manager.stats(), "swapped_requests": len(self._swapped), "preemptions": self.preemptions,
                 "prefix_query_tokens": self.prefix_query_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
-                "continued_forwards": self.continued_forwards}
+                "row_forwards": self.row_forwards}

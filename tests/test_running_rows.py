@@ -1,4 +1,4 @@
-"""The worker's steady decode path (``mstar/runtime/decode_cohort.py``): rows that decode in lockstep
+"""The worker's steady decode path (``mstar/runtime/running_rows.py``): running rows
 give exactly what the general path gives, whoever leaves, fails or is aborted, in either worker mode."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def tokens(out) -> list[int]:
 
 
 def continued(rt) -> int:
-    return rt.stats()["ranks"][0]["kv"]["LLM"]["continued_forwards"]
+    return rt.stats()["ranks"][0]["kv"]["LLM"]["row_forwards"]
 
 
 def _generate(rt, prompts=PROMPTS, params=PARAMS) -> list[list[int]]:
@@ -53,30 +53,30 @@ def general_path():
     return out
 
 
-def test_lockstep_rows_give_the_general_paths_tokens(general_path):
+def test_running_rows_rows_give_the_general_paths_tokens(general_path):
     with Runtime(LlamaTiny()) as rt:
         assert _generate(rt) == general_path
         # 24 forwards (the prefill, 22 decode steps of the longest row, its dropped speculative step): the
-        # lockstep ran most of them (the first decode step, and each step after a row ended, are general)
+        # the running rows ran most of them (the first decode step, and each step after a row ended, are general)
         assert continued(rt) >= 15
         assert kv_blocks_in_use(rt) == 0 and rt.stats()["ranks"][0]["walks"] == 0
     assert [len(t) for t in general_path] == [q["max_tokens"] for q in PARAMS]
 
 
-def test_lockstep_in_a_worker_process(general_path):
+def test_running_rows_in_a_worker_process(general_path):
     with Runtime(LlamaTiny(), workers="process") as rt:
         assert _generate(rt) == general_path
         assert continued(rt) >= 10
         assert kv_blocks_in_use(rt) == 0
 
 
-def test_lockstep_alone_and_batched_agree(general_path):
+def test_running_rows_alone_and_batched_agree(general_path):
     with Runtime(LlamaTiny()) as rt:
         alone = [_generate(rt, [p], [q])[0] for p, q in zip(PROMPTS, PARAMS)]
     assert alone == general_path
 
 
-def test_lockstep_under_kv_pressure():
+def test_running_rows_under_kv_pressure():
     """A cache too small for every row: rows are preempted and swapped back in while others go on."""
     prompts, params = PROMPTS[:4], [{**q, "max_tokens": 30} for q in PARAMS[:4]]
     with Runtime(LlamaTiny()) as rt:
@@ -88,7 +88,7 @@ def test_lockstep_under_kv_pressure():
         assert kv_blocks_in_use(rt) == 0
 
 
-def test_abort_in_the_middle_of_a_lockstep():
+def test_abort_in_the_middle_of_running_rows():
     params = {"max_tokens": 40, "sampling": {"temperature": 0.0, "ignore_eos": True}}
     prompts = PROMPTS[:3]
     with Runtime(LlamaTiny()) as rt:
@@ -97,7 +97,7 @@ def test_abort_in_the_middle_of_a_lockstep():
         with rt.held():
             handles = [rt.submit({"input_ids": torch.tensor(p)}, params) for p in prompts]
         stream = iter(handles[1])
-        for _ in range(6):  # well inside the lockstep
+        for _ in range(6):  # well inside the running rows
             next(stream)
         rt.abort(handles[1].request_id)
         assert handles[1].result(timeout=60).status is RequestStatus.ABORTED
@@ -107,7 +107,7 @@ def test_abort_in_the_middle_of_a_lockstep():
         assert kv_blocks_in_use(rt) == 0 and rt.stats()["ranks"][0]["walks"] == 0
 
 
-def test_toy_lm_lockstep_matches_its_reference():
+def test_toy_lm_running_rows_match_its_reference():
     """The toy LM (whose module continues batches too) with rows of many lengths, both stop modes."""
     from tests.toy_models import TinyAttentionLM
 
@@ -150,18 +150,18 @@ def test_advance_equals_continuing_one_iteration_at_a_time(defer):
     for i in range(1, 4):
         c = one.continue_self_loop("LLM", (i,), {"token": [i + 1], "stop": [False]})
         assert c.iteration == (i + 1,)
-    inputs = many.advance_self_loop("LLM", (1,), (4,), {"token": [4], "stop": [False]})
+    inputs = many.catch_up_rows("LLM", (1,), (4,), {"token": [4], "stop": [False]})
     assert inputs == c.inputs == {"token": [4]}
     assert _state(one) == _state(many)
-    bound = many.lockstep_bound("LLM", (4,))
+    bound = many.rows_bound("LLM", (4,))
     assert bound is not None and bound.steps_left == 1  # iteration 5 is the loop's last
-    assert many.lockstep_bound("LLM", (3,)) is None  # not running
+    assert many.rows_bound("LLM", (3,)) is None  # not running
 
 
-def test_lockstep_exits_equal_continuing_a_nested_loop_with_exits():
+def test_running_rows_exits_equal_continuing_a_nested_loop_with_exits():
     """A fixed inner loop whose node feeds itself and leaves values at the loop's exits (a code
-    predictor's codes, accumulated, and its running sum): iterations run in lockstep, their exit
-    values handed over through ``lockstep_exits``, then caught up, route the same values at the
+    predictor's codes, accumulated, and its running sum): iterations run as running rows, their exit
+    values handed over through ``rows_exits``, then caught up, route the same values at the
     loop's end as continuing one iteration at a time."""
     from mstar.graph import Loop, Sequential
 
@@ -177,21 +177,21 @@ def test_lockstep_exits_equal_continuing_a_nested_loop_with_exits():
         return {"code": [torch.tensor([10 + i])], "total": [torch.tensor([float(i)])]}
 
     ended = []
-    for lockstep in (False, True):
+    for as_rows in (False, True):
         t = WalkTracker(plan, {"x": [torch.zeros(1)]})
         [r] = t.start().ready
         [r] = t.node_done("head", r.iteration, {"code": [torch.tensor([9])], "total": [torch.tensor([0.0])]}).ready
         assert r.node == "step" and r.iteration == (0, 0)
-        assert t.lockstep_exits("step", (0, 0)) is not None and t.lockstep_exits("head", (0,)) is None
+        assert t.rows_exits("step", (0, 0)) is not None and t.rows_exits("head", (0,)) is None
         c = t.continue_self_loop("step", (0, 0), outputs(0))  # the first continuation: looked up
         assert c.iteration == (0, 1)
-        if lockstep:
-            bound = t.lockstep_bound("step", (0, 1))
+        if as_rows:
+            bound = t.rows_bound("step", (0, 1))
             assert bound is not None and bound.steps_left == 4 and bound.exits == ("code", "total")
-            exits = t.lockstep_exits("step", (0, 1))
+            exits = t.rows_exits("step", (0, 1))
             for i in range(1, 5):  # what the worker does for iterations 1..4, then catches up
                 exits.add([outputs(i)[name][0] for name in bound.exits])
-            inputs = t.advance_self_loop("step", (0, 1), (0, 5), outputs(4))
+            inputs = t.catch_up_rows("step", (0, 1), (0, 5), outputs(4))
         else:
             for i in range(1, 5):
                 c = t.continue_self_loop("step", (0, i), outputs(i))
@@ -227,8 +227,8 @@ def test_continue_declines_what_node_done_must_decide(defer):
         assert fx.done and [e.value for e in fx.emits] == [[3]]
 
 
-def test_a_row_failing_in_the_lockstep_fails_alone():
-    """A forward that raises in the lockstep goes back to the general path, which isolates the row."""
+def test_a_row_failing_in_the_running_rows_fails_alone():
+    """A forward that raises in the running rows goes back to the general path, which isolates the row."""
     from tests.toy_models import TinyAttentionLM
 
     class FailAtStep(TinyAttentionLM):

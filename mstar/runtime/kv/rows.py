@@ -1,7 +1,7 @@
 """The KV engine's steady decode path: a forward whose every row was one decode token is kept
-(``ContinuableBatch``), and ``run_rows`` runs the next iterations of its rows from it, without
-``prepare_inputs`` or per-item planning (the worker's lockstep rows, ``runtime/decode_cohort.py``).
-``ContinuedRows`` is a part of ``KVCacheEngine`` (a base class), using its manager, caches and
+(``KeptBatch``), and ``run_rows`` runs the next iterations of its rows from it, without
+``prepare_inputs`` or per-item planning (the worker's running rows, ``runtime/running_rows.py``).
+``KVRows`` is a part of ``KVCacheEngine`` (a base class), using its manager, caches and
 module."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from mstar.model.submodule import EngineInputs, NodeSubmodule
 if TYPE_CHECKING:
     from mstar.runtime.work_items import Prepared, WorkItem
 
-__all__ = ["ContinuableBatch", "ContinuedRows", "next_inputs", "rows_in", "select_rows"]
+__all__ = ["KeptBatch", "KVRows", "next_inputs", "rows_in", "select_rows"]
 
 
 def rows_in(last: Any, items: list[WorkItem]) -> tuple[list[int], dict[str, list]] | None:
@@ -52,9 +52,9 @@ def select_rows(rows: list[int], tensors: dict[str, torch.Tensor], extras: dict[
 
 
 @dataclass(slots=True)
-class ContinuableBatch:
+class KeptBatch:
     """A forward whose every row was one decode token, kept so that the next step of the rows that go
-    on can be made from it (``ContinuedRows.run_rows``)."""
+    on can be made from it (``KVRows.run_rows``)."""
 
     items: list[Any]  # the WorkItems, one per row
     walk: str | None  # the walk the forward ran for (None: several)
@@ -66,17 +66,17 @@ class ContinuableBatch:
     positions: HostLongs | None = None  # ``ei.positions``' host buffer, when ``run_rows`` made it
 
 
-class ContinuedRows:
+class KVRows:
     """``KVCacheEngine``'s steady decode path."""
 
     continues_batches = True  # a tensor-parallel leader, whose followers repeat ``run``, says no
 
     def _init_continued(self) -> None:
-        self._decode: ContinuableBatch | None = None  # the last forward, when its rows may go on
+        self._decode: KeptBatch | None = None  # the last forward, when its rows may go on
         self._forwards = 0  # forwards of the current ``run`` (more than one: items were isolated)
-        self.continued_forwards = 0  # forwards made by ``run_rows``
+        self.row_forwards = 0  # forwards made by ``run_rows``
 
-    def decode_rows(self, items: list[WorkItem]) -> tuple[list[int], dict[str, list]] | None:
+    def rows_of(self, items: list[WorkItem]) -> tuple[list[int], dict[str, list]] | None:
         """Each item's row in the last forward and that forward's outputs, when its rows may go on
         (each one decode token through a module that can continue a batch,
         ``NodeSubmodule.continue_batch``) and every item ran in it; else None."""
@@ -146,8 +146,8 @@ class ContinuedRows:
             last.ei, last.tensors, last.outputs, last.positions = ei, tensors, out, pos
             self._decode = last
         else:
-            self._decode = ContinuableBatch(items, last.walk, ei, tensors, out, keys, tables, pos)
-        self.continued_forwards += 1
+            self._decode = KeptBatch(items, last.walk, ei, tensors, out, keys, tables, pos)
+        self.row_forwards += 1
         return out
 
     def _keep_decode(self, admitted: list[Prepared], ei: EngineInputs, tensors: dict[str, torch.Tensor],
@@ -169,5 +169,5 @@ class ContinuedRows:
         if tables is None:
             return
         walks = set(ei.walks)
-        self._decode = ContinuableBatch([p.item for p in admitted], walks.pop() if len(walks) == 1 else None, ei,
+        self._decode = KeptBatch([p.item for p in admitted], walks.pop() if len(walks) == 1 else None, ei,
                                         tensors, out, keys, tables)
