@@ -38,7 +38,7 @@ from mstar.runtime.wire.messages import (
     StreamPush,
     WalkDone,
 )
-from mstar.runtime.work_items import DEFERRED, ItemError, WorkItem
+from mstar.runtime.work_items import DEFERRED, ItemError, WorkItem, as_values
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class Postprocess:
         rank, walks = self.rank, self.walks
         continued: list[WorkItem] = []
         continued_walks: list[LiveWalk] = []
-        going: dict[str, tuple[NextIteration, list[dict[str, Any]]]] = {}  # node -> the rows that go on
+        sending: list[tuple[WorkItem, LiveWalk, NextIteration, dict[str, Any]]] = []  # rows going on with values
         for item, out in zip(batch, results):
             if out is DEFERRED:
                 continue
@@ -108,7 +108,8 @@ class Postprocess:
                 except Exception as e:  # noqa: BLE001 - one request's error must not stop the worker
                     self.fail(item.request_id, describe(e), FailureKind.of(e))
                     continue
-                going.setdefault(item.node, (nxt, []))[1].append(out)
+                if nxt.emits or nxt.streams:
+                    sending.append((item, w, nxt, out))
                 item.seq, item.iteration, item.inputs = next(self.sched.seqs), nxt.iteration, nxt.inputs
                 if item.chunks:
                     item.chunks = {}
@@ -118,16 +119,20 @@ class Postprocess:
             else:
                 self.transport.send(item.home, NodeResult(item.request_id, item.partition, item.walk_seq,
                                                           item.node, item.iteration, out))
-        if len(going) == 1:
-            node, (nxt, outs) = going.popitem()
-            self._rows_values(continued, continued_walks, node, nxt.emits, nxt.streams,
-                              lambda name: [o[name] for o in outs])
-        else:
-            for node, (nxt, outs) in going.items():
-                at = [i for i, it in enumerate(continued) if it.node == node]
-                self._rows_values([continued[i] for i in at], [continued_walks[i] for i in at], node, nxt.emits,
-                                  nxt.streams, lambda name, outs=outs: [o[name] for o in outs])
+        if sending:
+            self._sent_on(sending)
         return continued, continued_walks
+
+    def _sent_on(self, sending: list[tuple[WorkItem, LiveWalk, NextIteration, dict[str, Any]]]) -> None:
+        """The values of ``results``' rows that go on, one node's rows at a time (a batch usually
+        holds one node's)."""
+        node = sending[0][0].node
+        groups = [sending] if all(r[0].node == node for r in sending) else \
+            [[r for r in sending if r[0].node == n] for n in dict.fromkeys(r[0].node for r in sending)]
+        for rows in groups:
+            nxt = rows[0][2]
+            self._rows_values([r[0] for r in rows], [r[1] for r in rows], rows[0][0].node, nxt.emits, nxt.streams,
+                              lambda name, rows=rows: [r[3][name] for r in rows])
 
     def rows_ran(self, running: RunningSet, rows: RunningRows, out: dict[str, list]) -> None:
         """A forward of a module's running rows (``run_rows``: ``out`` is the module's outputs, a row
@@ -177,7 +182,13 @@ class Postprocess:
                      rids: list[str] | None = None, names: list[str] | None = None) -> None:
         """The client values (one ``EmitRows`` per output) and stream items of rows going on:
         ``values(name)`` is an output's value per row."""
-        if emits:
+        if emits and len(items) == 1 and rids is None:  # one row: an Emit (no row list for the conductor to look up)
+            rid, walk = items[0].request_id, walks[0].walk
+            for name, modality in emits:
+                value = as_values(values(name)[0])
+                if value:
+                    self._emits.append(Emit(rid, name, value, modality, node, walk))
+        elif emits:
             if rids is None:
                 rids, names = [it.request_id for it in items], [w.walk for w in walks]
             for name, modality in emits:

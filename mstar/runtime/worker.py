@@ -169,7 +169,7 @@ class Worker:
         if picked is None:
             return False
         base, batch = picked
-        rows = self.running_set.of(base, batch)
+        rows = self.running_set.of(base, batch) if base in self.running_set.modules else None
         if rows is not None:  # the module's running rows
             out = self.running_set.run(rows)  # run
             if out is not None:
