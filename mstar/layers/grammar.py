@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from mstar.model.sendable import register_message
+
 __all__ = ["GRAMMAR_KINDS", "GrammarEngine", "GrammarRow", "GrammarSpec"]
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
@@ -35,6 +37,7 @@ MAX_GRAMMAR_CHARS = 1 << 20  # a schema or grammar's text; compiling is linear i
 _BYTE_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
+@register_message  # inside a request's SamplingParams
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request's output must match: ``kind`` one of ``GRAMMAR_KINDS`` and ``source`` its text

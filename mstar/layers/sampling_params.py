@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from mstar.layers.grammar import GrammarSpec
+from mstar.model.sendable import register_message
 
 __all__ = ["EXTENDED_FIELDS", "MAX_LOGPROBS", "SamplingParams", "is_int", "request_sampling"]
 
@@ -30,6 +31,7 @@ def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+@register_message  # it travels inside a family's typed request (mstar.model.request)
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling configuration.

@@ -125,7 +125,7 @@ class ApiRequest:
     """What a route hands the runtime: inputs, parameters and per-request decoding state."""
 
     inputs: dict[str, Any]
-    params: dict[str, Any]
+    params: Any  # the params dict, or the family's request already parsed (``ModelDef.parse_request``)
     prompt_tokens: int = 0
     stop: tuple[str, ...] = ()  # text that ends the answer (``stop_strings``): the decoder's, not the runtime's
     echo: str = ""  # the prompt's text, sent before the answer (``/v1/completions`` with ``echo``)

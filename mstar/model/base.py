@@ -24,7 +24,7 @@ class WalkState:
 
     request_id: str
     partition: str
-    params: Mapping[str, Any]
+    params: Any  # the request's params as the model parsed them (``ModelDef.parse_request``)
     tensors: dict[str, list[Any]] = field(default_factory=dict)
     history: list[str] = field(default_factory=list)
     stream_done: bool = False  # consumer partitions: the producer finished and the stream is drained
@@ -83,8 +83,22 @@ class ModelDef:
     # ``Runtime.submit`` then refuses any other key by name instead of ignoring it
     checks_params: bool = False
 
+    # the family's typed request (``mstar.model.request``), when ``parse_request`` makes one
+    request_type: type | None = None
+
+    def parse_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> Any:
+        """The request's params, parsed and validated once: what every later hook and node sees as
+        its params. A family with a ``request_type`` returns one (a ``ModelRequest``); the default
+        checks the mapping with ``validate_request`` and keeps it. ValueError with a clear message
+        for bad input (the server answers HTTP 400)."""
+        self.validate_request(inputs, params)
+        return params
+
     def validate_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> None:
-        """Raise ValueError with a clear message for bad input (the server answers HTTP 400)."""
+        """Raise ValueError with a clear message for bad input (the server answers HTTP 400); a family
+        that parses its requests checks them in ``parse_request``."""
+        if self.request_type is not None:
+            self.parse_request(inputs, params)
 
     def max_kv_tokens(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> Mapping[str, int]:
         """Worst case, per KV module (a base node): the tokens this request may hold in that module's

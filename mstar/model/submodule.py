@@ -27,7 +27,7 @@ class ForwardInfo:
     walk: str
     node: str
     iteration: tuple[int, ...]  # index in each enclosing loop, outermost first; () at top level
-    params: Mapping[str, Any]  # the request's parameters (read-only)
+    params: Any  # the request's params as the model parsed them (``ModelDef.parse_request``; read-only)
     cache_len: int = 0  # tokens already in this node's cache for the request (KV nodes)
     stream_chunks: Mapping[str, Any] = field(default_factory=dict)  # stream input -> chunk position info
 

@@ -32,6 +32,7 @@ import torch
 from mstar.model.base import ModelDef
 from mstar.model.reads import ReadDict
 from mstar.model.registry import resolve_model
+from mstar.model.request import ModelRequest
 from mstar.placement import Placement
 from mstar.runtime.conductor import Conductor
 from mstar.runtime.drivers.local import InlineDriver, ProcessDriver, RestartPolicy
@@ -189,20 +190,29 @@ class Runtime:
         if reason:
             raise RuntimeError(f"runtime is unhealthy: {reason}")
         release_thread_pool()  # torch work the caller ran since start() left a pool (openmp.py)
-        params = dict(params or {})
         norm = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in inputs.items()}
-        looked = ReadDict(params)
-        self.model.validate_request(norm, looked)
-        self._check_fits(norm, looked)
-        if self.model.checks_params and (unread := looked.unread()):
-            raise ValueError(f"{self.model.name}: params {unread} are not read by this model (it reads "
-                             f"{sorted(looked.read)})")
+        if isinstance(params, ModelRequest):  # parsed already (by the family's API adapter): taken as it is
+            if not isinstance(params, self.model.request_type or ()):
+                raise ValueError(f"{self.model.name}: a {type(params).__name__} is not this model's request")
+            request = params
+            self._check_fits(norm, request)
+        else:  # parsed and validated here, once (ModelDef.parse_request)
+            looked = ReadDict(dict(params or {}))
+            request = self.model.parse_request(norm, looked)
+            if request is looked:  # a family that keeps the mapping
+                self._check_fits(norm, looked)
+                request = dict(looked)
+            else:
+                self._check_fits(norm, request)
+            if self.model.checks_params and (unread := looked.unread()):
+                raise ValueError(f"{self.model.name}: params {unread} are not read by this model (it reads "
+                                 f"{sorted(looked.read)})")
         fresh = uuid.uuid4().hex[:16]
         handle = RequestHandle(f"{request_id}-{fresh}" if request_id else fresh)
-        self._command(lambda: self._conductor.submit(handle.request_id, norm, params, handle))
+        self._command(lambda: self._conductor.submit(handle.request_id, norm, request, handle))
         return handle
 
-    def _check_fits(self, inputs: dict[str, list], params: dict[str, Any]) -> None:
+    def _check_fits(self, inputs: dict[str, list], params: Any) -> None:
         """Reject a request whose worst-case KV need (``ModelDef.max_kv_tokens``) exceeds a whole
         cache: it could never run, however long it waited."""
         limits = self.placement.limits

@@ -165,11 +165,11 @@ class LlamaChatAdapter(ApiAdapter):
         if not ids:
             raise ValueError("the prompt is empty")
         inputs = {"input_ids": [torch.tensor(ids, dtype=torch.long)]}
-        self.model.validate_request(inputs, params)  # context-length and vocabulary checks -> 400
-        return ApiRequest(inputs, params, prompt_tokens=len(ids), stop=stop_strings(body))
+        request = self.model.parse_request(inputs, params)  # context-length and vocabulary checks -> 400
+        return ApiRequest(inputs, request, prompt_tokens=len(ids), stop=stop_strings(body))
 
     def new_decoder(self, route, request):
-        sp = self.model.sampling_params(request.params)
+        sp = request.params.sampling  # an LMRequest: parsed once, by ``_request``
         text = _TextDecoder(self.model.tokenizer, sp.max_tokens, set(self.model.eos_token_ids) | set(sp.stop_token_ids),
                             request.stop, logprobs=sp.logprobs is not None)
         return text if request.tool_mode is None else ToolCallDecoder(text, request)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from mstar.model.checkpoint import (
 from mstar.model.gguf_file import is_gguf_path
 from mstar.models.llama.config import LlamaConfig, read_json
 from mstar.models.llama.gguf_loader import load_gguf_weights
-from mstar.models.llama.nodes import DEFAULT_SAMPLING, LlamaCausalLM
+from mstar.models.llama.nodes import LlamaCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def init_dummy_weights(module: torch.nn.Module, seed: int = 0, std: float | None
 
 def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = None, load_format: str = "auto",
                       dtype: str | torch.dtype = "float32", eos_token_ids: Iterable[int] | None = None,
-                      seed: int = 0, default_sampling: Mapping[str, Any] | None = None,
+                      seed: int = 0,
                       module_cls: type | None = None, prepack: bool | None = None) -> Any:
     """A ``LlamaCausalLM`` (or ``module_cls``, a subclass) on CPU with its weights (from ``model_path``
     unless ``load_format="dummy"``).
@@ -230,8 +230,7 @@ def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = No
             raise CheckpointError("a model_path (checkpoint directory) is required unless "
                                   "load_format='dummy'")
         files = [] if is_gguf_path(model_path) else checkpoint_files(model_path)
-    module = (module_cls or LlamaCausalLM)(config, dtype=torch_dtype, device="meta", eos_token_ids=eos_token_ids,
-                                           default_sampling=default_sampling or DEFAULT_SAMPLING)
+    module = (module_cls or LlamaCausalLM)(config, dtype=torch_dtype, device="meta", eos_token_ids=eos_token_ids)
     module.to_empty(device="cpu")
     module.tie_weights()
     module.pack_weights()

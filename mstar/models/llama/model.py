@@ -7,6 +7,8 @@ Request parameters (``params``):
 * ``sampling``: ``SamplingParams`` fields (temperature, top_k, top_p, repetition_penalty, seed,
   stop_token_ids, ignore_eos, max_tokens); default greedy (temperature 0).
 
+``parse_request`` turns them into an ``LMRequest`` once, at submit: the walks and the node read that.
+
 Seeded sampling draws with the token's step index (0 for the prefill's token, i + 1 for decode
 iteration i), so it does not depend on the batch.
 """
@@ -25,12 +27,13 @@ from mstar.layers.llama import check_llama_architecture
 from mstar.layers.sampling import request_sampling
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.model.checkpoint import CheckpointError, check_load_format, reject_checkpoint
-from mstar.model.decode import generation_done, stop_token_set
+from mstar.model.decode import generation_done
 from mstar.model.tokenizer import LazyTokenizer
 from mstar.models.llama import graph as llama_graph
 from mstar.models.llama.config import TINY, LlamaConfig
 from mstar.models.llama.loader import LOAD_FORMATS, build_llama_model, resolve_dtype
 from mstar.models.llama.nodes import DEFAULT_SAMPLING
+from mstar.models.llama.request import LMRequest
 from mstar.models.llama.tokenizer import ByteTokenizer, checkpoint_eos_ids, load_tokenizer
 
 __all__ = ["LlamaLM", "LlamaTiny"]
@@ -49,7 +52,8 @@ class LlamaLM(LazyTokenizer, ModelDef):
     yes, with the compiled panel kernel where it builds, unless ``MSTAR_PREPACK=0``).
     """
 
-    checks_params = True  # validate_request looks up every params key (Runtime.submit refuses others)
+    checks_params = True  # parse_request looks up every params key (Runtime.submit refuses others)
+    request_type = LMRequest
 
     name = "llama"
     default_sampling: Mapping[str, Any] = DEFAULT_SAMPLING
@@ -92,18 +96,15 @@ class LlamaLM(LazyTokenizer, ModelDef):
     def build_graph(self) -> WalkGraph:
         return llama_graph.build_graph(self.config.max_position_embeddings)
 
-    def sampling_params(self, params: Mapping[str, Any]):
-        return request_sampling(params, self.default_sampling, extended=True)
-
     def next_walk(self, state: WalkState) -> str | None:
         return llama_graph.next_walk(state, state.last_walk == "prefill" and self._prefill_token_ends(state))
 
     def _prefill_token_ends(self, state: WalkState) -> bool:
-        sp = self.sampling_params(state.params)
+        req: LMRequest = state.params
         token = int(state.tensors["token"][0].reshape(-1)[0])
-        return generation_done(token, 0, sp, stop_token_set(sp, self.eos_token_ids))
+        return generation_done(token, 0, req.sampling, req.stop_ids)
 
-    def validate_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> None:
+    def parse_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> LMRequest:
         vocab, max_pos = self.config.vocab_size, self.config.max_position_embeddings
         if "input_ids" not in inputs:
             raise ValueError(f"{self.name}: 'input_ids' is required (a 1-D integer tensor of token ids); "
@@ -121,7 +122,7 @@ class LlamaLM(LazyTokenizer, ModelDef):
         if lo < 0 or hi >= vocab:
             raise ValueError(f"{self.name}: input_ids must be token ids in [0, {vocab}), "
                              f"got {lo if lo < 0 else hi}")
-        sp = self.sampling_params(params)  # bad sampling values raise ValueError here
+        sp = request_sampling(params, self.default_sampling, extended=True)  # bad values raise ValueError
         bad_stop = [t for t in sp.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"{self.name}: stop_token_ids {bad_stop} are outside the vocabulary "
@@ -136,10 +137,11 @@ class LlamaLM(LazyTokenizer, ModelDef):
         if n + sp.max_tokens > max_pos:
             raise ValueError(f"{self.name}: prompt ({n} tokens) + max_tokens ({sp.max_tokens}) = "
                              f"{n + sp.max_tokens} exceeds max_position_embeddings ({max_pos})")
+        return LMRequest.of(sp, self.eos_token_ids)
 
-    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> Mapping[str, int]:
+    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], request: LMRequest) -> Mapping[str, int]:
         """The prompt and every generated token (the decode loop's speculative step included)."""
-        return {llama_graph.NODE: inputs["input_ids"][0].numel() + self.sampling_params(params).max_tokens}
+        return {llama_graph.NODE: inputs["input_ids"][0].numel() + request.sampling.max_tokens}
 
     def api_adapter(self):
         from mstar.models.llama.adapter import LlamaChatAdapter
@@ -156,7 +158,7 @@ class LlamaLM(LazyTokenizer, ModelDef):
             return {}
         module = build_llama_model(self.config, model_path=self.model_path, load_format=self.load_format,
                                    dtype=self.dtype, eos_token_ids=self.eos_token_ids, seed=self.seed,
-                                   default_sampling=self.default_sampling, prepack=self.prepack)
+                                   prepack=self.prepack)
         module.grammars = self.grammars
         return {llama_graph.NODE: module}
 

@@ -25,10 +25,11 @@ from mstar.layers.attention_backends import AttentionBackend
 from mstar.layers.grammar import GrammarEngine, GrammarRow
 from mstar.layers.llama import LlamaBackbone, pack_linears
 from mstar.layers.prepack import PrepackedLinear, can_prepack
-from mstar.layers.sampling import RowLogprobs, SamplingParams, request_sampling, sample, sample_with_logprobs
-from mstar.model.decode import ParamsMemo, generation_done_rows, stop_token_set
+from mstar.layers.sampling import RowLogprobs, sample, sample_with_logprobs
+from mstar.model.decode import generation_done_rows
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
 from mstar.models.llama.config import LlamaConfig
+from mstar.models.llama.request import LMRequest
 
 __all__ = ["DEFAULT_SAMPLING", "LlamaCausalLM"]
 
@@ -39,12 +40,8 @@ DEFAULT_SAMPLING: Mapping[str, Any] = {"temperature": 0.0, "max_tokens": 16}
 class LlamaCausalLM(NodeSubmodule):
     """``model`` (a ``LlamaBackbone``) + ``lm_head``: HF ``LlamaForCausalLM`` parameter names."""
 
-    # reads presence / frequency penalties, logit_bias and logprobs (``sampling.EXTENDED_FIELDS``)
-    extended_sampling = True
-
     def __init__(self, config: LlamaConfig, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, eos_token_ids: Iterable[int] | None = None,
-                 default_sampling: Mapping[str, Any] = DEFAULT_SAMPLING,
                  backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = config
@@ -53,11 +50,8 @@ class LlamaCausalLM(NodeSubmodule):
                                  device=device)
         self.kv_spec = KVSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
         self.eos_token_ids = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        self.default_sampling = dict(default_sampling)
         self.prepacked: PrepackedLinear | None = None  # the LM head, prepacked
         self.grammars: GrammarEngine | None = None  # constrained decoding (the model sets it)
-        # a request's SamplingParams and stop ids: built once, not at every step
-        self._sampling_memo: ParamsMemo[tuple[SamplingParams, frozenset[int]]] = ParamsMemo(self._build_sampling)
         # the last ``step_outputs``' per-row tokens and the batch tensor they are rows of
         self._token_rows: tuple[list[torch.Tensor], torch.Tensor] | None = None
         self.tie_weights()
@@ -111,18 +105,11 @@ class LlamaCausalLM(NodeSubmodule):
         """Hook for subclasses (e.g. constrained decoding) before sampling; the identity here."""
         return logits
 
-    def _sampling(self, params: Mapping[str, Any]) -> tuple[SamplingParams, frozenset[int]]:
-        """The request's sampling parameters and stop ids (built once per params object)."""
-        return self._sampling_memo(params)
-
-    def _build_sampling(self, params: Mapping[str, Any]) -> tuple[SamplingParams, frozenset[int]]:
-        sp = request_sampling(params, self.default_sampling, extended=self.extended_sampling)
-        return sp, stop_token_set(sp, self.eos_token_ids)
-
     # -- runtime interface -----------------------------------------------------------------------
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
-        sp, stop_ids = self._sampling(fwd_info.params)
+        req: LMRequest = fwd_info.params  # parsed once, at submit (LlamaLM.parse_request)
+        sp, stop_ids = req.sampling, req.stop_ids
         if "input_ids" in inputs:  # prefill: the prompt; first sampled token
             ids = inputs["input_ids"][0].reshape(-1).to(torch.long)
             step = 0

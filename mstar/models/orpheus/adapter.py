@@ -34,8 +34,7 @@ class OrpheusAdapter(ApiAdapter):
         if body.get("max_tokens") is not None:
             params["max_tokens"] = int(body["max_tokens"])
         inputs = {"input_ids": [torch.tensor(ids, dtype=torch.long)]}
-        self.model.validate_request(inputs, params)
-        return ApiRequest(inputs, params, prompt_tokens=len(ids))
+        return ApiRequest(inputs, self.model.parse_request(inputs, params), prompt_tokens=len(ids))
 
     def new_decoder(self, route, request):
         return _AudioDecoder(self.sample_rate)

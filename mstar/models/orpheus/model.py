@@ -23,10 +23,11 @@ from mstar.layers.prepack import prepack_linears, prepack_requested
 from mstar.layers.sampling import request_sampling
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.model.checkpoint import check_load_format, reject_checkpoint
-from mstar.model.decode import generation_done, stop_token_set
+from mstar.model.decode import generation_done
 from mstar.model.tokenizer import LazyTokenizer
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.loader import LOAD_FORMATS, build_llama_model, resolve_dtype
+from mstar.models.llama.request import LMRequest
 from mstar.models.llama.tokenizer import ByteTokenizer, load_tokenizer
 from mstar.models.orpheus import graph as orpheus_graph
 from mstar.models.orpheus.config import (
@@ -56,7 +57,8 @@ class OrpheusGraph(ModelDef):
 
 
 class OrpheusTTS(LazyTokenizer, ModelDef):
-    checks_params = True  # validate_request looks up every params key (Runtime.submit refuses others)
+    checks_params = True  # parse_request looks up every params key (Runtime.submit refuses others)
+    request_type = LMRequest
     name = "orpheus"
     constrain_audio = False
     candidate_logits = True  # with constrain_audio: see OrpheusLM
@@ -93,19 +95,18 @@ class OrpheusTTS(LazyTokenizer, ModelDef):
     def build_graph(self) -> WalkGraph:
         return orpheus_graph.build_graph(min(MAX_NEW_TOKENS, self.llm_config.max_position_embeddings))
 
-    def sampling_params(self, params: Mapping[str, Any]):
-        return request_sampling(params, DEFAULT_SAMPLING)
-
     def next_walk(self, state: WalkState) -> str | None:
         ends = state.partition == "llm" and state.last_walk == "prefill" and self._prefill_token_ends(state)
         return orpheus_graph.next_walk(state, ends)
 
     def _prefill_token_ends(self, state: WalkState) -> bool:
-        sp = self.sampling_params(state.params)
+        req: LMRequest = state.params
         token = int(state.tensors["token"][0].reshape(-1)[0])
-        return generation_done(token, 0, sp, stop_token_set(sp, (STOP_TOKEN,)))
+        return generation_done(token, 0, req.sampling, req.stop_ids)
 
-    def validate_request(self, inputs, params) -> None:
+    def parse_request(self, inputs, params) -> LMRequest:
+        """The speech LM's sampling (no OpenAI penalties, bias or logprobs: the constrained sampler maps
+        token ids), parsed once."""
         if "input_ids" not in inputs or len(inputs["input_ids"]) != 1:
             raise ValueError("orpheus: 'input_ids' (one 1-D tensor of prompt token ids) is required")
         ids = inputs["input_ids"][0]
@@ -113,14 +114,15 @@ class OrpheusTTS(LazyTokenizer, ModelDef):
             raise ValueError("orpheus: input_ids must be a non-empty 1-D integer tensor")
         if int(ids.min()) < 0 or int(ids.max()) >= self.llm_config.vocab_size:
             raise ValueError(f"orpheus: input_ids must be in [0, {self.llm_config.vocab_size})")
-        sp = self.sampling_params(params)
+        sp = request_sampling(params, DEFAULT_SAMPLING)
         if ids.numel() + sp.max_tokens > self.llm_config.max_position_embeddings:
             raise ValueError(f"orpheus: prompt ({ids.numel()} tokens) + max_tokens ({sp.max_tokens}) exceeds the "
                              f"context of {self.llm_config.max_position_embeddings} tokens")
+        return LMRequest.of(sp, (STOP_TOKEN,))
 
-    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> Mapping[str, int]:
+    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], request: LMRequest) -> Mapping[str, int]:
         """The speech LM's prompt and every generated token (SNAC holds no KV cache)."""
-        return {"LLM": inputs["input_ids"][0].numel() + self.sampling_params(params).max_tokens}
+        return {"LLM": inputs["input_ids"][0].numel() + request.sampling.max_tokens}
 
     # -- modules ---------------------------------------------------------------------------------
     def build_submodules(self, node_names: Iterable[str]) -> dict[str, NodeSubmodule]:
@@ -129,7 +131,7 @@ class OrpheusTTS(LazyTokenizer, ModelDef):
             if node == "LLM":
                 llm = build_llama_model(self.llm_config, model_path=self.model_path, load_format=self.load_format,
                                         dtype=self.dtype, eos_token_ids=(STOP_TOKEN,), seed=self.seed,
-                                        default_sampling=DEFAULT_SAMPLING, module_cls=OrpheusLM, prepack=False)
+                                        module_cls=OrpheusLM, prepack=False)
                 llm.constrain_audio, llm.candidate_logits = self.constrain_audio, self.candidate_logits
                 if prepack_requested():  # after the switches: they decide whether the head is prepacked
                     prepack_linears(llm)

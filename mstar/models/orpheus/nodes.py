@@ -47,7 +47,6 @@ class OrpheusLM(LlamaCausalLM):
 
     constrain_audio = False
     candidate_logits = True
-    extended_sampling = False  # the constrained sampler maps token ids: no logprobs, bias or OpenAI penalties
 
     @property
     def vocab_parallel_head(self) -> bool:
