@@ -2,6 +2,8 @@
 plain-PyTorch oracle (tests/bagel_oracle.py), walk selection, prefix-shared guidance caches, batch and
 placement invariance, request validation."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from mstar.bench.bagel_oracle import (
 from mstar.layers.prepack import prepack_requested
 from mstar.models.bagel.model import BagelTiny
 from mstar.models.bagel.nodes import CombineCFG
+from mstar.models.bagel.request import BagelRequest
 from mstar.placement import Placement
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -240,16 +243,22 @@ def test_bad_requests_are_rejected_with_clear_errors(model, inputs, params, matc
         model.validate_request(inputs, params)
 
 
+@dataclasses.dataclass(frozen=True)
+class _PoisonedRequest(BagelRequest):
+    poison: bool = False
+
+
 class _Poisoned(BagelTiny):
     """Requests with ``poison`` carry a corrupt layout input into their final walk (a node error)."""
 
-    def validate_request(self, inputs, params):
-        params.get("poison")  # a key this model reads (Runtime.submit refuses keys nothing reads)
-        super().validate_request(inputs, params)
+    def parse_request(self, inputs, params):
+        poison = bool(params.get("poison"))  # a key this model reads (Runtime.submit refuses keys nothing reads)
+        req = super().parse_request(inputs, params)
+        return _PoisonedRequest(**{f.name: getattr(req, f.name) for f in dataclasses.fields(req)}, poison=poison)
 
-    def create_state(self, request_id, partition, inputs, params):
-        state = super().create_state(request_id, partition, inputs, params)
-        if params.get("poison"):
+    def create_state(self, request_id, partition, inputs, request):
+        state = super().create_state(request_id, partition, inputs, request)
+        if request.poison:
             state.final[1]["ctx"] = [torch.zeros(3, dtype=torch.long)]
         return state
 

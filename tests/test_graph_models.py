@@ -78,7 +78,7 @@ def test_bagel_state_machine_walk_sequences():
     ids, img = torch.tensor([70, 71]), torch.zeros(20, 20, 3, dtype=torch.uint8)
 
     def walks(inputs, params):
-        state = m.create_state("r", "main", inputs, params)
+        state = m.create_state("r", "main", inputs, m.parse_request(inputs, params))
         seq = []
         while (w := m.next_walk(state)) is not None:
             seq.append(w)

@@ -292,7 +292,7 @@ def test_bagel_states_its_kv_need_and_context_so_too_long_requests_are_400s():
     model = BagelTiny()
     probe = {"text_ids": [torch.randint(1, 200, (20,), generator=g)], "images": [image]}
     params = {"target": "text", "max_tokens": 6}
-    need = model.max_kv_tokens(probe, params)["LLM"]
+    need = model.max_kv_tokens(probe, model.parse_request(probe, params))["LLM"]
     blocks = -(-need // 16)
     groups = [{"node_names": list(model.graph.node_names), "ranks": [0]}]
     place = Placement.from_dict({"model": "bagel-tiny", "node_groups": groups,
@@ -365,7 +365,7 @@ def test_bagel_cfg_requests_under_pressure_give_their_latents_alone():
             ({"text_ids": [text("blue")], "images": [image(2, 48, 40)]}, {**edit, "seed": 2}),
             ({"text_ids": [text("what is it?")], "images": [image(3)]}, {"target": "text", "max_tokens": 5})]
     size = 16
-    needs = [-(-model.max_kv_tokens(i, p)["LLM"] // size) for i, p in reqs]
+    needs = [-(-model.max_kv_tokens(i, model.parse_request(i, p))["LLM"] // size) for i, p in reqs]
     groups = [{"node_names": list(model.graph.node_names), "ranks": [0]}]
     place = Placement.from_dict({"model": "bagel-tiny", "node_groups": groups,
                                  "runtime": {"kv_cache_blocks": max(needs) + 1, "kv_block_size": size}})

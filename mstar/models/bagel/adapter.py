@@ -62,8 +62,8 @@ class BagelAdapter(ApiAdapter):
         return torch.tensor(self.model.tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
 
     def _finish(self, inputs: dict[str, list], params: dict[str, Any], stop: tuple[str, ...] = ()) -> ApiRequest:
-        self.model.validate_request(inputs, params)  # bad sizes, scales, vocab -> HTTP 400
-        return ApiRequest(inputs, params, prompt_tokens=self.model.prompt_tokens(inputs, params), stop=stop)
+        request = self.model.parse_request(inputs, params)  # bad sizes, scales, vocab -> HTTP 400
+        return ApiRequest(inputs, request, prompt_tokens=self.model.prompt_tokens(request), stop=stop)
 
     def chat_request(self, body, images, audio):
         if audio:
@@ -123,13 +123,11 @@ class BagelAdapter(ApiAdapter):
         return self._finish(inputs, params)
 
     def new_decoder(self, route, request):
-        if request.params.get("target") == "image":
+        req = request.params  # a BagelRequest (parsed by _finish)
+        if req.target == "image":
             return _ImageDecoder()
-        from mstar.models.bagel.nodes import request_sampling
-
-        sp = request_sampling(request.params)
-        stop = set(sp.stop_token_ids) | {self.model.special_tokens.im_end}
-        return TextStreamDecoder(self.model.tokenizer, sp.max_tokens, stop, request.stop)
+        stop = set(req.sampling.stop_token_ids) | {self.model.special_tokens.im_end}
+        return TextStreamDecoder(self.model.tokenizer, req.sampling.max_tokens, stop, request.stop)
 
 
 class _ImageDecoder(ItemDecoder):

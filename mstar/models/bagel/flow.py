@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mstar.model.sendable import register_message
 from mstar.model.validation import check_int
 
 __all__ = ["EDIT_DEFAULTS", "T2I_DEFAULTS", "FlowSettings", "cfg_combine", "flow_settings", "timestep_schedule"]
@@ -26,6 +27,7 @@ MAX_TIMESTEPS = 1001
 RENORM_TYPES = ("global", "channel", "text_channel")
 
 
+@register_message  # inside a BagelRequest
 @dataclass(frozen=True)
 class FlowSettings:
     """A request's image-generation settings (``flow_settings`` fills them from its parameters)."""

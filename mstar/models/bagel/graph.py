@@ -22,6 +22,7 @@ from mstar.graph import (
     Walk,
     WalkGraph,
 )
+from mstar.models.bagel.walks import BagelWalk
 
 if TYPE_CHECKING:
     from mstar.models.bagel.model import BagelState
@@ -39,12 +40,12 @@ def build_graph() -> WalkGraph:
     decoder = GraphNode("vae_decoder", ["latents", CTX], [image_out])
     flow_inputs = ["latents", "time_index", CTX]
     return WalkGraph([
-        Walk("prefill_text", GraphNode("LLM", ["text_ids", CTX]), inputs=["text_ids", CTX]),  # KV cache(s) only
-        Walk("prefill_vit", _prefill_image("vit_encoder", "vit_embeds"), inputs=["image", CTX]),
-        Walk("prefill_vae", _prefill_image("vae_encoder", "vae_latents"), inputs=["image", CTX]),
-        Walk("image_gen", Sequential([_single_branch_flow(), decoder]), inputs=flow_inputs),
-        Walk("image_gen_cfg", Sequential([_guided_flow(), decoder]), inputs=flow_inputs),
-        Walk("decode", _decode(), inputs=["token", CTX]),
+        Walk(BagelWalk.PREFILL_TEXT.value, GraphNode("LLM", ["text_ids", CTX]), inputs=["text_ids", CTX]),  # KV only
+        Walk(BagelWalk.PREFILL_VIT.value, _prefill_image("vit_encoder", "vit_embeds"), inputs=["image", CTX]),
+        Walk(BagelWalk.PREFILL_VAE.value, _prefill_image("vae_encoder", "vae_latents"), inputs=["image", CTX]),
+        Walk(BagelWalk.IMAGE_GEN.value, Sequential([_single_branch_flow(), decoder]), inputs=flow_inputs),
+        Walk(BagelWalk.IMAGE_GEN_CFG.value, Sequential([_guided_flow(), decoder]), inputs=flow_inputs),
+        Walk(BagelWalk.DECODE.value, _decode(), inputs=["token", CTX]),
     ])
 
 

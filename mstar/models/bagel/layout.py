@@ -20,9 +20,12 @@ from dataclasses import astuple, dataclass, fields
 
 import torch
 
+from mstar.model.sendable import register_message
+
 __all__ = ["Ctx", "LayoutStep", "plan_layout"]
 
 
+@register_message  # inside a BagelRequest's layout
 @dataclass
 class Ctx:
     """Positions and lengths a walk's nodes need. All fields are ints (travels as an int64 tensor)."""
@@ -50,6 +53,7 @@ class Ctx:
         return cls(*values)
 
 
+@register_message
 @dataclass
 class LayoutStep:
     walk: str

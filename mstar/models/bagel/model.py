@@ -17,6 +17,7 @@ e.g. ``["image", "text"]``; default: images first, as the reference inferencer);
 (``cfg_text_scale``, ``cfg_img_scale``, ``cfg_interval``, ``cfg_renorm_type``, ``cfg_renorm_min``,
 ``num_timesteps``, ``timestep_shift``; defaults: the reference's text-to-image settings, or its
 editing settings when an image is in the context); ``max_tokens`` and ``sampling`` for text.
+``parse_request`` makes them a ``BagelRequest`` once, its layout planned then.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from mstar.model.tokenizer import LazyTokenizer
 from mstar.model.validation import check_int
 from mstar.models.bagel import graph as bagel_graph
 from mstar.models.bagel.config import TINY_SPEC, BagelSpec, ImageTransformSpec
-from mstar.models.bagel.flow import flow_settings, timestep_schedule
+from mstar.models.bagel.flow import FlowSettings, flow_settings, timestep_schedule
 from mstar.models.bagel.image_transform import BagelImageTransform, InputImageTransforms
 from mstar.models.bagel.layout import plan_layout
 from mstar.models.bagel.nodes import (
@@ -47,6 +48,7 @@ from mstar.models.bagel.nodes import (
     ViTNode,
     request_sampling,
 )
+from mstar.models.bagel.request import BagelLayout, BagelRequest
 
 __all__ = ["BagelByteTokenizer", "BagelModel", "BagelState", "BagelTiny"]
 
@@ -80,7 +82,8 @@ class BagelModel(LazyTokenizer, ModelDef):
     """``ByteDance-Seed/BAGEL-7B-MoT`` (``model_path``: ema.safetensors, ae.safetensors, llm_config.json,
     vit_config.json, tokenizer.json) or, with ``load_format="dummy"``, seeded random weights."""
 
-    checks_params = True  # validate_request looks up every params key (Runtime.submit refuses others)
+    checks_params = True  # parse_request looks up every params key (Runtime.submit refuses others)
+    request_type = BagelRequest
 
     name = "bagel"
     family = "bagel"
@@ -165,7 +168,8 @@ class BagelModel(LazyTokenizer, ModelDef):
                 raise ValueError(f"{name} must be a multiple of {ld} in [{ld}, {top}], got {v!r}")
         return h, w
 
-    def validate_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> None:
+    def parse_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> BagelRequest:
+        """The request checked, its settings parsed and its layout planned, once."""
         unknown = sorted(set(inputs) - {"text_ids", "images"})
         if unknown:
             raise ValueError(f"{self.name}: unknown inputs {unknown}; use text_ids and images")
@@ -188,20 +192,25 @@ class BagelModel(LazyTokenizer, ModelDef):
                 raise ValueError("images must be uint8 tensors [H, W, 3]")
         if not texts and not images:
             raise ValueError(f"{self.name}: the request has neither text nor images")
-        self._order(inputs, params)
-        if target == "image":
-            if not images:
-                self._image_size(params)
-            elif "height" in params or "width" in params:
-                raise ValueError("height/width apply to text-to-image; an edit keeps its input image's size")
-            flow_settings(params, editing=bool(images))
-            if params.get("output_type", "pil") not in ("pil", "latent"):
-                raise ValueError(f"output_type must be 'pil' or 'latent', got {params.get('output_type')!r}")
-            if params.get("seed") is not None:
-                check_int(params["seed"], "seed", lo=0)
+        order = self._order(inputs, params)
+        if target == "text":
+            sp = request_sampling(params)
+            request = BagelRequest("text", self._plan(inputs, order, None), sampling=sp)
         else:
-            request_sampling(params)
-        self._check_context(inputs, params)
+            if images and ("height" in params or "width" in params):
+                raise ValueError("height/width apply to text-to-image; an edit keeps its input image's size")
+            size = None if images else self._image_size(params)
+            fs = flow_settings(params, editing=bool(images))
+            output_type = params.get("output_type", "pil")
+            if output_type not in ("pil", "latent"):
+                raise ValueError(f"output_type must be 'pil' or 'latent', got {output_type!r}")
+            seed = params.get("seed")
+            if seed is not None:
+                check_int(seed, "seed", lo=0)
+            request = BagelRequest("image", self._plan(inputs, order, fs, size), flow=fs, seed=seed,
+                                   latent_out=output_type == "latent")
+        self._check_context(request)
+        return request
 
     def _image_tokens(self, height: int, width: int) -> tuple[int, int, tuple[int, int]]:
         """(VAE tokens, ViT tokens, VAE-sized (h, w)) of an input image, each count including the
@@ -211,72 +220,71 @@ class BagelModel(LazyTokenizer, ModelDef):
         tw, th = self.vit_resize.target_size(vw, vh)
         return (vh // ld) * (vw // ld) + 2, (th // patch) * (tw // patch) + 2, (vh, vw)
 
-    def _plan(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]):
-        """The request's layout: (prefill steps, final context, latent grid or None, flow settings or
-        None). The one place the context is laid out: ``create_state`` and the fit / context checks."""
-        target = params.get("target", "text")
+    def _plan(self, inputs: Mapping[str, list[Any]], order: list[str], fs: FlowSettings | None,
+              size: tuple[int, int] | None = None) -> BagelLayout:
+        """The request's layout (``fs``: an image target's flow settings; ``size``: its text-to-image
+        size). The one place the context is laid out."""
         texts, images = iter(inputs.get("text_ids", [])), iter(inputs.get("images", []))
         items, vae_hw = [], None  # per item: (kind, tokens) for the layout
-        for kind in self._order(inputs, params):
+        for kind in order:
             if kind == "text":
                 items.append(("text", next(texts).numel() + 2, 0))
                 continue
             img = next(images)
             vae_tokens, vit_tokens, vae_hw = self._image_tokens(int(img.shape[0]), int(img.shape[1]))
             items.append(("image", vae_tokens, vit_tokens))
-        lat_hw, cfg_img, fs = None, False, None
-        if target == "image":
+        lat_hw, cfg_img = None, False
+        if fs is not None:
             ld = self.spec.latent_downsample
-            h, w = vae_hw if vae_hw is not None else self._image_size(params)
+            h, w = vae_hw if vae_hw is not None else size
             lat_hw = (h // ld, w // ld)
-            fs = flow_settings(params, editing=vae_hw is not None)
             cfg_img = vae_hw is not None and fs.cfg_text_scale > 1.0 and fs.cfg_img_scale > 1.0
-        steps, ctx = plan_layout(items, target, cfg_img, lat_hw)
-        return steps, ctx, lat_hw, fs
+        steps, ctx = plan_layout(items, "image" if fs is not None else "text", cfg_img, lat_hw)
+        return BagelLayout(tuple(order), tuple(steps), ctx, lat_hw)
 
-    def prompt_tokens(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> int:
+    def prompt_tokens(self, request: BagelRequest) -> int:
         """The tokens the request's prompt puts in the main context: its texts with their wrapping
         tokens and each input image's ViT tokens (and, when generating an image, its VAE tokens)."""
-        return self._plan(inputs, params)[1].length
+        return request.layout.ctx.length
 
-    def _check_context(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> None:
-        ctx = self._plan(inputs, params)[1]
-        gen = request_sampling(params).max_tokens + 1 if params.get("target", "text") == "text" else 1
+    def _check_context(self, request: BagelRequest) -> None:
+        ctx = request.layout.ctx
+        gen = request.gen_tokens or 1
         limit = self.spec.llm.max_position_embeddings
         if ctx.rope + gen > limit:
             raise ValueError(f"{self.name}: the context ({ctx.rope} positions) + {gen} to generate = "
                              f"{ctx.rope + gen} exceeds the model's context ({limit} positions)")
 
-    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> Mapping[str, int]:
+    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], request: BagelRequest) -> Mapping[str, int]:
         """The main cache and the text-only cache of image guidance, plus the decoded tokens (flow steps
         attend read-only and the guidance forks share their prefix, so neither adds any)."""
-        ctx = self._plan(inputs, params)[1]
-        gen = request_sampling(params).max_tokens + 1 if params.get("target", "text") == "text" else 0
-        return {"LLM": ctx.length + ctx.img_len + gen}
+        ctx = request.layout.ctx
+        return {"LLM": ctx.length + ctx.img_len + request.gen_tokens}
 
-    def create_state(self, request_id, partition, inputs, params):
-        target = params.get("target", "text")
-        steps, ctx, lat_hw, fs = self._plan(inputs, params)
+    def create_state(self, request_id, partition, inputs, request: BagelRequest):
+        layout = request.layout
         walk_inputs = []  # per item: the walks' input tensors
         texts, images = iter(inputs.get("text_ids", [])), iter(inputs.get("images", []))
-        for kind in self._order(inputs, params):
+        for kind in layout.order:
             if kind == "text":
                 walk_inputs.append({"prefill_text": {"text_ids": [next(texts).long()]}})
                 continue
             raw = next(images)  # resized and normalised by the encoder nodes (InputImageTransforms)
             walk_inputs.append({"prefill_vae": {"image": [raw]}, "prefill_vit": {"image": [raw]}})
-        walk_steps = [(s.walk, {**walk_inputs[s.item][s.walk], "ctx": [s.ctx.to_tensor()]}) for s in steps]
-        if target == "image":
-            seed = params.get("seed")
+        walk_steps = [(s.walk, {**walk_inputs[s.item][s.walk], "ctx": [s.ctx.to_tensor()]}) for s in layout.steps]
+        ctx = layout.ctx
+        if request.target == "image":
+            fs, (lat_h, lat_w) = request.flow, layout.lat_hw
+            seed = request.seed
             g = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(62))
-            noise = torch.randn(lat_hw[0] * lat_hw[1], self.spec.latent_dim, generator=g)
+            noise = torch.randn(lat_h * lat_w, self.spec.latent_dim, generator=g)
             times = timestep_schedule(fs.num_timesteps, fs.timestep_shift)[0]
             guided = any(fs.branch_active("cfg_text", t) for t in times)
             final = ("image_gen_cfg" if guided else "image_gen",
                      {"latents": [noise], "time_index": [torch.tensor(0)], "ctx": [ctx.to_tensor()]})
         else:
             final = ("decode", {"token": [torch.tensor([self.special_tokens.im_start])], "ctx": [ctx.to_tensor()]})
-        return BagelState(request_id=request_id, partition=partition, params=params, tensors={},
+        return BagelState(request_id=request_id, partition=partition, params=request, tensors={},
                           steps=walk_steps, final=final)
 
     def next_walk(self, state: BagelState) -> str | None:

@@ -32,10 +32,11 @@ from mstar.model import KVSequence, NodeInputs, NodeSubmodule
 from mstar.model.decode import generation_done, stop_token_set
 from mstar.models.bagel.config import BagelLLMConfig
 from mstar.models.bagel.embeddings import PositionEmbedding, TimestepEmbedder, flattened_position_ids
-from mstar.models.bagel.flow import cfg_combine, flow_settings, timestep_schedule
+from mstar.models.bagel.flow import cfg_combine, timestep_schedule
 from mstar.models.bagel.image_transform import InputImageTransforms
 from mstar.models.bagel.layout import Ctx
 from mstar.models.bagel.mot import MoTLLM
+from mstar.models.bagel.walks import BagelWalk
 
 __all__ = ["BagelLLMNode", "CombineCFG", "SpecialTokens", "VAEDecoderNode", "VAEEncoderNode", "ViTNode",
            "request_sampling"]
@@ -124,47 +125,60 @@ class BagelLLMNode(NodeSubmodule):
 
     @torch.inference_mode()
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
+        try:
+            walk = BagelWalk(graph_walk)
+        except ValueError:
+            raise ValueError(f"LLM node: unknown walk {graph_walk!r}") from None
         ctx = Ctx.from_tensor(inputs["ctx"][0])
-        node = fwd_info.node
-        if graph_walk == "prefill_text":
-            ids = [self.tokens.im_start, *inputs["text_ids"][0].reshape(-1).tolist(), self.tokens.im_end]
-            x = self._embed(ids)
-            n = len(ids)
-            pos = torch.arange(ctx.rope, ctx.rope + n)
-            seqs = [KVSequence("LLM", n, QueryMode.CAUSAL_APPEND)]
-            if ctx.write_img:  # the text-only context of the cfg_img branch, at its own positions
-                seqs.append(KVSequence("LLM_cfg_img", n, QueryMode.CAUSAL_APPEND))
-                x, pos = torch.cat([x, x]), torch.cat([pos, torch.arange(ctx.img_rope, ctx.img_rope + n)])
-            gen = torch.zeros(x.shape[0], dtype=torch.bool)
-            return NodeInputs({"x": x, "gen": gen, "pos": pos}, sequences=seqs, extras={"kind": "prefill"})
-        if graph_walk in ("prefill_vit", "prefill_vae"):
-            if graph_walk == "prefill_vit":
-                x, gen = self._image_block(inputs["vit_embeds"][0], gen=False)
-            else:
-                lat = inputs["vae_latents"][0]
-                h, w = int(inputs["vae_latents"][1][0]), int(inputs["vae_latents"][1][1])
-                x, gen = self._image_block(self.latent_tokens(lat, 0.0, h, w), gen=True)
-            pos = torch.full((x.shape[0],), ctx.rope, dtype=torch.long)
-            return NodeInputs({"x": x, "gen": gen, "pos": pos},
-                              sequences=[KVSequence("LLM", x.shape[0], QueryMode.BLOCK_APPEND)],
-                              extras={"kind": "prefill"})
-        if graph_walk == "decode":
-            tok = int(inputs["token"][0].reshape(-1)[0])
-            step = fwd_info.iteration[-1] if fwd_info.iteration else 0
-            pos = torch.tensor([ctx.rope + fwd_info.cache_len - ctx.length])
-            sp = request_sampling(fwd_info.params)
-            stop = stop_token_set(sp, (self.tokens.im_end,))
-            return NodeInputs({"x": self._embed([tok]), "gen": torch.zeros(1, dtype=torch.bool), "pos": pos},
-                              sequences=[KVSequence("LLM", 1, QueryMode.CAUSAL_APPEND)],
-                              extras={"kind": "decode", "sampling": sp, "step": step, "stop_ids": stop})
-        if graph_walk not in ("image_gen", "image_gen_cfg"):
-            raise ValueError(f"LLM node: unknown walk {graph_walk!r}")
-        branch = _BRANCH[node]
-        fs = flow_settings(fwd_info.params, editing=not ctx.img_alias)
+        if walk is BagelWalk.PREFILL_TEXT:
+            return self._prefill_text(inputs, ctx)
+        if walk is BagelWalk.PREFILL_VIT:
+            return self._prefill_image(self._image_block(inputs["vit_embeds"][0], gen=False), ctx)
+        if walk is BagelWalk.PREFILL_VAE:
+            lat = inputs["vae_latents"][0]
+            h, w = int(inputs["vae_latents"][1][0]), int(inputs["vae_latents"][1][1])
+            return self._prefill_image(self._image_block(self.latent_tokens(lat, 0.0, h, w), gen=True), ctx)
+        if walk is BagelWalk.DECODE:
+            return self._decode(fwd_info, inputs, ctx)
+        return self._flow(walk, fwd_info, inputs, ctx)  # IMAGE_GEN, IMAGE_GEN_CFG
+
+    def _prefill_text(self, inputs, ctx: Ctx) -> NodeInputs:
+        ids = [self.tokens.im_start, *inputs["text_ids"][0].reshape(-1).tolist(), self.tokens.im_end]
+        x = self._embed(ids)
+        n = len(ids)
+        pos = torch.arange(ctx.rope, ctx.rope + n)
+        seqs = [KVSequence("LLM", n, QueryMode.CAUSAL_APPEND)]
+        if ctx.write_img:  # the text-only context of the cfg_img branch, at its own positions
+            seqs.append(KVSequence("LLM_cfg_img", n, QueryMode.CAUSAL_APPEND))
+            x, pos = torch.cat([x, x]), torch.cat([pos, torch.arange(ctx.img_rope, ctx.img_rope + n)])
+        gen = torch.zeros(x.shape[0], dtype=torch.bool)
+        return NodeInputs({"x": x, "gen": gen, "pos": pos}, sequences=seqs, extras={"kind": "prefill"})
+
+    @staticmethod
+    def _prefill_image(block: tuple[torch.Tensor, torch.Tensor], ctx: Ctx) -> NodeInputs:
+        x, gen = block
+        pos = torch.full((x.shape[0],), ctx.rope, dtype=torch.long)
+        return NodeInputs({"x": x, "gen": gen, "pos": pos},
+                          sequences=[KVSequence("LLM", x.shape[0], QueryMode.BLOCK_APPEND)],
+                          extras={"kind": "prefill"})
+
+    def _decode(self, fwd_info, inputs, ctx: Ctx) -> NodeInputs:
+        tok = int(inputs["token"][0].reshape(-1)[0])
+        step = fwd_info.iteration[-1] if fwd_info.iteration else 0
+        pos = torch.tensor([ctx.rope + fwd_info.cache_len - ctx.length])
+        sp = fwd_info.params.sampling  # a BagelRequest's (BagelModel.parse_request)
+        stop = stop_token_set(sp, (self.tokens.im_end,))
+        return NodeInputs({"x": self._embed([tok]), "gen": torch.zeros(1, dtype=torch.bool), "pos": pos},
+                          sequences=[KVSequence("LLM", 1, QueryMode.CAUSAL_APPEND)],
+                          extras={"kind": "decode", "sampling": sp, "step": step, "stop_ids": stop})
+
+    def _flow(self, walk: BagelWalk, fwd_info, inputs, ctx: Ctx) -> NodeInputs:
+        branch = _BRANCH[fwd_info.node]
+        fs = fwd_info.params.flow
         i = int(inputs["time_index"][0].reshape(-1)[0])
         ts, dts = timestep_schedule(fs.num_timesteps, fs.timestep_shift)
         lat = inputs["latents"][0]
-        info = {"kind": "flow", "branch": branch, "single": graph_walk == "image_gen", "i": i,
+        info = {"kind": "flow", "branch": branch, "single": walk is BagelWalk.IMAGE_GEN, "i": i,
                 "t": ts[i], "dt": dts[i], "last": i + 1 >= fs.num_steps}
         active = branch == "main" or (
             fs.branch_active(branch, ts[i]) and not (ctx.text_alias if branch == "cfg_text" else ctx.img_alias))
@@ -240,7 +254,7 @@ class CombineCFG(NodeSubmodule):
         out: dict[str, list[torch.Tensor]] = {"latents": [], "time_index": [], "stop": []}
         for r, info in enumerate(ei.infos):
             c = Ctx.from_tensor(cols["ctx"][r])
-            fs = flow_settings(info.params, editing=not c.img_alias)
+            fs = info.params.flow
             i = int(cols["time_index"][r].reshape(-1)[0])
             ts, dts = timestep_schedule(fs.num_timesteps, fs.timestep_shift)
             s_text, s_img = fs.scales_at(ts[i])
@@ -304,7 +318,7 @@ class VAEDecoderNode(NodeSubmodule):
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
         c = Ctx.from_tensor(inputs["ctx"][0])
         return NodeInputs(extras={"latents": inputs["latents"][0], "hw": (c.lat_h, c.lat_w),
-                                  "latent_out": fwd_info.params.get("output_type") == "latent"})
+                                  "latent_out": fwd_info.params.latent_out})
 
     def forward(self, graph_walk, engine_inputs, **_):
         from mstar.models.bagel.vae import unpatchify_latents
