@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import queue
 import threading
 import uuid
 import weakref
@@ -27,8 +26,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mstar.model.base import ModelDef
 from mstar.model.reads import ReadDict
 from mstar.model.registry import resolve_model
@@ -37,12 +34,12 @@ from mstar.placement import Placement
 from mstar.runtime.conductor import Conductor
 from mstar.runtime.drivers.local import InlineDriver, ProcessDriver, RestartPolicy
 from mstar.runtime.engine import StatelessEngine
-from mstar.runtime.failures import FailureKind
 from mstar.runtime.gc_freeze import freeze_startup_objects, thaw
 from mstar.runtime.handles import RequestHandle, RequestOutput
 from mstar.runtime.malloc import keep_freed_memory
 from mstar.runtime.openmp import release_thread_pool
 from mstar.runtime.routing import Routing
+from mstar.runtime.runtime_loop import RuntimeLoop
 from mstar.runtime.tp.groups import check_tp_placement, tp_rank_tuples
 
 WORKER_MODES = ("inline", "process", "ray")
@@ -114,11 +111,9 @@ class Runtime:
         # chosen once: the loop below never asks which mode it is in
         self._driver = _make_driver(workers, transport, self.model, self.routing, device, start_timeout, policy,
                                     ray_address)
+        self._loop = RuntimeLoop(self._driver)
         self._conductor: Conductor | None = None
-        self._commands: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._stop = False
-        self._lost: str | None = None  # set when the runtime's thread failed
         self._pool_blocks: dict[str, int] = {}  # KV module -> blocks of its smallest pool, when sized from memory
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -127,12 +122,10 @@ class Runtime:
             return self
         self._driver.start()
         self._conductor = Conductor(self.model, self.routing, self._driver.transport)
-        self._stop = False
         release_thread_pool()  # this thread's OpenMP workers would throttle the runtime's (openmp.py)
         keep_freed_memory()  # a step's large buffers are reused, not mapped and zeroed anew (malloc.py)
         freeze_startup_objects()  # full collections skip what was built so far (gc_freeze.py)
-        self._thread = threading.Thread(target=self._drive, name="mstar-runtime", daemon=True)
-        self._thread.start()
+        self._thread = self._loop.start(self._conductor)
         # a runtime still running when the interpreter exits is shut down first: a daemon thread
         # caught inside a torch op by the interpreter's finalization aborts the process
         ref = weakref.ref(self)
@@ -148,9 +141,7 @@ class Runtime:
     def shutdown(self) -> None:
         """Abort what is in flight, stop the workers (processes exit, nothing is orphaned)."""
         if self._thread is not None:
-            self._stop = True
-            self._driver.wake()
-            self._thread.join()
+            self._loop.stop()
             self._thread = None
             self._driver.stop()
             atexit.unregister(self._exit_hook)
@@ -169,13 +160,13 @@ class Runtime:
     @property
     def unhealthy_reason(self) -> str | None:
         """Why the runtime cannot serve (a worker died, a runtime error), or None."""
-        return self._lost or self._driver.lost
+        return self._loop.lost or self._driver.lost
 
     @property
     def fatal(self) -> str | None:
         """Why the runtime will never serve again (a runtime error, a worker death not restarted), or
         None while it serves or may again (``mstar serve`` exits non-zero on it)."""
-        return self._lost or self._driver.gave_up
+        return self._loop.lost or self._driver.gave_up
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, inputs: Mapping[str, Any], params: Mapping[str, Any] | None = None,
@@ -282,51 +273,5 @@ class Runtime:
         """The ``NodeSubmodule`` of ``module`` (inline mode only)."""
         return self.local_engine(module).module
 
-    # -- the runtime's thread ----------------------------------------------------------------------
     def _command(self, fn) -> None:
-        self._commands.put(fn)
-        self._driver.wake()
-
-    def _drive(self) -> None:
-        """Run commands from callers -> move messages and run work -> watch the workers; repeat.
-        The loop runs in inference mode, entered once: entering it around every forward is a fixed
-        cost paid on every step."""
-        with torch.inference_mode():
-            self._loop()
-
-    def _loop(self) -> None:
-        conductor, driver = self._conductor, self._driver
-        busy = False
-        try:
-            while not self._stop:
-                # the queue's deque read without its lock (an item put meanwhile is seen next time
-                # round: putting it also wakes the loop)
-                did = bool(self._commands.queue) and self._run_commands()
-                did = driver.pump(conductor, did) or did
-                if driver.lost is not None:  # a rank is down: other ranks may hold state of any request
-                    self._fail_all(FailureKind.WORKER_LOST, driver.lost)
-                if busy and not did:  # going idle: other threads' torch work must not wake ours (openmp.py)
-                    release_thread_pool()
-                busy = did
-                if not did:
-                    driver.idle()
-            # shutting down: whatever is still in flight ends as aborted, so no caller waits forever
-            self._run_commands()
-            for rid in list(conductor.requests):
-                conductor.abort(rid)
-        except BaseException as e:  # noqa: BLE001 - surface runtime bugs to every waiting request
-            self._lost = f"runtime error: {type(e).__name__}: {e}"
-            self._fail_all(FailureKind.INTERNAL, self._lost)
-            raise
-
-    def _run_commands(self) -> bool:
-        did = False
-        while not self._commands.empty():
-            self._commands.get()()
-            did = True
-        return did
-
-    def _fail_all(self, kind: FailureKind, error: str) -> None:
-        for rid in list(self._conductor.requests):
-            self._conductor.fail(rid, error, kind)
-        self._conductor.fail_stats(error)
+        self._loop.command(fn)
