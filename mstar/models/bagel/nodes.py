@@ -83,8 +83,6 @@ class BagelLLMNode(NodeSubmodule):
         self.max_latent_size = max_latent_size
         self.tokens = tokens
         self.kv_spec = self.language_model.kv_spec(dtype)
-        # per-forward memo: the three guidance branches of a request query the SAME block each step
-        self._blocks: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._pos_rows: dict[tuple[int, int], torch.Tensor] = {}  # latent grid -> position embedding rows
         self._t_emb: dict[float, torch.Tensor] = {}  # flow time -> timestep embedding
 
@@ -186,12 +184,8 @@ class BagelLLMNode(NodeSubmodule):
             e = torch.zeros(0, self.vae2llm.out_features, dtype=self.dtype)
             return NodeInputs({"x": e, "gen": torch.zeros(0, dtype=torch.bool), "pos": torch.zeros(0, dtype=torch.long)},
                               sequences=[], extras={**info, "kind": "skip"})
-        key = (fwd_info.request_id, i)
-        block = self._blocks.get(key)
-        if block is None:
-            block = self._blocks[key] = self._image_block(self.latent_tokens(lat, ts[i], ctx.lat_h, ctx.lat_w),
-                                                          gen=True)
-        x, gen = block
+        # each guidance branch makes the same block (two small products): prepare_inputs keeps no state
+        x, gen = self._image_block(self.latent_tokens(lat, ts[i], ctx.lat_h, ctx.lat_w), gen=True)
         n = x.shape[0]
         if branch == "main":
             seq, rope = KVSequence("LLM", n, QueryMode.READ_ONLY), ctx.rope
@@ -204,7 +198,6 @@ class BagelLLMNode(NodeSubmodule):
                           sequences=[seq], extras={**info, "latents": lat})
 
     def forward(self, graph_walk, engine_inputs, x, gen, pos):
-        self._blocks.clear()
         ei = engine_inputs
         ei.positions = pos
         hidden = self.language_model(None, ei, gen_mask=gen, inputs_embeds=x) if x.shape[0] else x
