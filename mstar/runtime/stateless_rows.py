@@ -60,7 +60,7 @@ class StatelessRowsEngine(StatelessEngine):
 
     def run_rows(self, items: list[WorkItem], rows: list[int]) -> dict[str, list] | None:
         """One forward of ``items``, the next iterations of the last forward's ``rows``
-        (``decode_rows``), their inputs from the module's ``continue_batch``. The module's outputs
+        (``rows_of``), their inputs from the module's ``continue_batch``. The module's outputs
         as it returned them; None, with nothing changed, when the module declines or the forward
         fails: ``run`` then prepares the items."""
         last, self._kept = self._kept, None

@@ -41,7 +41,7 @@ class KVCacheEngine(KVRows, StatelessEngine):
         self._appended: list[tuple[str, str, int]] = []
         self._swapped: dict[str, SwappedKV] = {}
         self.preemptions = 0
-        self._init_continued()
+        self._init_rows()
 
     def cache_len(self, item: WorkItem) -> int:
         if self._swapped:

@@ -71,7 +71,7 @@ class KVRows:
 
     continues_batches = True  # a tensor-parallel leader, whose followers repeat ``run``, says no
 
-    def _init_continued(self) -> None:
+    def _init_rows(self) -> None:
         self._decode: KeptBatch | None = None  # the last forward, when its rows may go on
         self._forwards = 0  # forwards of the current ``run`` (more than one: items were isolated)
         self.row_forwards = 0  # forwards made by ``run_rows``
@@ -91,7 +91,7 @@ class KVRows:
 
     def run_rows(self, items: list[WorkItem], rows: list[int]) -> dict[str, list] | None:
         """One forward of ``items``, the next iterations of the last forward's ``rows``
-        (``decode_rows``), without ``prepare_inputs``: their tensors from the module's
+        (``rows_of``), without ``prepare_inputs``: their tensors from the module's
         ``continue_batch``, their KV slots through ``KVCacheManager.append_tokens``. The module's
         outputs as it returned them; None, with nothing changed, when that does not hold (the
         module declines, a row needs the general planning, the forward failed): ``run`` then
