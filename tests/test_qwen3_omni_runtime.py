@@ -451,6 +451,15 @@ def test_one_token_answer_still_speaks(runtime):
     assert kv_blocks_in_use(runtime) == 0
 
 
+def _speech(voice: str = "ethan"):
+    """A parsed speech request (the Talker's prefill reads its voice)."""
+    from mstar.layers.sampling import SamplingParams
+    from mstar.models.qwen3_omni.request import OmniRequest
+
+    return OmniRequest(SamplingParams(), (), audio=True, voice=voice, talker=SamplingParams(),
+                       predictor=SamplingParams())
+
+
 def test_text_prompts_take_the_talker_prefill_fast_path_with_the_same_rows(omni):
     """A prompt without media placeholders builds its Talker prefill from the ids as a list; every
     field equals the general path's (user rows of every user turn, header rows, positions, prefix
@@ -463,7 +472,7 @@ def test_text_prompts_take_the_talker_prefill_fast_path_with_the_same_rows(omni)
                torch.tensor([*body, IM_START, ASSISTANT, NL]), torch.tensor([7, 8, *body, IM_START, ASSISTANT, NL]),
                torch.tensor([IM_START, USER, NL, IM_END, NL, IM_START, ASSISTANT, NL])]
     for prompt in prompts:
-        for params in ({}, {"voice": "chelsie"}):
+        for params in (_speech(), _speech("chelsie")):
             states = torch.randn(prompt.numel(), 2, 64)
             fast = talker._prefill_request(prompt, [states], None, params)
             assert talker._text_prefill_request(prompt.tolist(), states, params) is not None
@@ -475,9 +484,9 @@ def test_text_prompts_take_the_talker_prefill_fast_path_with_the_same_rows(omni)
             for name in ("text_rows", "hidden_rows", "is_media", "positions"):
                 assert torch.equal(getattr(a, name), getattr(b, name)), name
     with pytest.raises(ValueError, match="must end with"):
-        talker._prefill_request(prompts[0][:-1], [torch.randn(prompts[0].numel() - 1, 2, 64)], None, {})
+        talker._prefill_request(prompts[0][:-1], [torch.randn(prompts[0].numel() - 1, 2, 64)], None, _speech())
     with_audio = chat(151675, 9707)
-    assert talker._text_prefill_request(with_audio.tolist(), torch.randn(with_audio.numel(), 2, 64), {}) is None
+    assert talker._text_prefill_request(with_audio.tolist(), torch.randn(with_audio.numel(), 2, 64), _speech()) is None
 
 
 def _prefix_hits(rt, node: str) -> int:

@@ -14,10 +14,8 @@ from collections.abc import Mapping
 import torch
 
 from mstar.layers.sampling import sample
-from mstar.model.decode import ParamsMemo
 from mstar.model.submodule import EngineInputs, ForwardInfo, NodeInputs, NodeSubmodule
 from mstar.models.qwen3_omni.code2wav import ChunkRequest, Code2Wav, NextChunk, VocoderState
-from mstar.models.qwen3_omni.nodes import predictor_sampling
 from mstar.models.qwen3_omni.talker import CodePredictor
 
 __all__ = ["Code2WavNode", "CodePredictorNode", "FrameAssembler"]
@@ -40,7 +38,6 @@ class CodePredictorNode(NodeSubmodule):
     def __init__(self, predictor: CodePredictor) -> None:
         super().__init__()
         self.predictor = predictor
-        self._sampling = ParamsMemo(predictor_sampling)
         self._groups = predictor.config.num_code_groups  # read at every step: not through the module
 
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
@@ -50,7 +47,7 @@ class CodePredictorNode(NodeSubmodule):
         if code.dim() != 1:  # the previous step's code comes as [1] already
             code = code.reshape(-1)
         return NodeInputs(extras={"j": j, "seed_step": frame * self._groups + j,
-                                  "sampling": self._sampling(fwd_info.params),
+                                  "sampling": fwd_info.params.predictor,
                                   "hidden": inputs["talker_hidden"][0], "code": code,
                                   "cache": inputs["cp_cache"][0], "sum": inputs["cp_sum"][0]})
 

@@ -67,9 +67,9 @@ CODE2WAV_FIRST_CHUNK = 5  # the first audio after 5 frames (0.4 s); then 10, 20,
 CODE2WAV_LEFT_CONTEXT = 25  # the seeds' value; the model passes its exact context (see build_graph)
 
 
-def wants_audio(params) -> bool:
-    """Whether a request asks for speech (``params["audio"]``; default: text only)."""
-    return bool(params.get("audio", False))
+def wants_audio(request) -> bool:
+    """Whether a request (an ``OmniRequest``) asks for speech (default: text only)."""
+    return request.audio
 
 
 def _prefill_section(outputs: list[GraphEdge], audio_in: bool, image_in: bool):

@@ -30,14 +30,15 @@ from typing import Any
 import torch
 
 from mstar.graph import WalkGraph
-from mstar.layers.sampling import request_sampling
+from mstar.layers.sampling import SamplingParams, request_sampling
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.model.checkpoint import check_load_format, reject_checkpoint, resolve_dtype
-from mstar.model.decode import ParamsMemo, generation_done, stop_token_set
+from mstar.model.decode import generation_done, stop_token_set
 from mstar.model.tokenizer import LazyTokenizer
 from mstar.models.qwen3_omni import graph as omni_graph
 from mstar.models.qwen3_omni.config import TINY_HF_CONFIG, Qwen3OmniConfig
 from mstar.models.qwen3_omni.media import MediaSettings
+from mstar.models.qwen3_omni.request import OmniRequest
 
 __all__ = ["Qwen3Omni", "Qwen3OmniTiny"]
 
@@ -48,7 +49,8 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
     """A Qwen3-Omni checkpoint directory (``model_path``; its config is read on first use, so the graph
     alone needs none), or ``config`` with ``load_format="dummy"`` for seeded random weights."""
 
-    checks_params = True  # validate_request looks up every params key (Runtime.submit refuses others)
+    checks_params = True  # parse_request looks up every params key (Runtime.submit refuses others)
+    request_type = OmniRequest
 
     name = "qwen3-omni"
     family = "qwen3-omni"
@@ -62,8 +64,6 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
             config = Qwen3OmniConfig.from_hf_dict(config)
         self._config: Qwen3OmniConfig | None = config  # else read from the checkpoint on first use
         self._media: MediaSettings | None = None  # read with it
-        # a submit validates a request, then sizes its caches: both read its Thinker and Talker sampling
-        self._thinker_sampling, self._talker_sampling = ParamsMemo(_thinker_sampling), ParamsMemo(_talker_sampling)
         if load_format != "dummy" and self.model_path is None and config is not None:
             raise ValueError("qwen3-omni: a model path is needed to load weights (or load_format='dummy')")
 
@@ -123,12 +123,12 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
         return omni_graph.next_walk(state, ends)
 
     def _prefill_token_ends(self, state: WalkState) -> bool:
-        sp = self._thinker_sampling(state.params)
+        req: OmniRequest = state.params
         token = int(state.tensors["token"][0].reshape(-1)[0])
-        return generation_done(token, 0, sp, stop_token_set(sp, (self.config.tokens.im_end,)))
+        return generation_done(token, 0, req.thinker, req.thinker_stop_ids)
 
     # -- requests ----------------------------------------------------------------------------------
-    def validate_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> None:
+    def parse_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> OmniRequest:
         from mstar.models.qwen3_omni import nodes
 
         if "input_ids" not in inputs or len(inputs["input_ids"]) != 1:
@@ -142,14 +142,17 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
         vocab = self.config.thinker.vocab_size
         if min(tokens) < 0 or max(tokens) >= vocab:
             raise ValueError(f"qwen3-omni: input_ids must be in [0, {vocab})")
-        sp = self._thinker_sampling(params)
+        sp = _thinker_sampling(params)
         if len(tokens) + sp.max_tokens > self.config.thinker.max_position_embeddings:
             raise ValueError(f"qwen3-omni: prompt ({len(tokens)} tokens) + max_tokens ({sp.max_tokens}) exceeds "
                              f"the context of {self.config.thinker.max_position_embeddings} tokens")
         self._validate_audio_input(tokens, inputs.get("audio_features") or [])
         self._validate_images(tokens, inputs)
-        if omni_graph.wants_audio(params):
-            self._validate_audio(tokens, params, nodes)
+        stop_ids = tuple(sorted(stop_token_set(sp, (self.config.tokens.im_end,))))
+        if not params.get("audio", False):
+            return OmniRequest(sp, stop_ids)
+        voice, talker, predictor = self._validate_audio(tokens, params, nodes)
+        return OmniRequest(sp, stop_ids, True, voice, talker, predictor)
 
     def _validate_audio_input(self, tokens: list[int], clips: list[Any]) -> None:
         """Each clip ``[mel bins, T]`` float; the prompt holds one placeholder per audio-tower output row."""
@@ -200,24 +203,28 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
         """The audio tower's ``n_window`` (its output length per clip: ``encoders.audio_token_count``)."""
         return int(self.config.hf.get("thinker_config", {}).get("audio_config", {}).get("n_window", 50))
 
-    def _validate_audio(self, tokens: list[int], params: Mapping[str, Any], nodes: Any) -> None:
+    def _validate_audio(self, tokens: list[int], params: Mapping[str, Any],
+                        nodes: Any) -> tuple[str, SamplingParams, SamplingParams]:
+        """A speech request's voice, Talker sampling and code predictor sampling, checked."""
         special = nodes.omni_token_ids(self.config)
-        special.speaker_id(str(params.get("voice") or "ethan"))
+        voice = str(params.get("voice") or "ethan")
+        special.speaker_id(voice)
         if tokens[-3:-1] != [special.im_start, special.assistant]:  # the last '<|im_start|>assistant' pair
             raise ValueError("qwen3-omni: for audio output the prompt must end with '<|im_start|>assistant\\n'")
-        talker = self._talker_sampling(params)
-        nodes.predictor_sampling(params, talker)
+        talker = nodes.talker_sampling(params)
+        predictor = nodes.predictor_sampling(params, talker)
         limit = self.config.talker.text.max_position_embeddings
         if len(tokens) + 9 + talker.max_tokens > limit:
             raise ValueError(f"qwen3-omni: prompt + talker max_tokens ({talker.max_tokens}) exceeds the talker's "
                              f"context of {limit} positions")
+        return voice, talker, predictor
 
-    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> Mapping[str, int]:
+    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], request: OmniRequest) -> Mapping[str, int]:
         """Thinker: prompt + max_tokens; Talker (audio only): the user part (<= prompt) + 9 + its steps."""
         n = inputs["input_ids"][0].numel()
-        out = {"Thinker": n + self._thinker_sampling(params).max_tokens}
-        if omni_graph.wants_audio(params):
-            out["Talker"] = n + 9 + self._talker_sampling(params).max_tokens
+        out = {"Thinker": n + request.thinker.max_tokens}
+        if request.audio:
+            out["Talker"] = n + 9 + request.talker.max_tokens
         return out
 
     # -- modules -----------------------------------------------------------------------------------
@@ -266,12 +273,6 @@ def _thinker_defaults() -> Mapping[str, Any]:
 
 def _thinker_sampling(params: Mapping[str, Any]) -> Any:
     return request_sampling(params, _thinker_defaults())
-
-
-def _talker_sampling(params: Mapping[str, Any]) -> Any:
-    from mstar.models.qwen3_omni.nodes import talker_sampling
-
-    return talker_sampling(params)
 
 
 class Qwen3OmniTiny(Qwen3Omni):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from mstar.layers.sampling import SamplingParams, request_sampling, sample
-from mstar.model.decode import ParamsMemo, generation_done, stop_token_set
+from mstar.model.decode import generation_done
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
 from mstar.models.qwen3_omni.prompt import OmniTokenIds
@@ -99,15 +99,11 @@ class ThinkerNode(NodeSubmodule):
         self.eos_ids = (cfg.tokens.im_end,)
         self.tokens = cfg.tokens
         self.vision = vision_layout(cfg)
-        self._sampling = ParamsMemo(self._build_sampling)
-
-    def _build_sampling(self, params: Mapping[str, Any]) -> tuple[SamplingParams, frozenset[int]]:
-        sp = request_sampling(params, THINKER_SAMPLING)
-        return sp, stop_token_set(sp, self.eos_ids)
 
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
-        sp, stop_ids = self._sampling(fwd_info.params)
+        req = fwd_info.params  # an OmniRequest (Qwen3Omni.parse_request)
+        sp, stop_ids = req.thinker, req.thinker_stop_ids
         penalised = sp.repetition_penalty != 1.0
         if "input_ids" in inputs:
             ids, step = inputs["input_ids"][0].reshape(-1).to(torch.long), 0

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from mstar.layers.sampling import SamplingParams, sample
-from mstar.model.decode import ParamsMemo
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
-from mstar.models.qwen3_omni.nodes import flag, omni_token_ids, talker_sampling, vision_layout
+from mstar.models.qwen3_omni.nodes import flag, omni_token_ids, vision_layout
 from mstar.models.qwen3_omni.prompt import assistant_start, multimodal_mask, user_positions
+from mstar.models.qwen3_omni.request import OmniRequest
 from mstar.models.qwen3_omni.talker import TalkerLM, empty_frame_cache
 from mstar.models.qwen3_omni.thinker import mrope_positions
 
@@ -65,7 +64,6 @@ class TalkerNode(NodeSubmodule):
         self.vision = vision_layout(cfg)
         # the thinker's input embeddings of tts_bos, tts_eos, tts_pad [3, Ht] (projected in each forward)
         self.register_buffer("tts_rows", tts_rows.detach().clone(), persistent=False)
-        self._sampling = ParamsMemo(talker_sampling)
         self._empty_cp_cache: dict[torch.dtype, torch.Tensor] = {}  # the code predictor's frame cache at step 0
         self._codec_rows: dict[tuple[int, int, int], torch.Tensor] = {}  # _assistant_codec
         self._code_keys: dict[int, torch.Tensor] = {}  # _negative_codes
@@ -93,11 +91,11 @@ class TalkerNode(NodeSubmodule):
         if seen.dim() != 1 or seen.dtype != torch.long:
             seen = seen.reshape(-1).to(torch.long)
         req = _DecodeRequest(codec_sum, row, tts, position)
-        return NodeInputs(num_tokens=1, extras={"req": req, "sampling": self._sampling(fwd_info.params),
+        return NodeInputs(num_tokens=1, extras={"req": req, "sampling": fwd_info.params.talker,
                                                 "seen": seen, "step": step})
 
     def _prefill_request(self, prompt: torch.Tensor, items: list, grids: torch.Tensor | None,
-                         params: Mapping[str, Any]) -> tuple[_PrefillRequest, torch.Tensor]:
+                         params: OmniRequest) -> tuple[_PrefillRequest, torch.Tensor]:
         """The request's prefill rows and the ids of its leading rows whose KV the prefix cache may
         share (``_reusable``)."""
         if len(items) != 1 or items[0].shape[0] != prompt.numel():
@@ -113,13 +111,13 @@ class TalkerNode(NodeSubmodule):
         users = user_positions(prompt, self.ids)
         media = multimodal_mask(prompt, self.ids)[users]
         text_pos = torch.cat([users[~media], torch.arange(start, start + 3)])
-        speaker = self.ids.speaker_id(str(params.get("voice") or "ethan"))
+        speaker = self.ids.speaker_id(params.voice)
         talker_ids = torch.cat([prompt[users], torch.full((9,), self.ids.tts_pad)])  # what RoPE is computed from
         positions, delta = mrope_positions(talker_ids, grids, self.ids.image, *self.vision)
         req = _PrefillRequest(states[text_pos, 0], states[users[media], 1], media, speaker, positions[:, :-1], delta)
         return req, self._reusable(prompt[users], media, prompt[start:start + 3], speaker)
 
-    def _text_prefill_request(self, ids: list[int], states: torch.Tensor, params: Mapping[str, Any],
+    def _text_prefill_request(self, ids: list[int], states: torch.Tensor, params: OmniRequest,
                               prompt: torch.Tensor | None = None) -> tuple[_PrefillRequest, torch.Tensor] | None:
         """``_prefill_request`` of a prompt without media placeholders, over the ids as a list and the
         user turns as slices (the same values in a few tensor operations instead of some twenty);
@@ -136,7 +134,7 @@ class TalkerNode(NodeSubmodule):
             starts.insert(0, 0)
         turns = [(a, b) for a, b in zip(starts, [*starts[1:], n]) if ids[min(a + 1, n - 1)] == t.user]
         u = sum(b - a for a, b in turns)
-        speaker = t.speaker_id(str(params.get("voice") or "ethan"))
+        speaker = t.speaker_id(params.voice)
         prompt = torch.tensor(ids) if prompt is None else prompt.to(torch.long)
         text = torch.cat([*(states[a:b, 0] for a, b in turns), states[n - 3:, 0]])
         req = _PrefillRequest(text, states.new_empty(0, states.shape[-1]), torch.zeros(u, dtype=torch.bool),
