@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.keys import PartitionKey, StreamKey, encode_counts
@@ -43,6 +43,15 @@ from mstar.runtime.work_items import DEFERRED, ItemError, WorkItem, as_values
 log = logging.getLogger(__name__)
 
 __all__ = ["Postprocess"]
+
+
+class _GoingOn(NamedTuple):
+    """A row of a general forward that goes on to its self-loop's next iteration and sends values."""
+
+    item: WorkItem
+    walk: LiveWalk
+    nxt: NextIteration
+    out: dict[str, Any]
 
 
 def _chunk_info(chunk) -> dict[str, Any]:
@@ -89,7 +98,7 @@ class Postprocess:
         rank, walks = self.rank, self.walks
         continued: list[WorkItem] = []
         continued_walks: list[LiveWalk] = []
-        sending: list[tuple[WorkItem, LiveWalk, NextIteration, dict[str, Any]]] = []  # rows going on with values
+        sending: list[_GoingOn] = []  # the rows going on that send values
         for item, out in zip(batch, results):
             if out is DEFERRED:
                 continue
@@ -109,7 +118,7 @@ class Postprocess:
                     self.fail(item.request_id, describe(e), FailureKind.of(e))
                     continue
                 if nxt.emits or nxt.streams:
-                    sending.append((item, w, nxt, out))
+                    sending.append(_GoingOn(item, w, nxt, out))
                 item.seq, item.iteration, item.inputs = next(self.sched.seqs), nxt.iteration, nxt.inputs
                 if item.chunks:
                     item.chunks = {}
@@ -123,16 +132,16 @@ class Postprocess:
             self._sent_on(sending)
         return continued, continued_walks
 
-    def _sent_on(self, sending: list[tuple[WorkItem, LiveWalk, NextIteration, dict[str, Any]]]) -> None:
+    def _sent_on(self, sending: list[_GoingOn]) -> None:
         """The values of ``results``' rows that go on, one node's rows at a time (a batch usually
         holds one node's)."""
-        node = sending[0][0].node
-        groups = [sending] if all(r[0].node == node for r in sending) else \
-            [[r for r in sending if r[0].node == n] for n in dict.fromkeys(r[0].node for r in sending)]
-        for rows in groups:
-            nxt = rows[0][2]
-            self._rows_values([r[0] for r in rows], [r[1] for r in rows], rows[0][0].node, nxt.emits, nxt.streams,
-                              lambda name, rows=rows: [r[3][name] for r in rows])
+        by_node: dict[str, list[_GoingOn]] = {}
+        for g in sending:
+            by_node.setdefault(g.item.node, []).append(g)
+        for node, rows in by_node.items():
+            nxt = rows[0].nxt
+            self._rows_values([g.item for g in rows], [g.walk for g in rows], node, nxt.emits, nxt.streams,
+                              lambda name, rows=rows: [g.out[name] for g in rows])
 
     def rows_ran(self, running: RunningSet, rows: RunningRows, out: dict[str, list]) -> None:
         """A forward of a module's running rows (``run_rows``: ``out`` is the module's outputs, a row
