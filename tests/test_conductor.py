@@ -53,8 +53,9 @@ class Sink:
     def on_row(self, rows, i):
         self.items.append(rows.value(i))
 
-    def on_end(self, status, error, failure):
+    def on_end(self, status, error, failure, finish=None):
         self.end = (status, error, failure)
+        self.finish = finish
 
 
 def conductor(model, placement=None):

@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from mstar.graph import FinishReason
 from mstar.runtime.conductor import RequestStatus
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.handles import RequestError, RequestHandle, held_wakeups
@@ -241,3 +242,13 @@ def test_rows_are_logged_without_a_tuple_each_and_read_in_order() -> None:
     assert asyncio.run(read(h)) == want
     out = h.result().outputs
     assert {k: [int(v[0]) for v in vals] for k, vals in out.items()} == {"token": [0, 1, 2, 99, 3, 4], "code": [50]}
+
+
+def test_the_end_carries_a_finish_reason() -> None:
+    reasons = []
+    for status, finish in [(RequestStatus.FINISHED, FinishReason.LENGTH), (RequestStatus.FINISHED, None),
+                           (RequestStatus.ABORTED, None), (RequestStatus.FAILED, None)]:
+        h = RequestHandle("r")
+        h.on_end(status, None, None, finish)
+        reasons.append(h.result().finish_reason)
+    assert reasons == [FinishReason.LENGTH, FinishReason.STOP, FinishReason.ABORT, FinishReason.ERROR]

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from mstar import RequestStatus, Runtime
+from mstar.graph import FinishReason
 from mstar.layers.paged_attention import AttentionMetadata, QueryMode
 from mstar.layers.rotary import RopeScaling, RotaryEmbedding, compute_inv_freq
 from mstar.model import EngineInputs, resolve_model
@@ -236,6 +237,7 @@ def test_greedy_generation_matches_hf_generate_batched(tied_ckpt, hf_greedy, pla
         outs = rt.generate([{"input_ids": torch.tensor(p)} for p in PROMPTS], GREEDY)
         for o, ref in zip(outs, hf_greedy):
             assert tokens(o) == ref
+            assert o.finish_reason is FinishReason.LENGTH  # the decode walk's, from the rank it ran on
         ranks = rt.stats()["ranks"]
         assert max(ranks[-1]["batch_sizes"]["LLM"]) > 1  # requests of different lengths decoded together
         if placement:
@@ -253,14 +255,19 @@ def test_repetition_penalty_and_stop_tokens_match_hf(tied_ckpt, hf_greedy):
     full = hf_greedy[0]
     k = next(i for i, t in enumerate(full) if i >= 3 and t not in full[:i])  # first occurrence of a token
     with Runtime(LlamaLM(model_path=path)) as rt:
-        pen, stop, one = rt.generate(
-            [{"input_ids": torch.tensor(p)}] * 3,
+        pen, stop, one, first = rt.generate(
+            [{"input_ids": torch.tensor(p)}] * 4,
             [{"max_tokens": 24, "sampling": {"repetition_penalty": 1.5, "ignore_eos": True}},
              {"max_tokens": GEN, "sampling": {"stop_token_ids": [full[k]], "ignore_eos": True}},
-             {"max_tokens": 1}])
+             {"max_tokens": 1},
+             {"max_tokens": GEN, "sampling": {"stop_token_ids": [full[0]], "ignore_eos": True}}])
         assert tokens(pen) == ref != full[:24]
         assert tokens(stop) == full[:k + 1]  # the stop token is emitted, nothing after it
         assert tokens(one) == full[:1]
+        assert tokens(first) == full[:1]  # the prefill's token stops it: no decode walk
+        # the finish reasons the LLM node's stop flag decided (a decode loop's, or the prefill's)
+        assert [o.finish_reason for o in (pen, stop, one, first)] == [
+            FinishReason.LENGTH, FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP]
         assert kv_blocks_in_use(rt) == 0
 
 

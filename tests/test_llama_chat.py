@@ -50,7 +50,7 @@ def test_chat_errors(server):
 def test_incremental_detokenizing_holds_back_partial_utf8():
     tok = ByteTokenizer()
     ids = tok.encode("né€", add_special_tokens=False)  # multi-byte characters split over tokens
-    dec = _TextDecoder(tok, max_tokens=100, stop_ids={2})
+    dec = _TextDecoder(tok, stop_ids={2})
     text = "".join(d.text for i in ids for d in dec.feed("token", [torch.tensor([i])]))
     text += "".join(d.text for d in dec.finish())
     assert text == "né€" and "\ufffd" not in text
@@ -68,7 +68,7 @@ def test_stop_strings_cut_the_text_and_never_stream_a_part():
     piece of it (a tail that could become one waits), finish_reason is "stop" and the decoder is done;
     without a match every character comes out, the held tail at the end."""
     tok = ByteTokenizer()
-    dec = _TextDecoder(tok, max_tokens=100, stop_ids={2}, stop=("END", "xyz"))
+    dec = _TextDecoder(tok, stop_ids={2}, stop=("END", "xyz"))
     sent, after = "", {}
     for i, ch in enumerate("abc ENxEND more"):
         for d in dec.feed("token", [torch.tensor(tok.encode(ch, add_special_tokens=False))]):
@@ -80,10 +80,10 @@ def test_stop_strings_cut_the_text_and_never_stream_a_part():
     assert after["abc ENx"] == "abc EN"  # "x" ruled "END" out, but may start "xyz"
     assert after["abc ENxEN"] == "abc ENx" and sent == "abc ENx" and dec.done and dec.finish_reason == "stop"
     assert dec.finish() == [] and dec.feed("token", [torch.tensor([65])]) == []
-    held = _TextDecoder(ByteTokenizer(), max_tokens=100, stop_ids={2}, stop=("END",))
+    held = _TextDecoder(ByteTokenizer(), stop_ids={2}, stop=("END",))
     parts = _feed_all(held, "xx EN")
     assert "".join(parts) == "xx EN" and parts[-1] == "EN" and not held.done  # the tail held, then flushed
-    first = _TextDecoder(ByteTokenizer(), max_tokens=100, stop_ids={2}, stop=("ab",))
+    first = _TextDecoder(ByteTokenizer(), stop_ids={2}, stop=("ab",))
     assert "".join(_feed_all(first, "abc")) == "" and first.done
 
 

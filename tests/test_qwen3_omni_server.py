@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from mstar.graph import FinishReason
 from mstar.model.adapter import CHAT, SPEECH, AudioChunk, TextDelta
 from mstar.models.qwen3_omni import adapter as A
 from mstar.models.qwen3_omni.media import MediaSettings
@@ -153,9 +154,11 @@ def test_decoder_turns_items_into_text_and_pcm16(adapter):
     assert decoder.feed("audio", [torch.zeros(0)]) == []
     decoder.feed("text", [torch.tensor([ord("k")])])
     decoder.feed("text", [torch.tensor([ord("!")])])
+    decoder.end(FinishReason.LENGTH)  # the runtime's reason (the Thinker's stop flag), not a count here
     assert decoder.finish_reason == "length"
     stop = adapter.new_decoder(SPEECH, req)
-    stop.feed("text", [torch.tensor([IE])])
+    assert stop.feed("text", [torch.tensor([IE])]) == [TextDelta("", 1)]  # a stop token: counted, not shown
+    stop.end(FinishReason.STOP)
     assert stop.finish_reason == "stop"
 
 

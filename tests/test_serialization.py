@@ -688,3 +688,11 @@ def test_zmq_pair_inproc_roundtrip():
         a.close(linger=0)
         b.close(linger=0)
         ctx.term()
+
+
+def test_a_walk_end_sends_its_finish_reason_by_value():
+    from mstar.graph import FinishReason
+    from mstar.runtime.wire.messages import WalkDone
+
+    msg = roundtrip(WalkDone("r", "p", "decode", {"stop": [FinishReason.STOP, None]}, {}, FinishReason.LENGTH))
+    assert msg.finish is FinishReason.LENGTH and msg.state["stop"][0] is FinishReason.STOP

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from mstar.model.adapter import TextDelta
+from mstar.model.adapter import ItemDecoder, TextDelta
 from mstar.server import media
 from tests.helpers import kv_blocks_in_use
 from tests.server_utils import running_server
@@ -245,9 +245,7 @@ def test_a_failure_mid_stream_ends_with_an_error_event(server, monkeypatch, capl
     url, engine = server
     make_decoder = engine.adapter.new_decoder
 
-    class Failing:
-        finish_reason = "stop"
-
+    class Failing(ItemDecoder):
         def __init__(self, route, req):
             self.inner, self.n = make_decoder(route, req), 0
 

@@ -12,6 +12,7 @@ from mstar.graph import (
     TO_STATE,
     Connection,
     DynamicLoop,
+    FinishReason,
     GraphEdge,
     GraphNode,
     Loop,
@@ -94,6 +95,25 @@ def test_deferred_stop_discards_the_speculative_iteration():
     assert r1.iteration == (1,)
     fx = t.node_done("n", r1.iteration, {"x": 2, "stop": False})
     assert fx.emits == [] and fx.done  # iteration 1 ran past the stop: dropped whole
+
+
+def test_a_walk_ends_with_the_reason_its_stop_flag_carries_or_length_at_the_bound():
+    def run(stop_at, flag, defer):
+        loop = DynamicLoop(GraphNode("n", ["x"], [GraphEdge("n", "x")]), max_iters=4, defer_stop_check=defer)
+        t = WalkTracker(plan(loop, ["x"]), {"x": 0})
+        r, i = only(t.start()), 0
+        while True:
+            fx = t.node_done("n", r.iteration, {"x": i, "stop": flag if i == stop_at else None})
+            if fx.done:
+                return t.finish, i
+            r, i = only(fx), i + 1
+
+    for defer in (False, True):
+        ran_past = int(defer)  # a deferred check runs one speculative iteration past the stop
+        assert run(1, FinishReason.STOP, defer) == (FinishReason.STOP, 1 + ran_past)
+        assert run(0, [FinishReason.LENGTH], defer) == (FinishReason.LENGTH, ran_past)
+        assert run(1, True, defer) == (None, 1 + ran_past)  # a plain flag says no reason
+        assert run(9, FinishReason.STOP, defer) == (FinishReason.LENGTH, 3)  # never raised: the bound
 
 
 def test_parallel_branches_join():

@@ -10,6 +10,7 @@ from mstar.graph import (
     TO_STATE,
     Connection,
     DynamicLoop,
+    FinishReason,
     GraphEdge,
     GraphNode,
     Loop,
@@ -76,7 +77,8 @@ class TinyAttentionLM(NodeSubmodule):
         logits = h[ei.last_token_rows()] @ self.head
         tokens = sample(logits, ei.extras["params"], None, ei.extras["step"])
         out = {"token": [t.view(1) for t in tokens]}
-        out["stop"] = [torch.tensor(bool(t == EOS) or step + 1 >= mx)
+        # the loop's stop flag as the reason (other toys raise tensor flags)
+        out["stop"] = [FinishReason.STOP if t == EOS else FinishReason.LENGTH if step + 1 >= mx else None
                        for t, step, mx in zip(tokens.tolist(), ei.extras["step"], ei.extras["max_tokens"])]
         return out
 
@@ -137,6 +139,11 @@ class ToyLM(ModelDef):
                 return None
             return "decode"
         return None
+
+    def finish_reason(self, state):
+        if state.last_walk == "prefill":
+            return FinishReason.STOP if int(state.tensors["token"][0]) == EOS else FinishReason.LENGTH
+        return state.finish
 
     def build_submodules(self, node_names):
         return {"LLM": TinyAttentionLM(self.seed)}

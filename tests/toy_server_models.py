@@ -39,8 +39,6 @@ class _Decoder(ItemDecoder):
     def feed(self, name, value):
         tok = int(value[0])
         self.tokens.append(tok)
-        if len(self.tokens) >= self.req.params["max_tokens"]:
-            self.finish_reason = "length"
         outs = []
         if self.route == CHAT:
             outs.append(TextDelta(decode_token(tok)))

@@ -10,6 +10,7 @@ from mstar.graph.chunking import (
     LeftContextChunkPolicy,
     SlidingWindowChunkPolicy,
 )
+from mstar.graph.finish import FinishReason
 from mstar.graph.plan import (
     InputBinding,
     InputKind,
@@ -44,6 +45,7 @@ __all__ = [
     "ChunkPolicy",
     "Connection",
     "DynamicLoop",
+    "FinishReason",
     "FixedChunkPolicy",
     "GraphEdge",
     "GraphNode",

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import torch
 
+from mstar.graph.finish import FinishReason
+
 CHAT = "chat"  # POST /v1/chat/completions
 COMPLETIONS = "completions"  # POST /v1/completions
 SPEECH = "speech"  # POST /v1/audio/speech (+ GET /v1/audio/voices)
@@ -191,12 +193,23 @@ class ApiAdapter:
 
 class ItemDecoder:
     """Turns one request's emitted items into API outputs (stateful: e.g. incremental detokenizing).
-    ``finish_reason`` is reported to the client when the request ends ("stop" or "length"); ``done``
-    set by ``feed`` ends the request there (a stop string was produced): the route reads no more items
-    and the runtime request is cancelled."""
 
-    finish_reason: str = "stop"
+    When the runtime's request ends, the route calls ``end`` with its ``FinishReason`` (the model
+    decided it: ``mstar.model.decode``); ``finish_reason`` is then the word the client gets ("stop",
+    "length"). ``done`` set by ``feed`` ends the request there (a stop string was produced): the
+    route reads no more items, the runtime request is cancelled and the answer's reason is "stop"."""
+
+    reason: FinishReason | None = None  # the runtime's, once the request ended
     done: bool = False
+
+    def end(self, reason: FinishReason) -> None:
+        self.reason = reason
+
+    @property
+    def finish_reason(self) -> str:
+        if self.done or self.reason is None:
+            return FinishReason.STOP.value
+        return self.reason.value
 
     def feed(self, name: str, value: list[torch.Tensor]) -> list[TextDelta | AudioChunk | ImageOut | ToolCallsOut]:
         raise NotImplementedError
@@ -209,17 +222,18 @@ class TextStreamDecoder(ItemDecoder):
     """Incremental detokenizing: decode all ids so far, emit what was added; hold back a trailing
     replacement character (an incomplete UTF-8 sequence) until the next token completes it.
 
-    ``stop``: strings that end the answer, matched on the decoded text (so across token boundaries).
-    The text is cut before the first one, ``finish_reason`` is "stop" and ``done`` is set; while
+    ``stop_ids``: the tokens that end generation (the model's stop flag decides that; they are only
+    not shown here). ``stop``: strings that end the answer, matched on the decoded text (so across
+    token boundaries). The text is cut before the first one and ``done`` is set; while
     streaming, a tail of the text that could still grow into a stop string is held back, so no part
     of one is ever sent.
 
     ``logprobs``: the request asked for them; each token's delta then waits for the ``logprobs`` item
     of its step (emitted after the token) and carries it as ``TokenLogprob``."""
 
-    def __init__(self, tokenizer, max_tokens: int, stop_ids: set[int], stop: tuple[str, ...] = (),
+    def __init__(self, tokenizer, stop_ids: set[int] | frozenset[int], stop: tuple[str, ...] = (),
                  logprobs: bool = False) -> None:
-        self.tok, self.max_tokens, self.stop_ids, self.stop = tokenizer, max_tokens, stop_ids, stop
+        self.tok, self.stop_ids, self.stop = tokenizer, stop_ids, stop
         self.logprobs = logprobs
         self.ids: list[int] = []
         self.sent = ""
@@ -248,11 +262,8 @@ class TextStreamDecoder(ItemDecoder):
     def _token(self, value: list[torch.Tensor]) -> list[TextDelta]:
         token = int(value[0].reshape(-1)[0])
         self.ids.append(token)
-        if token in self.stop_ids:
-            self.finish_reason = "stop"
+        if token in self.stop_ids:  # counted, not shown
             return [TextDelta("", 1)]
-        if len(self.ids) >= self.max_tokens:
-            self.finish_reason = "length"
         text = self.tok.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):
             return [TextDelta("", 1)]
@@ -268,7 +279,7 @@ class TextStreamDecoder(ItemDecoder):
         hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         if hits:
             cut = min(hits)
-            self.done, self.finish_reason = True, "stop"
+            self.done = True
             delta, self.sent = text[len(self.sent):cut], text[:max(cut, len(self.sent))]
             return delta
         hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)

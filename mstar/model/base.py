@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from mstar.graph import WalkGraph
+from mstar.graph import FinishReason, WalkGraph
 from mstar.model.submodule import NodeSubmodule
 
 
@@ -28,6 +28,7 @@ class WalkState:
     tensors: dict[str, list[Any]] = field(default_factory=dict)
     history: list[str] = field(default_factory=list)
     stream_done: bool = False  # consumer partitions: the producer finished and the stream is drained
+    finish: FinishReason | None = None  # why the last walk ended, when a dynamic loop of it said (a stop flag)
 
     @property
     def last_walk(self) -> str | None:
@@ -74,6 +75,14 @@ class ModelDef:
     def next_walk(self, state: WalkState) -> str | None:
         """Name of the walk this partition of the request runs next, or None when it is finished."""
         raise NotImplementedError
+
+    def finish_reason(self, state: WalkState) -> FinishReason | None:
+        """Why this partition of the request ended (``next_walk`` just returned None): by default the
+        reason its last walk ended with (``state.finish``: a dynamic loop's stop flag, or ``LENGTH``
+        at the loop's bound). A model whose request can end after a walk without a loop (a prefill
+        whose first token is the last) reads it from the state. None says nothing: the request's
+        reason is then another partition's, or ``STOP``."""
+        return state.finish
 
     def preflight(self) -> None:
         """Cheap checks run where the ``Runtime`` is built, before any worker starts (e.g. that the

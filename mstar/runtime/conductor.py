@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from mstar.graph.finish import FinishReason
 from mstar.model.base import ModelDef, WalkState
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.routing import Routing
@@ -55,7 +56,8 @@ class RequestSink(Protocol):
 
     def on_row(self, rows: EmitRows, i: int) -> None: ...
 
-    def on_end(self, status: RequestStatus, error: str | None, failure: FailureKind | None) -> None: ...
+    def on_end(self, status: RequestStatus, error: str | None, failure: FailureKind | None,
+               finish: FinishReason | None = None) -> None: ...
 
 
 @dataclass
@@ -86,6 +88,7 @@ class _Request:
     migrations: set[int] = field(default_factory=set)  # KV moves to finish before ``deferred`` starts
     deferred: list[tuple[int, StartWalk]] = field(default_factory=list)
     streamed: dict[str, int] = field(default_factory=dict)  # stream (wire form) -> items pushed so far
+    finish: FinishReason | None = None  # the latest a partition ended with (``ModelDef.finish_reason``)
 
 
 class Conductor:
@@ -176,6 +179,7 @@ class Conductor:
             part = req.partitions[msg.partition]
             part.running = False
             part.state.tensors.update(msg.state)
+            part.state.finish = msg.finish
             for k, n in msg.streamed.items():
                 req.streamed[k] = req.streamed.get(k, 0) + n
             part.state.history.append(msg.walk)
@@ -225,7 +229,9 @@ class Conductor:
         part = req.partitions[partition]
         try:
             walk = self.model.next_walk(part.state)
-            if walk is not None:
+            if walk is None:
+                req.finish = self.model.finish_reason(part.state) or req.finish
+            else:
                 plan = self.model.graph.plan(walk)
                 if plan.partition != partition:
                     raise ValueError(f"next_walk returned {walk!r} of partition {plan.partition!r} "
@@ -243,7 +249,7 @@ class Conductor:
                 self.transport.send(self.routing.partition_home[consumer],
                                     StreamEnd(req.request_id, partition, consumer, dict(req.streamed)))
             if all(p.done for p in req.partitions.values()):
-                self._end(req, RequestStatus.FINISHED, None, None)
+                self._end(req, RequestStatus.FINISHED, None, None, req.finish or FinishReason.STOP)
             return
         part.running = True
         req.walks.append(walk)
@@ -285,7 +291,9 @@ class Conductor:
             self.transport.send(owner, MigrateKV(req.request_id, module, dests, tokens, keep))
             req.kv_copies.setdefault(partition, []).extend((module, r) for r in dests if r != new_owner)
 
-    def _end(self, req: _Request, status: RequestStatus, error: str | None, failure: FailureKind | None) -> None:
+    def _end(self, req: _Request, status: RequestStatus, error: str | None, failure: FailureKind | None,
+             finish: FinishReason | None = None) -> None:
+        """The request ends: ``finish`` for a FINISHED one (ABORTED and FAILED ones say ABORT and ERROR)."""
         if req.status.is_final:
             return
         req.status, req.error = status, error
@@ -293,7 +301,7 @@ class Conductor:
         self._row_sinks = None  # a list of sinks may hold the request's
         for rank in range(self.routing.num_ranks):
             self.transport.send(rank, FreeRequest(req.request_id))
-        req.sink.on_end(status, error, failure)
+        req.sink.on_end(status, error, failure, finish)
 
     def num_running(self) -> int:
         return len(self.requests)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mstar.graph.finish import FinishReason
 from mstar.runtime.conductor import RequestStatus
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.wire.messages import Emit, EmitRows
@@ -51,6 +52,7 @@ class RequestOutput:
     status: RequestStatus
     error: str | None = None
     failure: FailureKind | None = None  # why it did not finish (FAILED or ABORTED)
+    finish_reason: FinishReason | None = None  # once it ended: STOP or LENGTH (FINISHED), ABORT, ERROR
     _log: list = field(default_factory=list, repr=False, compare=False)  # the handle's, complete once ended
     _outputs: dict | None = field(default=None, repr=False, compare=False)
 
@@ -79,6 +81,10 @@ class RequestOutput:
 _Row = tuple  # (EmitRows, row): one row of an ``EmitRows``, as a consumer takes it from a handle's log
 # A handle's log holds such a row as its two parts, one after the other (appended together: no tuple
 # kept per row and step, which the garbage collector would walk until the request ends).
+
+
+_FINISH_OF_STATUS = {RequestStatus.FINISHED: FinishReason.STOP, RequestStatus.ABORTED: FinishReason.ABORT,
+                     RequestStatus.FAILED: FinishReason.ERROR}
 
 
 def _gather(log: list) -> dict[str, list[list[torch.Tensor]]]:
@@ -239,9 +245,11 @@ class RequestHandle:
         if self._waiting or self._async_waiting:
             self._notify()
 
-    def on_end(self, status: RequestStatus, error: str | None, failure: FailureKind | None) -> None:
+    def on_end(self, status: RequestStatus, error: str | None, failure: FailureKind | None,
+               finish: FinishReason | None = None) -> None:
         out = self._output
         out.status, out.error, out.failure = status, error, failure
+        out.finish_reason = finish or _FINISH_OF_STATUS[status]
         self._log.append(None)
         self._done.set()
         self._notify()

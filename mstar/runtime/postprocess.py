@@ -258,7 +258,7 @@ class Postprocess:
         if self.walks.drop(w.key) is None:
             return
         rid, partition, _ = w.key
-        self.tell(WalkDone(rid, partition, w.walk, w.state, encode_counts(w.pushed)))
+        self.tell(WalkDone(rid, partition, w.walk, w.state, encode_counts(w.pushed), w.tracker.finish))
         pkey = PartitionKey(rid, partition)
         if self.inbox.walk_ended(pkey):
             self.streams_changed(pkey)

@@ -78,10 +78,14 @@ class RunningRows:
             return []
         if b.defer_stop_check:
             flags, rows = self.outputs[b.stop_signal], self.rows
+            if flags.count(None) == len(flags):  # no row's flag raised (a ``FinishReason`` or None each)
+                return []
             if all(type(f) is bool for f in flags):
                 return [i for i, r in enumerate(rows) if flags[r]] if True in flags else []
             return [i for i, r in enumerate(rows) if read_stop(as_values(flags[r]))]
         flags = out[b.stop_signal]
+        if flags.count(None) == len(flags):
+            return []
         if all(type(f) is bool for f in flags):
             return [i for i, f in enumerate(flags) if f] if True in flags else []
         return [i for i, f in enumerate(flags) if read_stop(as_values(f))]

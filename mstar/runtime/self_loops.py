@@ -147,7 +147,8 @@ class SelfLoops:
         """``node_done`` for a ``_SelfLoopStep`` node: the same checks and effects, in one pass."""
         frame = self.frames[(lean.loop, vec[:-1] if lean.nested else ())]
         if lean.defer_stop_check and frame.deferred_stop is not None and read_stop(frame.deferred_stop):
-            frame.stop = True  # the previous iteration already stopped: this one ran speculatively; drop it
+            # the previous iteration already stopped: this one ran speculatively; drop it
+            self._stopped(frame, frame.deferred_stop)
             frame.remaining.discard(node)
             self._maybe_end_iteration(frame, discard_current=True)
             return self._effects()
@@ -166,7 +167,7 @@ class SelfLoops:
             if lean.defer_stop_check:
                 frame.deferred_stop = outputs[lean.stop_signal]
             elif read_stop(outputs[lean.stop_signal]):
-                frame.stop = True
+                self._stopped(frame, outputs[lean.stop_signal])
         self._next_self_iteration(frame, node, outputs)
         return self._effects()
 

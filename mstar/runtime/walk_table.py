@@ -34,7 +34,7 @@ class LiveWalk:
 
 class WalkTable:
     """The live walks of a rank. ``ended`` counts walks dropped so far: a holder of walk records
-    (the decode rows, ``runtime/decode_rows.py``) rechecks them only when it moved."""
+    (the running rows, ``runtime/running_rows.py``) rechecks them only when it moved."""
 
     def __init__(self) -> None:
         self._walks: dict[WalkKey, LiveWalk] = {}

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from mstar.graph.finish import FinishReason, reason_of
 from mstar.graph.plan import InputBinding, InputKind, NodePlan, RouteKind, WalkPlan
 from mstar.runtime.self_loops import NextIteration, RowsBound, SelfLoops
 from mstar.runtime.walk_records import Effects, Emitted, Frame, Pushed, ReadyNode, Vec, put_exit, read_stop
@@ -78,6 +79,7 @@ class WalkTracker(SelfLoops):
         self.ready: list[ReadyNode] = []
         self.running: set[tuple[str, Vec]] = set()
         self.done = False
+        self.finish: FinishReason | None = None  # why the walk ended, when a dynamic loop of it says
         entry = _TABLES.get(id(plan))
         if entry is None or entry[0] is not plan:
             entry = (plan, self._derive())
@@ -138,7 +140,7 @@ class WalkTracker(SelfLoops):
         if np_.stop_signal is not None and self.plan.loops[np_.frame].defer_stop_check:
             if frame.deferred_stop is not None and read_stop(frame.deferred_stop):
                 # the previous iteration already stopped: this one ran speculatively; drop it
-                frame.stop = True
+                self._stopped(frame, frame.deferred_stop)
                 frame.remaining.discard(node)
                 self._maybe_end_iteration(frame, discard_current=True)
                 return self._effects()
@@ -156,7 +158,7 @@ class WalkTracker(SelfLoops):
             if self.plan.loops[np_.frame].defer_stop_check:
                 frame.deferred_stop = outputs[np_.stop_signal]
             elif read_stop(outputs[np_.stop_signal]):
-                frame.stop = True
+                self._stopped(frame, outputs[np_.stop_signal])
         if fast is not None:
             self._next_self_iteration(frame, node, outputs)
             return self._effects()
@@ -269,8 +271,18 @@ class WalkTracker(SelfLoops):
         else:
             self._start_iteration(frame)
 
+    def _stopped(self, frame: Frame, flag: Any) -> None:
+        """``frame``'s loop ends after this iteration: its stop node raised ``flag`` (its
+        ``FinishReason``, if it carries one, is the walk's)."""
+        frame.stop = True
+        reason = reason_of(flag)
+        if reason is not None:
+            self.finish = reason
+
     def _finish_loop(self, frame: Frame) -> None:
         lp = self.plan.loops[frame.loop]
+        if lp.dynamic and not frame.stop:  # ran out of iterations before its stop node stopped it
+            self.finish = FinishReason.LENGTH
         parent = self._frame_of(lp.parent, frame.base[:-1] if lp.parent is not None else ())
         for ex in lp.exits:
             self._route(ex.route, frame.exit_vals[ex.name], frame.base, f"loop {lp.name}", parent)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
+from mstar.model.adapter import ItemDecoder
 from mstar.runtime.api import Runtime
 from mstar.runtime.handles import RequestError, StreamItem
 from mstar.server.errors import SHAPE_ERRORS, APIError, api_error
@@ -36,10 +37,11 @@ class ServingEngine:
             reason = self.runtime.unhealthy_reason or "starting"
             raise APIError(503, f"model {self.model_name} is not ready: {reason}")
 
-    async def stream(self, route: str, inputs: dict[str, Any], params: dict[str, Any],
-                     ended: Callable[[], bool] | None = None) -> AsyncIterator[StreamItem]:
-        """Submit and stream items; a consumer that stops iterating aborts the request: a client gone,
-        counted as aborted, or an answer that ``ended`` early (a stop string), which is not."""
+    async def stream(self, route: str, inputs: dict[str, Any], params: Any,
+                     decoder: ItemDecoder | None = None) -> AsyncIterator[StreamItem]:
+        """Submit and stream items; when the request ends, ``decoder`` (of its items) gets the runtime's
+        finish reason (``ItemDecoder.end``). A consumer that stops iterating aborts the request: a client
+        gone, counted as aborted, or an answer the decoder ended early (a stop string), which is not."""
         self.check_ready()
         if self.in_flight >= self.max_queue:
             raise APIError(429, f"server is at capacity ({self.max_queue} requests in flight); retry later")
@@ -54,6 +56,8 @@ class ServingEngine:
             async for item in handle:
                 yield item
             finished = True
+            if decoder is not None:
+                decoder.end(handle.result().finish_reason)
         except RequestError as e:
             finished = True
             raise api_error(e) from e
@@ -61,7 +65,7 @@ class ServingEngine:
             self.in_flight -= 1
             self.metrics.running.labels(self.model_name).dec()
             if not finished:
-                if ended is None or not ended():
+                if decoder is None or not decoder.done:
                     self.metrics.aborted.labels(self.model_name).inc()
                 self.runtime.abort(handle.request_id)
 

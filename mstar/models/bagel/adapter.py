@@ -127,7 +127,7 @@ class BagelAdapter(ApiAdapter):
         if req.target == "image":
             return _ImageDecoder()
         stop = set(req.sampling.stop_token_ids) | {self.model.special_tokens.im_end}
-        return TextStreamDecoder(self.model.tokenizer, req.sampling.max_tokens, stop, request.stop)
+        return TextStreamDecoder(self.model.tokenizer, stop, request.stop)
 
 
 class _ImageDecoder(ItemDecoder):

@@ -29,7 +29,7 @@ from mstar.layers.prepack import PrepackableLinear
 from mstar.layers.sampling import SamplingParams, sample
 from mstar.layers.sampling import request_sampling as sampling_from_request
 from mstar.model import KVSequence, NodeInputs, NodeSubmodule
-from mstar.model.decode import generation_done, stop_token_set
+from mstar.model.decode import generation_finish, stop_token_set
 from mstar.models.bagel.config import BagelLLMConfig
 from mstar.models.bagel.embeddings import PositionEmbedding, TimestepEmbedder, flattened_position_ids
 from mstar.models.bagel.flow import cfg_combine, timestep_schedule
@@ -231,7 +231,7 @@ class BagelLLMNode(NodeSubmodule):
                 tok = toks[j:j + 1].clone()
                 out["token"][r] = tok
                 out["text"][r] = tok
-                out["stop"][r] = torch.tensor(generation_done(int(tok), steps[j], sps[j], ei.extras["stop_ids"][r]))
+                out["stop"][r] = generation_finish(int(tok), steps[j], sps[j], ei.extras["stop_ids"][r])
         return out
 
 

@@ -169,9 +169,9 @@ class LlamaChatAdapter(ApiAdapter):
         return ApiRequest(inputs, request, prompt_tokens=len(ids), stop=stop_strings(body))
 
     def new_decoder(self, route, request):
-        sp = request.params.sampling  # an LMRequest: parsed once, by ``_request``
-        text = _TextDecoder(self.model.tokenizer, sp.max_tokens, set(self.model.eos_token_ids) | set(sp.stop_token_ids),
-                            request.stop, logprobs=sp.logprobs is not None)
+        req = request.params  # an LMRequest: parsed once, by ``_request``
+        text = _TextDecoder(self.model.tokenizer, frozenset(req.stop_ids), request.stop,
+                            logprobs=req.sampling.logprobs is not None)
         return text if request.tool_mode is None else ToolCallDecoder(text, request)
 
 
@@ -185,6 +185,7 @@ class ToolCallDecoder(ItemDecoder):
     def __init__(self, text: TextStreamDecoder, request: ApiRequest) -> None:
         self.text, self.request = text, request
         self.held: list[str] = []
+        self.calls = False  # the answer was function calls
 
     @property
     def done(self) -> bool:  # type: ignore[override]
@@ -203,14 +204,20 @@ class ToolCallDecoder(ItemDecoder):
     def feed(self, name, value):
         return self._hold(self.text.feed(name, value))
 
+    def end(self, reason):
+        self.text.end(reason)
+
+    @property
+    def finish_reason(self) -> str:  # type: ignore[override]
+        return "tool_calls" if self.calls else self.text.finish_reason
+
     def finish(self):
         out = self._hold(self.text.finish())
-        self.finish_reason = self.text.finish_reason
         answer = "".join(self.held)
         calls = parse_tool_calls(answer, forced=self.request.tool_mode == "forced")
         if not self.request.parallel_tool_calls:
             calls = calls[:1]
-        if calls and self.finish_reason != "length":
-            self.finish_reason = "tool_calls"
+        if calls and self.text.finish_reason != "length":
+            self.calls = True
             return [*out, ToolCallsOut(calls)]
         return [*out, TextDelta(answer, 0)] if answer else out

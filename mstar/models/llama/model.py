@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from mstar.graph import WalkGraph
+from mstar.graph import FinishReason, WalkGraph
 from mstar.layers.grammar import GrammarEngine
 from mstar.layers.llama import check_llama_architecture
 from mstar.layers.sampling import request_sampling
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.model.checkpoint import CheckpointError, check_load_format, reject_checkpoint
-from mstar.model.decode import generation_done
+from mstar.model.decode import prefill_finish
 from mstar.model.tokenizer import LazyTokenizer
 from mstar.models.llama import graph as llama_graph
 from mstar.models.llama.config import TINY, LlamaConfig
@@ -97,12 +97,10 @@ class LlamaLM(LazyTokenizer, ModelDef):
         return llama_graph.build_graph(self.config.max_position_embeddings)
 
     def next_walk(self, state: WalkState) -> str | None:
-        return llama_graph.next_walk(state, state.last_walk == "prefill" and self._prefill_token_ends(state))
+        return llama_graph.next_walk(state)
 
-    def _prefill_token_ends(self, state: WalkState) -> bool:
-        req: LMRequest = state.params
-        token = int(state.tensors["token"][0].reshape(-1)[0])
-        return generation_done(token, 0, req.sampling, req.stop_ids)
+    def finish_reason(self, state: WalkState) -> FinishReason | None:
+        return prefill_finish(state) if state.last_walk == "prefill" else state.finish
 
     def parse_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> LMRequest:
         vocab, max_pos = self.config.vocab_size, self.config.max_position_embeddings

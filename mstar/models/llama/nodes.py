@@ -26,7 +26,7 @@ from mstar.layers.grammar import GrammarEngine, GrammarRow
 from mstar.layers.llama import LlamaBackbone, pack_linears
 from mstar.layers.prepack import PrepackedLinear, can_prepack
 from mstar.layers.sampling import RowLogprobs, sample, sample_with_logprobs
-from mstar.model.decode import generation_done_rows
+from mstar.model.decode import generation_finish_rows
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.request import LMRequest
@@ -206,14 +206,15 @@ class LlamaCausalLM(NodeSubmodule):
     def step_outputs(self, tokens: torch.Tensor, engine_inputs: EngineInputs,
                      logprobs: list[RowLogprobs | None] | None = None) -> dict[str, list[Any]]:
         """Per request: its new token (int64 [1], a view of one batch tensor), ``seen``, ``logprobs``
-        (``[ids, logprobs]``, or an empty list: none asked for) and the loop's ``stop`` flag (a bool:
-        the tracker reads it, nothing else does)."""
+        (``[ids, logprobs]``, or an empty list: none asked for) and the loop's ``stop`` flag (the
+        ``FinishReason`` of its last token, None while it goes on: the tracker reads it, and the
+        prefill's goes to the request's state)."""
         x = engine_inputs.extras
         seen = x["seen"]
         batch = tokens.clone()
         out_tokens = list(batch.view(-1, 1).unbind(0))
         self._token_rows = (out_tokens, batch)
-        out_stop = generation_done_rows(tokens.tolist(), x["step"], x["sampling"], x["stop_ids"])
+        out_stop = generation_finish_rows(tokens.tolist(), x["step"], x["sampling"], x["stop_ids"])
         empty = torch.zeros(0, dtype=torch.long)  # carried by requests without a repetition penalty
         if all(s is None for s in seen):
             out_seen = [empty] * len(out_tokens)

@@ -2,7 +2,7 @@
 
 ::
 
-    partition llm:    prefill: input_ids -> LLM -> token, seen (TO_STATE); audio_token ~> codec; token (client)
+    partition llm:    prefill: input_ids -> LLM -> token, seen, stop (TO_STATE); audio_token ~> codec; token (client)
                       decode:  DynamicLoop(LLM: token, seen -> token, seen (fed back); audio_token ~> codec;
                                            token (client))
     partition codec:  snac_chunk: audio_token (a 28-token window, stride 7) -> snac_decoder -> audio (client)
@@ -43,7 +43,8 @@ def build_graph(max_new_tokens: int = 1200) -> WalkGraph:
     to_codec = StreamingGraphEdge(next_node="snac_decoder", name="audio_token", target_partition="codec")
     tokens_out = GraphEdge(EMIT_TO_CLIENT, "token")  # every generated token, for /generate clients and tests
     prefill = GraphNode(name="LLM", input_names=["input_ids"],
-                        outputs=[GraphEdge(TO_STATE, "token"), GraphEdge(TO_STATE, "seen"), to_codec, tokens_out])
+                        outputs=[GraphEdge(TO_STATE, "token"), GraphEdge(TO_STATE, "seen"), GraphEdge(TO_STATE, "stop"),
+                                 to_codec, tokens_out])
     decode = DynamicLoop(
         section=GraphNode(name="LLM", input_names=["token", "seen"],
                           outputs=[GraphEdge("LLM", "token"), GraphEdge("LLM", "seen"), to_codec, tokens_out]),
@@ -63,9 +64,9 @@ def build_graph(max_new_tokens: int = 1200) -> WalkGraph:
     ], topology=topology)
 
 
-def next_walk(state: WalkState, first_token_ends: bool = False) -> str | None:
-    """llm: Llama's ``prefill``, then ``decode`` unless ``first_token_ends`` (the model decides it from
-    the request's sampling parameters); codec: one ``snac_chunk`` per chunk until the stream is drained."""
+def next_walk(state: WalkState) -> str | None:
+    """llm: Llama's ``prefill``, then ``decode`` unless the prefill's token is the last (its stop flag);
+    codec: one ``snac_chunk`` per chunk until the stream is drained."""
     if state.partition == "codec":
         return None if state.stream_done else "snac_chunk"
-    return llama_graph.next_walk(state, first_token_ends)
+    return llama_graph.next_walk(state)

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from mstar.graph import WalkGraph
+from mstar.graph import FinishReason, WalkGraph
 from mstar.layers.llama import check_llama_architecture
 from mstar.layers.prepack import prepack_linears, prepack_requested
 from mstar.layers.sampling import request_sampling
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.model.checkpoint import check_load_format, reject_checkpoint
-from mstar.model.decode import generation_done
+from mstar.model.decode import prefill_finish
 from mstar.model.tokenizer import LazyTokenizer
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.loader import LOAD_FORMATS, build_llama_model, resolve_dtype
@@ -96,13 +96,12 @@ class OrpheusTTS(LazyTokenizer, ModelDef):
         return orpheus_graph.build_graph(min(MAX_NEW_TOKENS, self.llm_config.max_position_embeddings))
 
     def next_walk(self, state: WalkState) -> str | None:
-        ends = state.partition == "llm" and state.last_walk == "prefill" and self._prefill_token_ends(state)
-        return orpheus_graph.next_walk(state, ends)
+        return orpheus_graph.next_walk(state)
 
-    def _prefill_token_ends(self, state: WalkState) -> bool:
-        req: LMRequest = state.params
-        token = int(state.tensors["token"][0].reshape(-1)[0])
-        return generation_done(token, 0, req.sampling, req.stop_ids)
+    def finish_reason(self, state: WalkState) -> FinishReason | None:
+        if state.partition == "llm" and state.last_walk == "prefill":
+            return prefill_finish(state)
+        return state.finish
 
     def parse_request(self, inputs, params) -> LMRequest:
         """The speech LM's sampling (no OpenAI penalties, bias or logprobs: the constrained sampler maps

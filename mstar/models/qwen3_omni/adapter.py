@@ -67,7 +67,6 @@ __all__ = ["SPEECH_PROMPT", "VOICES", "OmniDecoder", "Qwen3OmniAdapter"]
 
 VOICES = ("chelsie", "ethan", "aiden")
 DEFAULT_VOICE = "ethan"
-DEFAULT_MAX_TOKENS = 256  # the model's Thinker default, used when the model does not say
 MAX_PROMPT_TOKENS = 32768
 MAX_INPUT_CHARS = 4000
 # /v1/audio/speech: the text becomes this user message, so the answer the model speaks is the text
@@ -189,17 +188,8 @@ class Qwen3OmniAdapter(ApiAdapter):
     # -- outputs -----------------------------------------------------------------------------------
 
     def new_decoder(self, route, request):
-        max_tokens = int(request.params.get("max_tokens") or self._default_max_tokens())
         stops = {self.ids.im_end, *request.params.get("sampling", {}).get("stop_token_ids", ())}
-        return OmniDecoder(TextStreamDecoder(self.model.tokenizer, max_tokens, stops, request.stop), self.sample_rate)
-
-    @staticmethod
-    def _default_max_tokens() -> int:
-        try:
-            from mstar.models.qwen3_omni.nodes import THINKER_SAMPLING
-        except ImportError:
-            return DEFAULT_MAX_TOKENS
-        return int(THINKER_SAMPLING.get("max_tokens", DEFAULT_MAX_TOKENS))
+        return OmniDecoder(TextStreamDecoder(self.model.tokenizer, stops, request.stop), self.sample_rate)
 
 
 class OmniDecoder(ItemDecoder):
@@ -208,6 +198,9 @@ class OmniDecoder(ItemDecoder):
     def __init__(self, text: TextStreamDecoder, sample_rate: int) -> None:
         self.text = text
         self.sample_rate = sample_rate
+
+    def end(self, reason):
+        self.text.end(reason)
 
     @property
     def finish_reason(self) -> str:  # type: ignore[override]

@@ -54,6 +54,7 @@ from mstar.graph import (
     Walk,
     WalkGraph,
 )
+from mstar.model.decode import prefill_finish
 
 if TYPE_CHECKING:
     from mstar.model.base import WalkState
@@ -98,7 +99,7 @@ def _thinker_walks(max_text_tokens: int) -> list[Walk]:
     for audio_out in (True, False):
         extra = [states] if audio_out else []
         outputs = [GraphEdge(TO_STATE, "token"), GraphEdge(TO_STATE, "seen"), GraphEdge(TO_STATE, "rope_delta"),
-                   text_out, *extra]
+                   GraphEdge(TO_STATE, "stop"), text_out, *extra]
         for audio_in in (False, True):
             for image_in in (False, True):
                 inputs = ["input_ids", *["audio_features"] * audio_in,
@@ -179,9 +180,10 @@ def build_graph(max_text_tokens: int = 2048, max_frames: int = 4096,
                       Walk("code2wav_chunk", code2wav, partition="Code2Wav")], topology=topology)
 
 
-def next_walk(state: WalkState, first_token_ends: bool = False) -> str | None:
+def next_walk(state: WalkState) -> str | None:
     """Thinker: the prefill for the request's media (towers for ``audio_features`` / ``pixel_values``),
-    then decode unless ``first_token_ends`` (the *_text twins when no audio is asked for); Talker:
+    then decode unless the prefill's token is the last (its stop flag; the *_text twins when no audio
+    is asked for); Talker:
     prefill, then one decode walk, for audio requests only; Code2Wav: one walk per chunk until the
     stream is drained."""
     audio = wants_audio(state.params)
@@ -189,7 +191,7 @@ def next_walk(state: WalkState, first_token_ends: bool = False) -> str | None:
     if state.partition == "Thinker":
         if state.last_walk is None:
             return prefill_walk_name(bool(state.tensors.get("audio_features")), images, audio)
-        if state.last_walk.startswith("thinker_prefill") and not first_token_ends:
+        if state.last_walk.startswith("thinker_prefill") and prefill_finish(state) is None:
             return "thinker_decode" if audio else "thinker_decode_text"
         return None
     if state.partition == "Talker":

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from mstar.graph import WalkGraph
+from mstar.graph import FinishReason, WalkGraph
 from mstar.layers.sampling import SamplingParams, request_sampling
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.model.checkpoint import check_load_format, reject_checkpoint, resolve_dtype
-from mstar.model.decode import generation_done, stop_token_set
+from mstar.model.decode import prefill_finish, stop_token_set
 from mstar.model.tokenizer import LazyTokenizer
 from mstar.models.qwen3_omni import graph as omni_graph
 from mstar.models.qwen3_omni.config import TINY_HF_CONFIG, Qwen3OmniConfig
@@ -118,14 +118,15 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
                                       num_code_groups=self.config.talker.num_code_groups)
 
     def next_walk(self, state: WalkState) -> str | None:
-        ends = state.partition == "Thinker" and state.last_walk is not None and \
-            state.last_walk.startswith("thinker_prefill") and self._prefill_token_ends(state)
-        return omni_graph.next_walk(state, ends)
+        return omni_graph.next_walk(state)
 
-    def _prefill_token_ends(self, state: WalkState) -> bool:
-        req: OmniRequest = state.params
-        token = int(state.tensors["token"][0].reshape(-1)[0])
-        return generation_done(token, 0, req.thinker, req.thinker_stop_ids)
+    def finish_reason(self, state: WalkState) -> FinishReason | None:
+        """The Thinker's (the answer's text): the prefill's stop flag or the decode loop's."""
+        if state.partition != "Thinker":
+            return None
+        if state.last_walk is not None and state.last_walk.startswith("thinker_prefill"):
+            return prefill_finish(state)
+        return state.finish
 
     # -- requests ----------------------------------------------------------------------------------
     def parse_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> OmniRequest:

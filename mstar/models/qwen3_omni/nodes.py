@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from mstar.layers.sampling import SamplingParams, request_sampling, sample
-from mstar.model.decode import generation_done
+from mstar.model.decode import generation_finish
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
 from mstar.models.qwen3_omni.prompt import OmniTokenIds
@@ -230,8 +230,7 @@ class ThinkerNode(NodeSubmodule):
             tok = rows[i]
             result["token"].append(tok)
             result["text"].append(tok)
-            done = generation_done(ids[i], x["step"][i], x["sampling"][i], x["stop_ids"][i])
-            result["stop"].append(flag(done))
+            result["stop"].append(generation_finish(ids[i], x["step"][i], x["sampling"][i], x["stop_ids"][i]))
             result["rope_delta"].append(deltas[i])
             # prompt + generated tokens, for the repetition penalty (empty when the request has none)
             result["seen"].append(torch.zeros(0, dtype=torch.long) if seen[i] is None

@@ -11,10 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mstar.graph.finish import FinishReason
 from mstar.runtime.failures import FailureKind
 from mstar.runtime.keys import WalkKey
 from mstar.runtime.wire.serialization import register_message
 from mstar.runtime.work_items import as_values
+
+register_message(FinishReason)  # sent by value
 
 CONDUCTOR = -1  # address of the conductor; workers are addressed by rank
 
@@ -47,6 +50,7 @@ class WalkDone:
     walk: str
     state: dict[str, Any] = field(default_factory=dict)
     streamed: dict[str, int] = field(default_factory=dict)  # stream -> items this walk pushed
+    finish: FinishReason | None = None  # why it ended, when a dynamic loop of it says (``WalkTracker.finish``)
 
 
 @register_message

@@ -111,7 +111,7 @@ async def started(engine: ServingEngine, route: str, inputs: dict[str, Any],
 
     A client that leaves cancels (or drops) the chain of generators over the engine's stream, whose
     ``finally`` then aborts the request."""
-    items = engine.stream(route, inputs, params, ended=lambda: _done(decoder))
+    items = engine.stream(route, inputs, params, decoder)
     try:
         head: tuple[StreamItem, ...] = (await anext(items),)
     except StopAsyncIteration:
@@ -222,18 +222,13 @@ async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, 
                 await close()
 
 
-def _done(decoder: ItemDecoder | None) -> bool:
-    """Whether the decoder ended the answer (``ItemDecoder.done``; a decoder without the flag never does)."""
-    return bool(getattr(decoder, "done", False))
-
-
 async def _decoded(items: AsyncIterator[StreamItem], decoder: ItemDecoder) -> AsyncIterator[Output]:
     """The decoder's outputs of every item; once the decoder is ``done`` (a stop string), no more items
     are read: closing the stream cancels the runtime request, as a finished one (not counted aborted)."""
     async for item in items:
         for out in decoder.feed(item.name, item.value):
             yield out
-        if _done(decoder):
+        if decoder.done:
             await items.aclose()
             break
     for out in decoder.finish():
