@@ -139,7 +139,7 @@ def test_next_walk_moves_the_kv_cache_before_the_walk_starts():
 def test_stats_future_gets_every_rank():
     c, box = conductor(ToyLM(), Placement.from_dict(PD_SPLIT))
     fut = Future()
-    c.collect_stats(fut)
+    c.stats.collect(fut)
     asks = box.take(StatsRequest)
     assert sorted(d for d, _ in asks) == [0, 1]
     token = asks[0][1].token

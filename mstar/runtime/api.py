@@ -245,7 +245,7 @@ class Runtime:
         ``RuntimeError`` at once when a rank is lost (or restarting) before every rank replied;
         ``TimeoutError`` after ``timeout`` seconds otherwise."""
         future: Future = Future()
-        self._command(lambda: self._conductor.collect_stats(future))
+        self._command(lambda: self._conductor.stats.collect(future))
         try:
             return future.result(timeout)
         except FutureTimeout:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,6 +16,7 @@ from mstar.graph.finish import FinishReason
 from mstar.model.base import ModelDef, WalkState
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.routing import Routing
+from mstar.runtime.stats_gather import StatsGather
 from mstar.runtime.wire.messages import (
     Emit,
     EmitRows,
@@ -29,7 +29,6 @@ from mstar.runtime.wire.messages import (
     RequestFailed,
     StartWalk,
     StatsReply,
-    StatsRequest,
     StreamEnd,
     WalkDone,
 )
@@ -58,12 +57,6 @@ class RequestSink(Protocol):
 
     def on_end(self, status: RequestStatus, error: str | None, failure: FailureKind | None,
                finish: FinishReason | None = None) -> None: ...
-
-
-@dataclass
-class _StatsCall:
-    future: Future
-    replies: dict[int, dict] = field(default_factory=dict)  # rank -> its stats
 
 
 @dataclass
@@ -97,7 +90,7 @@ class Conductor:
         self.routing = routing
         self.transport = transport
         self.requests: dict[str, _Request] = {}
-        self._stats_calls: dict[int, _StatsCall] = {}
+        self.stats = StatsGather(routing, transport, self.num_running)
         self._ids = itertools.count()
         self._row_sinks: tuple[list[str], list] | None = None  # (a request_ids list, its rows' on_row or None)
 
@@ -132,29 +125,6 @@ class Conductor:
         if req is not None:
             self._end(req, RequestStatus.FAILED, error, kind)
 
-    def collect_stats(self, future: Future) -> None:
-        """Ask every rank for its stats; ``future`` gets them all (a list in rank order)."""
-        token = next(self._ids)
-        self._stats_calls[token] = _StatsCall(future)
-        for r in range(self.routing.num_ranks):
-            self.transport.send(r, StatsRequest(token))
-
-    def fail_stats(self, error: str) -> None:
-        """End every stats call still waiting (a rank is lost: its reply may never come)."""
-        calls, self._stats_calls = self._stats_calls, {}
-        for call in calls.values():
-            call.future.set_exception(RuntimeError(f"stats unavailable: {error}"))
-
-    def _stats_reply(self, msg: StatsReply) -> None:
-        call = self._stats_calls.get(msg.token)
-        if call is None:
-            return
-        call.replies[msg.rank] = msg.stats
-        if len(call.replies) == self.routing.num_ranks:
-            del self._stats_calls[msg.token]
-            call.future.set_result({"ranks": [call.replies[r] for r in sorted(call.replies)],
-                                    "running_requests": self.num_running()})
-
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> None:
         if type(msg) is Emits:
@@ -168,7 +138,7 @@ class Conductor:
                     req.sink.on_item(e)
             return
         if isinstance(msg, StatsReply):
-            self._stats_reply(msg)
+            self.stats.reply(msg)
             return
         req = self.requests.get(msg.request_id)
         if req is None:

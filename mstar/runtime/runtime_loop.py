@@ -85,4 +85,4 @@ class RuntimeLoop:
     def _fail_all(self, kind: FailureKind, error: str) -> None:
         for rid in list(self._conductor.requests):
             self._conductor.fail(rid, error, kind)
-        self._conductor.fail_stats(error)
+        self._conductor.stats.fail(error)

@@ -1,6 +1,6 @@
-"""The block tables of KV sequences over one ``BlockPool`` (pure Python, no tensors):
-``KVCacheManager`` (per request and cache name: append, fork with copy-on-write, truncate, swap
-out and back, prefix adoption), ``BlockTable``.
+"""The block tables of KV sequences over one ``BlockPool`` (pure Python, no tensors): ``BlockTables``
+(per request and cache name: read, truncate, free, swap out and back), ``KVCacheManager`` (writes:
+append with copy-on-write, fork, prefix adoption), ``BlockTable``.
 
 Invariants (checked by the tests after every operation):
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from mstar.runtime.kv.block_pool import BlockPool, OutOfBlocks, cdiv
 
-__all__ = ["BlockTable", "KVCacheManager"]
+__all__ = ["BlockTable", "BlockTables", "KVCacheManager"]
 
 
 @dataclass
@@ -38,18 +38,13 @@ class BlockTable:
 Key = tuple[str, str]
 
 
-class KVCacheManager:
-    """Per-request, per-cache-name block tables over one BlockPool.
+class BlockTables:
+    """The block tables of a pool, per request and cache name: who holds which blocks, read, truncated,
+    freed, and swapped out and back (``snapshot`` / ``restore``). ``KVCacheManager`` writes into them.
 
     Tables persist across the walks of a request and are freed by :meth:`free_request`. Keys are
-    ``(request_id: str, cache_name: str)``. A table that does not exist behaves as an empty sequence for
-    :meth:`num_tokens`, :meth:`can_append` and :meth:`append_slots` (which creates it).
-
-    Copy-on-write contract: operations that must stop sharing a block record ``(src_block, dst_block)``
-    pairs. The caller drains them with :meth:`pop_pending_copies` and must perform them *in order*, on every
-    layer's K and V cache, before the forward pass that writes the newly reserved slots. Block ids in
-    pending pairs are not pinned: a src block freed in the meantime keeps its contents until a forward pass
-    writes to it, which is why the copies must run first.
+    ``(request_id: str, cache_name: str)``. A table that does not exist behaves as an empty sequence
+    for :meth:`num_tokens`.
     """
 
     def __init__(self, pool: BlockPool) -> None:
@@ -57,9 +52,7 @@ class KVCacheManager:
         self.block_size = pool.block_size
         self._tables: dict[Key, BlockTable] = {}
         self._by_request: dict[str, dict[str, None]] = {}  # request -> ordered set of cache names
-        self._pending: list[tuple[int, int]] = []
 
-    # ----------------------------------------------------------------------------------------- queries
     def has(self, request_id: str, cache_name: str) -> bool:
         return (request_id, cache_name) in self._tables
 
@@ -73,26 +66,6 @@ class KVCacheManager:
             return self._tables[(request_id, cache_name)]
         except KeyError:
             raise KeyError(f"no KV sequence for request {request_id!r}, cache {cache_name!r}") from None
-
-    def _plan_append(self, table: BlockTable | None, n: int) -> tuple[bool, int]:
-        """(needs copy-on-write of the last block, number of new blocks) for appending n tokens."""
-        if n < 0:
-            raise ValueError(f"cannot append {n} tokens")
-        if table is None:
-            return False, cdiv(n, self.block_size)
-        if n == 0:
-            return False, 0
-        cur = table.num_tokens
-        cow = cur % self.block_size != 0 and self.pool.refcount(table.blocks[-1]) > 1
-        return cow, cdiv(cur + n, self.block_size) - len(table.blocks)
-
-    def blocks_needed(self, request_id: str, cache_name: str, n: int) -> int:
-        """Free blocks that appending n tokens would consume (including a copy-on-write block)."""
-        cow, new = self._plan_append(self._tables.get((request_id, cache_name)), n)
-        return int(cow) + new
-
-    def can_append(self, request_id: str, cache_name: str, n: int) -> bool:
-        return self.blocks_needed(request_id, cache_name, n) <= self.pool.num_free
 
     def block_table(self, request_id: str, cache_name: str) -> list[int]:
         """A copy of the sequence's block ids, in token order. KeyError if absent."""
@@ -114,6 +87,21 @@ class KVCacheManager:
     def request_ids(self) -> list[str]:
         """Requests holding at least one table, in the order they first got one."""
         return list(self._by_request)
+
+    def iter_tables(self) -> Iterator[tuple[Key, BlockTable]]:
+        """All live tables as ``((request_id, cache_name), copy_of_table)``."""
+        for key, table in self._tables.items():
+            yield key, BlockTable(list(table.blocks), table.num_tokens)
+
+    def stats(self) -> dict:
+        return {
+            "blocks_total": self.pool.num_blocks,
+            "blocks_used": self.pool.num_used,
+            "blocks_free": self.pool.num_free,
+            "blocks_cached": self.pool.num_cached,
+            "block_size": self.block_size,
+            "sequences": len(self._tables),
+        }
 
     def snapshot(self, request_id: str) -> tuple[list[int], dict[str, tuple[list[int], int]]]:
         """The request's distinct blocks (first-use order) and each table as indices into them.
@@ -148,25 +136,79 @@ class KVCacheManager:
                 self.pool.decref(block)  # no table refers to it: nothing to hold
         return fresh
 
-    def iter_tables(self) -> Iterator[tuple[Key, BlockTable]]:
-        """All live tables as ``((request_id, cache_name), copy_of_table)``."""
-        for key, table in self._tables.items():
-            yield key, BlockTable(list(table.blocks), table.num_tokens)
-
-    def stats(self) -> dict:
-        return {
-            "blocks_total": self.pool.num_blocks,
-            "blocks_used": self.pool.num_used,
-            "blocks_free": self.pool.num_free,
-            "blocks_cached": self.pool.num_cached,
-            "block_size": self.block_size,
-            "sequences": len(self._tables),
-        }
-
-    # --------------------------------------------------------------------------------------- mutations
     def _register(self, key: Key, table: BlockTable) -> None:
         self._tables[key] = table
         self._by_request.setdefault(key[0], {})[key[1]] = None
+
+    def truncate(self, request_id: str, cache_name: str, num_tokens: int) -> None:
+        """Drop tokens past ``num_tokens``, releasing whole blocks no longer covered. KeyError if absent."""
+        self._truncate(self._get(request_id, cache_name), num_tokens)
+
+    def _truncate(self, table: BlockTable, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= table.num_tokens:
+            raise ValueError(f"cannot truncate a sequence of {table.num_tokens} tokens to {num_tokens}")
+        keep = cdiv(num_tokens, self.block_size)
+        for b in reversed(table.blocks[keep:]):
+            self.pool.decref(b)
+        del table.blocks[keep:]
+        table.num_tokens = num_tokens
+
+    def free(self, request_id: str, cache_name: str) -> None:
+        """Release one sequence's blocks and forget its table. Idempotent."""
+        table = self._tables.pop((request_id, cache_name), None)
+        if table is None:
+            return
+        table.freed = True
+        for b in reversed(table.blocks):
+            self.pool.decref(b)
+        names = self._by_request.get(request_id)
+        if names is not None:
+            names.pop(cache_name, None)
+            if not names:
+                del self._by_request[request_id]
+
+    def free_request(self, request_id: str) -> None:
+        """Release every sequence of a request (finish or abort). Idempotent."""
+        for name in list(self._by_request.get(request_id, ())):
+            self.free(request_id, name)
+
+
+class KVCacheManager(BlockTables):
+    """Writes into the block tables: appends (with copy-on-write), forks, prefix adoption.
+
+    A table that does not exist behaves as an empty sequence for :meth:`can_append` and
+    :meth:`append_slots` (which creates it).
+
+    Copy-on-write contract: operations that must stop sharing a block record ``(src_block, dst_block)``
+    pairs. The caller drains them with :meth:`pop_pending_copies` and must perform them *in order*, on every
+    layer's K and V cache, before the forward pass that writes the newly reserved slots. Block ids in
+    pending pairs are not pinned: a src block freed in the meantime keeps its contents until a forward pass
+    writes to it, which is why the copies must run first.
+    """
+
+    def __init__(self, pool: BlockPool) -> None:
+        super().__init__(pool)
+        self._pending: list[tuple[int, int]] = []
+
+    def _plan_append(self, table: BlockTable | None, n: int) -> tuple[bool, int]:
+        """(needs copy-on-write of the last block, number of new blocks) for appending n tokens."""
+        if n < 0:
+            raise ValueError(f"cannot append {n} tokens")
+        if table is None:
+            return False, cdiv(n, self.block_size)
+        if n == 0:
+            return False, 0
+        cur = table.num_tokens
+        cow = cur % self.block_size != 0 and self.pool.refcount(table.blocks[-1]) > 1
+        return cow, cdiv(cur + n, self.block_size) - len(table.blocks)
+
+    def blocks_needed(self, request_id: str, cache_name: str, n: int) -> int:
+        """Free blocks that appending n tokens would consume (including a copy-on-write block)."""
+        cow, new = self._plan_append(self._tables.get((request_id, cache_name)), n)
+        return int(cow) + new
+
+    def can_append(self, request_id: str, cache_name: str, n: int) -> bool:
+        return self.blocks_needed(request_id, cache_name, n) <= self.pool.num_free
 
     def append_slots(self, request_id: str, cache_name: str, n: int) -> list[int]:
         """Reserve ``n`` new token slots at the end of the sequence; return their flat slot indices.
@@ -328,35 +370,3 @@ class KVCacheManager:
         for b in blocks:
             self.pool.incref(b)
         self._register(dst_key, BlockTable(list(blocks), nt))
-
-    def truncate(self, request_id: str, cache_name: str, num_tokens: int) -> None:
-        """Drop tokens past ``num_tokens``, releasing whole blocks no longer covered. KeyError if absent."""
-        self._truncate(self._get(request_id, cache_name), num_tokens)
-
-    def _truncate(self, table: BlockTable, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= table.num_tokens:
-            raise ValueError(f"cannot truncate a sequence of {table.num_tokens} tokens to {num_tokens}")
-        keep = cdiv(num_tokens, self.block_size)
-        for b in reversed(table.blocks[keep:]):
-            self.pool.decref(b)
-        del table.blocks[keep:]
-        table.num_tokens = num_tokens
-
-    def free(self, request_id: str, cache_name: str) -> None:
-        """Release one sequence's blocks and forget its table. Idempotent."""
-        table = self._tables.pop((request_id, cache_name), None)
-        if table is None:
-            return
-        table.freed = True
-        for b in reversed(table.blocks):
-            self.pool.decref(b)
-        names = self._by_request.get(request_id)
-        if names is not None:
-            names.pop(cache_name, None)
-            if not names:
-                del self._by_request[request_id]
-
-    def free_request(self, request_id: str) -> None:
-        """Release every sequence of a request (finish or abort). Idempotent."""
-        for name in list(self._by_request.get(request_id, ())):
-            self.free(request_id, name)
