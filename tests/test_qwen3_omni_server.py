@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from mstar.graph import FinishReason
+from mstar.layers.sampling import SamplingParams
 from mstar.model.adapter import CHAT, SPEECH, AudioChunk, TextDelta
 from mstar.models.qwen3_omni import adapter as A
 from mstar.models.qwen3_omni.media import MediaSettings
 from mstar.models.qwen3_omni.prompt import AUDIO_SYSTEM_PROMPT, OmniTokenIds
+from mstar.models.qwen3_omni.request import OmniRequest
 
 IDS = OmniTokenIds()
 IS, IE, NL = IDS.im_start, IDS.im_end, IDS.newline
@@ -34,10 +36,13 @@ class FakeModel:
     audio_window = 50
 
     def __init__(self):
-        self.validated = []
+        self.handed = []  # the params mappings the adapter had parsed
 
-    def validate_request(self, inputs, params):
-        self.validated.append((inputs, params))
+    def parse_request(self, inputs, params):
+        """What the real model's parse makes of the fields these tests look at."""
+        self.handed.append(params)
+        stops = (IE, *params.get("sampling", {}).get("stop_token_ids", ()))
+        return OmniRequest(SamplingParams(), stops, bool(params.get("audio")), params.get("voice", "ethan"))
 
 
 @pytest.fixture
@@ -59,9 +64,9 @@ def test_text_only_chat_has_no_speech_and_no_inserted_system_turn(adapter):
     req = _chat(adapter, [{"role": "user", "content": "hi"}], max_tokens=7, temperature=0.5)
     ids = req.inputs["input_ids"][0].tolist()
     assert ids == [IS, IDS.user, NL, *b"hi", IE, NL, IS, IDS.assistant, NL]
-    assert req.params == {"sampling": {"temperature": 0.5}, "max_tokens": 7}  # no "audio": text only
+    assert adapter.model.handed == [{"sampling": {"temperature": 0.5}, "max_tokens": 7}]  # no "audio": text only
     assert req.prompt_tokens == len(ids)
-    assert adapter.model.validated  # the model's own checks ran
+    assert isinstance(req.params, OmniRequest)  # parsed by the model, submitted as it is
 
 
 def test_audio_chat_adds_the_system_prompt_voice_and_talker_defaults(adapter):
@@ -69,21 +74,22 @@ def test_audio_chat_adds_the_system_prompt_voice_and_talker_defaults(adapter):
                 audio={"voice": "Chelsie", "format": "wav"})
     ids = req.inputs["input_ids"][0].tolist()
     assert bytes(_segment(ids, IDS.system)).decode() == AUDIO_SYSTEM_PROMPT
-    assert req.params == {"sampling": {}, "audio": True, "voice": "chelsie", "talker_sampling": {}}
+    assert adapter.model.handed[-1] == {"sampling": {}, "audio": True, "voice": "chelsie", "talker_sampling": {}}
     own = _chat(adapter, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
                 modalities=["audio"])
     assert bytes(_segment(own.inputs["input_ids"][0].tolist(), IDS.system)) == b"be brief"
-    assert own.params["voice"] == "ethan"  # the default voice
+    assert own.params.voice == "ethan"  # the default voice
 
 
 def test_talker_sampling_overrides_and_seed(adapter):
-    req = _chat(adapter, [{"role": "user", "content": "x"}], modalities=["text", "audio"], seed=5,
+    _chat(adapter, [{"role": "user", "content": "x"}], modalities=["text", "audio"], seed=5,
                 talker_temperature=0.0, talker_top_k=3, talker_max_tokens=40, code_predictor_top_p=0.5)
-    assert req.params["talker_sampling"] == {"temperature": 0.0, "top_k": 3, "seed": 5, "max_tokens": 40}
-    assert req.params["code_predictor_sampling"] == {"top_p": 0.5}
-    assert req.params["sampling"] == {"seed": 5}
-    other = _chat(adapter, [{"role": "user", "content": "x"}], modalities=["audio"], seed=5, talker_seed=6)
-    assert other.params["talker_sampling"] == {"seed": 6}
+    handed = adapter.model.handed[-1]
+    assert handed["talker_sampling"] == {"temperature": 0.0, "top_k": 3, "seed": 5, "max_tokens": 40}
+    assert handed["code_predictor_sampling"] == {"top_p": 0.5}
+    assert handed["sampling"] == {"seed": 5}
+    _chat(adapter, [{"role": "user", "content": "x"}], modalities=["audio"], seed=5, talker_seed=6)
+    assert adapter.model.handed[-1]["talker_sampling"] == {"seed": 6}
 
 
 def test_unknown_voice_names_the_choices(adapter):
@@ -135,7 +141,7 @@ def test_speech_goes_through_the_chat_prompt(adapter):
     ids = req.inputs["input_ids"][0].tolist()
     assert bytes(_segment(ids, IDS.system)).decode() == AUDIO_SYSTEM_PROMPT
     assert bytes(_segment(ids, IDS.user)).decode() == A.SPEECH_PROMPT.format(text="Hello there")
-    assert req.params["voice"] == "aiden" and req.params["audio"] is True
+    assert req.params.voice == "aiden" and req.params.audio is True
     with pytest.raises(ValueError, match="characters"):
         adapter.speech_request({"input": "x" * (A.MAX_INPUT_CHARS + 1)})
     with pytest.raises(ValueError, match="speed"):

@@ -28,6 +28,7 @@ from mstar.model.checkpoint import (
 from mstar.model.validation import check_int
 from mstar.models.pi05 import graph as pi05_graph
 from mstar.models.pi05.config import PI05_BASE, PI05_TINY, Pi05Config, Pi05Request
+from mstar.models.pi05.request import Pi05Params
 
 __all__ = ["Pi05Model", "Pi05Tiny", "validate_request"]
 
@@ -87,7 +88,8 @@ class Pi05Model(ModelDef):
     """A lerobot pi0.5 checkpoint directory (``model_path``: ``model.safetensors``, optionally
     ``config.json``) or, with ``load_format="dummy"``, seeded random weights."""
 
-    checks_params = True  # validate_request looks up every params key (Runtime.submit refuses others)
+    checks_params = True  # parse_request looks up every params key (Runtime.submit refuses others)
+    request_type = Pi05Params
 
     name = "pi05"
     family = "pi05"
@@ -128,24 +130,25 @@ class Pi05Model(ModelDef):
     def next_walk(self, state: WalkState) -> str | None:
         return pi05_graph.next_walk(state)
 
-    def validate_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> None:
+    def parse_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> Pi05Params:
         unknown = sorted(set(inputs) - _INPUTS)
         if unknown:
             raise ValueError(f"pi05: unknown inputs {unknown}; use {sorted(_INPUTS)}")
         for name in ("images", "image_masks", "token_ids"):
             if not inputs.get(name):
                 raise ValueError(f"pi05: input {name!r} is required")
-        validate_request(Pi05Request.from_runtime(inputs, params), self.config)
-
-    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> Mapping[str, int]:
-        return {"prefix": validate_request(Pi05Request.from_runtime(inputs, params), self.config)}
-
-    def create_state(self, request_id, partition, inputs, params) -> WalkState:
         r = Pi05Request.from_runtime(inputs, params)
+        return Pi05Params(r.seed, validate_request(r, self.config))
+
+    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], request: Pi05Params) -> Mapping[str, int]:
+        return {"prefix": request.prefix_tokens}
+
+    def create_state(self, request_id, partition, inputs, params: Pi05Params) -> WalkState:
+        r = Pi05Request.from_runtime(inputs, {})  # the inputs, checked by parse_request
         cfg = self.config
         noise = r.noise
         if noise is None:
-            g = torch.Generator().manual_seed(r.seed if r.seed is not None else secrets.randbits(62))
+            g = torch.Generator().manual_seed(params.seed if params.seed is not None else secrets.randbits(62))
             noise = torch.randn(cfg.horizon, cfg.action_dim, generator=g)
         mask = r.token_mask if r.token_mask is not None else torch.ones(r.token_ids.shape, dtype=torch.bool)
         tensors = {"images": [r.images], "image_masks": [r.image_masks], "token_ids": [r.token_ids.long()],

@@ -27,8 +27,8 @@ Emitted items -> API outputs: ``text`` (Thinker token ids) -> text deltas; ``aud
 chunks, float in [-1, 1] or int16) -> PCM16 chunks at 24 kHz.
 
 The model object must provide ``tokenizer`` (``encode(text, add_special_tokens=False)``,
-``decode(ids, skip_special_tokens=True)``); ``voices`` and ``validate_request(inputs, params)`` are
-used when present.
+``decode(ids, skip_special_tokens=True)``) and ``parse_request(inputs, params)`` (the request parsed
+once, an ``OmniRequest``: what the adapter submits); ``voices`` is used when present.
 """
 
 from __future__ import annotations
@@ -160,13 +160,11 @@ class Qwen3OmniAdapter(ApiAdapter):
             inputs["pixel_values"] = [torch.cat([i.pixel_values for i in media.images])]
             inputs["image_grid_thw"] = [torch.stack([i.grid_thw for i in media.images])]
         params = {**self._thinker_params(body), **(speech or {})}
-        validate = getattr(self.model, "validate_request", None)
-        if validate is not None:
-            validate(inputs, params)
+        request = self.model.parse_request(inputs, params)  # an OmniRequest: checked once, submitted as it is
         stop = stop_strings(body)
         if stop and speech is not None:  # the Talker speaks behind the text: a cut would end it mid-word
             raise ValueError("stop strings apply to text-only answers; not with modalities ['audio']")
-        return ApiRequest(inputs, params, prompt_tokens=len(ids), stop=stop)
+        return ApiRequest(inputs, request, prompt_tokens=len(ids), stop=stop)
 
     def _thinker_params(self, body: Mapping[str, Any]) -> dict[str, Any]:
         return text_sampling_params(body, {k: k for k in _SAMPLING})
@@ -188,7 +186,7 @@ class Qwen3OmniAdapter(ApiAdapter):
     # -- outputs -----------------------------------------------------------------------------------
 
     def new_decoder(self, route, request):
-        stops = {self.ids.im_end, *request.params.get("sampling", {}).get("stop_token_ids", ())}
+        stops = frozenset(request.params.thinker_stop_ids)  # an OmniRequest (parsed by ``_request``)
         return OmniDecoder(TextStreamDecoder(self.model.tokenizer, stops, request.stop), self.sample_rate)
 
 

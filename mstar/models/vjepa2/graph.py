@@ -84,7 +84,7 @@ def next_walk(state: WalkState) -> str | None:
     """rollout: ``encode`` (when given frames), then ``rollout``; plan: ``encode_plan`` (when given
     frames), ``prefill_context`` (with two context frames or more), then ``plan``."""
     frames = "frames" in state.tensors
-    if state.params.get("task") == "plan":
+    if state.params.plans:  # a VJepaRequest
         prefill = ["prefill_context"] if _context_frames(state.tensors) >= 2 else []
         order = (["encode_plan"] if frames else []) + prefill + ["plan"]
     else:

@@ -29,6 +29,7 @@ from mstar.models.vjepa2.config import (
 from mstar.models.vjepa2.graph import MAX_FRAMES
 from mstar.models.vjepa2.loader import build_vjepa2_ac, dummy_vjepa2
 from mstar.models.vjepa2.nodes import CemSampler, CemUpdate, EncoderNode, PredictorNode
+from mstar.models.vjepa2.request import VJepaRequest, VJepaTask
 
 __all__ = ["LOAD_FORMATS", "VJepa2AC", "VJepa2ACTiny"]
 
@@ -38,7 +39,8 @@ LOAD_FORMATS = ("auto", "dummy")
 class VJepa2AC(ModelDef):
     """V-JEPA 2-AC: ``model_path`` is the ``vjepa2-ac-vitg.pt`` checkpoint (encoder + predictor)."""
 
-    checks_params = True  # validate_request looks up every params key (Runtime.submit refuses others)
+    checks_params = True  # parse_request looks up every params key (Runtime.submit refuses others)
+    request_type = VJepaRequest
 
     name = "vjepa2-ac"
 
@@ -60,16 +62,17 @@ class VJepa2AC(ModelDef):
         tensors["state"] = [inputs["states"][0][-1]]  # the carried state's first value (unused before T)
         if "context" in inputs:
             tensors["feed"] = [inputs["context"][0][-1]]
-        if params.get("task") == "plan":  # the CEM's initial sampling distribution
-            shape = (int(params.get("horizon", 1)), self.predictor_config.action_dim)
+        req: VJepaRequest = params
+        if req.plans:  # the CEM's initial sampling distribution
+            shape = (req.horizon, self.predictor_config.action_dim)
             tensors["plan"] = [torch.zeros(shape)]
-            tensors["spread"] = [torch.full(shape, float(params.get("init_std", 0.1)))]
+            tensors["spread"] = [torch.full(shape, req.init_std)]
         return WalkState(request_id=request_id, partition=partition, params=params, tensors=tensors)
 
     def next_walk(self, state: WalkState) -> str | None:
         return vjepa2_graph.next_walk(state)
 
-    def validate_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> None:
+    def parse_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> VJepaRequest:
         ec, pc = self.encoder_config, self.predictor_config
         for name in ("states", "actions"):
             if name not in inputs:
@@ -92,6 +95,7 @@ class VJepa2AC(ModelDef):
         task = params.get("task", "rollout")
         if task not in ("rollout", "plan"):
             raise ValueError(f"vjepa2-ac: task must be 'rollout' or 'plan', got {task!r}")
+        task = VJepaTask(task)
         horizon = check_int(params.get("horizon", 1), "vjepa2-ac: horizon")
         if t < 1 or t + horizon > MAX_FRAMES:
             raise ValueError(f"vjepa2-ac: context frames ({t}) + horizon ({horizon}) must be at most {MAX_FRAMES}")
@@ -99,27 +103,28 @@ class VJepa2AC(ModelDef):
         a = pc.action_dim
         if states.dim() != 2 or tuple(states.shape) != (t, a):
             raise ValueError(f"vjepa2-ac: states must be [{t}, {a}] (one per context frame), got {list(states.shape)}")
-        need = t + horizon - 1 if task == "rollout" else t - 1
-        what = "context frames + horizon - 1" if task == "rollout" else "the actions between context frames"
+        need = t + horizon - 1 if task is VJepaTask.ROLLOUT else t - 1
+        what = "context frames + horizon - 1" if task is VJepaTask.ROLLOUT else "the actions between context frames"
         if actions.dim() != 2 or actions.shape[1] != a or actions.shape[0] < need:
             raise ValueError(f"vjepa2-ac: actions must be [>= {need}, {a}] ({what}), got {list(actions.shape)}")
-        if task == "plan":
-            self._validate_plan(inputs, params)
+        cem = self._parse_plan(inputs, params) if task is VJepaTask.PLAN else {}
         if not all(torch.isfinite(x).all() for x in (states, actions)):
             raise ValueError("vjepa2-ac: states and actions must be finite")
+        return VJepaRequest(task, horizon, **cem)
 
-    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> Mapping[str, int]:
+    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], request: VJepaRequest) -> Mapping[str, int]:
         """The predictor's caches at their largest: a rollout's one cache holds every frame but the
         last predicted; a plan keeps the context (all frames but the last) plus one fork per sample
         growing by ``horizon`` frames, which share the context's blocks (a copy-on-write copy of a
         shared partial block is not counted: this bound never refuses a request that fits)."""
         t = (inputs["frames"] if "frames" in inputs else inputs["context"])[0].shape[0]
-        horizon, bt = int(params.get("horizon", 1)), self.predictor_config.block_tokens
-        if params.get("task", "rollout") == "rollout":
+        horizon, bt = request.horizon, self.predictor_config.block_tokens
+        if not request.plans:
             return {"predictor": (t + horizon - 1) * bt}
-        return {"predictor": (t - 1) * bt + int(params.get("samples", 64)) * horizon * bt}
+        return {"predictor": (t - 1) * bt + request.samples * horizon * bt}
 
-    def _validate_plan(self, inputs, params) -> None:
+    def _parse_plan(self, inputs, params) -> dict[str, Any]:
+        """The CEM's numbers, checked (and that the goal is given)."""
         ec, pc = self.encoder_config, self.predictor_config
         if "frames" in inputs:
             goal = inputs.get("goal_frame", [None])[0]
@@ -132,10 +137,12 @@ class VJepa2AC(ModelDef):
         samples, topk, iters = (params.get(k, d) for k, d in (("samples", 64), ("topk", 8), ("iterations", 4)))
         for name, v, hi in (("samples", samples, 1024), ("topk", topk, samples), ("iterations", iters, 64)):
             check_int(v, f"vjepa2-ac: {name}", 1, hi)
-        check_int(params.get("seed", 0), "vjepa2-ac: seed", 0, (1 << 62) // 1_000_003)  # the CEM draws' seed
+        seed = check_int(params.get("seed", 0), "vjepa2-ac: seed", 0, (1 << 62) // 1_000_003)  # the CEM draws' seed
         std = params.get("init_std", 0.1)  # the CEM's initial spread
         if isinstance(std, bool) or not isinstance(std, (int, float)) or not 0.0 < float(std) < 1e6:
             raise ValueError(f"vjepa2-ac: init_std must be a positive number, got {std!r}")
+        return {"samples": int(samples), "topk": int(topk), "iterations": int(iters), "seed": seed,
+                "init_std": float(std)}
 
     def build_submodules(self, node_names: Iterable[str]) -> dict[str, NodeSubmodule]:
         names = list(node_names)

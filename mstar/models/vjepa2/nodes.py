@@ -81,7 +81,7 @@ class PredictorNode(NodeSubmodule):
         bt = c.block_tokens
         ctx, states = inputs["context"][0], inputs["states"][0]
         t = ctx.shape[0]
-        horizon = int(fwd_info.params.get("horizon", 1))
+        horizon = fwd_info.params.horizon  # a VJepaRequest
         given = None
         if graph_walk == "plan":
             cand = inputs["candidates"][0]  # [N, H, A]
@@ -168,9 +168,9 @@ class CemSampler(NodeSubmodule):
 
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
         mean, std = inputs["plan"][0], inputs["spread"][0]
-        p = fwd_info.params
-        gen = torch.Generator().manual_seed(int(p.get("seed", 0)) * 1_000_003 + fwd_info.iteration[0])
-        cand = mean + std * torch.randn((int(p.get("samples", 64)), *mean.shape), generator=gen)
+        req = fwd_info.params  # a VJepaRequest
+        gen = torch.Generator().manual_seed(req.seed * 1_000_003 + fwd_info.iteration[0])
+        cand = mean + std * torch.randn((req.samples, *mean.shape), generator=gen)
         return NodeInputs(extras={"candidates": cand})
 
     def forward(self, graph_walk, engine_inputs, **_):
@@ -184,10 +184,10 @@ class CemUpdate(NodeSubmodule):
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
         final, cand, goal = inputs["feed"][0], inputs["candidates"][0], inputs["goal"][0]
         energy = (final - goal.unsqueeze(0)).abs().mean(dim=(1, 2))  # [N]
-        k = int(fwd_info.params.get("topk", 8))
+        k = fwd_info.params.topk
         best = torch.topk(energy, k, largest=False).indices
         elite = cand[best]
-        last = fwd_info.iteration[0] + 1 >= int(fwd_info.params.get("iterations", 4))
+        last = fwd_info.iteration[0] + 1 >= fwd_info.params.iterations
         return NodeInputs(extras={"plan": elite.mean(0), "spread": elite.std(0, unbiased=False),
                                   "energy": energy[best[0]].view(1), "last": last})
 
