@@ -12,13 +12,13 @@ import uvicorn
 from mstar.bench.net import free_port
 from mstar.runtime.api import Runtime
 from mstar.server.app import create_app
-from mstar.server.serving import ServingEngine
+from mstar.server.serving import Serving
 
 
 @contextlib.contextmanager
 def running_server(model, name: str, *, api_key: str | None = None, max_queue: int = 64, **rt_kwargs):
     runtime = Runtime(model, **rt_kwargs).start()
-    engine = ServingEngine(runtime, name, max_queue)
+    engine = Serving(runtime, name, max_queue)
     try:
         with running_app(create_app(engine, api_key=api_key)) as url:
             yield url, engine

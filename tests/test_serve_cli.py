@@ -71,12 +71,12 @@ def test_openapi_fuzz_finds_no_5xx():
 
     from mstar.runtime.api import Runtime
     from mstar.server.app import create_app
-    from mstar.server.serving import ServingEngine
+    from mstar.server.serving import Serving
     from tests.toy_server_models import ToyChat
 
     rt = Runtime(ToyChat()).start()
     try:
-        app = create_app(ServingEngine(rt, "toy-chat", 64))
+        app = create_app(Serving(rt, "toy-chat", 64))
         schema = schemathesis.openapi.from_asgi("/openapi.json", app)
         checked = []
         for result in schema.get_all_operations():

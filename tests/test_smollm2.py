@@ -22,7 +22,7 @@ from mstar.models.llama import smollm2
 from mstar.models.llama.gguf_tokenizer import byte_alphabet
 from mstar.models.llama.smollm2 import SmolLM2, packaged_gguf
 from mstar.server.app import create_app
-from mstar.server.serving import ServingEngine
+from mstar.server.serving import Serving
 from tests.helpers import kv_blocks_in_use
 from tests.server_utils import get, running_app
 from tests.test_llama import PagedBatcher
@@ -181,7 +181,7 @@ def test_capital_question_answers_paris_through_the_runtime(ours, runtime):
 
 
 def test_openai_api_answers_paris_plain_and_streamed(runtime):
-    with running_app(create_app(ServingEngine(runtime, NAME, 16))) as url:
+    with running_app(create_app(Serving(runtime, NAME, 16))) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         assert [m.id for m in client.models.list().data] == [NAME]
         assert get(url, "/health").json() == {"status": "ok"}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mstar import Runtime
-from mstar.layers.grammar import GrammarEngine, GrammarRow, GrammarSpec
+from mstar.layers.grammar import GrammarMatchers, GrammarRow, GrammarSpec
 from mstar.model import resolve_model
 from mstar.models.llama.tokenizer import ByteTokenizer
 from mstar.server.media import tensor_from_json
@@ -136,7 +136,7 @@ def test_matcher_state_is_rebuilt_from_the_request_tokens():
     """The engine's per-request matcher follows the tokens a row brings: extended, it consumes the
     new ones; not extended (a recomputed or moved request), it starts again; released, it is gone."""
     tok = ByteTokenizer()
-    engine = GrammarEngine(lambda: tok, tok.vocab_size)
+    engine = GrammarMatchers(lambda: tok, tok.vocab_size)
     spec = GrammarSpec("regex", "abc|abd")
 
     def allowed(generated):

@@ -256,11 +256,11 @@ def mstar_policy(cfg: Pi05Config, checkpoint: Path | None, workers: str = "proce
     from mstar.models.pi05.model import Pi05Model
     from mstar.runtime.api import Runtime
     from mstar.server.app import create_app
-    from mstar.server.serving import ServingEngine
+    from mstar.server.serving import Serving
 
     model = Pi05Model(model_path=checkpoint, load_format="auto" if checkpoint else "dummy", config=cfg)
     with _threads(threads), Runtime(model, workers=workers) as runtime, \
-            _serving(create_app(ServingEngine(runtime, "pi05"))) as url:
+            _serving(create_app(Serving(runtime, "pi05"))) as url:
         yield url
 
 

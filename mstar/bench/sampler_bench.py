@@ -8,7 +8,7 @@ counts, the bias, a log-softmax over the vocabulary and a top-5 for every row); 
 constrained to a JSON schema (an array of objects, which never has to end, so every step of every
 row computes its llguidance token mask). Throughput is generated tokens over the wall time of the
 run, prefill included. Schema compile time: a fresh schema (new property names) compiled by the
-model's ``GrammarEngine``, median of 20.
+model's ``GrammarMatchers``, median of 20.
 """
 
 from __future__ import annotations

@@ -252,7 +252,7 @@ class Sampler:
     runtime: Any = None
     url: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
-    engine: Any = None  # the ServingEngine in front of ``runtime``: its admitted requests count too
+    engine: Any = None  # the Serving in front of ``runtime``: its admitted requests count too
 
     def pids(self) -> dict[str, int]:
         if self.runtime is None:
@@ -323,7 +323,7 @@ def run_soak(url: str, model: str, requests: int, concurrency: int, *, kinds: li
              seed: int = 0, max_tokens: int = 16, engine: Any = None, api_key: str | None = None,
              timeout: float = 120.0, settle_s: float = 30.0, slack: Slack | None = None,
              warmup: bool = True) -> dict[str, Any]:
-    """Soak the server at ``url`` (``engine``: its ``ServingEngine``, in this process, for a full audit)."""
+    """Soak the server at ``url`` (``engine``: its ``Serving``, in this process, for a full audit)."""
     kinds = list(kinds or KINDS)
     bad = [k for k in kinds if k not in KINDS]
     if bad or requests < 1 or concurrency < 1:
@@ -355,16 +355,16 @@ def run_soak(url: str, model: str, requests: int, concurrency: int, *, kinds: li
 def serving(model: Any, name: str, *, max_queue: int = 256, start_timeout: float = 60.0,
             **runtime_kwargs: Any) -> Iterator[tuple[str, Any]]:
     """Serve ``model`` (a ``ModelDef`` or a registered name) on a free loopback port from a thread of
-    this process; yields (base URL, ServingEngine)."""
+    this process; yields (base URL, Serving)."""
     import uvicorn
 
     from mstar.runtime.api import Runtime
     from mstar.server.app import create_app
-    from mstar.server.serving import ServingEngine
+    from mstar.server.serving import Serving
 
     runtime = Runtime(model, **runtime_kwargs).start()
     try:
-        engine = ServingEngine(runtime, name, max_queue)
+        engine = Serving(runtime, name, max_queue)
         app = create_app(engine)
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from mstar.model.registry import import_target, registered_models
     from mstar.runtime.api import Runtime
     from mstar.server.app import create_app
-    from mstar.server.serving import ServingEngine
+    from mstar.server.serving import Serving
 
     registry = registered_models()
     target = import_target(registry[args.model]) if args.model in registry else (
@@ -102,11 +102,11 @@ def run(args: argparse.Namespace) -> int:
     runtime.start()
     log.info("model ready in %.1f s on %d rank(s)", time.perf_counter() - t0, runtime.routing.num_ranks)
     name = args.served_model_name or args.model
-    engine = ServingEngine(runtime, name, args.max_queue)
-    if args.policy_server and POLICY not in engine.adapter.routes:
+    serving = Serving(runtime, name, args.max_queue)
+    if args.policy_server and POLICY not in serving.adapter.routes:
         runtime.shutdown()
         raise ValueError(f"model {args.model!r} does not serve the websocket policy protocol")
-    app = create_app(engine, api_key=args.api_key)
+    app = create_app(serving, api_key=args.api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     # uvicorn re-raises a captured SIGTERM after its shutdown, which would kill this process before the
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, server.handle_exit)
     print(f"mstar: serving {name} on http://{args.host}:{args.port} (OpenAI base_url http://{args.host}:"
           f"{args.port}/v1)", file=sys.stderr, flush=True)
-    if POLICY in engine.adapter.routes:
+    if POLICY in serving.adapter.routes:
         print(f"mstar: openpi websocket policy server on ws://{args.host}:{args.port}/ (health: GET /healthz)",
               file=sys.stderr, flush=True)
     _exit_when_fatal(runtime, server, log)

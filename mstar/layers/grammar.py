@@ -4,7 +4,7 @@ PyPI with no dependencies; compiling a JSON schema takes about a millisecond and
 microseconds, and masks are computed per row, so constrained and free requests share one batched
 step).
 
-``GrammarEngine`` (one per model node, over the model's tokenizer):
+``GrammarMatchers`` (one per model node, over the model's tokenizer):
 
 * ``check(spec)``: ValueError naming the problem for a schema or grammar llguidance refuses;
 * ``mask_rows(logits, rows)``: every constrained row's logits outside its grammar set to ``-inf``.
@@ -30,7 +30,7 @@ import torch
 
 from mstar.model.sendable import register_message
 
-__all__ = ["GRAMMAR_KINDS", "GrammarEngine", "GrammarRow", "GrammarSpec"]
+__all__ = ["GRAMMAR_KINDS", "GrammarMatchers", "GrammarRow", "GrammarSpec"]
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema or grammar's text; compiling is linear in it
@@ -128,7 +128,7 @@ class _BytesVocabulary:
         return self._tok.encode(s, add_special_tokens=False)
 
 
-class GrammarEngine:
+class GrammarMatchers:
     """Compiled grammars (by spec) and the matchers of the requests under way, over one tokenizer
     (built on first use by ``make_tokenizer``: it loads a vocabulary)."""
 

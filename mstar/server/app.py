@@ -1,6 +1,6 @@
-"""The FastAPI application: the routers of ``mstar.server.routes`` around one ``ServingEngine``.
+"""The FastAPI application: the routers of ``mstar.server.routes`` around one ``Serving``.
 
-Handlers are module-level functions; they find the engine and the limits on ``app.state``, which
+Handlers are module-level functions; they find the serving and the limits on ``app.state``, which
 ``create_app`` fills in. The middleware gives every request an id (``x-request-id``), checks the API
 key and the body size, turns an unhandled exception into a logged 500 and counts requests.
 """
@@ -17,7 +17,7 @@ from mstar.model.adapter import ROUTE_PATHS
 from mstar.server.errors import error_response, install_handlers, internal_error, request_id
 from mstar.server.limits import ServerLimits
 from mstar.server.routes import ROUTERS
-from mstar.server.serving import ServingEngine
+from mstar.server.serving import Serving
 
 __all__ = ["ServerLimits", "create_app"]
 
@@ -26,10 +26,10 @@ _COUNTED_PATHS = frozenset(ROUTE_PATHS.values())
 DEFAULT_LIMITS = ServerLimits()
 
 
-def create_app(engine: ServingEngine, api_key: str | None = None, limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
+def create_app(serving: Serving, api_key: str | None = None, limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
     app = FastAPI(title="mstar", version="0.1.0",
-                  description=f"Serving {engine.model_name} with the mstar Walk Graph runtime.")
-    app.state.engine = engine
+                  description=f"Serving {serving.model_name} with the mstar Walk Graph runtime.")
+    app.state.serving = serving
     app.state.limits = limits
     app.state.api_key = api_key
     app.state.created = int(time.time())
@@ -66,8 +66,8 @@ async def _checked(request: Request, call_next):
         e = internal_error(exc)
         response = error_response(e.status, e.message, code=e.code)
     if route in _COUNTED_PATHS:
-        engine = state.engine
-        engine.metrics.requests.labels(engine.model_name, route, str(response.status_code)).inc()
+        serving = state.serving
+        serving.metrics.requests.labels(serving.model_name, route, str(response.status_code)).inc()
     return response
 
 

@@ -13,7 +13,10 @@ from mstar.server.errors import SHAPE_ERRORS, APIError, api_error
 from mstar.server.metrics import ServerMetrics
 
 
-class ServingEngine:
+class Serving:
+    """The model served: its runtime, API adapter and metrics; submits, streams and aborts requests
+    for the routes (``app.state.serving``)."""
+
     def __init__(self, runtime: Runtime, model_name: str, max_queue: int = 256) -> None:
         self.runtime = runtime
         self.model_name = model_name

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from mstar.graph import FinishReason, WalkGraph
-from mstar.layers.grammar import GrammarEngine
+from mstar.layers.grammar import GrammarMatchers
 from mstar.layers.llama import check_llama_architecture
 from mstar.layers.sampling import request_sampling
 from mstar.model import ModelDef, NodeSubmodule, WalkState
@@ -166,11 +166,11 @@ class LlamaLM(LazyTokenizer, ModelDef):
         return state
 
     @property
-    def grammars(self) -> GrammarEngine:
+    def grammars(self) -> GrammarMatchers:
         """Constrained decoding over this model's tokenizer (built on first use, in each process)."""
         engine = self.__dict__.get("_grammars")
         if engine is None:
-            engine = self.__dict__["_grammars"] = GrammarEngine(lambda: self.tokenizer, self.config.vocab_size)
+            engine = self.__dict__["_grammars"] = GrammarMatchers(lambda: self.tokenizer, self.config.vocab_size)
         return engine
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mstar.layers.attention_backends import AttentionBackend
-from mstar.layers.grammar import GrammarEngine, GrammarRow
+from mstar.layers.grammar import GrammarMatchers, GrammarRow
 from mstar.layers.llama import LlamaBackbone, pack_linears
 from mstar.layers.prepack import PrepackedLinear, can_prepack
 from mstar.layers.sampling import RowLogprobs, sample, sample_with_logprobs
@@ -51,7 +51,7 @@ class LlamaCausalLM(NodeSubmodule):
         self.kv_spec = KVSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
         self.eos_token_ids = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.prepacked: PrepackedLinear | None = None  # the LM head, prepacked
-        self.grammars: GrammarEngine | None = None  # constrained decoding (the model sets it)
+        self.grammars: GrammarMatchers | None = None  # constrained decoding (the model sets it)
         # the last ``step_outputs``' per-row tokens and the batch tensor they are rows of
         self._token_rows: tuple[list[torch.Tensor], torch.Tensor] | None = None
         self.tie_weights()

@@ -22,8 +22,8 @@ from mstar.server.protocol import ChatCompletion, ChatCompletionRequest, Content
 from mstar.server.routes.common import (
     SSE_DONE,
     ClosingStreamingResponse,
-    Engine,
     Limits,
+    ServingDep,
     Started,
     adapt,
     choice_body,
@@ -41,23 +41,23 @@ router = APIRouter()
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion)
-async def chat(req: ChatCompletionRequest, engine: Engine, limits: Limits):
-    require(engine, CHAT, req.model)
+async def chat(req: ChatCompletionRequest, serving: ServingDep, limits: Limits):
+    require(serving, CHAT, req.model)
     body = ReadDict(req.model_dump())
-    refused = refused_chat_option(body, engine.adapter.chat_options)
+    refused = refused_chat_option(body, serving.adapter.chat_options)
     if refused is not None:
-        raise APIError(400, f"{refused} is not supported by {engine.model_name} (remove it, or send its no-op value)",
+        raise APIError(400, f"{refused} is not supported by {serving.model_name} (remove it, or send its no-op value)",
                        param=refused)
-    _refuse_message_extras(req, "tools" in engine.adapter.chat_options)
+    _refuse_message_extras(req, "tools" in serving.adapter.chat_options)
     images, audio = _media_inputs(req, limits)
-    requests = [adapt(engine.adapter.chat_request, choice_body(body, j), images, audio) for j in range(req.n)]
+    requests = [adapt(serving.adapter.chat_request, choice_body(body, j), images, audio) for j in range(req.n)]
     want_audio = bool(req.modalities and "audio" in req.modalities)
     text_only = not req.modalities or set(req.modalities) <= {"text"}
-    refuse_unread(sent_fields(req), body, engine.model_name, _ROUTE_READS | ({"modalities"} if text_only else set())
+    refuse_unread(sent_fields(req), body, serving.model_name, _ROUTE_READS | ({"modalities"} if text_only else set())
                   | ({"audio"} if want_audio else set()))
-    completion = _Completion(await start_choices(engine, CHAT, [requests]), engine.model_name, requests[0].prompt_tokens,
+    completion = _Completion(await start_choices(serving, CHAT, [requests]), serving.model_name, requests[0].prompt_tokens,
                              want_audio=want_audio,
-                             sample_rate=engine.adapter.sample_rate,
+                             sample_rate=serving.adapter.sample_rate,
                              audio_format=req.audio.format if req.audio else "wav", logprobs=bool(req.logprobs))
     if not req.stream:
         return await completion.collect()

@@ -1,4 +1,4 @@
-"""What every route shares: the app's engine and limits, the model and route checks, starting a
+"""What every route shares: the app's serving bridge and limits, the model and route checks, starting a
 request and decoding its items, and the event that ends a stream which failed after it began."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mstar.server import media
 from mstar.server.errors import SHAPE_ERRORS, APIError, api_error, error_body, internal_error
 from mstar.server.limits import ServerLimits
 from mstar.server.protocol import CHAT_OPTIONS
-from mstar.server.serving import ServingEngine, Timer
+from mstar.server.serving import Serving, Timer
 
 Output = TextDelta | AudioChunk | ImageOut
 
@@ -30,30 +30,30 @@ Output = TextDelta | AudioChunk | ImageOut
 # async, so FastAPI calls them on the event loop rather than in its thread pool
 
 
-async def _engine(request: Request) -> ServingEngine:
-    return request.app.state.engine
+async def _serving(request: Request) -> Serving:
+    return request.app.state.serving
 
 
 async def _limits(request: Request) -> ServerLimits:
     return request.app.state.limits
 
 
-Engine = Annotated[ServingEngine, Depends(_engine)]
+ServingDep = Annotated[Serving, Depends(_serving)]
 Limits = Annotated[ServerLimits, Depends(_limits)]
 
 
 # -- checks ----------------------------------------------------------------------------------------
 
 
-def require(engine: ServingEngine, route: str, model: str | None) -> None:
+def require(serving: Serving, route: str, model: str | None) -> None:
     """404 unless this server serves ``model`` (when the body names one) and its model serves ``route``."""
-    if model is not None and model != engine.model_name:
-        raise APIError(404, f"model {model!r} not found; this server serves {engine.model_name!r}",
+    if model is not None and model != serving.model_name:
+        raise APIError(404, f"model {model!r} not found; this server serves {serving.model_name!r}",
                        param="model", code="model_not_found")
-    routes = engine.adapter.routes
+    routes = serving.adapter.routes
     if route not in routes:
         supported = ", ".join(ROUTE_PATHS[r] for r in sorted(routes))
-        raise APIError(404, f"model {engine.model_name!r} does not serve {ROUTE_PATHS[route]}; "
+        raise APIError(404, f"model {serving.model_name!r} does not serve {ROUTE_PATHS[route]}; "
                             f"its routes: {supported}", code="route_not_supported")
 
 
@@ -104,14 +104,14 @@ def png_base64(pixels: Any) -> str:
 # -- starting a request and decoding its items -------------------------------------------------------
 
 
-async def started(engine: ServingEngine, route: str, inputs: dict[str, Any],
+async def started(serving: Serving, route: str, inputs: dict[str, Any],
                   params: dict[str, Any], decoder: ItemDecoder | None = None) -> AsyncIterator[StreamItem]:
     """Submit and wait for the first item, so that admission and input errors surface as a plain HTTP
     error before any byte of the response is sent; the iterator returned yields every item.
 
-    A client that leaves cancels (or drops) the chain of generators over the engine's stream, whose
+    A client that leaves cancels (or drops) the chain of generators over the serving's stream, whose
     ``finally`` then aborts the request."""
-    items = engine.stream(route, inputs, params, decoder)
+    items = serving.stream(route, inputs, params, decoder)
     try:
         head: tuple[StreamItem, ...] = (await anext(items),)
     except StopAsyncIteration:
@@ -135,10 +135,10 @@ class Started:
     outputs: AsyncIterator[Output]
 
 
-async def start(engine: ServingEngine, route: str, api_req: ApiRequest) -> Started:
-    decoder = engine.adapter.new_decoder(route, api_req)
-    timer = Timer(engine.metrics, ROUTE_PATHS[route])  # before the submit: latency includes admission
-    items = await started(engine, route, api_req.inputs, api_req.params, decoder)
+async def start(serving: Serving, route: str, api_req: ApiRequest) -> Started:
+    decoder = serving.adapter.new_decoder(route, api_req)
+    timer = Timer(serving.metrics, ROUTE_PATHS[route])  # before the submit: latency includes admission
+    items = await started(serving, route, api_req.inputs, api_req.params, decoder)
     return Started(decoder, timer, _decoded(items, decoder))
 
 
@@ -150,15 +150,15 @@ def choice_body(body: ReadDict, j: int) -> ReadDict:
     return body.with_changes(seed=seed + j)
 
 
-async def start_choices(engine: ServingEngine, route: str, groups: list[list[ApiRequest]]) -> list[Started]:
+async def start_choices(serving: Serving, route: str, groups: list[list[ApiRequest]]) -> list[Started]:
     """Start every choice of a call, in order (``groups``: per prompt, its ``n`` requests). The first
     choice of each prompt starts first; once its first item came, its prompt's full KV blocks are in
     the prefix cache, and the prompt's other choices start and reuse them (the shared prompt is
     prefilled once, less its last partial block). A choice that cannot start (a 429) closes the
     others and raises."""
-    firsts = await _start_all(engine, route, [g[0] for g in groups])
+    firsts = await _start_all(serving, route, [g[0] for g in groups])
     try:
-        rests = await _start_all(engine, route, [r for g in groups for r in g[1:]])
+        rests = await _start_all(serving, route, [r for g in groups for r in g[1:]])
     except BaseException:
         await _close(firsts)
         raise
@@ -169,8 +169,8 @@ async def start_choices(engine: ServingEngine, route: str, groups: list[list[Api
     return out
 
 
-async def _start_all(engine: ServingEngine, route: str, requests: list[ApiRequest]) -> list[Started]:
-    results = await asyncio.gather(*(start(engine, route, r) for r in requests), return_exceptions=True)
+async def _start_all(serving: Serving, route: str, requests: list[ApiRequest]) -> list[Started]:
+    results = await asyncio.gather(*(start(serving, route, r) for r in requests), return_exceptions=True)
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
         await _close([r for r in results if isinstance(r, Started)])
@@ -242,7 +242,7 @@ class ClosingStreamingResponse(StreamingResponse):
     """A ``StreamingResponse`` that closes its body however the response ends. A client that leaves
     while a chunk is being sent cancels that send, not the body generator, which stays suspended at
     its yield: left to the garbage collector, its request would go on running (and count against
-    ``--max-queue``) until a collection finds it; closed here, ``ServingEngine.stream`` aborts it now."""
+    ``--max-queue``) until a collection finds it; closed here, ``Serving.stream`` aborts it now."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:

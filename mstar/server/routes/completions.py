@@ -18,7 +18,7 @@ from mstar.server.protocol import CompletionRequest
 from mstar.server.routes.common import (
     SSE_DONE,
     ClosingStreamingResponse,
-    Engine,
+    ServingDep,
     Started,
     adapt,
     choice_body,
@@ -35,14 +35,14 @@ router = APIRouter()
 
 
 @router.post("/v1/completions")
-async def completions(req: CompletionRequest, engine: Engine):
-    require(engine, COMPLETIONS, req.model)
+async def completions(req: CompletionRequest, serving: ServingDep):
+    require(serving, COMPLETIONS, req.model)
     body = ReadDict(req.model_dump())
-    groups = [[adapt(engine.adapter.completion_request, choice_body(body, j), prompt) for j in range(req.n)]
+    groups = [[adapt(serving.adapter.completion_request, choice_body(body, j), prompt) for j in range(req.n)]
               for prompt in _prompts(req.prompt)]
-    refuse_unread(sent_fields(req), body, engine.model_name, _ROUTE_READS)
-    started = await start_choices(engine, COMPLETIONS, groups)
-    call = _Call(started, [r for g in groups for r in g], engine.model_name, logprobs=req.logprobs is not None,
+    refuse_unread(sent_fields(req), body, serving.model_name, _ROUTE_READS)
+    started = await start_choices(serving, COMPLETIONS, groups)
+    call = _Call(started, [r for g in groups for r in g], serving.model_name, logprobs=req.logprobs is not None,
                  prompt_tokens=sum(g[0].prompt_tokens for g in groups))
     if not req.stream:
         return await call.collect()

@@ -13,8 +13,8 @@ from mstar.server import media
 from mstar.server.protocol import GenerateRequest
 from mstar.server.routes.common import (
     ClosingStreamingResponse,
-    Engine,
     Limits,
+    ServingDep,
     adapt,
     ending_in_error,
     ndjson,
@@ -26,14 +26,14 @@ router = APIRouter()
 
 
 @router.post("/generate")
-async def generate(req: GenerateRequest, engine: Engine, limits: Limits):
-    require(engine, GENERATE, None)
+async def generate(req: GenerateRequest, serving: ServingDep, limits: Limits):
+    require(serving, GENERATE, None)
     inputs = {k: adapt(media.tensor_from_json, v, f"inputs.{k}", limits.max_tensor_elements,
                        limits.max_tensor_dims) for k, v in req.inputs.items()}
     params = req.params.model_dump(exclude_unset=True, exclude_none=True)  # range-checked, unset left out
-    api_req = adapt(engine.adapter.generate_request, inputs, params)
-    items = await started(engine, GENERATE, api_req.inputs, api_req.params)
-    lines = _lines(items, engine.adapter, api_req)
+    api_req = adapt(serving.adapter.generate_request, inputs, params)
+    items = await started(serving, GENERATE, api_req.inputs, api_req.params)
+    lines = _lines(items, serving.adapter, api_req)
     return ClosingStreamingResponse(ending_in_error(lines, frame=ndjson), media_type="application/x-ndjson")
 
 

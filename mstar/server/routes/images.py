@@ -16,8 +16,8 @@ from mstar.server import media
 from mstar.server.errors import APIError
 from mstar.server.protocol import ImageRequest, ImagesResponse, check_json_value
 from mstar.server.routes.common import (
-    Engine,
     Limits,
+    ServingDep,
     adapt,
     png_base64,
     refuse_unread,
@@ -25,7 +25,7 @@ from mstar.server.routes.common import (
     sent_fields,
     start,
 )
-from mstar.server.serving import ServingEngine
+from mstar.server.serving import Serving
 
 router = APIRouter()
 
@@ -33,18 +33,18 @@ _EDIT_FIELDS = ("image", "prompt", "model", "n", "size")  # the form fields imag
 
 
 @router.post("/v1/images/generations", response_model=ImagesResponse)
-async def images(req: ImageRequest, engine: Engine, limits: Limits):
-    require(engine, IMAGES, req.model)
+async def images(req: ImageRequest, serving: ServingDep, limits: Limits):
+    require(serving, IMAGES, req.model)
     body = ReadDict(req.model_dump())
     body["width"], body["height"] = _parse_size(req.size, limits.max_image_side)
-    return await _run(engine, IMAGES, body, None, req.n, sent_fields(req))
+    return await _run(serving, IMAGES, body, None, req.n, sent_fields(req))
 
 
 @router.post("/v1/images/edits", response_model=ImagesResponse)
-async def image_edits(request: Request, engine: Engine, limits: Limits, image: Annotated[UploadFile, File()],
+async def image_edits(request: Request, serving: ServingDep, limits: Limits, image: Annotated[UploadFile, File()],
                       prompt: Annotated[str, Form()], model: Annotated[str, Form()],
                       n: Annotated[int, Form()] = 1, size: Annotated[str, Form()] = "256x256"):
-    require(engine, IMAGE_EDITS, model)
+    require(serving, IMAGE_EDITS, model)
     if not 1 <= n <= 4:
         raise APIError(400, "n must be between 1 and 4", param="n")
     pixels = adapt(media.decode_image, await image.read(), "image", limits.max_image_pixels,
@@ -56,17 +56,17 @@ async def image_edits(request: Request, engine: Engine, limits: Limits, image: A
         adapt(check_json_value, v, k)
     body = ReadDict({**extra, "model": model, "prompt": prompt, "n": n, "size": size})
     body["width"], body["height"] = _parse_size(size, limits.max_image_side)
-    return await _run(engine, IMAGE_EDITS, body, pixels, n, sorted(extra))
+    return await _run(serving, IMAGE_EDITS, body, pixels, n, sorted(extra))
 
 
-async def _run(engine: ServingEngine, route: str, body: ReadDict, image: torch.Tensor | None,
+async def _run(serving: Serving, route: str, body: ReadDict, image: torch.Tensor | None,
                n: int, sent: list[str]) -> ImagesResponse:
     """The n images run as n concurrent requests (the runtime batches them). Every input is validated
     before any starts, so a bad request starts nothing; nor does one setting a field (``sent``) that
     the model's adapter does not read."""
-    reqs = [adapt(engine.adapter.image_request, body.with_changes(index=i), image) for i in range(n)]
-    refuse_unread(sent, body, engine.model_name, _ROUTE_READS)
-    tasks = [asyncio.ensure_future(_one(engine, route, r)) for r in reqs]
+    reqs = [adapt(serving.adapter.image_request, body.with_changes(index=i), image) for i in range(n)]
+    refuse_unread(sent, body, serving.model_name, _ROUTE_READS)
+    tasks = [asyncio.ensure_future(_one(serving, route, r)) for r in reqs]
     try:
         results = await asyncio.gather(*tasks)
     except BaseException:
@@ -80,8 +80,8 @@ async def _run(engine: ServingEngine, route: str, body: ReadDict, image: torch.T
 _ROUTE_READS = frozenset({"model", "n", "size", "response_format"})  # read here, not by the adapter
 
 
-async def _one(engine: ServingEngine, route: str, api_req: ApiRequest) -> list[dict]:
-    request = await start(engine, route, api_req)
+async def _one(serving: Serving, route: str, api_req: ApiRequest) -> list[dict]:
+    request = await start(serving, route, api_req)
     outs = [out async for out in request.outputs]
     request.timer.done()
     return [{"b64_json": png_base64(o.pixels)} for o in outs if isinstance(o, ImageOut)]

@@ -25,7 +25,7 @@ from mstar.server.errors import APIError
 from mstar.server.protocol import ResponsesRequest
 from mstar.server.routes.common import (
     ClosingStreamingResponse,
-    Engine,
+    ServingDep,
     Started,
     adapt,
     ending_in_error,
@@ -81,17 +81,17 @@ Store = Annotated[ResponseStore, Depends(_store)]
 
 
 @router.post("/v1/responses")
-async def responses(req: ResponsesRequest, engine: Engine, store: Store):
-    require(engine, CHAT, req.model)
+async def responses(req: ResponsesRequest, serving: ServingDep, store: Store):
+    require(serving, CHAT, req.model)
     extra = sorted(k for k, v in (req.model_extra or {}).items() if v is not None)
     if extra:  # every declared field is read here; nothing else is
         raise APIError(400, f"{extra[0]} is not supported", param=extra[0])
     history = _history(req, store)
     body = _chat_body(req, history)
-    if body.get("logprobs") and "logprobs" not in engine.adapter.chat_options:
-        raise APIError(400, f"top_logprobs is not supported by {engine.model_name}", param="top_logprobs")
-    api_req = adapt(engine.adapter.chat_request, body, [], [])
-    run = _Response(await start(engine, CHAT, api_req), req, engine.model_name, api_req.prompt_tokens, history, store)
+    if body.get("logprobs") and "logprobs" not in serving.adapter.chat_options:
+        raise APIError(400, f"top_logprobs is not supported by {serving.model_name}", param="top_logprobs")
+    api_req = adapt(serving.adapter.chat_request, body, [], [])
+    run = _Response(await start(serving, CHAT, api_req), req, serving.model_name, api_req.prompt_tokens, history, store)
     if not req.stream:
         return await run.collect()
     return ClosingStreamingResponse(ending_in_error(run.events(), frame=_error_event), media_type="text/event-stream")

@@ -19,8 +19,8 @@ from mstar.server.errors import APIError
 from mstar.server.protocol import SpeechRequest, Voices
 from mstar.server.routes.common import (
     ClosingStreamingResponse,
-    Engine,
     Output,
+    ServingDep,
     adapt,
     ending_in_error,
     refuse_unread,
@@ -35,20 +35,20 @@ router = APIRouter()
 
 
 @router.get("/v1/audio/voices", response_model=Voices)
-async def voices(engine: Engine):
-    require(engine, SPEECH, None)
-    return Voices(voices=list(engine.adapter.voices))
+async def voices(serving: ServingDep):
+    require(serving, SPEECH, None)
+    return Voices(voices=list(serving.adapter.voices))
 
 
 @router.post("/v1/audio/speech")
-async def speech(req: SpeechRequest, engine: Engine):
-    require(engine, SPEECH, req.model)
-    _check(req, engine.adapter)
+async def speech(req: SpeechRequest, serving: ServingDep):
+    require(serving, SPEECH, req.model)
+    _check(req, serving.adapter)
     body = ReadDict(req.model_dump())
-    api_req = adapt(engine.adapter.speech_request, body)
-    refuse_unread(sent_fields(req), body, engine.model_name, frozenset({"model", "response_format", "stream_format"}))
-    request = await start(engine, SPEECH, api_req)
-    rate, fmt = engine.adapter.sample_rate, req.response_format
+    api_req = adapt(serving.adapter.speech_request, body)
+    refuse_unread(sent_fields(req), body, serving.model_name, frozenset({"model", "response_format", "stream_format"}))
+    request = await start(serving, SPEECH, api_req)
+    rate, fmt = serving.adapter.sample_rate, req.response_format
     pcm = _pcm(request.outputs)
     if req.stream_format is None:
         chunks = [p async for p in pcm]
