@@ -40,7 +40,7 @@ def _engine_inputs(cfg: BagelLLMConfig, lens=LENS, num_blocks: int = 16) -> Engi
     meta = AttentionMetadata.build(list(lens), tables, list(lens), modes, slots)
     b = len(lens)
     return EngineInputs(walks=["prefill"] * b, nodes=["LLM"] * b, request_ids=[str(i) for i in range(b)],
-                        infos=[], splits={}, extras={}, attention=meta, kv_caches=caches,
+                        infos=[], splits={}, args=[None] * b, attention=meta, kv_caches=caches,
                         positions=torch.tensor(positions, dtype=torch.long), num_tokens=list(lens))
 
 

@@ -331,12 +331,15 @@ def test_vjepa_plan_and_rollouts_under_pressure_match_the_oracle_and_never_fits_
     plan_in = {"context": ctx, "goal": goal, "states": states, "actions": past}
     rollouts = [request(20 + i, 2, 3) for i in range(3)]
     size = 4
-    need = -(-model.max_kv_tokens({k: [v] for k, v in plan_in.items()}, p)["predictor"] // size)
+    def kv_tokens(inputs, params):  # of the request as the model parses it
+        inputs = {k: [v] for k, v in inputs.items()}
+        return model.max_kv_tokens(inputs, model.parse_request(inputs, params))["predictor"]
+
+    need = -(-kv_tokens(plan_in, p) // size)
     groups = [{"node_names": list(model.graph.node_names), "ranks": [0]}]
     place = Placement.from_dict({"model": model.name, "node_groups": groups,
                                  "runtime": {"kv_cache_blocks": need + 3, "kv_block_size": size}})
-    demand = need + sum(-(-model.max_kv_tokens({k: [v] for k, v in i.items()}, q)["predictor"] // size)
-                        for i, q in rollouts)
+    demand = need + sum(-(-kv_tokens(i, q) // size) for i, q in rollouts)
     assert demand > need + 3  # the cache cannot hold everything at once
     with Runtime(model, place) as rt:
         h_plan = rt.submit(plan_in, p)

@@ -136,7 +136,7 @@ class PagedBatcher:
         n = len(seqs)
         meta = AttentionMetadata.build(qlens, tables, ctx, [QueryMode.CAUSAL_APPEND] * n, slots)
         ei = EngineInputs(walks=["prefill"] * n, nodes=["LLM"] * n, request_ids=[str(s) for s in seqs],
-                          infos=[], splits={}, extras={}, attention=meta, kv_caches=self.caches,
+                          infos=[], splits={}, args=[None] * n, attention=meta, kv_caches=self.caches,
                           positions=torch.tensor(positions, dtype=torch.long), num_tokens=qlens)
         ids = torch.tensor([t for new in seqs.values() for t in new])
         with torch.inference_mode():

@@ -193,6 +193,8 @@ def test_restricted_sampling_equals_masked_full_vocabulary():
     the full vocabulary with every other logit masked (and the same repetition penalty)."""
     from mstar.layers.sampling import SamplingParams, sample
     from mstar.model import EngineInputs
+    from mstar.models.llama.nodes import LMArgs
+    from mstar.models.llama.request import LMRequest
     from mstar.models.orpheus.codec import CODE_SIZE
 
     node = resolve_model("orpheus-tiny").build_submodules(["LLM"])["LLM"]
@@ -202,7 +204,7 @@ def test_restricted_sampling_equals_masked_full_vocabulary():
     sp = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=s) for s in range(5)]
     seen = [torch.tensor([STOP_TOKEN, AUDIO_TOKEN_BASE + 5, AUDIO_TOKEN_BASE + 3 * 4096 + 7, 42]) for _ in range(5)]
     ei = EngineInputs(walks=["decode"] * 5, nodes=["LLM"] * 5, request_ids=list("abcde"), infos=[], splits={},
-                      extras={"sampling": sp, "step": steps, "seen": seen})
+                      args=[LMArgs(LMRequest(s, ()), step, t) for s, step, t in zip(sp, steps, seen)])
     restricted = node.sample_next(last, ei)
     logits = node.compute_logits(last)
     mask = torch.full_like(logits, float("-inf"))

@@ -112,10 +112,9 @@ def _engine_inputs(node: SnacDecoderNode, requests: list[tuple[list, dict | None
     names = list(prepared[0].tensor_inputs)
     tensors = {n: torch.cat([ni.tensor_inputs[n] for ni in prepared], 0) for n in names}
     splits = {n: [ni.tensor_inputs[n].shape[0] for ni in prepared] for n in names}
-    extra_names = sorted({k for ni in prepared for k in ni.extras})
     ei = EngineInputs(walks=["snac_chunk"] * len(requests), nodes=["snac_decoder"] * len(requests),
                       request_ids=[i.request_id for i in infos], infos=infos, splits=splits,
-                      extras={k: [ni.extras.get(k) for ni in prepared] for k in extra_names})
+                      args=[ni.args for ni in prepared])
     return ei, tensors
 
 

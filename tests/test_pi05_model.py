@@ -105,7 +105,7 @@ class PagedHarness:
         ei = EngineInputs(walks=[w for _, w, _, _ in items], nodes=[i.node for i, _ in prepared],
                           request_ids=[r for r, *_ in items], infos=[i for i, _ in prepared],
                           splits={n: [ni.tensor_inputs[n].shape[0] for _, ni in prepared] for n in names},
-                          extras={"step": [ni.extras["step"] for _, ni in prepared]},
+                          args=[ni.args for _, ni in prepared],
                           attention=AttentionMetadata.build(lens, tables, ctx, modes, slots),
                           kv_caches=self.caches, positions=torch.cat(pos), num_tokens=lens)
         with torch.inference_mode():
@@ -229,7 +229,7 @@ def test_masked_camera_and_padding_change_nothing(fx, parts):
 
 def _stateless_inputs(n: int, rows: list[int]) -> EngineInputs:
     return EngineInputs(walks=["prefix"] * n, nodes=["vision"] * n, request_ids=[f"r{j}" for j in range(n)],
-                        infos=[], splits={"images": rows}, extras={})
+                        infos=[], splits={"images": rows}, args=[None] * len(rows))
 
 
 def test_flow_times():

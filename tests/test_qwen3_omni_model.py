@@ -13,6 +13,7 @@ from mstar.layers.paged_attention import AttentionMetadata, QueryMode
 from mstar.model.checkpoint import CheckpointError
 from mstar.model.submodule import EngineInputs
 from mstar.models.qwen3_omni import loader
+from mstar.models.qwen3_omni.codec_nodes import _PredictorArgs
 from mstar.models.qwen3_omni.config import TINY_HF_CONFIG, Qwen3OmniConfig
 from mstar.models.qwen3_omni.model import Qwen3Omni
 from mstar.models.qwen3_omni.moe import SparseMoeBlock
@@ -59,7 +60,7 @@ class Paged:
             positions.append(pos)
         self.length += n
         meta = AttentionMetadata.build([n], [list(self.table)], [self.length], [QueryMode.CAUSAL_APPEND], slots)
-        return EngineInputs(walks=[], nodes=[], request_ids=["r"], infos=[], splits={}, extras={}, attention=meta,
+        return EngineInputs(walks=[], nodes=[], request_ids=["r"], infos=[], splits={}, args=[None], attention=meta,
                             kv_caches=self.caches, positions=torch.tensor(positions), num_tokens=[n])
 
 
@@ -331,11 +332,9 @@ def test_code_predictor_node_batches_match_each_request_alone(omni, monkeypatch,
     def run(schedule):  # schedule: per tick, the requests that take their next step together
         state, j, codes = [dict(s) for s in start], [0] * 4, [[] for _ in range(4)]
         for tick in schedule:
-            extras = {"j": [j[r] for r in tick], "seed_step": [j[r] for r in tick],
-                      "sampling": [SamplingParams(temperature=0.0)] * len(tick),
-                      "hidden": [hidden[r] for r in tick], **{k: [state[r][k] for r in tick]
-                                                            for k in ("code", "cache", "sum")}}
-            ei = EngineInputs(walks=[], nodes=[], request_ids=[], infos=[], splits={}, extras=extras)
+            args = [_PredictorArgs(j[r], j[r], SamplingParams(temperature=0.0), hidden[r], state[r]["code"],
+                                   state[r]["cache"], state[r]["sum"]) for r in tick]
+            ei = EngineInputs(walks=[], nodes=[], request_ids=[], infos=[], splits={}, args=args)
             with torch.inference_mode():  # as the engine calls it
                 out = node.forward(None, ei)
             for k, r in enumerate(tick):

@@ -233,7 +233,7 @@ def test_a_row_failing_in_the_running_rows_fails_alone():
 
     class FailAtStep(TinyAttentionLM):
         def forward(self, graph_walk, engine_inputs, ids):
-            for info, step in zip(engine_inputs.infos, engine_inputs.extras["step"]):
+            for info, step in zip(engine_inputs.infos, [a.step for a in engine_inputs.args]):
                 if info.params.get("fail_at") == step:
                     raise ValueError(f"request {info.request_id} fails at step {step}")
             return super().forward(graph_walk, engine_inputs, ids)

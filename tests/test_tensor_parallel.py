@@ -48,7 +48,7 @@ def _logits(module, steps: list[list[int]]) -> torch.Tensor:
         n = len(new)
         meta = AttentionMetadata.build([n], [[0, 1]], [before + n], [QueryMode.CAUSAL_APPEND],
                                        list(range(before, before + n)))
-        ei = EngineInputs(walks=["prefill"], nodes=["LLM"], request_ids=["r"], infos=[], splits={}, extras={},
+        ei = EngineInputs(walks=["prefill"], nodes=["LLM"], request_ids=["r"], infos=[], splits={}, args=[None],
                           attention=meta, kv_caches=caches, positions=torch.arange(before, before + n),
                           num_tokens=[n])
         with torch.inference_mode():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -31,6 +33,15 @@ EOS = 0
 POISON = 31  # a prompt holding it makes the forward raise: failure isolation tests
 
 
+@dataclass(slots=True)
+class ToyArgs:
+    """TinyAttentionLM's args: its sampling, the step it samples, its max_tokens."""
+
+    sampling: SamplingParams
+    step: int
+    max_tokens: int
+
+
 class TinyAttentionLM(NodeSubmodule):
     """One attention layer + MLP over the runtime's paged KV cache; samples the next token."""
 
@@ -53,15 +64,14 @@ class TinyAttentionLM(NodeSubmodule):
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
         ids = inputs["input_ids" if graph_walk == "prefill" else "token"][0].reshape(-1).long()
         step = fwd_info.iteration[0] + 1 if fwd_info.iteration else 0
+        sp = SamplingParams.from_dict({"temperature": 0.0, **fwd_info.params.get("sampling", {})})
         return NodeInputs(tensor_inputs={"ids": ids}, num_tokens=ids.numel(),
-                          extras={"params": SamplingParams.from_dict({"temperature": 0.0, **fwd_info.params.get("sampling", {})}),
-                                  "step": step, "max_tokens": fwd_info.params.get("max_tokens", 8)})
+                          args=ToyArgs(sp, step, fwd_info.params.get("max_tokens", 8)))
 
     def continue_batch(self, graph_walk, engine_inputs, tensors, outputs):
         """The next decode step of every row (the worker's running rows, runtime/running_rows.py)."""
-        x = engine_inputs.extras
         return ({"ids": torch.cat(outputs["token"]).long()},
-                {"params": x["params"], "step": [s + 1 for s in x["step"]], "max_tokens": x["max_tokens"]})
+                [ToyArgs(a.sampling, a.step + 1, a.max_tokens) for a in engine_inputs.args])
 
     def forward(self, graph_walk, engine_inputs, ids):
         ei = engine_inputs
@@ -75,11 +85,11 @@ class TinyAttentionLM(NodeSubmodule):
         att = paged_attention(q, k, v, k_cache, v_cache, ei.attention)
         h = x + att.reshape(-1, HEADS * HEAD_DIM) @ self.wo
         logits = h[ei.last_token_rows()] @ self.head
-        tokens = sample(logits, ei.extras["params"], None, ei.extras["step"])
+        tokens = sample(logits, [a.sampling for a in ei.args], None, [a.step for a in ei.args])
         out = {"token": [t.view(1) for t in tokens]}
         # the loop's stop flag as the reason (other toys raise tensor flags)
         out["stop"] = [FinishReason.STOP if t == EOS else FinishReason.LENGTH if step + 1 >= mx else None
-                       for t, step, mx in zip(tokens.tolist(), ei.extras["step"], ei.extras["max_tokens"])]
+                       for t, step, mx in zip(tokens.tolist(), [a.step for a in ei.args], [a.max_tokens for a in ei.args])]
         return out
 
     def reference_generate(self, prompt: list[int], max_tokens: int) -> list[int]:
@@ -174,7 +184,7 @@ class FlowLLM(NodeSubmodule):
         # the unconditional branch sees a prefix of the main cache (a fork), or no context at all
         fork = ("LLM", self.uncond_prefix) if fwd_info.node == "LLM_uncond" and self.uncond_prefix else None
         return NodeInputs(tensor_inputs={"x": lat}, num_tokens=lat.shape[0], mode=QueryMode.READ_ONLY,
-                          fork_from=fork, extras={"t": inputs["time_index"][0]})
+                          fork_from=fork, args=inputs["time_index"][0])
 
     def forward(self, graph_walk, engine_inputs, x):
         ei = engine_inputs
@@ -187,7 +197,7 @@ class FlowLLM(NodeSubmodule):
         if graph_walk == "prefill":
             return {}
         res = {"v_main": [], "v_uncond": [], "latents": [], "time_index": []}
-        for node, p, xin, t in zip(ei.nodes, pieces, ei.split("x", x), ei.extras["t"]):
+        for node, p, xin, t in zip(ei.nodes, pieces, ei.split("x", x), ei.args):
             if node == "LLM":
                 res["v_main"].append(p)
                 res["latents"].append(xin)
@@ -289,11 +299,11 @@ class WindowSum(NodeSubmodule):
         items = inputs["item"]
         chunk = fwd_info.stream_chunks["item"]
         return NodeInputs(tensor_inputs={"s": torch.stack(items).sum().view(1)} if items else
-                          {"s": torch.zeros(1)}, extras={"start": chunk["start"]})
+                          {"s": torch.zeros(1)}, args=chunk["start"])
 
     def forward(self, graph_walk, engine_inputs, s):
         return {"sum": [torch.stack([v[0], torch.tensor(float(st))]) for v, st in
-                        zip(engine_inputs.split("s", s), engine_inputs.extras["start"])]}
+                        zip(engine_inputs.split("s", s), engine_inputs.args)]}
 
 
 class ToyStream(ModelDef):
@@ -326,12 +336,12 @@ INNER_ITERS = 3
 class Talker(NodeSubmodule):
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
         return NodeInputs(tensor_inputs={"frame_codes": inputs["frame_codes"][0].reshape(1, -1)},
-                          extras={"last": fwd_info.iteration[0] + 1 >= fwd_info.params["frames"]})
+                          args=fwd_info.iteration[0] + 1 >= fwd_info.params["frames"])  # the last frame
 
     def forward(self, graph_walk, engine_inputs, frame_codes):
         h = frame_codes.sum(1, keepdim=True) + 1  # [B, 1]
         return {"hidden": list(h), "code": list(2 * h), "code0": list(2 * h),
-                "stop": [torch.tensor(x) for x in engine_inputs.extras["last"]]}
+                "stop": [torch.tensor(x) for x in engine_inputs.args]}
 
 
 class Predictor(NodeSubmodule):
@@ -389,12 +399,11 @@ class Echo(NodeSubmodule):
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
         i = fwd_info.iteration[0]
         ids = inputs["ids"][0]
-        return NodeInputs(tensor_inputs={"tok": ids[i].view(1)}, extras={"last": i + 1 >= ids.numel(), "ids": ids})
+        return NodeInputs(tensor_inputs={"tok": ids[i].view(1)}, args=(i + 1 >= ids.numel(), ids))  # (last, ids)
 
     def forward(self, graph_walk, engine_inputs, tok):
-        ids = [info for info in engine_inputs.extras["ids"]]
-        return {"ids": ids, "item": engine_inputs.split("tok", tok),
-                "stop": [torch.tensor(x) for x in engine_inputs.extras["last"]]}
+        return {"ids": [ids for _, ids in engine_inputs.args], "item": engine_inputs.split("tok", tok),
+                "stop": [torch.tensor(last) for last, _ in engine_inputs.args]}
 
 
 class Accumulate(NodeSubmodule):
@@ -406,12 +415,12 @@ class Accumulate(NodeSubmodule):
         done = fwd_info.stream_chunks["item"]["is_final"] and not items
         val = torch.stack(items).sum().view(1).float() if items else torch.zeros(1)
         return NodeInputs(tensor_inputs={"total": inputs["total"][0].view(1), "val": val},
-                          extras={"done": done})
+                          args=done)
 
     def forward(self, graph_walk, engine_inputs, total, val):
         new = total + val
         return {"total": engine_inputs.split("total", new), "running": engine_inputs.split("total", new),
-                "stop": [torch.tensor(d) for d in engine_inputs.extras["done"]]}
+                "stop": [torch.tensor(d) for d in engine_inputs.args]}
 
 
 class ToyStreamLoop(ModelDef):

@@ -156,7 +156,7 @@ class _DecodeStep:
         n = len(qlens)
         meta = AttentionMetadata.build(qlens, self.tables, ctx, [QueryMode.CAUSAL_APPEND] * n, slots)
         ei = EngineInputs(walks=["decode"] * n, nodes=["LLM"] * n, request_ids=[str(i) for i in range(n)],
-                          infos=[], splits={}, extras={}, attention=meta, kv_caches=self.caches,
+                          infos=[], splits={}, args=[], attention=meta, kv_caches=self.caches,
                           positions=positions, num_tokens=qlens)
         with torch.inference_mode():
             hidden = module.model(ids, ei)

@@ -105,7 +105,7 @@ def _time_bare(module: NodeSubmodule, xs: list[torch.Tensor], iters: int) -> flo
     b = len(xs)
     infos = [ForwardInfo(f"r{i}", "loop", NODE, (0,), {}) for i in range(b)]
     ei = EngineInputs(walks=["loop"] * b, nodes=[NODE] * b, request_ids=[f"r{i}" for i in range(b)],
-                      infos=infos, splits={"x": [x.shape[0] for x in xs]}, extras={})
+                      infos=infos, splits={"x": [x.shape[0] for x in xs]}, args=[None] * len(xs))
     cur = list(xs)
     t0 = time.perf_counter()
     with torch.inference_mode():

@@ -70,7 +70,7 @@ class _DecodeStep:
             meta = AttentionMetadata.build([n] * batch, tables, [ctx] * batch, [QueryMode.CAUSAL_APPEND] * batch,
                                            slots)
             return EngineInputs(walks=["decode"] * batch, nodes=["LLM"] * batch, request_ids=list(map(str, range(batch))),
-                                infos=[], splits={}, extras={}, attention=meta, kv_caches=caches,
+                                infos=[], splits={}, args=[], attention=meta, kv_caches=caches,
                                 positions=torch.tensor(positions), num_tokens=[n] * batch)
 
         gen = torch.Generator().manual_seed(1)

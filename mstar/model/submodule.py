@@ -49,7 +49,9 @@ class NodeInputs:
     """One request's contribution to a batched forward.
 
     ``tensor_inputs``: tensors concatenated over the batch along dim 0 (give each request's rows
-    on dim 0). ``extras``: per-request non-tensor values handed to ``forward`` as lists.
+    on dim 0). ``args``: the request's other values for the forward, one object (the node's own
+    typed record, e.g. the LLM's sampling, step and seen tokens; or a single value), handed to
+    ``forward`` in ``EngineInputs.args``, one per request.
     KV nodes also say how many new tokens they bring (``num_tokens``, = rows of the token
     tensors), how they attend (``mode``), which cache they use (``cache_name``; default: the
     node's own) and optionally ``fork_from=(cache_name, num_tokens)``: before this forward, create
@@ -59,7 +61,7 @@ class NodeInputs:
     """
 
     tensor_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    extras: dict[str, Any] = field(default_factory=dict)
+    args: Any = None
     num_tokens: int = 0
     mode: QueryMode = QueryMode.CAUSAL_APPEND
     cache_name: str | None = None
@@ -78,7 +80,7 @@ class EngineInputs:
     request_ids: list[str]
     infos: list[ForwardInfo]
     splits: dict[str, list[int]]  # per tensor name: rows contributed by each request
-    extras: dict[str, list[Any]]  # per extra name: one value per request (None where absent)
+    args: list[Any]  # per request: its ``NodeInputs.args``
     # KV nodes only:
     attention: Any = None  # mstar.layers.paged_attention.AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (k_cache, v_cache)
@@ -142,15 +144,16 @@ class NodeSubmodule(torch.nn.Module):
         raise NotImplementedError
 
     def continue_batch(self, graph_walk: str | None, engine_inputs: EngineInputs, tensors: Mapping[str, torch.Tensor],
-                       outputs: Mapping[str, list[Any]]) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]] | None:
+                       outputs: Mapping[str, list[Any]]) -> tuple[dict[str, torch.Tensor], list[Any]] | None:
         """Optional, for the node of a self-loop that feeds itself (an AR decode step): the batch of
         the loop's next iteration, from this forward's batch (``engine_inputs``, ``tensors``) and its
         ``outputs``, for EVERY row, as if each row's fed-back outputs had gone through
-        ``prepare_inputs``: ``(tensors, extras)``, each tensor one row per request. The runtime keeps
+        ``prepare_inputs``: ``(tensors, args)``, each tensor one row per request, ``args`` one per
+        request. The runtime keeps
         the rows that go on (a KV node's rows of one decode token each) and skips ``prepare_inputs``
         for them. None (the default, or whenever the shortcut does not hold): the runtime prepares
         every row. The next forward of the same rows may get this forward's ``EngineInputs`` object
-        again, brought up to date (``extras``, ``attention``, ``positions``): read it during the
+        again, brought up to date (``args``, ``attention``, ``positions``): read it during the
         forward and here, do not keep it."""
         return None
 

@@ -88,15 +88,10 @@ class StatelessEngine:
             col = [t.reshape(1) if t.dim() == 0 else t for t in (ni.tensor_inputs[n] for ni in inputs)]
             tensors[n] = torch.cat(col, 0)
             splits[n] = [t.shape[0] for t in col]
-        keys = inputs[0].extras.keys()
-        if all(ni.extras.keys() == keys for ni in inputs):  # the usual case: every request the same names
-            extras = {k: [ni.extras[k] for ni in inputs] for k in sorted(keys)}
-        else:
-            extras = {k: [ni.extras.get(k) for ni in inputs] for k in sorted({k for ni in inputs for k in ni.extras})}
         items = [p.item for p in batch]
         ei = EngineInputs(walks=[it.walk for it in items], nodes=[it.node for it in items],
                           request_ids=[it.request_id for it in items], infos=[p.info for p in batch],
-                          splits=splits, extras=extras)
+                          splits=splits, args=[ni.args for ni in inputs])
         return ei, tensors
 
     def _call(self, batch: list, ei: EngineInputs, tensors: dict[str, torch.Tensor]) -> list[dict]:

@@ -69,18 +69,18 @@ class StatelessRowsEngine(StatelessEngine):
         nxt = next_inputs(self.module, last)
         if nxt is None:
             return None
-        tensors, extras = nxt
+        tensors, args = nxt
         n, prev = len(rows), last.ei
         ones = [1] * n
         if n == len(last.items) and rows[-1] == n - 1:  # every row goes on (rows ascend): the lists stay
             ei, infos = prev, prev.infos
-            ei.extras, ei.splits = extras, {k: ones for k in tensors}
+            ei.args, ei.splits = args, {k: ones for k in tensors}
         else:
-            tensors, extras = select_rows(rows, tensors, extras)
+            tensors, args = select_rows(rows, tensors, args)
             infos = [prev.infos[r] for r in rows]
             ei = EngineInputs(walks=[it.walk for it in items], nodes=[it.node for it in items],
                               request_ids=[it.request_id for it in items], infos=infos,
-                              splits={k: ones for k in tensors}, extras=extras)
+                              splits={k: ones for k in tensors}, args=args)
         for info, item in zip(infos, items):  # each row's ForwardInfo, brought up to date
             info.iteration = item.iteration
         try:

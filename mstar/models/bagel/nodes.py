@@ -19,6 +19,7 @@ three guidance branches, text decode). Its per-request inputs are uniform: ``x``
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +46,31 @@ DEFAULT_SAMPLING: Mapping[str, Any] = {"temperature": 0.0, "max_tokens": 256}
 _BRANCH = {"LLM": "main", "LLM_cfg_text": "cfg_text", "LLM_cfg_img": "cfg_img"}
 _OUTPUTS = ("latents", "time_index", "stop", "v_main", "v_cfg_text", "v_cfg_img", "token", "text")
 _EMPTY = torch.zeros(0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Decode:
+    """A decode step's args: the token it samples (its step) and how."""
+
+    sampling: SamplingParams
+    step: int
+    stop_ids: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
+class _Flow:
+    """A flow query's args: its guidance branch and Euler step; ``latents`` None when the branch is
+    off at this step (no tokens)."""
+
+    branch: str  # "main", "cfg_text", "cfg_img"
+    single: bool  # no guidance walk: the main branch takes the Euler step itself
+    i: int  # the step
+    dt: float
+    last: bool
+    latents: torch.Tensor | None
+
+
+_PREFILL = None  # a prefill block's args: nothing besides its tokens
 
 
 class SpecialTokens:
@@ -150,15 +176,14 @@ class BagelLLMNode(NodeSubmodule):
             seqs.append(KVSequence("LLM_cfg_img", n, QueryMode.CAUSAL_APPEND))
             x, pos = torch.cat([x, x]), torch.cat([pos, torch.arange(ctx.img_rope, ctx.img_rope + n)])
         gen = torch.zeros(x.shape[0], dtype=torch.bool)
-        return NodeInputs({"x": x, "gen": gen, "pos": pos}, sequences=seqs, extras={"kind": "prefill"})
+        return NodeInputs({"x": x, "gen": gen, "pos": pos}, sequences=seqs, args=_PREFILL)
 
     @staticmethod
     def _prefill_image(block: tuple[torch.Tensor, torch.Tensor], ctx: Ctx) -> NodeInputs:
         x, gen = block
         pos = torch.full((x.shape[0],), ctx.rope, dtype=torch.long)
         return NodeInputs({"x": x, "gen": gen, "pos": pos},
-                          sequences=[KVSequence("LLM", x.shape[0], QueryMode.BLOCK_APPEND)],
-                          extras={"kind": "prefill"})
+                          sequences=[KVSequence("LLM", x.shape[0], QueryMode.BLOCK_APPEND)], args=_PREFILL)
 
     def _decode(self, fwd_info, inputs, ctx: Ctx) -> NodeInputs:
         tok = int(inputs["token"][0].reshape(-1)[0])
@@ -168,7 +193,7 @@ class BagelLLMNode(NodeSubmodule):
         stop = stop_token_set(sp, (self.tokens.im_end,))
         return NodeInputs({"x": self._embed([tok]), "gen": torch.zeros(1, dtype=torch.bool), "pos": pos},
                           sequences=[KVSequence("LLM", 1, QueryMode.CAUSAL_APPEND)],
-                          extras={"kind": "decode", "sampling": sp, "step": step, "stop_ids": stop})
+                          args=_Decode(sp, step, stop))
 
     def _flow(self, walk: BagelWalk, fwd_info, inputs, ctx: Ctx) -> NodeInputs:
         branch = _BRANCH[fwd_info.node]
@@ -176,14 +201,13 @@ class BagelLLMNode(NodeSubmodule):
         i = int(inputs["time_index"][0].reshape(-1)[0])
         ts, dts = timestep_schedule(fs.num_timesteps, fs.timestep_shift)
         lat = inputs["latents"][0]
-        info = {"kind": "flow", "branch": branch, "single": walk is BagelWalk.IMAGE_GEN, "i": i,
-                "t": ts[i], "dt": dts[i], "last": i + 1 >= fs.num_steps}
+        single, last = walk is BagelWalk.IMAGE_GEN, i + 1 >= fs.num_steps
         active = branch == "main" or (
             fs.branch_active(branch, ts[i]) and not (ctx.text_alias if branch == "cfg_text" else ctx.img_alias))
         if not active:  # guidance off at this step (or identical to the main branch): no tokens
             e = torch.zeros(0, self.vae2llm.out_features, dtype=self.dtype)
             return NodeInputs({"x": e, "gen": torch.zeros(0, dtype=torch.bool), "pos": torch.zeros(0, dtype=torch.long)},
-                              sequences=[], extras={**info, "kind": "skip"})
+                              sequences=[], args=_Flow(branch, single, i, dts[i], last, None))
         # each guidance branch makes the same block (two small products): prepare_inputs keeps no state
         x, gen = self._image_block(self.latent_tokens(lat, ts[i], ctx.lat_h, ctx.lat_w), gen=True)
         n = x.shape[0]
@@ -195,43 +219,42 @@ class BagelLLMNode(NodeSubmodule):
         else:
             seq, rope = KVSequence("LLM_cfg_img", n, QueryMode.READ_ONLY), ctx.img_rope
         return NodeInputs({"x": x, "gen": gen, "pos": torch.full((n,), rope, dtype=torch.long)},
-                          sequences=[seq], extras={**info, "latents": lat})
+                          sequences=[seq], args=_Flow(branch, single, i, dts[i], last, lat))
 
     def forward(self, graph_walk, engine_inputs, x, gen, pos):
         ei = engine_inputs
         ei.positions = pos
         hidden = self.language_model(None, ei, gen_mask=gen, inputs_embeds=x) if x.shape[0] else x
         pieces = ei.token_splits(hidden)
-        kinds = ei.extras["kind"]
-        out: dict[str, list[torch.Tensor]] = {k: [_EMPTY] * len(kinds) for k in _OUTPUTS}
-        flow_rows = [r for r, k in enumerate(kinds) if k == "flow"]
+        args = ei.args  # per row: _PREFILL, a _Decode or a _Flow
+        out: dict[str, list[torch.Tensor]] = {k: [_EMPTY] * len(args) for k in _OUTPUTS}
+        flow_rows = [r for r, a in enumerate(args) if type(a) is _Flow and a.latents is not None]
         if flow_rows:  # one llm2vae over every flow query's latent tokens
             vs = self.llm2vae(torch.cat([pieces[r][1:-1] for r in flow_rows])).float()
             vs = torch.split(vs, [pieces[r].shape[0] - 2 for r in flow_rows])
             for r, v in zip(flow_rows, vs):
-                branch = ei.extras["branch"][r]
-                if ei.extras["single"][r]:  # no guidance walk: take the Euler step here
-                    out["latents"][r] = ei.extras["latents"][r] - v * ei.extras["dt"][r]
-                    out["time_index"][r] = torch.tensor(ei.extras["i"][r] + 1)
-                    out["stop"][r] = torch.tensor(ei.extras["last"][r])
-                elif branch == "main":
+                f: _Flow = args[r]
+                if f.single:  # no guidance walk: take the Euler step here
+                    out["latents"][r] = f.latents - v * f.dt
+                    out["time_index"][r] = torch.tensor(f.i + 1)
+                    out["stop"][r] = torch.tensor(f.last)
+                elif f.branch == "main":
                     out["v_main"][r] = v
-                    out["latents"][r] = ei.extras["latents"][r]
-                    out["time_index"][r] = torch.tensor(ei.extras["i"][r])
+                    out["latents"][r] = f.latents
+                    out["time_index"][r] = torch.tensor(f.i)
                 else:
-                    out[f"v_{branch}"][r] = v
-        dec_rows = [r for r, k in enumerate(kinds) if k == "decode"]
+                    out[f"v_{f.branch}"][r] = v
+        dec_rows = [r for r, a in enumerate(args) if type(a) is _Decode]
         if dec_rows:
             last = torch.stack([pieces[r][-1] for r in dec_rows])
             logits = self.language_model.compute_logits(last)
-            sps = [ei.extras["sampling"][r] for r in dec_rows]
-            steps = [ei.extras["step"][r] for r in dec_rows]
-            toks = sample(logits, sps, None, steps).cpu()
-            for j, r in enumerate(dec_rows):
+            decs: list[_Decode] = [args[r] for r in dec_rows]
+            toks = sample(logits, [d.sampling for d in decs], None, [d.step for d in decs]).cpu()
+            for j, (r, d) in enumerate(zip(dec_rows, decs)):
                 tok = toks[j:j + 1].clone()
                 out["token"][r] = tok
                 out["text"][r] = tok
-                out["stop"][r] = generation_finish(int(tok), steps[j], sps[j], ei.extras["stop_ids"][r])
+                out["stop"][r] = generation_finish(int(tok), d.step, d.sampling, d.stop_ids)
         return out
 
 
@@ -270,10 +293,10 @@ class ViTNode(NodeSubmodule):
         self.vit, self.transforms = vit, transforms
 
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
-        return NodeInputs(extras={"image": self.transforms.vit(inputs["image"][0])})
+        return NodeInputs(args=self.transforms.vit(inputs["image"][0]))  # the image, resized and normalised
 
     def forward(self, graph_walk, engine_inputs, **_):
-        return {"vit_embeds": list(self.vit(list(engine_inputs.extras["image"])))}
+        return {"vit_embeds": list(self.vit(list(engine_inputs.args)))}
 
 
 class VAEEncoderNode(NodeSubmodule):
@@ -286,13 +309,13 @@ class VAEEncoderNode(NodeSubmodule):
         self.vae, self.patch, self.transforms = vae, patch, transforms
 
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
-        return NodeInputs(extras={"image": self.transforms.vae(inputs["image"][0])})
+        return NodeInputs(args=self.transforms.vae(inputs["image"][0]))  # the image, resized and scaled
 
     def forward(self, graph_walk, engine_inputs, **_):
         from mstar.models.bagel.vae import patchify_latents
 
         out = []
-        for img in engine_inputs.extras["image"]:  # sizes differ between requests: one call each
+        for img in engine_inputs.args:  # sizes differ between requests: one call each
             lat = self.vae.encode(img[None].float())[0]
             tokens = patchify_latents(lat, self.patch)
             h, w = lat.shape[1] // self.patch, lat.shape[2] // self.patch
@@ -310,15 +333,14 @@ class VAEDecoderNode(NodeSubmodule):
 
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
         c = Ctx.from_tensor(inputs["ctx"][0])
-        return NodeInputs(extras={"latents": inputs["latents"][0], "hw": (c.lat_h, c.lat_w),
-                                  "latent_out": fwd_info.params.latent_out})
+        # the latent tokens, their grid and whether to answer them undecoded
+        return NodeInputs(args=(inputs["latents"][0], (c.lat_h, c.lat_w), fwd_info.params.latent_out))
 
     def forward(self, graph_walk, engine_inputs, **_):
         from mstar.models.bagel.vae import unpatchify_latents
 
         out = []
-        ex = engine_inputs.extras
-        for lat, (h, w), raw in zip(ex["latents"], ex["hw"], ex["latent_out"]):
+        for lat, (h, w), raw in engine_inputs.args:
             if raw:  # output_type="latent": the final latent tokens, no decode (as diffusers pipelines)
                 out.append(lat.float().clone())
                 continue

@@ -16,6 +16,7 @@ that asks for them, ``[ids, logprobs]`` of the sampled token and its most likely
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from mstar.layers.attention_backends import AttentionBackend
 from mstar.layers.grammar import GrammarMatchers, GrammarRow
 from mstar.layers.llama import LlamaBackbone, pack_linears
 from mstar.layers.prepack import PrepackedLinear, can_prepack
-from mstar.layers.sampling import RowLogprobs, sample, sample_with_logprobs
+from mstar.layers.sampling import RowLogprobs, SamplingParams, sample, sample_with_logprobs
 from mstar.model.decode import generation_finish_rows
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
 from mstar.models.llama.config import LlamaConfig
@@ -35,6 +36,24 @@ __all__ = ["DEFAULT_SAMPLING", "LlamaCausalLM"]
 
 # Defaults under a request's ``params["sampling"]``: greedy, 16 new tokens.
 DEFAULT_SAMPLING: Mapping[str, Any] = {"temperature": 0.0, "max_tokens": 16}
+
+
+@dataclass(slots=True)
+class LMArgs:
+    """One request's values for an LLM forward besides its token ids (``NodeInputs.args``)."""
+
+    request: LMRequest  # its sampling and stop ids
+    step: int  # the generated token this forward samples (0: the prefill's)
+    seen: torch.Tensor | None  # the prompt and generated tokens, for the penalties (None: the request has none)
+
+
+def sampling_of(ei: EngineInputs) -> list[SamplingParams]:
+    """Each row's sampling parameters (``LMArgs``)."""
+    return [a.request.sampling for a in ei.args]
+
+
+def steps_of(ei: EngineInputs) -> list[int]:
+    return [a.step for a in ei.args]
 
 
 class LlamaCausalLM(NodeSubmodule):
@@ -109,7 +128,7 @@ class LlamaCausalLM(NodeSubmodule):
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
         req: LMRequest = fwd_info.params  # parsed once, at submit (LlamaLM.parse_request)
-        sp, stop_ids = req.sampling, req.stop_ids
+        sp = req.sampling
         if "input_ids" in inputs:  # prefill: the prompt; first sampled token
             ids = inputs["input_ids"][0].reshape(-1).to(torch.long)
             step = 0
@@ -122,8 +141,7 @@ class LlamaCausalLM(NodeSubmodule):
             seen = inputs["seen"][0].reshape(-1).to(torch.long) if sp.needs_seen else None
         if ids.numel() == 0:
             raise ValueError("LLM node got no tokens")
-        return NodeInputs(tensor_inputs={"ids": ids}, num_tokens=ids.numel(),
-                          extras={"sampling": sp, "step": step, "seen": seen, "stop_ids": stop_ids},
+        return NodeInputs(tensor_inputs={"ids": ids}, num_tokens=ids.numel(), args=LMArgs(req, step, seen),
                           prefix_ids=ids if step == 0 and "input_ids" in inputs else None, token_inputs=("ids",))
 
     def continue_batch(self, graph_walk: str | None, engine_inputs: EngineInputs, tensors: Mapping[str, torch.Tensor],
@@ -133,8 +151,7 @@ class LlamaCausalLM(NodeSubmodule):
         the fed-back ``token`` and ``seen``. Not when a subclass prepares its inputs in its own way."""
         if type(self).prepare_inputs is not LlamaCausalLM.prepare_inputs:
             return None
-        x = engine_inputs.extras
-        seen, tokens = x["seen"], outputs.get("token")
+        tokens = outputs.get("token")
         if tokens is None:
             return None
         made = self._token_rows
@@ -144,10 +161,13 @@ class LlamaCausalLM(NodeSubmodule):
             ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0].reshape(-1)
         if ids.dtype != torch.long or ids.shape[0] != len(tokens):
             return None
-        if seen.count(None) != len(seen):  # rows with a penalty count the new token too
-            seen = [None if s is None else t.reshape(-1) for s, t in zip(seen, outputs["seen"])]
-        return {"ids": ids}, {"sampling": x["sampling"], "step": [s + 1 for s in x["step"]], "seen": seen,
-                              "stop_ids": x["stop_ids"]}
+        args: list[LMArgs] = engine_inputs.args
+        if all(a.seen is None for a in args):
+            nxt = [LMArgs(a.request, a.step + 1, None) for a in args]
+        else:  # rows with a penalty count the new token too
+            nxt = [LMArgs(a.request, a.step + 1, None if a.seen is None else s.reshape(-1))
+                   for a, s in zip(args, outputs["seen"])]
+        return {"ids": ids}, nxt
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs,
                 ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
@@ -155,7 +175,7 @@ class LlamaCausalLM(NodeSubmodule):
         hidden = self.model(ids, ei)
         # one token per request (a decode step): every row is a request's last
         last = hidden if hidden.shape[0] == ei.batch_size else hidden[ei.last_token_rows().to(hidden.device)]
-        if any(sp.logprobs is not None for sp in ei.extras["sampling"]):
+        if any(a.request.sampling.logprobs is not None for a in ei.args):
             tokens, logprobs = self._sample(last, ei, with_logprobs=True)
             return self.step_outputs(tokens, ei, logprobs)
         return self.step_outputs(self.sample_next(last, ei), ei)
@@ -163,7 +183,7 @@ class LlamaCausalLM(NodeSubmodule):
     @staticmethod
     def seen_lists(engine_inputs: EngineInputs) -> list[list[int]] | None:
         """Per request, the tokens the penalties count (None when no request uses one)."""
-        seen = engine_inputs.extras["seen"]
+        seen = [a.seen for a in engine_inputs.args]
         return None if all(s is None for s in seen) else [[] if s is None else s.tolist() for s in seen]
 
     def sample_next(self, last: torch.Tensor, engine_inputs: EngineInputs) -> torch.Tensor:
@@ -173,24 +193,25 @@ class LlamaCausalLM(NodeSubmodule):
     def _sample(self, last: torch.Tensor, ei: EngineInputs,
                 with_logprobs: bool) -> tuple[torch.Tensor, list[RowLogprobs | None] | None]:
         logits = self.process_logits(self.compute_logits(last), ei)
-        seen = ei.extras["seen"]  # the rows' seen-token tensors as they are (None: no penalty)
-        seen = None if all(s is None for s in seen) else seen
-        logits = self._constrained(logits, ei, seen)
+        seen = [a.seen for a in ei.args]  # the rows' seen-token tensors as they are (None: no penalty)
+        seen = None if seen.count(None) == len(seen) else seen
+        sampling, steps = sampling_of(ei), steps_of(ei)
+        logits = self._constrained(logits, ei, sampling, seen)
         if with_logprobs:
-            tokens, logprobs = sample_with_logprobs(logits, ei.extras["sampling"], seen, ei.extras["step"])
+            tokens, logprobs = sample_with_logprobs(logits, sampling, seen, steps)
             return tokens.cpu(), logprobs
-        return sample(logits, ei.extras["sampling"], seen, ei.extras["step"]).cpu(), None
+        return sample(logits, sampling, seen, steps).cpu(), None
 
-    def _constrained(self, logits: torch.Tensor, ei: EngineInputs, seen: list | None) -> torch.Tensor:
+    def _constrained(self, logits: torch.Tensor, ei: EngineInputs, sampling: list[SamplingParams],
+                     seen: list | None) -> torch.Tensor:
         """The logits with each grammar row's disallowed tokens at -inf (``mstar.layers.grammar``); a
         row's generated tokens are the last ``step`` of its seen tokens."""
-        sampling = ei.extras["sampling"]
         rows = [i for i, sp in enumerate(sampling) if sp.grammar is not None]
         if not rows:
             return logits
         if self.grammars is None:
-            raise ValueError("this LLM node has no grammar engine: constrained decoding is not available")
-        steps = ei.extras["step"]
+            raise ValueError("this LLM node has no grammar matchers: constrained decoding is not available")
+        steps = steps_of(ei)
         grammar_rows = []
         for i in rows:
             ids = seen[i].reshape(-1) if seen is not None and seen[i] is not None else torch.zeros(0, dtype=torch.long)
@@ -209,17 +230,17 @@ class LlamaCausalLM(NodeSubmodule):
         (``[ids, logprobs]``, or an empty list: none asked for) and the loop's ``stop`` flag (the
         ``FinishReason`` of its last token, None while it goes on: the tracker reads it, and the
         prefill's goes to the request's state)."""
-        x = engine_inputs.extras
-        seen = x["seen"]
+        args: list[LMArgs] = engine_inputs.args
         batch = tokens.clone()
         out_tokens = list(batch.view(-1, 1).unbind(0))
         self._token_rows = (out_tokens, batch)
-        out_stop = generation_finish_rows(tokens.tolist(), x["step"], x["sampling"], x["stop_ids"])
+        out_stop = generation_finish_rows(tokens.tolist(), [a.step for a in args],
+                                          [a.request.sampling for a in args], [a.request.stop_ids for a in args])
         empty = torch.zeros(0, dtype=torch.long)  # carried by requests without a repetition penalty
-        if all(s is None for s in seen):
+        if all(a.seen is None for a in args):
             out_seen = [empty] * len(out_tokens)
         else:
-            out_seen = [empty if s is None else torch.cat([s.cpu(), t]) for s, t in zip(seen, out_tokens)]
+            out_seen = [empty if a.seen is None else torch.cat([a.seen.cpu(), t]) for a, t in zip(args, out_tokens)]
         if logprobs is None:
             out_logprobs: list[Any] = [_NO_LOGPROBS] * len(out_tokens)
         else:

@@ -11,7 +11,7 @@ import torch
 
 from mstar.layers.sampling import sample
 from mstar.model.submodule import EngineInputs, ForwardInfo, NodeInputs, NodeSubmodule
-from mstar.models.llama.nodes import LlamaCausalLM
+from mstar.models.llama.nodes import LlamaCausalLM, sampling_of, steps_of
 from mstar.models.orpheus.codec import (
     AUDIO_TOKEN_BASE,
     CODE_SIZE,
@@ -71,7 +71,8 @@ class OrpheusLM(LlamaCausalLM):
         weight = self.lm_head.weight
         cols, rows = [], []
         full = None if self.candidate_logits else self.process_logits(self.compute_logits(last), ei)
-        for r, step in enumerate(ei.extras["step"]):
+        steps = steps_of(ei)
+        for r, step in enumerate(steps):
             lo = AUDIO_TOKEN_BASE + (step % TOKENS_PER_FRAME) * CODE_SIZE
             cols.append(torch.cat([torch.tensor([STOP_TOKEN]), torch.arange(lo, lo + CODE_SIZE)]))
             if full is None:
@@ -82,7 +83,7 @@ class OrpheusLM(LlamaCausalLM):
         if seen is not None:  # the penalty counts only tokens that are candidates here: map them
             seen = [[0 if t == STOP_TOKEN else 1 + t - int(c[1]) for t in s
                      if t == STOP_TOKEN or int(c[1]) <= t < int(c[1]) + CODE_SIZE] for c, s in zip(cols, seen)]
-        picked = sample(logits, ei.extras["sampling"], seen, ei.extras["step"]).cpu()
+        picked = sample(logits, sampling_of(ei), seen, steps).cpu()
         return torch.stack([c[i] for c, i in zip(cols, picked)])
 
     def forward(self, graph_walk, engine_inputs, ids):
@@ -145,14 +146,14 @@ class SnacDecoderNode(NodeSubmodule):
         levels = levels_frame_major(codes)
         s = self.samples_per_frame
         return NodeInputs(tensor_inputs=dict(zip(self.CODE_NAMES, levels, strict=True)),
-                          extras={"snac_keep": (plan.emit_from * s, plan.emit_to * s)})
+                          args=(plan.emit_from * s, plan.emit_to * s))  # the samples of the chunk to keep
 
     def decode_kept(self, engine_inputs: EngineInputs, codes_0: torch.Tensor, codes_1: torch.Tensor,
                     codes_2: torch.Tensor) -> list[torch.Tensor]:
         """Per request, the float audio samples to emit (zeros for silenced chunks)."""
         levels = [engine_inputs.split(name, t) for name, t in zip(self.CODE_NAMES, (codes_0, codes_1, codes_2),
                                                                     strict=True)]
-        keep = engine_inputs.extras["snac_keep"]
+        keep: list[tuple[int, int]] = engine_inputs.args
         param = next(self.snac.parameters())
         out: list[torch.Tensor | None] = [None] * engine_inputs.batch_size
         groups: dict[int, list[int]] = {}

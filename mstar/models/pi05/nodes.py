@@ -128,13 +128,13 @@ class Pi05LLMNode(NodeSubmodule):
         width, a = self.cfg.prefix.width, self.cfg.action_dim
         if graph_walk == PREFIX_WALK:
             x = prefix_tokens(self.prefix, inputs["image_embeds"][0], inputs["token_ids"][0], inputs["token_mask"][0])
-            return NodeInputs({"prefix_x": x, "x_t": torch.zeros(0, a)}, extras={"step": None},
+            return NodeInputs({"prefix_x": x, "x_t": torch.zeros(0, a)}, args=None,  # a prefix item: no flow step
                               sequences=[KVSequence(PREFIX_CACHE, x.shape[0], QueryMode.BLOCK_APPEND)])
         if graph_walk != ACTION_WALK:
             raise ValueError(f"pi0.5 prefix module: unknown walk {graph_walk!r}")
         x_t = inputs["actions"][0].float()
         return NodeInputs({"prefix_x": torch.zeros(0, width, dtype=self.dtype), "x_t": x_t},
-                          extras={"step": fwd_info.iteration[-1]},
+                          args=fwd_info.iteration[-1],  # its flow step
                           sequences=[KVSequence(PREFIX_CACHE, x_t.shape[0], QueryMode.READ_ONLY)])
 
     def _row_modulations(self, steps: list[int | None], num_tokens: list[int]) -> list[list[torch.Tensor]]:
@@ -147,7 +147,7 @@ class Pi05LLMNode(NodeSubmodule):
 
     def forward(self, graph_walk, engine_inputs: EngineInputs, prefix_x, x_t):
         ei = engine_inputs
-        steps: list[int | None] = ei.extras["step"]  # per item: its flow step, None for a prefix item
+        steps: list[int | None] = ei.args  # per item: its flow step, None for a prefix item
         dev = self.prefix.embed_tokens.weight.device
         rows = _Rows.of(ei.num_tokens, steps, dev)
         prefix_x, x_t, positions = prefix_x.to(dev), x_t.to(dev), ei.positions.to(dev)

@@ -10,15 +10,48 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
-from mstar.layers.sampling import sample
+from mstar.layers.sampling import SamplingParams, sample
 from mstar.model.submodule import EngineInputs, ForwardInfo, NodeInputs, NodeSubmodule
 from mstar.models.qwen3_omni.code2wav import ChunkRequest, Code2Wav, NextChunk, VocoderState
 from mstar.models.qwen3_omni.talker import CodePredictor
 
 __all__ = ["Code2WavNode", "CodePredictorNode", "FrameAssembler"]
+
+
+@dataclass(slots=True)
+class _PredictorArgs:
+    """A code predictor step's args: which residual code it samples and from what."""
+
+    j: int  # the code group's step in the frame (0: reads the talker hidden and code-0 sum)
+    seed_step: int  # the sampler's step (frame * groups + j)
+    sampling: SamplingParams
+    hidden: torch.Tensor  # the talker's hidden state of the frame
+    code: torch.Tensor  # the previous code [1]
+    cache: torch.Tensor  # the predictor's cache of the frame so far
+    sum: torch.Tensor  # the codes' embedding sum so far
+
+
+@dataclass(frozen=True, slots=True)
+class _Frame:
+    """``FrameAssembler``'s args: the frame's codes, whether it is spoken, the codec sum."""
+
+    codes: torch.Tensor
+    speak: bool
+    sum: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    """``Code2WavNode``'s args: the chunk to decode (None: no new frames), its request, where its new
+    frames start in the stream."""
+
+    chunk: ChunkRequest | None
+    request_id: str
+    new_start: int
 
 
 def _one(value):
@@ -46,49 +79,46 @@ class CodePredictorNode(NodeSubmodule):
         code = inputs["code"][0]
         if code.dim() != 1:  # the previous step's code comes as [1] already
             code = code.reshape(-1)
-        return NodeInputs(extras={"j": j, "seed_step": frame * self._groups + j,
-                                  "sampling": fwd_info.params.predictor,
-                                  "hidden": inputs["talker_hidden"][0], "code": code,
-                                  "cache": inputs["cp_cache"][0], "sum": inputs["cp_sum"][0]})
+        return NodeInputs(args=_PredictorArgs(j, frame * self._groups + j, fwd_info.params.predictor,
+                                              inputs["talker_hidden"][0], code, inputs["cp_cache"][0],
+                                              inputs["cp_sum"][0]))
 
     def continue_batch(self, graph_walk: str | None, engine_inputs: EngineInputs, tensors: Mapping[str, torch.Tensor],
-                       outputs: Mapping[str, list]) -> tuple[dict[str, torch.Tensor], dict[str, list]] | None:
+                       outputs: Mapping[str, list]) -> tuple[dict[str, torch.Tensor], list] | None:
         """The next step of every row, as ``prepare_inputs`` makes it of the fed-back ``code``,
         ``cp_cache`` and ``cp_sum``: the step and seed one further, the talker hidden and sampling
         the same."""
-        x = engine_inputs.extras
         if type(self).prepare_inputs is not CodePredictorNode.prepare_inputs:
             return None
         codes, caches, sums = outputs.get("code"), outputs.get("cp_cache"), outputs.get("cp_sum")
         if codes is None or caches is None or sums is None:
             return None
-        return {}, {"j": [j + 1 for j in x["j"]], "seed_step": [s + 1 for s in x["seed_step"]],
-                    "sampling": x["sampling"], "hidden": x["hidden"],
-                    "code": [_flat(_one(c)) for c in codes], "cache": [_one(c) for c in caches],
-                    "sum": [_one(s) for s in sums]}
+        return {}, [_PredictorArgs(a.j + 1, a.seed_step + 1, a.sampling, a.hidden, _flat(_one(c)), _one(k), _one(s))
+                    for a, c, k, s in zip(engine_inputs.args, codes, caches, sums)]
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
-        x = engine_inputs.extras
-        p, steps = self.predictor, x["j"]
+        args: list[_PredictorArgs] = engine_inputs.args
+        p, steps, kv = self.predictor, [a.j for a in args], [a.cache for a in args]
         if steps[0] > 0 and steps.count(steps[0]) == len(steps):  # the usual batch: one step, one row each
-            logits, caches = p.step_rows(p.embed(steps[0] - 1, torch.cat(x["code"])), [1] * len(steps), steps,
-                                         x["cache"])
-            return self._outputs(logits, caches, x)
+            logits, caches = p.step_rows(p.embed(steps[0] - 1, torch.cat([a.code for a in args])), [1] * len(steps),
+                                         steps, kv)
+            return self._outputs(logits, caches, args, steps)
         later = [i for i, j in enumerate(steps) if j > 0]  # step 0 reads (talker hidden, code-0 embedding)
-        embedded = p.embed_steps([steps[i] - 1 for i in later], torch.cat([x["code"][i] for i in later])) \
+        embedded = p.embed_steps([steps[i] - 1 for i in later], torch.cat([args[i].code for i in later])) \
             if later else None
         rows: list[torch.Tensor] = [None] * len(steps)  # type: ignore[list-item]
         for k, i in enumerate(later):
             rows[i] = embedded[k:k + 1]
         for i, j in enumerate(steps):
             if j == 0:
-                rows[i] = torch.cat([x["hidden"][i], x["sum"][i]])
-        logits, caches = p.step(rows, steps, x["cache"])
-        return self._outputs(logits, caches, x)
+                rows[i] = torch.cat([args[i].hidden, args[i].sum])
+        logits, caches = p.step(rows, steps, kv)
+        return self._outputs(logits, caches, args, steps)
 
-    def _outputs(self, logits: torch.Tensor, caches: list[torch.Tensor], x: dict) -> dict[str, list]:
-        codes = sample(logits, x["sampling"], None, x["seed_step"]).cpu()
-        sums = torch.cat(x["sum"]) + self.predictor.embed_steps(x["j"], codes)
+    def _outputs(self, logits: torch.Tensor, caches: list[torch.Tensor], args: list[_PredictorArgs],
+                 steps: list[int]) -> dict[str, list]:
+        codes = sample(logits, [a.sampling for a in args], None, [a.seed_step for a in args]).cpu()
+        sums = torch.cat([a.sum for a in args]) + self.predictor.embed_steps(steps, codes)
         return {"code": list(codes.view(-1, 1).unbind(0)), "cp_cache": caches, "cp_sum": list(sums.split(1))}
 
 
@@ -102,16 +132,15 @@ class FrameAssembler(NodeSubmodule):
         codes = [inputs["code0"][0], *inputs["code"]]  # code: one per step, each [1] as the nodes make them
         if any(c.dim() != 1 for c in codes):
             codes = [c.reshape(-1) for c in codes]
-        return NodeInputs(extras={"frame": torch.cat(codes), "speak": bool(inputs["speak"][0]),
-                                  "sum": inputs["cp_sum"][0]})
+        return NodeInputs(args=_Frame(torch.cat(codes), bool(inputs["speak"][0]), inputs["cp_sum"][0]))
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
-        x = engine_inputs.extras
-        frames = [f if s else f[:0] for f, s in zip(x["frame"], x["speak"])]
+        args: list[_Frame] = engine_inputs.args
+        frames = [a.codes if a.speak else a.codes[:0] for a in args]
         # the last step pushes an empty item rather than nothing: every push then carries an item, so
         # a consumer that already saw the stream's end never receives a push (pushes and the end travel
         # from different senders; an empty push could arrive after the end)
-        return {"codec_sum": list(x["sum"]), "frame_codes": frames, "codec_frames": [[f] for f in frames]}
+        return {"codec_sum": [a.sum for a in args], "frame_codes": frames, "codec_frames": [[f] for f in frames]}
 
 
 class Code2WavNode(NodeSubmodule):
@@ -138,19 +167,20 @@ class Code2WavNode(NodeSubmodule):
         frames = [f.reshape(-1) for f in items if f.numel()]  # the talker's last item is empty
         new = sum(1 for f in items[context:] if f.numel())
         if new == 0:
-            return NodeInputs(extras={"chunk": None, "rid": fwd_info.request_id, "new_start": 0})
-        return NodeInputs(extras={"chunk": ChunkRequest(torch.stack(frames, dim=1), len(frames) - new),
-                                  "rid": fwd_info.request_id, "new_start": int(chunk["new_start"])})
+            return NodeInputs(args=_Chunk(None, fwd_info.request_id, 0))
+        return NodeInputs(args=_Chunk(ChunkRequest(torch.stack(frames, dim=1), len(frames) - new),
+                                      fwd_info.request_id, int(chunk["new_start"])))
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
         # the chunks that continue a kept state (or start one) decode together (decode_next_many: each
         # row's samples are the same bits as decoded alone, so a request's audio does not depend on
         # which requests share its step); a chunk whose state is missing takes the stateless decode
-        x = engine_inputs.extras
-        audio: list[torch.Tensor] = [torch.zeros(0)] * len(x["chunk"])
+        args: list[_Chunk] = engine_inputs.args
+        audio: list[torch.Tensor] = [torch.zeros(0)] * len(args)
         staged: dict[str, VocoderState | None] = {}
         nexts: list[tuple[int, str, NextChunk]] = []
-        for i, (chunk, rid, start) in enumerate(zip(x["chunk"], x["rid"], x["new_start"])):
+        for i, a in enumerate(args):
+            chunk, rid, start = a.chunk, a.request_id, a.new_start
             if chunk is None:
                 continue
             state = self._states.get(rid) if start > 0 else None

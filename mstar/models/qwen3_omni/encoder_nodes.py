@@ -24,10 +24,10 @@ class AudioEncoderNode(NodeSubmodule):
 
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
-        return NodeInputs(extras={"clips": [c.float() for c in inputs["audio_features"]]})
+        return NodeInputs(args=[c.float() for c in inputs["audio_features"]])  # the request's clips
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
-        clips = engine_inputs.extras["clips"]
+        clips: list[list[torch.Tensor]] = engine_inputs.args
         out = iter(self.tower([c for per_request in clips for c in per_request]))
         return {"audio_embeds": [torch.cat([next(out) for _ in per_request]) for per_request in clips]}
 
@@ -42,13 +42,12 @@ class VisionEncoderNode(NodeSubmodule):
 
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
-        return NodeInputs(extras={"pixels": inputs["pixel_values"][0].float(),
-                                  "grids": inputs["image_grid_thw"][0].reshape(-1, 3).long()})
+        # the request's images: their patches and grids
+        return NodeInputs(args=(inputs["pixel_values"][0].float(), inputs["image_grid_thw"][0].reshape(-1, 3).long()))
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
-        x = engine_inputs.extras
         out: dict[str, list] = {"image_embeds": [], "deepstack": []}
-        for pixels, grids in zip(x["pixels"], x["grids"]):  # one tower call per request (its images batch)
+        for pixels, grids in engine_inputs.args:  # one tower call per request (its images batch)
             vision = self.tower(pixels, grids)
             out["image_embeds"].append(torch.cat(vision.embeds))
             out["deepstack"].append(torch.stack([torch.cat(layer) for layer in vision.deepstack]))

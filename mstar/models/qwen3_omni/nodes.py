@@ -72,10 +72,15 @@ def flag(value: bool) -> torch.Tensor:
 # -- Thinker -------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _ThinkerRequest:
-    """One request's share of a Thinker forward beyond its token ids."""
+@dataclass(frozen=True, slots=True)
+class _ThinkerArgs:
+    """One request's share of a Thinker forward beyond its token ids (``NodeInputs.args``)."""
 
+    sampling: SamplingParams  # the OmniRequest's Thinker sampling
+    stop_ids: tuple[int, ...]
+    step: int  # the generated token this forward samples (0: the prefill's)
+    stream: bool  # its states go to the Talker (a spoken answer)
+    seen: torch.Tensor | None  # prompt + generated tokens, with a repetition penalty (else None)
     media: list[tuple[torch.Tensor, torch.Tensor]]  # (placeholder rows, tower embeddings) replacing them
     deepstack: tuple[torch.Tensor, torch.Tensor] | None  # (image rows, [layers, n, H]) added after layers
     positions: torch.Tensor | None  # [3, n] M-RoPE position ids of the new tokens (None: a decode token)
@@ -103,21 +108,23 @@ class ThinkerNode(NodeSubmodule):
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
         req = fwd_info.params  # an OmniRequest (Qwen3Omni.parse_request)
-        sp, stop_ids = req.thinker, req.thinker_stop_ids
+        sp = req.thinker
         penalised = sp.repetition_penalty != 1.0
+        stream = not graph_walk.endswith("_text")
         if "input_ids" in inputs:
-            ids, step = inputs["input_ids"][0].reshape(-1).to(torch.long), 0
-            req, seen = self._prefill_request(ids, inputs), ids if penalised else None
+            ids = inputs["input_ids"][0].reshape(-1).to(torch.long)
+            media, deepstack, positions, delta = self._prefill_layout(ids, inputs)
+            args = _ThinkerArgs(sp, req.thinker_stop_ids, 0, stream, ids if penalised else None, media, deepstack,
+                                positions, delta, ids)
         else:
-            ids, step = inputs["token"][0].reshape(-1).to(torch.long), fwd_info.iteration[-1] + 1
-            req = _ThinkerRequest([], None, None, int(inputs["rope_delta"][0]))
+            ids = inputs["token"][0].reshape(-1).to(torch.long)
             seen = inputs["seen"][0].reshape(-1).to(torch.long) if penalised else None
+            args = _ThinkerArgs(sp, req.thinker_stop_ids, fwd_info.iteration[-1] + 1, stream, seen, [], None, None,
+                                int(inputs["rope_delta"][0]))
         if ids.numel() == 0:
             raise ValueError("the Thinker got no tokens")
-        return NodeInputs(tensor_inputs={"ids": ids}, num_tokens=ids.numel(),
-                          extras={"sampling": sp, "step": step, "stop_ids": stop_ids,
-                                  "stream": not graph_walk.endswith("_text"), "req": req, "seen": seen},
-                          prefix_ids=self._reusable(ids) if step == 0 else None, token_inputs=("ids",))
+        return NodeInputs(tensor_inputs={"ids": ids}, num_tokens=ids.numel(), args=args,
+                          prefix_ids=self._reusable(ids) if args.step == 0 else None, token_inputs=("ids",))
 
     def _reusable(self, ids: torch.Tensor) -> torch.Tensor:
         """The prompt's tokens before its first audio / image / video placeholder: their KV depends on
@@ -128,7 +135,8 @@ class ThinkerNode(NodeSubmodule):
         media = ((ids == t.audio) | (ids == t.image) | (ids == t.video)).nonzero()
         return ids[:int(media[0])] if media.numel() else ids
 
-    def _prefill_request(self, ids: torch.Tensor, inputs: Mapping[str, list]) -> _ThinkerRequest:
+    def _prefill_layout(self, ids: torch.Tensor, inputs: Mapping[str, list]) -> tuple:
+        """A prefill's media (placeholder rows, embeddings), deepstack, M-RoPE positions and delta."""
         media, deepstack, grids = [], None, None
         for name, token in (("audio_embeds", self.tokens.audio), ("image_embeds", self.tokens.image)):
             if name in inputs:  # the tower's rows replace the placeholders, in order
@@ -141,19 +149,19 @@ class ThinkerNode(NodeSubmodule):
             grids = inputs["image_grid_thw"][0].reshape(-1, 3)
             deepstack = (media[-1][0], inputs["deepstack"][0])
         positions, delta = mrope_positions(ids, grids, self.tokens.image, *self.vision)
-        return _ThinkerRequest(media, deepstack, positions, delta, ids)
+        return media, deepstack, positions, delta
 
     @staticmethod
     def _cached(ei: EngineInputs) -> list[int]:
         """Per request, the leading prompt tokens whose KV came from the prefix cache (not computed)."""
         return [0 if req.positions is None else req.positions.shape[1] - n
-                for req, n in zip(ei.extras["req"], ei.num_tokens)]
+                for req, n in zip(ei.args, ei.num_tokens)]
 
     @staticmethod
     def _positions(ei: EngineInputs) -> torch.Tensor:
         """The batch's ``[3, tokens]`` M-RoPE position ids: a prefill's from its request, a decode token's
         its cache offset (``ei.positions``) + the request's delta on all three axes."""
-        reqs = ei.extras["req"]
+        reqs: list[_ThinkerArgs] = ei.args
         if all(r.positions is None for r in reqs):  # decode tokens only: one add for the batch
             delta = torch.tensor([r.delta for r in reqs])
             return (ei.positions.view(-1) + delta).view(1, -1).expand(3, -1)
@@ -167,25 +175,23 @@ class ThinkerNode(NodeSubmodule):
         return torch.cat(parts, dim=1)
 
     def continue_batch(self, graph_walk: str | None, engine_inputs: EngineInputs, tensors: Mapping[str, torch.Tensor],
-                       outputs: Mapping[str, list[Any]]) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]] | None:
+                       outputs: Mapping[str, list[Any]]) -> tuple[dict[str, torch.Tensor], list] | None:
         """A decode step's next batch (what ``prepare_inputs`` makes of the fed-back ``token`` and
         ``rope_delta``): each row's new token, its step one further; not with a repetition penalty
         (its seen tokens grow) or media (a prefill's)."""
-        x = engine_inputs.extras
+        args: list[_ThinkerArgs] = engine_inputs.args
         tokens = outputs.get("token")
-        if tokens is None or any(s is not None for s in x["seen"]) \
-                or any(r.media or r.deepstack is not None for r in x["req"]):
+        if tokens is None or any(a.seen is not None or a.media or a.deepstack is not None for a in args):
             return None
         ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0].reshape(-1)
         if ids.dtype != torch.long or ids.shape[0] != len(tokens):
             return None
-        reqs = [r if r.positions is None else _ThinkerRequest([], None, None, r.delta) for r in x["req"]]
-        return {"ids": ids}, {"sampling": x["sampling"], "step": [s + 1 for s in x["step"]],
-                              "stop_ids": x["stop_ids"], "stream": x["stream"], "req": reqs, "seen": x["seen"]}
+        return {"ids": ids}, [_ThinkerArgs(a.sampling, a.stop_ids, a.step + 1, a.stream, None, [], None, None, a.delta)
+                              for a in args]
 
     def _embed(self, ids: torch.Tensor, ei: EngineInputs) -> torch.Tensor:
         embeds = self.lm.embed(ids)
-        for start, skip, req in zip(_starts(ei), self._cached(ei), ei.extras["req"]):
+        for start, skip, req in zip(_starts(ei), self._cached(ei), ei.args):
             for rows, values in req.media:  # placeholders are never cached (``_reusable``)
                 embeds = embeds.index_copy(0, rows.to(embeds.device) + start - skip, values.to(embeds))
         return embeds
@@ -193,7 +199,7 @@ class ThinkerNode(NodeSubmodule):
     def _deepstack(self, ei: EngineInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per deepstack layer, (batch rows, features) of every request with images."""
         parts = [(rows + start - skip, feats) for start, skip, req in zip(_starts(ei), self._cached(ei),
-                                                                         ei.extras["req"])
+                                                                         ei.args)
                  if req.deepstack is not None for rows, feats in [req.deepstack]]
         if not parts:
             return []
@@ -203,39 +209,40 @@ class ThinkerNode(NodeSubmodule):
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs,
                 ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         ei = engine_inputs
-        streams = any(ei.extras["stream"])
+        args: list[_ThinkerArgs] = ei.args
+        streams = any(a.stream for a in args)
         embeds = self._embed(ids, ei)
         positions = self._positions(ei)
         out = self.lm(embeds, ei, capture=self.accept_layer if streams else None, mrope_positions=positions,
                       deepstack=self._deepstack(ei))
         last = out.hidden[ei.last_token_rows().to(out.hidden.device)]
-        seen, sampling = ei.extras["seen"], ei.extras["sampling"]
+        seen, sampling = [a.seen for a in args], [a.sampling for a in args]
         tokens = None
         if all(sp.greedy and sp.repetition_penalty == 1.0 for sp in sampling):  # ``sample``: the logits' argmax
             tokens = self.lm.lm_head.argmax(last)  # without writing the logits out (None: no such path)
         if tokens is None:
             tokens = sample(self.lm.lm_head(last), sampling, None if all(s is None for s in seen) else seen,
-                            ei.extras["step"])
+                            [a.step for a in args])
         tokens = tokens.cpu()
         states = torch.stack([embeds, out.captured], dim=1).cpu() if streams else None
         cached = self._cached(ei)
         result: dict[str, list] = {"token": [], "text": [], "stop": [], "thinker_states": [], "rope_delta": [],
                                    "seen": []}
-        x = ei.extras
         # per row, views of one tensor for the batch: tokens, M-RoPE offsets
         ids, rows = tokens.tolist(), tokens.view(-1, 1).unbind(0)
-        deltas = torch.tensor([r.delta for r in x["req"]]).view(-1, 1).unbind(0)
+        deltas = torch.tensor([a.delta for a in args]).view(-1, 1).unbind(0)
         per_request = self._states(states, ei, cached) if states is not None else None
         for i in range(len(ei.num_tokens)):
             tok = rows[i]
             result["token"].append(tok)
             result["text"].append(tok)
-            result["stop"].append(generation_finish(ids[i], x["step"][i], x["sampling"][i], x["stop_ids"][i]))
+            a = args[i]
+            result["stop"].append(generation_finish(ids[i], a.step, a.sampling, a.stop_ids))
             result["rope_delta"].append(deltas[i])
             # prompt + generated tokens, for the repetition penalty (empty when the request has none)
             result["seen"].append(torch.zeros(0, dtype=torch.long) if seen[i] is None
                                   else torch.cat([seen[i], tok]))
-            result["thinker_states"].append([per_request[i]] if ei.extras["stream"][i] else [])
+            result["thinker_states"].append([per_request[i]] if a.stream else [])
         return result
 
     def _states(self, computed: torch.Tensor, ei: EngineInputs, cached: list[int]) -> list[torch.Tensor]:
@@ -246,7 +253,7 @@ class ThinkerNode(NodeSubmodule):
         cached."""
         if not any(cached):
             return list(computed.split(ei.num_tokens))
-        reqs = ei.extras["req"]
+        reqs: list[_ThinkerArgs] = ei.args
         heads = self.lm.embed(torch.cat([r.prompt[:c] for r, c in zip(reqs, cached) if c])
                               .to(self.lm.lm_head.weight.device)).to(computed)
         out = computed.new_empty(sum(cached) + computed.shape[0], *computed.shape[1:])

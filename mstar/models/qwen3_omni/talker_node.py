@@ -44,6 +44,9 @@ class _DecodeRequest:
     text_row: torch.Tensor | None  # [1, Ht] the next streamed token's input embedding, or None
     tts: str  # "text", "eos" or "pad"
     position: int  # the M-RoPE position of all three sections
+    sampling: SamplingParams  # the OmniRequest's Talker sampling
+    seen: torch.Tensor  # the codes so far (the repetition penalty's)
+    step: int
 
 
 class TalkerNode(NodeSubmodule):
@@ -76,8 +79,7 @@ class TalkerNode(NodeSubmodule):
             grids = inputs["image_grid_thw"][0].reshape(-1, 3) if "image_grid_thw" in inputs else None
             req, reusable = self._prefill_request(inputs["input_ids"][0].reshape(-1), items, grids, fwd_info.params)
             n = int(req.is_media.numel()) + 8
-            return NodeInputs(num_tokens=n, extras={"req": req, "sampling": None, "seen": None, "step": 0},
-                              prefix_ids=reusable)
+            return NodeInputs(num_tokens=n, args=req, prefix_ids=reusable)
         step = fwd_info.iteration[-1]
         chunk = fwd_info.stream_chunks.get("thinker_states") or {"start": 0}
         if items:
@@ -90,9 +92,8 @@ class TalkerNode(NodeSubmodule):
             codec_sum = codec_sum.reshape(1, -1)
         if seen.dim() != 1 or seen.dtype != torch.long:
             seen = seen.reshape(-1).to(torch.long)
-        req = _DecodeRequest(codec_sum, row, tts, position)
-        return NodeInputs(num_tokens=1, extras={"req": req, "sampling": fwd_info.params.talker,
-                                                "seen": seen, "step": step})
+        return NodeInputs(num_tokens=1, args=_DecodeRequest(codec_sum, row, tts, position, fwd_info.params.talker,
+                                                             seen, step))
 
     def _prefill_request(self, prompt: torch.Tensor, items: list, grids: torch.Tensor | None,
                          params: OmniRequest) -> tuple[_PrefillRequest, torch.Tensor]:
@@ -168,7 +169,7 @@ class TalkerNode(NodeSubmodule):
     def _cached(ei: EngineInputs) -> list[int]:
         """Per request, the leading prefill rows whose KV came from the prefix cache (0 for decode rows)."""
         return [req.positions.shape[1] - n if isinstance(req, _PrefillRequest) else 0
-                for req, n in zip(ei.extras["req"], ei.num_tokens)]
+                for req, n in zip(ei.args, ei.num_tokens)]
 
     def _project_text(self, reqs: list, cached: list[int]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """The text projection of ``tts_bos/eos/pad`` [3, H] and of each request's text rows (None for
@@ -249,18 +250,18 @@ class TalkerNode(NodeSubmodule):
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
         ei = engine_inputs
-        reqs = ei.extras["req"]
+        reqs: list[_PrefillRequest | _DecodeRequest] = ei.args
         cached = self._cached(ei)
         tts, texts = self._project_text(reqs, cached)
         embeds, positions = self._embeds(reqs, tts, texts, cached)
         hidden = self.lm(embeds, ei, mrope_positions=positions).hidden
         last = hidden[ei.last_token_rows().to(hidden.device)]
-        decode_rows = [i for i, r in enumerate(ei.extras["req"]) if isinstance(r, _DecodeRequest)]
+        decode_rows = [i for i, r in enumerate(reqs) if isinstance(r, _DecodeRequest)]
         decoded = self._decode_values(last, ei, decode_rows)
         bos = self.lm.codec_embed(torch.tensor([self.ids.codec_bos]))
         out: dict[str, list] = {k: [] for k in ("codec_sum", "talker_seen", "talker_delta", "code0", "speak",
                                                 "stop", "talker_hidden", "code", "cp_cache", "cp_sum")}
-        for i, req in enumerate(ei.extras["req"]):
+        for i, req in enumerate(reqs):
             if isinstance(req, _PrefillRequest):
                 self._prefill_outputs(out, bos, req.delta)
             else:
@@ -276,11 +277,12 @@ class TalkerNode(NodeSubmodule):
             return iter(())
         hidden = last[rows]  # a copy: no view of the forward's activations is kept
         logits = self.lm.logits(hidden)
-        no_eos = [r for r, i in enumerate(rows) if ei.extras["sampling"][i].ignore_eos]
+        decs: list[_DecodeRequest] = [ei.args[i] for i in rows]
+        no_eos = [r for r, d in enumerate(decs) if d.sampling.ignore_eos]
         if no_eos:  # ignore_eos: codec EOS is suppressed as well, the talker runs to its max_tokens
             logits[no_eos, self.ids.codec_eos] = float("-inf")
-        picked = sample(logits, [ei.extras["sampling"][i] for i in rows],
-                        [ei.extras["seen"][i] for i in rows], [ei.extras["step"][i] for i in rows]).cpu().to(torch.long)
+        picked = sample(logits, [d.sampling for d in decs], [d.seen for d in decs],
+                        [d.step for d in decs]).cpu().to(torch.long)
         embedded = self.lm.codec_embed(picked)
         return zip(picked.tolist(), picked.view(-1, 1).unbind(0), hidden.split(1), embedded.split(1))
 
@@ -293,12 +295,12 @@ class TalkerNode(NodeSubmodule):
 
     def _decode_outputs(self, out: dict[str, list], ei: EngineInputs, i: int, code: int, c0: torch.Tensor,
                         hidden: torch.Tensor, embedded: torch.Tensor) -> None:
-        sp: SamplingParams = ei.extras["sampling"][i]
-        last = code == self.ids.codec_eos or ei.extras["step"][i] + 1 >= sp.max_tokens
+        d: _DecodeRequest = ei.args[i]
+        last = code == self.ids.codec_eos or d.step + 1 >= d.sampling.max_tokens
         # the EOS (or max) step's frame is computed but not streamed (speak false)
         out["codec_sum"].append(None)
         out["talker_delta"].append(None)
-        out["talker_seen"].append(torch.cat([ei.extras["seen"][i], c0]))
+        out["talker_seen"].append(torch.cat([d.seen, c0]))
         out["code0"].append(c0)
         out["speak"].append(flag(not last))
         out["stop"].append(flag(last))

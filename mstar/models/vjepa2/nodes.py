@@ -29,7 +29,7 @@ class EncoderNode(NodeSubmodule):
 
     def prepare_inputs(self, graph_walk, fwd_info, inputs):
         goal = inputs["goal_frame"][0] if "goal_frame" in inputs else None
-        return NodeInputs(extras={"frames": inputs["frames"][0], "goal": goal})
+        return NodeInputs(args=_Frames(inputs["frames"][0], goal))
 
     def _encode(self, frames: torch.Tensor) -> torch.Tensor:
         tokens = encode_frames(self.encoder, frames.unsqueeze(0).to(torch.float32))[0]
@@ -38,10 +38,29 @@ class EncoderNode(NodeSubmodule):
     def forward(self, graph_walk, engine_inputs, **_):
         outs, goals = [], []
         with torch.inference_mode():
-            for frames, goal in zip(engine_inputs.extras["frames"], engine_inputs.extras["goal"]):
+            for a in engine_inputs.args:
+                frames, goal = a.frames, a.goal
                 outs.append(self._encode(frames))  # requests may differ in frame count: one call each
                 goals.append(self._encode(goal.unsqueeze(0))[0] if goal is not None else torch.empty(0))
         return {"context": outs, "feed": [t[-1] for t in outs], "goal": goals}
+
+
+@dataclass(frozen=True, slots=True)
+class _Frames:
+    """The encoder's args: a request's context frames and its goal frame (a plan's; else None)."""
+
+    frames: torch.Tensor
+    goal: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Refit:
+    """``CemUpdate``'s args: the refit distribution, the iteration's best energy, whether it was the last."""
+
+    plan: torch.Tensor
+    spread: torch.Tensor
+    energy: torch.Tensor
+    last: bool
 
 
 @dataclass(frozen=True)
@@ -113,11 +132,11 @@ class PredictorNode(NodeSubmodule):
             tensor_inputs={"tokens": tokens.reshape(-1, tokens.shape[-1]).float(), "action": action.float(),
                            "state": state.float()},
             num_tokens=len(step.frames) * bt, mode=QueryMode.BLOCK_APPEND, sequences=seqs,
-            extras={"step": step, "given_next_state": given})
+            args=(step, given))  # the step, and the next state when the request gives it
 
     def forward(self, graph_walk, engine_inputs, tokens, action, state):
         ei, p, c = engine_inputs, self.predictor, self.predictor.cfg
-        steps: list[_Step] = ei.extras["step"]
+        steps: list[_Step] = [s for s, _ in ei.args]
         frames = [f for s in steps for f in s.frames]  # every sequence of the batch, in order
         n_seq, n = len(frames), c.tokens_per_frame
         x = p._embed_frames(tokens.view(n_seq, 1, n, -1), action.view(n_seq, 1, -1), state.view(n_seq, 1, -1), None)
@@ -148,7 +167,7 @@ class PredictorNode(NodeSubmodule):
         next_state = compute_new_pose(state.view(n_seq, -1), action.view(n_seq, -1))
         out: dict[str, list] = {"feed": [], "frame": [], "state": [], "stop": []}
         start = 0
-        for s, given in zip(steps, ei.extras["given_next_state"]):
+        for s, given in ei.args:
             end = start + len(s.frames)
             if s.walk == "plan":
                 out["feed"].append(pred[start:end])
@@ -171,10 +190,10 @@ class CemSampler(NodeSubmodule):
         req = fwd_info.params  # a VJepaRequest
         gen = torch.Generator().manual_seed(req.seed * 1_000_003 + fwd_info.iteration[0])
         cand = mean + std * torch.randn((req.samples, *mean.shape), generator=gen)
-        return NodeInputs(extras={"candidates": cand})
+        return NodeInputs(args=cand)
 
     def forward(self, graph_walk, engine_inputs, **_):
-        return {"candidates": list(engine_inputs.extras["candidates"])}
+        return {"candidates": list(engine_inputs.args)}
 
 
 class CemUpdate(NodeSubmodule):
@@ -188,10 +207,9 @@ class CemUpdate(NodeSubmodule):
         best = torch.topk(energy, k, largest=False).indices
         elite = cand[best]
         last = fwd_info.iteration[0] + 1 >= fwd_info.params.iterations
-        return NodeInputs(extras={"plan": elite.mean(0), "spread": elite.std(0, unbiased=False),
-                                  "energy": energy[best[0]].view(1), "last": last})
+        return NodeInputs(args=_Refit(elite.mean(0), elite.std(0, unbiased=False), energy[best[0]].view(1), last))
 
     def forward(self, graph_walk, engine_inputs, **_):
-        e = engine_inputs.extras
-        return {"plan": e["plan"], "spread": e["spread"], "energy": e["energy"],
-                "stop": [torch.tensor(x) for x in e["last"]]}
+        refits: list[_Refit] = engine_inputs.args
+        return {"plan": [r.plan for r in refits], "spread": [r.spread for r in refits],
+                "energy": [r.energy for r in refits], "stop": [torch.tensor(r.last) for r in refits]}

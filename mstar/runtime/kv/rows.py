@@ -44,11 +44,11 @@ def next_inputs(module: NodeSubmodule, last: Any) -> tuple[dict[str, torch.Tenso
     return nxt
 
 
-def select_rows(rows: list[int], tensors: dict[str, torch.Tensor], extras: dict[str, list]
-                ) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
-    """``next_inputs``' tensors and extras of ``rows`` only, in that order."""
+def select_rows(rows: list[int], tensors: dict[str, torch.Tensor], args: list
+                ) -> tuple[dict[str, torch.Tensor], list]:
+    """``next_inputs``' tensors and args of ``rows`` only, in that order."""
     idx = long_tensor(rows)
-    return {k: t.index_select(0, idx) for k, t in tensors.items()}, {k: [v[r] for r in rows] for k, v in extras.items()}
+    return {k: t.index_select(0, idx) for k, t in tensors.items()}, [args[r] for r in rows]
 
 
 @dataclass(slots=True)
@@ -102,14 +102,14 @@ class KVRows:
         nxt = next_inputs(self.module, last)
         if nxt is None:
             return None
-        tensors, extras = nxt
+        tensors, args = nxt
         n, prev = len(rows), last.ei
         same = n == len(last.items) and rows[-1] == n - 1
         if same:  # every row goes on (rows ascend): the per-row lists stay
             keys, tables, infos, walks, nodes = last.keys, last.tables, prev.infos, prev.walks, prev.nodes
             rids = prev.request_ids
         else:
-            tensors, extras = select_rows(rows, tensors, extras)
+            tensors, args = select_rows(rows, tensors, args)
             keys, tables, infos = [last.keys[r] for r in rows], [last.tables[r] for r in rows], [prev.infos[r] for r in rows]
             walks, nodes, rids = [it.walk for it in items], [it.node for it in items], [it.request_id for it in items]
         planned = self.manager.append_to(tables)
@@ -120,11 +120,11 @@ class KVRows:
             info.iteration, info.cache_len = item.iteration, b
         if same:  # the last forward's inputs, brought up to date (the same rows, lists and splits; a module
             ei = prev  # does not keep its ``EngineInputs`` past its forward: ``NodeSubmodule.continue_batch``)
-            ei.extras = extras
+            ei.args = args
         else:
             ones = [1] * n
             ei = EngineInputs(walks=walks, nodes=nodes, request_ids=rids, infos=infos,
-                              splits={k: ones for k in tensors}, extras=extras, kv_caches=self.kv_caches,
+                              splits={k: ones for k in tensors}, args=args, kv_caches=self.kv_caches,
                               num_tokens=ones)
         if self.manager.has_pending_copies:
             self._copy_pending()
