@@ -4,6 +4,7 @@ OpenAI speech route returning valid WAV, and the shipped placements."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import wave
@@ -159,6 +160,25 @@ def test_speech_route_returns_valid_wav_streamed_and_not():
         assert "tara" in voices["voices"]
         with pytest.raises(openai.BadRequestError, match="unknown voice"):
             client.audio.speech.create(model="orpheus-tiny", input="x", voice="nobody")
+        # over the Realtime API: the user's text spoken, the same greedy audio as /v1/audio/speech's pcm
+        greedy = {"max_tokens": 70, "temperature": 0.0}
+        pcm = client.audio.speech.create(model="orpheus-tiny", input="Hello <laugh> world", voice="leo",
+                                         response_format="pcm", extra_body=greedy).read()
+        with client.realtime.connect(model="orpheus-tiny") as conn:
+            assert conn.recv().session.output_modalities == ["audio"]
+            conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "leo"}},
+                                         "temperature": 0.0, "max_output_tokens": 70})
+            assert conn.recv().type == "session.updated"
+            conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                "content": [{"type": "input_text", "text": "Hello <laugh> world"}]})
+            conn.response.create()
+            chunks = []
+            for event in conn:
+                if event.type == "response.output_audio.delta":
+                    chunks.append(base64.b64decode(event.delta))
+                elif event.type == "response.done":
+                    break
+        assert len(chunks) > 1 and b"".join(chunks) == pcm
 
 
 def test_real_layout_needs_snac_directory(orpheus_ckpt, tmp_path):

@@ -192,4 +192,18 @@ def test_openai_api_answers_paris_plain_and_streamed(runtime):
         chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=32, stream=True))
         deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
         assert len([d for d in deltas if d]) > 3 and "".join(deltas) == answer  # streamed piece by piece
+        # the same question over the Realtime API (the SDK's websocket client): the same greedy answer
+        with client.realtime.connect(model=NAME) as conn:
+            assert conn.recv().session.output_modalities == ["text"]
+            conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                "content": [{"type": "input_text", "text": QUESTION}]})
+            conn.response.create(response={"max_output_tokens": 32})
+            spoken = []
+            for event in conn:
+                if event.type == "response.output_text.delta":
+                    spoken.append(event.delta)
+                elif event.type == "response.done":
+                    assert event.response.status == "completed"  # stopped at <|im_end|>
+                    break
+        assert "".join(spoken) == answer
 

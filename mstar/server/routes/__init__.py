@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from mstar.server.routes import chat, completions, generate, images, policy, responses, speech, system
+from mstar.server.routes import (
+           chat,
+           completions,
+           generate,
+           images,
+           policy,
+           realtime,
+           responses,
+           speech,
+           system,
+)
 
 ROUTERS = (system.router, chat.router, completions.router, responses.router, speech.router, images.router,
-           generate.router, policy.router)
+           generate.router, policy.router, realtime.router)

@@ -1,0 +1,349 @@
+"""One realtime session: a websocket's conversation (its items, kept across turns) and the response
+under way.
+
+A response is the served model's answer to the conversation so far, made through the same adapter
+and runtime path as a chat completion (a speech model: ``/v1/audio/speech`` of the last user text),
+and streamed as the Realtime API's events. At most one response runs at a time;
+``response.cancel`` and the client leaving cancel it, which aborts its request in the runtime and
+frees its KV blocks. The assistant's reply, whatever part of it was made, joins the conversation.
+
+Audio input (``input_audio_buffer.*``) and server voice activity detection are not served yet:
+their events are answered with an ``error`` event that says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import WebSocket
+from starlette.websockets import WebSocketDisconnect
+
+from mstar.model.adapter import CHAT, SPEECH, ApiRequest, AudioChunk, TextDelta
+from mstar.server import media
+from mstar.server.errors import APIError, internal_error
+from mstar.server.limits import ServerLimits
+from mstar.server.realtime.events import (
+    INPUT_RATE,
+    EventError,
+    SessionConfig,
+    error_event,
+    new_id,
+    parse_event,
+    server_event,
+    update_session,
+)
+from mstar.server.routes.common import adapt, start
+from mstar.server.serving import Serving
+
+__all__ = ["Item", "RealtimeSession"]
+
+MESSAGE_TOO_BIG = 1009
+_RESPONSE_FIELDS = frozenset({"output_modalities", "modalities", "instructions", "max_output_tokens", "audio",
+                              "voice", "conversation", "metadata", "temperature"})
+_ROLES = ("user", "assistant", "system")
+
+
+@dataclass(frozen=True)
+class Item:
+    """A conversation item: a message's role and text."""
+
+    id: str
+    role: str
+    text: str = ""
+
+    def describe(self, status: str = "completed") -> dict[str, Any]:
+        kind = "output_text" if self.role == "assistant" else "input_text"
+        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role, "status": status,
+                "content": [{"type": kind, "text": self.text}]}
+
+
+@dataclass
+class _Response:
+    id: str
+    config: SessionConfig
+    item: Item
+    task: asyncio.Task | None = None
+    text: list[str] = field(default_factory=list)
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+class RealtimeSession:
+    def __init__(self, ws: WebSocket, serving: Serving, limits: ServerLimits) -> None:
+        self.ws, self.serving, self.limits = ws, serving, limits
+        self.adapter = serving.adapter
+        self.id = new_id("sess")
+        self.audio_out = self._speaks()
+        self.config = SessionConfig(output_modalities=("audio",) if self.audio_out else ("text",),
+                                    voice=self.adapter.default_voice)
+        self.items: list[Item] = []
+        self._response: _Response | None = None
+        self._send_lock = asyncio.Lock()
+        self.closed = False
+
+    def _speaks(self) -> bool:
+        """Whether answers can be audio (pcm16 at the API's 24 kHz): a speech model, or a chat model
+        whose answers may be spoken (it has voices)."""
+        a = self.adapter
+        return a.sample_rate == INPUT_RATE and (SPEECH in a.routes) and (CHAT not in a.routes or bool(a.voices))
+
+    # -- the connection --------------------------------------------------------------------------
+    async def run(self) -> None:
+        await self.send(server_event("session.created", session=self._describe()))
+        try:
+            while True:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                if not await self._frame(message):
+                    return
+        except WebSocketDisconnect:
+            return
+        finally:
+            self.closed = True
+            await self._cancel_running()
+
+    async def _frame(self, message: dict[str, Any]) -> bool:
+        """Handle one frame; False when the session ends (an oversize frame closes it)."""
+        text = message.get("text")
+        if text is None:
+            await self.send(error_event(EventError("binary frames are not supported: send JSON events as text",
+                                                   code="invalid_event")))
+            return True
+        if len(text) > self.limits.max_body_bytes:
+            await self.ws.close(code=MESSAGE_TOO_BIG, reason=f"event over {self.limits.max_body_bytes} bytes")
+            return False
+        try:
+            await self._handle(parse_event(text))
+        except EventError as e:
+            await self.send(error_event(e))
+        except APIError as e:
+            await self.send(_api_error_event(e))
+        except Exception as exc:  # noqa: BLE001 - a bug handling one event: logged, reported, the session goes on
+            await self.send(_api_error_event(internal_error(exc)))
+        return True
+
+    async def send(self, event: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        async with self._send_lock:
+            try:
+                await self.ws.send_json(event)
+            except (WebSocketDisconnect, RuntimeError):
+                self.closed = True  # the client left; the receive loop ends the session
+
+    async def _cancel_running(self) -> None:
+        task = self._response.task if self._response else None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    # -- events ----------------------------------------------------------------------------------
+    async def _handle(self, event: dict[str, Any]) -> None:
+        kind, eid = event["type"], event.get("event_id")
+        try:
+            if kind == "session.update":
+                self._update(event.get("session"))
+                await self.send(server_event("session.updated", session=self._describe()))
+            elif kind.startswith("input_audio_buffer."):
+                raise EventError(f"audio input is not served over /v1/realtime yet ({kind}): send text items "
+                                 "(conversation.item.create)", code="unsupported")
+            elif kind == "conversation.item.create":
+                await self._add_item(self._client_item(event.get("item")))
+            elif kind == "response.create":
+                await self._create_response(event.get("response"))
+            elif kind == "response.cancel":
+                await self._cancel_response(eid)
+        except EventError as e:
+            e.event_id = e.event_id or eid
+            raise
+
+    def _update(self, session: Any) -> None:
+        config = update_session(self.config, session, self.audio_out)
+        if config.turn_detection is not None:
+            raise EventError("turn_detection (server_vad) is not served yet: audio input is not available over "
+                             "/v1/realtime; leave it null", code="unsupported", param="session.turn_detection")
+        self.config = config
+
+    def _describe(self) -> dict[str, Any]:
+        return self.config.describe(self.serving.model_name, self.id)
+
+    # -- conversation items ----------------------------------------------------------------------
+    @staticmethod
+    def _client_item(item: Any) -> Item:
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            raise EventError("item must be a message ({'type': 'message', 'role': ..., 'content': [...]})",
+                             code="unsupported", param="item")
+        role = item.get("role")
+        if role not in _ROLES:
+            raise EventError("item.role must be user, assistant or system", param="item.role")
+        content = item.get("content")
+        if not isinstance(content, list) or not content:
+            raise EventError("item.content must be a non-empty list of parts", param="item.content")
+        text = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
+                text.append(part["text"])
+            else:
+                raise EventError(f"content part {kind!r} is not supported here: send text parts "
+                                 "({'type': 'input_text', 'text': ...})", code="unsupported", param="item.content")
+        item_id = item.get("id")
+        if item_id is not None and not isinstance(item_id, str):
+            raise EventError("item.id must be a string", param="item.id")
+        return Item(item_id or new_id("item"), role, "".join(text))
+
+    async def _add_item(self, item: Item) -> None:
+        previous = self.items[-1].id if self.items else None
+        self.items.append(item)
+        await self.send(server_event("conversation.item.added", previous_item_id=previous, item=item.describe()))
+        await self.send(server_event("conversation.item.done", previous_item_id=previous, item=item.describe()))
+
+    # -- building requests -----------------------------------------------------------------------
+    def _chat_body(self, config: SessionConfig) -> dict[str, Any]:
+        messages: list[dict[str, Any]] = [{"role": "system", "content": config.instructions}] if config.instructions else []
+        messages += [{"role": it.role, "content": it.text} for it in self.items]
+        body: dict[str, Any] = {"messages": messages, "max_tokens": config.max_output_tokens,
+                                "temperature": config.temperature}
+        if "audio" in config.output_modalities:
+            body["modalities"], body["audio"] = ["text", "audio"], {"voice": config.voice}
+        return body
+
+    def _request(self, config: SessionConfig) -> tuple[str, ApiRequest]:
+        if CHAT in self.adapter.routes:
+            return CHAT, adapt(self.adapter.chat_request, self._chat_body(config), [], [])
+        text = next((it.text for it in reversed(self.items) if it.role == "user" and it.text), None)
+        if text is None:
+            raise EventError(f"model {self.serving.model_name!r} speaks text: add a user text item first",
+                             code="unsupported")
+        if config.instructions:
+            raise EventError(f"model {self.serving.model_name!r} speaks the user's text: it takes no instructions",
+                             code="unsupported", param="instructions")
+        voices = self.adapter.voices
+        if voices and config.voice not in voices:
+            raise EventError(f"unknown voice {config.voice!r}; choose one of: {', '.join(voices)}", param="voice")
+        body: dict[str, Any] = {"input": text, "voice": config.voice}
+        if config.max_output_tokens is not None:
+            body["max_tokens"] = config.max_output_tokens
+        if config.temperature is not None:
+            body["temperature"] = config.temperature
+        return SPEECH, adapt(self.adapter.speech_request, body)
+
+    # -- responses -------------------------------------------------------------------------------
+    async def _create_response(self, overrides: Any) -> None:
+        if self._response is not None:
+            raise EventError("a response is already in progress; cancel it first",
+                             code="conversation_already_has_active_response")
+        config = self.config
+        if overrides is not None:
+            if not isinstance(overrides, dict) or set(overrides) - _RESPONSE_FIELDS:
+                raise EventError(f"response fields must be among {sorted(_RESPONSE_FIELDS)}", code="unsupported",
+                                 param="response")
+            if overrides.get("conversation") not in (None, "auto"):
+                raise EventError("response.conversation must be 'auto'", code="unsupported",
+                                 param="response.conversation")
+            config = update_session(config, {k: v for k, v in overrides.items() if k not in ("conversation", "metadata")},
+                                    self.audio_out)
+        response = _Response(new_id("resp"), config, Item(new_id("item"), "assistant"))
+        self._response = response
+        response.task = asyncio.create_task(self._respond(response))
+
+    async def _cancel_response(self, event_id: str | None) -> None:
+        response = self._response
+        if response is None or response.task is None:
+            raise EventError("there is no response in progress", code="response_cancel_not_active", event_id=event_id)
+        response.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await response.task
+
+    async def _respond(self, r: _Response) -> None:
+        status, error = "completed", None
+        await self.send(server_event("response.created", response=self._describe_response(r, "in_progress")))
+        try:
+            route, request = self._request(r.config)
+            started = await start(self.serving, route, request)
+            r.input_tokens = request.prompt_tokens
+            await self._open_output(r)
+            async for out in started.outputs:
+                await self._deliver(r, out)
+            if started.decoder.finish_reason == "length":
+                status = "incomplete"
+        except asyncio.CancelledError:
+            status = "cancelled"
+        except EventError as e:
+            status, error = "failed", error_event(e)
+        except APIError as e:
+            status, error = "failed", _api_error_event(e)
+        except Exception as exc:  # noqa: BLE001 - a bug: logged with its id; this response fails, the session goes on
+            status, error = "failed", _api_error_event(internal_error(exc))
+        finally:
+            self._response = None
+        if error is not None:
+            await self.send(error)
+        await self._close_output(r, status)
+
+    def _describe_response(self, r: _Response, status: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": r.id, "object": "realtime.response", "status": status,
+                               "output_modalities": list(r.config.output_modalities),
+                               "output": [r.item.describe(status)] if status != "in_progress" else []}
+        if status != "in_progress":
+            out["usage"] = {"input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
+                            "total_tokens": r.input_tokens + r.output_tokens}
+        return out
+
+    @staticmethod
+    def _where(r: _Response) -> dict[str, Any]:
+        return {"response_id": r.id, "item_id": r.item.id, "output_index": 0, "content_index": 0}
+
+    @staticmethod
+    def _part(r: _Response) -> dict[str, Any]:
+        text = "".join(r.text)
+        return {"type": "audio", "transcript": text} if "audio" in r.config.output_modalities \
+            else {"type": "text", "text": text}
+
+    async def _open_output(self, r: _Response) -> None:
+        await self.send(server_event("response.output_item.added", response_id=r.id, output_index=0,
+                                     item=r.item.describe("in_progress")))
+        await self.send(server_event("response.content_part.added", **self._where(r), part=self._part(r)))
+
+    async def _deliver(self, r: _Response, out: Any) -> None:
+        if isinstance(out, TextDelta):
+            r.output_tokens += out.num_tokens
+            if out.text:
+                r.text.append(out.text)
+                kind = "response.output_audio_transcript.delta" if "audio" in r.config.output_modalities \
+                    else "response.output_text.delta"
+                await self.send(server_event(kind, **self._where(r), delta=out.text))
+        elif isinstance(out, AudioChunk) and "audio" in r.config.output_modalities and out.pcm.numel():
+            await self.send(server_event("response.output_audio.delta", **self._where(r),
+                                         delta=base64.b64encode(media.pcm_bytes(out.pcm)).decode()))
+
+    async def _close_output(self, r: _Response, status: str) -> None:
+        """The done events of the response's output, the assistant's reply joining the conversation
+        (whatever part of it was made), then ``response.done``."""
+        r.item = dataclasses.replace(r.item, text="".join(r.text))
+        if status != "failed":
+            if "audio" in r.config.output_modalities:
+                await self.send(server_event("response.output_audio.done", **self._where(r)))
+                await self.send(server_event("response.output_audio_transcript.done", **self._where(r),
+                                             transcript=r.item.text))
+            else:
+                await self.send(server_event("response.output_text.done", **self._where(r), text=r.item.text))
+            await self.send(server_event("response.content_part.done", **self._where(r), part=self._part(r)))
+            await self.send(server_event("response.output_item.done", response_id=r.id, output_index=0,
+                                         item=r.item.describe(status)))
+        if r.item.text:
+            self.items.append(r.item)
+        await self.send(server_event("response.done", response=self._describe_response(r, status)))
+
+
+def _api_error_event(e: APIError) -> dict[str, Any]:
+    kind = {429: "rate_limit_error", 503: "server_error", 500: "server_error"}.get(e.status, "invalid_request_error")
+    return server_event("error", error={"type": kind, "code": e.code or str(e.status), "message": e.message,
+                                        "param": e.param, "event_id": None})
