@@ -343,3 +343,64 @@ def test_hostile_speech_knobs_are_400s(server, extra, fragment):
     r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert fragment in r.json()["error"]["message"]
+
+
+def test_realtime_spoken_turns_answer_as_the_chat_completion(client):
+    """A turn streamed in 20 ms appends and committed gets the chat completion's answer for the same
+    audio (greedy); the next turn sees it; a spoken answer streams audio and its transcript."""
+    import base64
+    import io
+    import wave
+
+    pcm = _tone(1.0, 24000)
+    wav = io.BytesIO()
+    with wave.open(wav, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(24000)
+        w.writeframes(pcm.numpy().tobytes())
+    audio_part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(),
+                                                         "format": "wav"}}
+
+    def chat(messages):
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0.0)
+        return r.choices[0].message.content
+
+    def answer(conn, **response):
+        conn.response.create(response={"max_output_tokens": 4, **response})
+        events = []
+        for event in conn:
+            events.append(event)
+            if event.type == "response.done":
+                return events
+        raise AssertionError("no response.done")
+
+    first = chat([{"role": "user", "content": [audio_part]}])
+    second = chat([{"role": "user", "content": [audio_part]}, {"role": "assistant", "content": first},
+                   {"role": "user", "content": "and now?"}])
+    with client.realtime.connect(model=MODEL) as conn:
+        assert conn.recv().session.output_modalities == ["audio"]  # the model speaks by default
+        conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "temperature": 0.0})
+        conn.recv()
+        for chunk in pcm.split(480):  # 20 ms at 24 kHz
+            conn.input_audio_buffer.append(audio=base64.b64encode(chunk.numpy().tobytes()).decode())
+        conn.input_audio_buffer.commit()
+        committed = conn.recv()
+        assert committed.type == "input_audio_buffer.committed"
+        events = answer(conn)
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == first
+        conn.conversation.item.create(item={"type": "message", "role": "user",
+                                            "content": [{"type": "input_text", "text": "and now?"}]})
+        events = answer(conn)
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == second
+        # a spoken answer: pcm16 deltas and the transcript
+        events = answer(conn, output_modalities=["audio"])
+        audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+        transcript = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
+        assert len(audio) > 0 and events[-1].response.output[0].content[0].transcript == transcript
+        # bad audio: an error event, the session goes on
+        conn.input_audio_buffer.append(audio="AAE")  # not base64 of whole samples
+        assert conn.recv().type == "error"
+        conn.input_audio_buffer.commit()  # nothing buffered
+        err = conn.recv()
+        assert err.type == "error" and err.error.code == "input_audio_buffer_commit_empty"

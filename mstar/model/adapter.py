@@ -150,6 +150,7 @@ class ApiAdapter:
     voices: tuple[str, ...] = ()
     default_voice: str | None = None
     sample_rate: int = 24000
+    accepts_audio: bool = False  # chat_request takes ``input_audio`` parts (the realtime route's spoken turns)
 
     def chat_request(self, body: Mapping[str, Any], images: list[torch.Tensor],
                      audio: list[tuple[torch.Tensor, int]]) -> ApiRequest:

@@ -121,6 +121,7 @@ class Qwen3OmniAdapter(ApiAdapter):
     routes = frozenset({CHAT, SPEECH, GENERATE})
     default_voice = DEFAULT_VOICE
     sample_rate = SAMPLE_RATE
+    accepts_audio = True
 
     def __init__(self, model: Any, token_ids: OmniTokenIds | None = None) -> None:
         self.model = model

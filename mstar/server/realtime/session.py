@@ -7,19 +7,24 @@ and streamed as the Realtime API's events. At most one response runs at a time;
 ``response.cancel`` and the client leaving cancel it, which aborts its request in the runtime and
 frees its KV blocks. The assistant's reply, whatever part of it was made, joins the conversation.
 
-Audio input (``input_audio_buffer.*``) and server voice activity detection are not served yet:
-their events are answered with an ``error`` event that says so.
+A model that takes audio (``ApiAdapter.accepts_audio``) also takes spoken turns: pcm16 appended to
+the input audio buffer, committed by the client (``turn_detection`` null), or ``input_audio`` parts
+of a user item. A turn's audio reaches the model as the chat route's ``input_audio`` parts do, so
+the same audio sent as a chat completion gets the same answer. Server voice activity detection is
+not served yet: ``turn_detection: server_vad`` is answered with an ``error`` event that says so.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
 
@@ -43,6 +48,7 @@ from mstar.server.serving import Serving
 __all__ = ["Item", "RealtimeSession"]
 
 MESSAGE_TOO_BIG = 1009
+MIN_TURN_SAMPLES = INPUT_RATE // 10  # a commit needs 100 ms of audio (the API's own minimum)
 _RESPONSE_FIELDS = frozenset({"output_modalities", "modalities", "instructions", "max_output_tokens", "audio",
                               "voice", "conversation", "metadata", "temperature"})
 _ROLES = ("user", "assistant", "system")
@@ -50,16 +56,22 @@ _ROLES = ("user", "assistant", "system")
 
 @dataclass(frozen=True)
 class Item:
-    """A conversation item: a message's role and text."""
+    """A conversation item: a message's role, its text and (a user's spoken turn) its audio clips."""
 
     id: str
     role: str
     text: str = ""
+    clips: tuple[torch.Tensor, ...] = ()  # int16 at 24 kHz
+    spoken: bool = False  # an assistant's answer given as audio (``text`` is its transcript)
 
     def describe(self, status: str = "completed") -> dict[str, Any]:
-        kind = "output_text" if self.role == "assistant" else "input_text"
+        content: list[dict[str, Any]] = [{"type": "input_audio", "transcript": None} for _ in self.clips]
+        if self.spoken:
+            content.append({"type": "output_audio", "transcript": self.text})
+        elif self.text or not self.clips:
+            content.append({"type": "output_text" if self.role == "assistant" else "input_text", "text": self.text})
         return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role, "status": status,
-                "content": [{"type": kind, "text": self.text}]}
+                "content": content}
 
 
 @dataclass
@@ -78,10 +90,13 @@ class RealtimeSession:
         self.ws, self.serving, self.limits = ws, serving, limits
         self.adapter = serving.adapter
         self.id = new_id("sess")
+        self.audio_in = self.adapter.accepts_audio
         self.audio_out = self._speaks()
         self.config = SessionConfig(output_modalities=("audio",) if self.audio_out else ("text",),
                                     voice=self.adapter.default_voice)
         self.items: list[Item] = []
+        self._buffer: list[torch.Tensor] = []  # the input audio buffer: int16 at 24 kHz since the last commit / clear
+        self._buffered = 0
         self._response: _Response | None = None
         self._send_lock = asyncio.Lock()
         self.closed = False
@@ -151,9 +166,13 @@ class RealtimeSession:
             if kind == "session.update":
                 self._update(event.get("session"))
                 await self.send(server_event("session.updated", session=self._describe()))
-            elif kind.startswith("input_audio_buffer."):
-                raise EventError(f"audio input is not served over /v1/realtime yet ({kind}): send text items "
-                                 "(conversation.item.create)", code="unsupported")
+            elif kind == "input_audio_buffer.append":
+                self._append(event.get("audio"))
+            elif kind == "input_audio_buffer.commit":
+                await self._commit()
+            elif kind == "input_audio_buffer.clear":
+                self._buffer, self._buffered = [], 0
+                await self.send(server_event("input_audio_buffer.cleared"))
             elif kind == "conversation.item.create":
                 await self._add_item(self._client_item(event.get("item")))
             elif kind == "response.create":
@@ -167,16 +186,51 @@ class RealtimeSession:
     def _update(self, session: Any) -> None:
         config = update_session(self.config, session, self.audio_out)
         if config.turn_detection is not None:
-            raise EventError("turn_detection (server_vad) is not served yet: audio input is not available over "
-                             "/v1/realtime; leave it null", code="unsupported", param="session.turn_detection")
+            raise EventError("turn_detection server_vad is not served yet: leave it null and commit each spoken "
+                             "turn (input_audio_buffer.commit)", code="unsupported", param="session.turn_detection")
         self.config = config
 
     def _describe(self) -> dict[str, Any]:
         return self.config.describe(self.serving.model_name, self.id)
 
+    # -- the input audio buffer ------------------------------------------------------------------
+    def _append(self, audio: Any) -> None:
+        if not self.audio_in:
+            raise EventError(f"model {self.serving.model_name!r} takes no audio input; send text items",
+                             code="unsupported", param="audio")
+        pcm = self._pcm(audio, "audio")
+        if self._buffered + pcm.numel() > self.limits.max_audio_samples:
+            raise EventError(f"the input audio buffer holds at most {self.limits.max_audio_samples} samples "
+                             f"({self.limits.max_audio_samples // INPUT_RATE} s); commit or clear it",
+                             code="input_audio_buffer_full", param="audio")
+        self._buffer.append(pcm)
+        self._buffered += pcm.numel()
+
+    def _pcm(self, audio: Any, param: str) -> torch.Tensor:
+        if not isinstance(audio, str):
+            raise EventError(f"'{param}' must be base64-encoded pcm16 (24 kHz mono, little-endian)", param=param)
+        try:
+            raw = base64.b64decode(audio, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise EventError(f"'{param}' is not valid base64: {e}", param=param) from e
+        if len(raw) % 2:
+            raise EventError(f"'{param}' must hold whole pcm16 samples (an even number of bytes)", param=param)
+        return torch.frombuffer(bytearray(raw), dtype=torch.int16) if raw else torch.zeros(0, dtype=torch.int16)
+
+    async def _commit(self) -> None:
+        if not self.audio_in:
+            raise EventError(f"model {self.serving.model_name!r} takes no audio input", code="unsupported")
+        if self._buffered < MIN_TURN_SAMPLES:
+            raise EventError("the input audio buffer holds less than 100 ms of audio",
+                             code="input_audio_buffer_commit_empty")
+        item = Item(new_id("item"), "user", clips=(torch.cat(self._buffer),))
+        self._buffer, self._buffered = [], 0
+        previous = self.items[-1].id if self.items else None
+        await self.send(server_event("input_audio_buffer.committed", item_id=item.id, previous_item_id=previous))
+        await self._add_item(item)
+
     # -- conversation items ----------------------------------------------------------------------
-    @staticmethod
-    def _client_item(item: Any) -> Item:
+    def _client_item(self, item: Any) -> Item:
         if not isinstance(item, dict) or item.get("type", "message") != "message":
             raise EventError("item must be a message ({'type': 'message', 'role': ..., 'content': [...]})",
                              code="unsupported", param="item")
@@ -186,18 +240,25 @@ class RealtimeSession:
         content = item.get("content")
         if not isinstance(content, list) or not content:
             raise EventError("item.content must be a non-empty list of parts", param="item.content")
-        text = []
+        text, clips = [], []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
                 text.append(part["text"])
+            elif kind == "input_audio" and role == "user" and self.audio_in:
+                pcm = self._pcm(part.get("audio"), "item.content.audio")
+                if pcm.numel() > self.limits.max_audio_samples:
+                    raise EventError(f"an audio part holds at most {self.limits.max_audio_samples} samples",
+                                     param="item.content.audio")
+                clips.append(pcm)
             else:
                 raise EventError(f"content part {kind!r} is not supported here: send text parts "
-                                 "({'type': 'input_text', 'text': ...})", code="unsupported", param="item.content")
+                                 "({'type': 'input_text', 'text': ...}); input_audio in user items for models "
+                                 "that take audio", code="unsupported", param="item.content")
         item_id = item.get("id")
         if item_id is not None and not isinstance(item_id, str):
             raise EventError("item.id must be a string", param="item.id")
-        return Item(item_id or new_id("item"), role, "".join(text))
+        return Item(item_id or new_id("item"), role, "".join(text), tuple(clips))
 
     async def _add_item(self, item: Item) -> None:
         previous = self.items[-1].id if self.items else None
@@ -206,18 +267,28 @@ class RealtimeSession:
         await self.send(server_event("conversation.item.done", previous_item_id=previous, item=item.describe()))
 
     # -- building requests -----------------------------------------------------------------------
-    def _chat_body(self, config: SessionConfig) -> dict[str, Any]:
+    def _chat_body(self, config: SessionConfig) -> tuple[dict[str, Any], list[tuple[torch.Tensor, int]]]:
+        """The conversation as a chat completion's body and its audio (the ``input_audio`` parts' clips)."""
         messages: list[dict[str, Any]] = [{"role": "system", "content": config.instructions}] if config.instructions else []
-        messages += [{"role": it.role, "content": it.text} for it in self.items]
+        audio = []
+        for it in self.items:
+            if it.clips:
+                parts = [{"type": "input_audio"} for _ in it.clips] + ([{"type": "text", "text": it.text}]
+                                                                       if it.text else [])
+                messages.append({"role": it.role, "content": parts})
+                audio += [(c, INPUT_RATE) for c in it.clips]
+            else:
+                messages.append({"role": it.role, "content": it.text})
         body: dict[str, Any] = {"messages": messages, "max_tokens": config.max_output_tokens,
                                 "temperature": config.temperature}
         if "audio" in config.output_modalities:
             body["modalities"], body["audio"] = ["text", "audio"], {"voice": config.voice}
-        return body
+        return body, audio
 
     def _request(self, config: SessionConfig) -> tuple[str, ApiRequest]:
         if CHAT in self.adapter.routes:
-            return CHAT, adapt(self.adapter.chat_request, self._chat_body(config), [], [])
+            body, audio = self._chat_body(config)
+            return CHAT, adapt(self.adapter.chat_request, body, [], audio)
         text = next((it.text for it in reversed(self.items) if it.role == "user" and it.text), None)
         if text is None:
             raise EventError(f"model {self.serving.model_name!r} speaks text: add a user text item first",
@@ -250,7 +321,8 @@ class RealtimeSession:
                                  param="response.conversation")
             config = update_session(config, {k: v for k, v in overrides.items() if k not in ("conversation", "metadata")},
                                     self.audio_out)
-        response = _Response(new_id("resp"), config, Item(new_id("item"), "assistant"))
+        response = _Response(new_id("resp"), config,
+                             Item(new_id("item"), "assistant", spoken="audio" in config.output_modalities))
         self._response = response
         response.task = asyncio.create_task(self._respond(response))
 
