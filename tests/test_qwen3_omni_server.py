@@ -380,8 +380,9 @@ def test_realtime_spoken_turns_answer_as_the_chat_completion(client):
                    {"role": "user", "content": "and now?"}])
     with client.realtime.connect(model=MODEL) as conn:
         assert conn.recv().session.output_modalities == ["audio"]  # the model speaks by default
-        conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "temperature": 0.0})
-        conn.recv()
+        conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "temperature": 0.0,
+                                     "audio": {"input": {"turn_detection": None}}})  # the client commits
+        assert conn.recv().session.audio.input.turn_detection is None
         for chunk in pcm.split(480):  # 20 ms at 24 kHz
             conn.input_audio_buffer.append(audio=base64.b64encode(chunk.numpy().tobytes()).decode())
         conn.input_audio_buffer.commit()
@@ -404,3 +405,92 @@ def test_realtime_spoken_turns_answer_as_the_chat_completion(client):
         conn.input_audio_buffer.commit()  # nothing buffered
         err = conn.recv()
         assert err.type == "error" and err.error.code == "input_audio_buffer_commit_empty"
+
+
+def _spoken(text: str) -> torch.Tensor:
+    """``text`` spoken by espeak-ng (Debian's ``espeak-ng``; the test skips without it), int16 at 24 kHz."""
+    import shutil
+    import subprocess
+    import tempfile
+    import wave
+
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng; `make test` does it where apt is)")
+    with tempfile.NamedTemporaryFile(suffix=".wav") as f:
+        subprocess.run(["espeak-ng", "-w", f.name, text], check=True)
+        with wave.open(f.name) as w:
+            rate = w.getframerate()
+            pcm = torch.frombuffer(bytearray(w.readframes(w.getnframes())), dtype=torch.int16)
+    n = round(pcm.numel() * 24000 / rate)
+    resampled = torch.nn.functional.interpolate(pcm.float()[None, None], size=n, mode="linear", align_corners=False)
+    return resampled[0, 0].round().clamp(-32768, 32767).to(torch.int16)
+
+
+def test_realtime_server_vad_finds_the_turn_answers_it_and_barge_in_cancels(server, client):
+    """Server VAD (Silero) over speech streamed in 20 ms appends: speech_started / stopped at the speech,
+    the turn committed and answered with the chat completion's answer for that audio; speech during a
+    response cancels it (barge-in) and is answered in turn."""
+    import base64
+    import io
+    import wave
+
+    speech, silence = _spoken("Hello, how are you today? I would like to know the weather."), torch.zeros(12000,
+                                                                                                         dtype=torch.int16)
+    audio = torch.cat([silence, speech, silence, silence])
+
+    def send(conn, pcm):
+        for chunk in pcm.split(480):
+            conn.input_audio_buffer.append(audio=base64.b64encode(chunk.numpy().tobytes()).decode())
+
+    def until_done(conn):
+        events = []
+        for event in conn:
+            events.append(event)
+            if event.type == "response.done":
+                return events
+        raise AssertionError("no response.done")
+
+    with client.realtime.connect(model=MODEL) as conn:
+        assert conn.recv().session.audio.input.turn_detection.type == "server_vad"  # the default
+        conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "temperature": 0.0,
+                                     "max_output_tokens": 4})
+        conn.recv()
+        send(conn, audio)
+        events = until_done(conn)
+        kinds = [e.type for e in events]
+        for kind in ("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                     "input_audio_buffer.committed", "response.created"):
+            assert kind in kinds, kinds
+        started = next(e for e in events if e.type == "input_audio_buffer.speech_started")
+        stopped = next(e for e in events if e.type == "input_audio_buffer.speech_stopped")
+        speech_ms = 1000 * speech.numel() // 24000
+        assert 0 <= started.audio_start_ms <= 500 < stopped.audio_end_ms  # the speech starts at 500 ms
+        assert 500 + speech_ms - 1000 <= stopped.audio_end_ms <= 500 + speech_ms + 1000
+        answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        turn = audio[started.audio_start_ms * 24:stopped.audio_end_ms * 24]
+        wav = io.BytesIO()
+        with wave.open(wav, "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(24000)
+            w.writeframes(turn.numpy().tobytes())
+        part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(),
+                                                       "format": "wav"}}
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [part]}],
+                                           max_tokens=4, temperature=0.0)
+        assert answer == r.choices[0].message.content
+        # barge-in: speech while a long response streams cancels it; the new turn is answered
+        conn.response.create(response={"max_output_tokens": 2000})
+        for event in conn:
+            if event.type == "response.output_text.delta":
+                break
+        send(conn, audio)
+        first = until_done(conn)
+        assert first[-1].response.status == "cancelled"
+        assert any(e.type == "input_audio_buffer.speech_started" for e in first)
+        second = until_done(conn)
+        assert second[-1].response.status in ("completed", "incomplete")
+    from tests.helpers import kv_blocks_in_use
+    from tests.test_server import wait_for
+
+    wait_for(lambda: kv_blocks_in_use(server[1].runtime) == 0)  # the cancelled response's blocks too

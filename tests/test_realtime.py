@@ -183,3 +183,21 @@ def test_a_client_that_leaves_mid_response_leaves_nothing_running(server):
     # the socket closed mid-answer: the session cancels the response, which aborts its request
     wait_for(lambda: serving.runtime.stats()["running_requests"] == 0 and kv_blocks_in_use(serving.runtime) == 0)
     assert serving.in_flight == 0 and aborted._value.get() == before + 1  # aborted, not run to its end
+
+
+def test_an_oversize_event_closes_the_session_with_a_reason(server):
+    from mstar.server.app import create_app
+    from mstar.server.limits import ServerLimits
+    from tests.server_utils import running_app
+
+    with running_app(create_app(server[1], limits=ServerLimits(max_body_bytes=4096))) as url:
+        ws_url = url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}"
+        with websockets.sync.client.connect(ws_url) as ws:
+            assert json.loads(ws.recv())["type"] == "session.created"
+            ws.send(json.dumps({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x" * 5000}]}}))
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                ws.recv()
+            assert closed.value.rcvd.code == 1009 and "4096" in closed.value.rcvd.reason
+        with websockets.sync.client.connect(ws_url) as ws:  # the next session is served
+            assert json.loads(ws.recv())["type"] == "session.created"

@@ -10,8 +10,10 @@ frees its KV blocks. The assistant's reply, whatever part of it was made, joins 
 A model that takes audio (``ApiAdapter.accepts_audio``) also takes spoken turns: pcm16 appended to
 the input audio buffer, committed by the client (``turn_detection`` null), or ``input_audio`` parts
 of a user item. A turn's audio reaches the model as the chat route's ``input_audio`` parts do, so
-the same audio sent as a chat completion gets the same answer. Server voice activity detection is
-not served yet: ``turn_detection: server_vad`` is answered with an ``error`` event that says so.
+the same audio sent as a chat completion gets the same answer. With ``turn_detection: server_vad``
+(the default where the ``silero-vad`` package is installed, as in OpenAI's API) the server finds
+the turns itself (``vad.VadStream``): speech starting marks a turn (and cancels a response under
+way: barge-in), silence after it commits the turn and, with ``create_response``, answers it.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ from mstar.server.realtime.events import (
     INPUT_RATE,
     EventError,
     SessionConfig,
+    VadConfig,
     error_event,
     new_id,
     parse_event,
     server_event,
     update_session,
 )
+from mstar.server.realtime.vad import VadKind, VadStream, vad_available
 from mstar.server.routes.common import adapt, start
 from mstar.server.serving import Serving
 
@@ -92,11 +96,15 @@ class RealtimeSession:
         self.id = new_id("sess")
         self.audio_in = self.adapter.accepts_audio
         self.audio_out = self._speaks()
+        vad = VadConfig() if self.audio_in and vad_available() else None
         self.config = SessionConfig(output_modalities=("audio",) if self.audio_out else ("text",),
-                                    voice=self.adapter.default_voice)
+                                    voice=self.adapter.default_voice, turn_detection=vad)
         self.items: list[Item] = []
         self._buffer: list[torch.Tensor] = []  # the input audio buffer: int16 at 24 kHz since the last commit / clear
         self._buffered = 0
+        self._turn_start = 0  # where the buffer's turn starts (server VAD: the speech less its padding)
+        self._vad: VadStream | None = None
+        self._pending_item: str | None = None  # the id the buffer's turn gets (speech events name it first)
         self._response: _Response | None = None
         self._send_lock = asyncio.Lock()
         self.closed = False
@@ -167,11 +175,11 @@ class RealtimeSession:
                 self._update(event.get("session"))
                 await self.send(server_event("session.updated", session=self._describe()))
             elif kind == "input_audio_buffer.append":
-                self._append(event.get("audio"))
+                await self._append(event.get("audio"))
             elif kind == "input_audio_buffer.commit":
-                await self._commit()
+                await self._commit(None)
             elif kind == "input_audio_buffer.clear":
-                self._buffer, self._buffered = [], 0
+                self._clear()
                 await self.send(server_event("input_audio_buffer.cleared"))
             elif kind == "conversation.item.create":
                 await self._add_item(self._client_item(event.get("item")))
@@ -185,16 +193,21 @@ class RealtimeSession:
 
     def _update(self, session: Any) -> None:
         config = update_session(self.config, session, self.audio_out)
-        if config.turn_detection is not None:
-            raise EventError("turn_detection server_vad is not served yet: leave it null and commit each spoken "
-                             "turn (input_audio_buffer.commit)", code="unsupported", param="session.turn_detection")
+        if config.turn_detection is not None and not self.audio_in:
+            raise EventError(f"model {self.serving.model_name!r} takes no audio input: turn_detection must be null",
+                             code="unsupported", param="session.turn_detection")
+        if config.turn_detection is not None and not vad_available():
+            raise EventError("server_vad needs the silero-vad package on the server; leave turn_detection null "
+                             "and commit each turn", code="unsupported", param="session.turn_detection")
+        if config.turn_detection != self.config.turn_detection:
+            self._vad = None  # made with the new settings at the next append
         self.config = config
 
     def _describe(self) -> dict[str, Any]:
         return self.config.describe(self.serving.model_name, self.id)
 
     # -- the input audio buffer ------------------------------------------------------------------
-    def _append(self, audio: Any) -> None:
+    async def _append(self, audio: Any) -> None:
         if not self.audio_in:
             raise EventError(f"model {self.serving.model_name!r} takes no audio input; send text items",
                              code="unsupported", param="audio")
@@ -205,7 +218,40 @@ class RealtimeSession:
                              code="input_audio_buffer_full", param="audio")
         self._buffer.append(pcm)
         self._buffered += pcm.numel()
+        if self.config.turn_detection is not None:
+            await self._detect(pcm)
 
+    async def _detect(self, pcm: torch.Tensor) -> None:
+        """Feed the VAD (off the event loop); act on its events: a start marks the turn (and cancels
+        a response under way), a stop commits the turn (and may answer it)."""
+        vad = self.config.turn_detection
+        if self._vad is None:
+            self._vad = await asyncio.to_thread(VadStream, vad)
+            if self._buffered > pcm.numel():  # audio appended before server_vad was switched on
+                await asyncio.to_thread(self._vad.feed, torch.cat(self._buffer[:-1]))
+        for event in await asyncio.to_thread(self._vad.feed, pcm):
+            if event.kind is VadKind.STARTED:
+                self._turn_start = event.at_ms * INPUT_RATE // 1000
+                await self.send(server_event("input_audio_buffer.speech_started", audio_start_ms=event.at_ms,
+                                             item_id=self._next_item_id()))
+                if vad.interrupt_response and self._response is not None:  # barge-in
+                    await self._cancel_response(None)
+            else:
+                await self.send(server_event("input_audio_buffer.speech_stopped", audio_end_ms=event.at_ms,
+                                             item_id=self._next_item_id()))
+                await self._commit(event.at_ms * INPUT_RATE // 1000)
+                if vad.create_response and self._response is None:
+                    await self._create_response(None)
+
+    def _next_item_id(self) -> str:
+        if self._pending_item is None:
+            self._pending_item = new_id("item")
+        return self._pending_item
+
+    def _clear(self) -> None:
+        self._buffer, self._buffered, self._turn_start = [], 0, 0
+        if self._vad is not None:
+            self._vad.reset()
     def _pcm(self, audio: Any, param: str) -> torch.Tensor:
         if not isinstance(audio, str):
             raise EventError(f"'{param}' must be base64-encoded pcm16 (24 kHz mono, little-endian)", param=param)
@@ -217,14 +263,17 @@ class RealtimeSession:
             raise EventError(f"'{param}' must hold whole pcm16 samples (an even number of bytes)", param=param)
         return torch.frombuffer(bytearray(raw), dtype=torch.int16) if raw else torch.zeros(0, dtype=torch.int16)
 
-    async def _commit(self) -> None:
+    async def _commit(self, end: int | None) -> None:
+        """The buffer's turn (from its start to ``end``, the VAD's; None: all) becomes a user item."""
         if not self.audio_in:
             raise EventError(f"model {self.serving.model_name!r} takes no audio input", code="unsupported")
-        if self._buffered < MIN_TURN_SAMPLES:
+        turn = torch.cat(self._buffer)[self._turn_start:end] if self._buffer else torch.zeros(0, dtype=torch.int16)
+        if turn.numel() < MIN_TURN_SAMPLES:
             raise EventError("the input audio buffer holds less than 100 ms of audio",
                              code="input_audio_buffer_commit_empty")
-        item = Item(new_id("item"), "user", clips=(torch.cat(self._buffer),))
-        self._buffer, self._buffered = [], 0
+        item = Item(self._next_item_id(), "user", clips=(turn.clone(),))
+        self._pending_item = None
+        self._clear()
         previous = self.items[-1].id if self.items else None
         await self.send(server_event("input_audio_buffer.committed", item_id=item.id, previous_item_id=previous))
         await self._add_item(item)
