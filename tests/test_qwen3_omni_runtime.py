@@ -535,3 +535,45 @@ def test_thinker_and_talker_reuse_shared_prompt_prefixes(omni):
         assert t2 == text and torch.equal(c2, codes) and torch.equal(w2, wav)
     assert outputs[1][-4][0] != outputs[1][-5][0] or not torch.equal(outputs[1][-4][1], outputs[1][-5][1])
     assert not torch.equal(outputs[1][-1][1], outputs[1][-2][1])  # the voice changes the codes
+
+
+def test_a_voice_chat_reuses_its_earlier_audio_turns(omni):
+    """A text answer's prompt that starts with an earlier prompt holding a spoken turn reuses the
+    Thinker's KV blocks through the audio placeholders (keyed by the clip's embeddings); a spoken
+    answer stops at the first placeholder (its Talker needs the hidden states there); another clip at
+    the same placeholders shares nothing past them. Outputs equal those without prefix caching."""
+    import dataclasses
+    from pathlib import Path
+
+    from mstar.models.qwen3_omni.encoders import audio_input
+    from mstar.placement import Placement
+
+    base = Placement.load(Path(__file__).parents[1] / "examples" / "placements" / "qwen3_omni_single.yaml")
+    placement = dataclasses.replace(base, limits=dataclasses.replace(base.limits, kv_block_size=4))
+    t = torch.arange(20800) / 16000
+    clips = [audio_input((0.3 * torch.sin(2 * torch.pi * f * t)).float(), 16000) for f in (440, 660)]
+    first = chat(AUDIO_START, *[AUDIO] * clips[0].num_tokens, AUDIO_END, 9707, 11)
+    later = torch.cat([first, torch.tensor([9707, IM_END, NL, IM_START, USER, NL, 40, 1079, IM_END, NL,
+                                            IM_START, ASSISTANT, NL])])  # its answer, then a text turn
+    audio_rows = (first == AUDIO).nonzero().reshape(-1)
+    work = [({"input_ids": first, "audio_features": [clips[0].features]}, {"max_tokens": 4}),
+            ({"input_ids": later, "audio_features": [clips[0].features]}, {"max_tokens": 4}),
+            ({"input_ids": later, "audio_features": [clips[1].features]}, {"max_tokens": 4}),
+            ({"input_ids": later, "audio_features": [clips[0].features]}, audio_params(4, 6))]
+    outputs, hits = [], []
+    for caching in (False, True):
+        with Runtime(Qwen3Omni(omni[1]), placement, prefix_caching=caching) as rt:
+            per = []
+            for inputs, params in work:
+                before = _prefix_hits(rt, "Thinker")
+                outputs.append(ours(rt.generate(inputs, params)[0]))
+                per.append(_prefix_hits(rt, "Thinker") - before)
+            hits.append(per)
+            assert kv_blocks_in_use(rt) == 0
+    assert hits[0] == [0, 0, 0, 0]
+    block = 4
+    assert hits[1][1] == first.numel() // block * block > int(audio_rows[-1])  # through the spoken turn
+    assert hits[1][2] <= int(audio_rows[0])  # another clip: only the blocks before its placeholders
+    assert hits[1][3] <= int(audio_rows[0])  # a spoken answer: nothing from the first placeholder on
+    for cached, uncached in zip(outputs[len(work):], outputs[:len(work)]):
+        assert cached[0] == uncached[0] and torch.equal(cached[1], uncached[1]) and torch.equal(cached[2], uncached[2])

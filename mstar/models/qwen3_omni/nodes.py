@@ -16,6 +16,7 @@ Per-request sampling comes from the request's params (``model.py``): ``sampling`
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -124,16 +125,31 @@ class ThinkerNode(NodeSubmodule):
         if ids.numel() == 0:
             raise ValueError("the Thinker got no tokens")
         return NodeInputs(tensor_inputs={"ids": ids}, num_tokens=ids.numel(), args=args,
-                          prefix_ids=self._reusable(ids) if args.step == 0 else None, token_inputs=("ids",))
+                          prefix_ids=self._reusable(ids, args.media, stream) if args.step == 0 else None,
+                          token_inputs=("ids",))
 
-    def _reusable(self, ids: torch.Tensor) -> torch.Tensor:
-        """The prompt's tokens before its first audio / image / video placeholder: their KV depends on
-        the ids alone (sequential positions), so a later prompt that starts the same (the system
-        prompt) may reuse their cached blocks; a placeholder's KV depends on its media, so nothing
-        from the first one on is shared."""
+    def _reusable(self, ids: torch.Tensor, media: list[tuple[torch.Tensor, torch.Tensor]],
+                  stream: bool) -> torch.Tensor:
+        """The prefix cache's keys of the prompt's leading tokens whose KV a later prompt may reuse
+        (a multi-turn voice chat: its earlier turns). Up to the first image or video placeholder: an
+        image's KV depends on its grid's positions and deepstack features. An audio placeholder's KV
+        depends only on its embedding and its (sequential) position, so it is keyed by the embedding
+        (``audio_keys``) -- for a text answer only: a spoken answer's Talker reads the Thinker's
+        hidden state at every audio placeholder, which a cached position does not compute, so it
+        stops at the first one."""
         t = self.tokens
-        media = ((ids == t.audio) | (ids == t.image) | (ids == t.video)).nonzero()
-        return ids[:int(media[0])] if media.numel() else ids
+        visual = ((ids == t.image) | (ids == t.video)).nonzero()
+        end = int(visual[0]) if visual.numel() else ids.numel()
+        audio = next(((rows, values) for rows, values in media if rows.numel() and int(ids[rows[0]]) == t.audio), None)
+        if audio is None:
+            return ids[:end]
+        rows, values = audio
+        if stream:
+            return ids[:min(end, int(rows[0]))]
+        keys = ids[:end].clone()
+        inside = rows < end
+        keys[rows[inside]] = torch.tensor(audio_keys(values[inside]), dtype=torch.long)
+        return keys
 
     def _prefill_layout(self, ids: torch.Tensor, inputs: Mapping[str, list]) -> tuple:
         """A prefill's media (placeholder rows, embeddings), deepstack, M-RoPE positions and delta."""
@@ -192,7 +208,10 @@ class ThinkerNode(NodeSubmodule):
     def _embed(self, ids: torch.Tensor, ei: EngineInputs) -> torch.Tensor:
         embeds = self.lm.embed(ids)
         for start, skip, req in zip(_starts(ei), self._cached(ei), ei.args):
-            for rows, values in req.media:  # placeholders are never cached (``_reusable``)
+            for rows, values in req.media:
+                if skip:  # placeholders before ``skip`` came cached (audio ones, keyed by ``_reusable``)
+                    computed = rows >= skip
+                    rows, values = rows[computed], values[computed]
                 embeds = embeds.index_copy(0, rows.to(embeds.device) + start - skip, values.to(embeds))
         return embeds
 
@@ -264,6 +283,18 @@ class ThinkerNode(NodeSubmodule):
             out[at + c:at + c + n] = computed[row:row + n]
             at, head, row = at + c + n, head + c, row + n
         return list(out.split([c + n for c, n in zip(cached, ei.num_tokens)]))
+
+
+_AUDIO_KEY_BASE = 1 << 56  # above every vocabulary: a key never equals a token id
+
+
+def audio_keys(values: torch.Tensor) -> list[int]:
+    """A prefix-cache key per audio placeholder row: a digest of its embedding's bytes (the same clip
+    gives the same embeddings, so the same keys in any process), above every token id."""
+    raw = values.detach().cpu().contiguous()
+    raw = raw.view(torch.uint8).reshape(raw.shape[0], -1).numpy()
+    return [_AUDIO_KEY_BASE + int.from_bytes(hashlib.blake2b(row.tobytes(), digest_size=7).digest(), "little")
+            for row in raw]
 
 
 def _starts(ei: EngineInputs) -> list[int]:
