@@ -468,15 +468,17 @@ def test_realtime_server_vad_finds_the_turn_answers_it_and_barge_in_cancels(serv
         assert 500 + speech_ms - 1000 <= stopped.audio_end_ms <= 500 + speech_ms + 1000
         answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
         turn = audio[started.audio_start_ms * 24:stopped.audio_end_ms * 24]
-        wav = io.BytesIO()
-        with wave.open(wav, "wb") as w:
-            w.setnchannels(1)
-            w.setsampwidth(2)
-            w.setframerate(24000)
-            w.writeframes(turn.numpy().tobytes())
-        part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(),
-                                                       "format": "wav"}}
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [part]}],
+        parts = []
+        for clip in turn.split(48000):  # the turn reaches the model as clips of 2 s (input_audio_segment_ms)
+            wav = io.BytesIO()
+            with wave.open(wav, "wb") as w:
+                w.setnchannels(1)
+                w.setsampwidth(2)
+                w.setframerate(24000)
+                w.writeframes(clip.numpy().tobytes())
+            parts.append({"type": "input_audio", "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(),
+                                                                 "format": "wav"}})
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}],
                                            max_tokens=4, temperature=0.0)
         assert answer == r.choices[0].message.content
         # barge-in: speech while a long response streams cancels it; the new turn is answered
@@ -494,3 +496,52 @@ def test_realtime_server_vad_finds_the_turn_answers_it_and_barge_in_cancels(serv
     from tests.test_server import wait_for
 
     wait_for(lambda: kv_blocks_in_use(server[1].runtime) == 0)  # the cancelled response's blocks too
+
+
+def test_realtime_prefills_a_spoken_turn_while_it_is_spoken(server, client):
+    """Each completed clip of a turn (``input_audio_segment_ms``) is prefilled before the commit; the
+    response then reuses those blocks (prefix-cache hits through the clips' placeholders), and its
+    answer equals the chat completion's for the same clips sent as ``input_audio`` parts."""
+    import base64
+    import io
+    import wave
+
+    runtime = server[1].runtime
+
+    def thinker_hits():
+        return sum(r["kv"]["Thinker"]["prefix_hit_tokens"] for r in runtime.stats()["ranks"] if "Thinker" in r["kv"])
+
+    def wav_part(pcm):
+        f = io.BytesIO()
+        with wave.open(f, "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(24000)
+            w.writeframes(pcm.numpy().tobytes())
+        return {"type": "input_audio", "input_audio": {"data": base64.b64encode(f.getvalue()).decode(), "format": "wav"}}
+
+    pcm = _tone(1.3, 24000)  # clips of 0.5 s: two complete ones, then 0.3 s
+    with client.realtime.connect(model=MODEL) as conn:
+        conn.recv()
+        conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "temperature": 0.0,
+                                     "max_output_tokens": 4, "input_audio_segment_ms": 500,
+                                     "audio": {"input": {"turn_detection": None}}})
+        assert conn.recv().session.model_dump()["input_audio_segment_ms"] == 500
+        for chunk in pcm.split(480):
+            conn.input_audio_buffer.append(audio=base64.b64encode(chunk.numpy().tobytes()).decode())
+        before = thinker_hits()
+        conn.input_audio_buffer.commit()
+        conn.response.create()
+        events = []
+        for event in conn:
+            events.append(event)
+            if event.type == "response.done":
+                break
+        hits = thinker_hits() - before
+    answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    # the two complete clips' placeholders (7 rows each for 0.5 s) came from the prefills' blocks
+    assert hits >= 2 * 7, hits
+    clips = [pcm[:12000], pcm[12000:24000], pcm[24000:]]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [wav_part(c) for c in clips]}],
+                                       max_tokens=4, temperature=0.0)
+    assert answer == r.choices[0].message.content

@@ -16,7 +16,10 @@ __all__ = ["AudioEncoderNode", "VisionEncoderNode"]
 
 class AudioEncoderNode(NodeSubmodule):
     """``audio_features`` (the request's clips, ``[128, T_i]`` each) -> ``audio_embeds`` ``[sum n_i, H]``:
-    every clip of the batch in one call of the wrapped transformers audio tower."""
+    one call of the wrapped transformers audio tower per clip. Its output depends on how many clips
+    one call holds (in the last bits), and a clip's embeddings must not depend on its batch: they
+    are the prefix cache's keys of its placeholders (``nodes.audio_keys``), and outputs are batch
+    invariant."""
 
     def __init__(self, tower: Any) -> None:
         super().__init__()
@@ -28,8 +31,7 @@ class AudioEncoderNode(NodeSubmodule):
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
         clips: list[list[torch.Tensor]] = engine_inputs.args
-        out = iter(self.tower([c for per_request in clips for c in per_request]))
-        return {"audio_embeds": [torch.cat([next(out) for _ in per_request]) for per_request in clips]}
+        return {"audio_embeds": [torch.cat([self.tower([c])[0] for c in per_request]) for per_request in clips]}
 
 
 class VisionEncoderNode(NodeSubmodule):

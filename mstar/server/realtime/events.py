@@ -100,6 +100,7 @@ class SessionConfig:
     turn_detection: VadConfig | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
+    segment_ms: int = 2000  # a spoken turn reaches the model as clips of this length (each prefilled as it ends)
 
     def describe(self, model: str, session_id: str) -> dict[str, Any]:
         """The ``session`` object of ``session.created`` / ``session.updated`` (GA shape)."""
@@ -107,14 +108,14 @@ class SessionConfig:
                                                          **dataclasses.asdict(self.turn_detection)}
         return {"type": "realtime", "object": "realtime.session", "id": session_id, "model": model,
                 "instructions": self.instructions or "", "output_modalities": list(self.output_modalities),
-                "max_output_tokens": self.max_output_tokens or "inf",
+                "max_output_tokens": self.max_output_tokens or "inf", "input_audio_segment_ms": self.segment_ms,
                 "audio": {"input": {"format": {"type": "audio/pcm", "rate": INPUT_RATE}, "turn_detection": vad},
                           "output": {"format": {"type": "audio/pcm", "rate": INPUT_RATE}, "voice": self.voice}}}
 
 
 _SESSION_FIELDS = frozenset({"type", "model", "instructions", "output_modalities", "modalities", "audio", "voice",
                              "input_audio_format", "output_audio_format", "turn_detection", "max_output_tokens",
-                             "max_response_output_tokens", "temperature", "tool_choice", "tools", "tracing", "include", "input_audio_transcription"})
+                             "max_response_output_tokens", "temperature", "input_audio_segment_ms", "tool_choice", "tools", "tracing", "include", "input_audio_transcription"})
 _ACCEPTED_EMPTY = ("tool_choice", "tools", "tracing", "include", "input_audio_transcription")
 
 
@@ -151,6 +152,9 @@ def update_session(config: SessionConfig, session: Any, audio_out: bool) -> Sess
             out = dataclasses.replace(out, max_output_tokens=_max_tokens(session[name], f"session.{name}"))
     if "temperature" in session:
         out = dataclasses.replace(out, temperature=_number(session["temperature"], "session.temperature", 0.0, 2.0))
+    if "input_audio_segment_ms" in session:  # this server's own field: the clips a spoken turn is sent as
+        out = dataclasses.replace(out, segment_ms=int(_number(session["input_audio_segment_ms"],
+                                                              "session.input_audio_segment_ms", 200, 30_000)))
     return out
 
 

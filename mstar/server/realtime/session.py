@@ -14,6 +14,13 @@ the same audio sent as a chat completion gets the same answer. With ``turn_detec
 (the default where the ``silero-vad`` package is installed, as in OpenAI's API) the server finds
 the turns itself (``vad.VadStream``): speech starting marks a turn (and cancels a response under
 way: barge-in), silence after it commits the turn and, with ``create_response``, answers it.
+
+A spoken turn reaches the model as consecutive clips of ``segment_ms`` (the last one shorter), as
+``input_audio`` parts. For a text answer each clip is prefilled while the user is still talking:
+once a clip is complete, a one-token request over the conversation up to that clip computes its KV,
+which the prefix cache keeps (a model whose cache reaches through audio, Qwen3-Omni's Thinker), so
+at the turn's end the response prefills only the rest. The same clips sent as a chat completion's
+``input_audio`` parts get the same prompt, so the same greedy answer.
 """
 
 from __future__ import annotations
@@ -105,6 +112,9 @@ class RealtimeSession:
         self._turn_start = 0  # where the buffer's turn starts (server VAD: the speech less its padding)
         self._vad: VadStream | None = None
         self._pending_item: str | None = None  # the id the buffer's turn gets (speech events name it first)
+        self._speaking = False  # server VAD: a turn is under way (manual commits: whenever audio is buffered)
+        self._prefilled = 0  # clips of the buffer's turn already prefilled (or being prefilled)
+        self._prefills: list[asyncio.Task] = []  # under way
         self._response: _Response | None = None
         self._send_lock = asyncio.Lock()
         self.closed = False
@@ -161,11 +171,11 @@ class RealtimeSession:
                 self.closed = True  # the client left; the receive loop ends the session
 
     async def _cancel_running(self) -> None:
-        task = self._response.task if self._response else None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        for task in (self._response.task if self._response else None, *self._prefills):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
     # -- events ----------------------------------------------------------------------------------
     async def _handle(self, event: dict[str, Any]) -> None:
@@ -220,6 +230,7 @@ class RealtimeSession:
         self._buffered += pcm.numel()
         if self.config.turn_detection is not None:
             await self._detect(pcm)
+        self._maybe_prefill()
 
     async def _detect(self, pcm: torch.Tensor) -> None:
         """Feed the VAD (off the event loop); act on its events: a start marks the turn (and cancels
@@ -231,7 +242,7 @@ class RealtimeSession:
                 await asyncio.to_thread(self._vad.feed, torch.cat(self._buffer[:-1]))
         for event in await asyncio.to_thread(self._vad.feed, pcm):
             if event.kind is VadKind.STARTED:
-                self._turn_start = event.at_ms * INPUT_RATE // 1000
+                self._turn_start, self._prefilled, self._speaking = event.at_ms * INPUT_RATE // 1000, 0, True
                 await self.send(server_event("input_audio_buffer.speech_started", audio_start_ms=event.at_ms,
                                              item_id=self._next_item_id()))
                 if vad.interrupt_response and self._response is not None:  # barge-in
@@ -249,9 +260,53 @@ class RealtimeSession:
         return self._pending_item
 
     def _clear(self) -> None:
-        self._buffer, self._buffered, self._turn_start = [], 0, 0
+        self._buffer, self._buffered, self._turn_start, self._prefilled, self._speaking = [], 0, 0, 0, False
         if self._vad is not None:
             self._vad.reset()
+
+    def _turn_clips(self, end: int | None, whole: bool) -> list[torch.Tensor]:
+        """The turn's audio (from its start to ``end``) as clips of ``segment_ms``; ``whole``: with the
+        last, shorter clip (merged into the one before when under 100 ms), else complete clips only."""
+        audio = torch.cat(self._buffer)[self._turn_start:end] if self._buffer else torch.zeros(0, dtype=torch.int16)
+        step = self.config.segment_ms * INPUT_RATE // 1000
+        full = audio.numel() // step
+        clips = [audio[i * step:(i + 1) * step] for i in range(full)]
+        rest = audio[full * step:]
+        if whole and rest.numel():
+            if rest.numel() < MIN_TURN_SAMPLES and clips:
+                clips[-1] = torch.cat([clips[-1], rest])
+            else:
+                clips.append(rest)
+        return clips
+
+    # -- prefill while the user speaks -----------------------------------------------------------
+    def _maybe_prefill(self) -> None:
+        """Send the turn's newly completed clips to be prefilled (text answers only: a spoken answer's
+        Talker needs states a cached prefix does not compute): one request per completed clip, each
+        over the conversation up to its clip."""
+        under_way = self._speaking if self.config.turn_detection is not None else self._buffered > 0
+        if not under_way or "audio" in self.config.output_modalities or CHAT not in self.adapter.routes:
+            return
+        clips = self._turn_clips(self._buffered, whole=False)
+        if len(clips) <= self._prefilled:
+            return
+        self._prefilled = len(clips)
+        turn = Item("pending", "user", clips=tuple(clips))
+        body, audio = self._chat_body(self.config, [*self.items, turn])
+        body["max_tokens"] = 1  # the prompt's KV is what is wanted
+        try:
+            request = self.adapter.chat_request(body, [], audio)
+        except (ValueError, TypeError, KeyError):
+            return  # the turn's response will say what is wrong with it
+        self._prefills = [t for t in self._prefills if not t.done()]
+        self._prefills.append(asyncio.create_task(self._prefill(request)))
+
+    async def _prefill(self, request: ApiRequest) -> None:
+        try:
+            async for _ in self.serving.stream(CHAT, request.inputs, request.params):
+                pass
+        except APIError:  # the server at capacity, say: the response prefills it all instead
+            pass
     def _pcm(self, audio: Any, param: str) -> torch.Tensor:
         if not isinstance(audio, str):
             raise EventError(f"'{param}' must be base64-encoded pcm16 (24 kHz mono, little-endian)", param=param)
@@ -267,11 +322,11 @@ class RealtimeSession:
         """The buffer's turn (from its start to ``end``, the VAD's; None: all) becomes a user item."""
         if not self.audio_in:
             raise EventError(f"model {self.serving.model_name!r} takes no audio input", code="unsupported")
-        turn = torch.cat(self._buffer)[self._turn_start:end] if self._buffer else torch.zeros(0, dtype=torch.int16)
-        if turn.numel() < MIN_TURN_SAMPLES:
+        clips = self._turn_clips(end, whole=True)
+        if sum(c.numel() for c in clips) < MIN_TURN_SAMPLES:
             raise EventError("the input audio buffer holds less than 100 ms of audio",
                              code="input_audio_buffer_commit_empty")
-        item = Item(self._next_item_id(), "user", clips=(turn.clone(),))
+        item = Item(self._next_item_id(), "user", clips=tuple(c.clone() for c in clips))
         self._pending_item = None
         self._clear()
         previous = self.items[-1].id if self.items else None
@@ -316,11 +371,11 @@ class RealtimeSession:
         await self.send(server_event("conversation.item.done", previous_item_id=previous, item=item.describe()))
 
     # -- building requests -----------------------------------------------------------------------
-    def _chat_body(self, config: SessionConfig) -> tuple[dict[str, Any], list[tuple[torch.Tensor, int]]]:
-        """The conversation as a chat completion's body and its audio (the ``input_audio`` parts' clips)."""
+    def _chat_body(self, config: SessionConfig, items: list[Item]) -> tuple[dict[str, Any], list[tuple[torch.Tensor, int]]]:
+        """``items`` as a chat completion's body and its audio (the ``input_audio`` parts' clips)."""
         messages: list[dict[str, Any]] = [{"role": "system", "content": config.instructions}] if config.instructions else []
         audio = []
-        for it in self.items:
+        for it in items:
             if it.clips:
                 parts = [{"type": "input_audio"} for _ in it.clips] + ([{"type": "text", "text": it.text}]
                                                                        if it.text else [])
@@ -336,7 +391,7 @@ class RealtimeSession:
 
     def _request(self, config: SessionConfig) -> tuple[str, ApiRequest]:
         if CHAT in self.adapter.routes:
-            body, audio = self._chat_body(config)
+            body, audio = self._chat_body(config, self.items)
             return CHAT, adapt(self.adapter.chat_request, body, [], audio)
         text = next((it.text for it in reversed(self.items) if it.role == "user" and it.text), None)
         if text is None:
@@ -387,6 +442,8 @@ class RealtimeSession:
         status, error = "completed", None
         await self.send(server_event("response.created", response=self._describe_response(r, "in_progress")))
         try:
+            if self._prefills:  # their KV reaches the prefix cache before this prompt looks
+                await asyncio.gather(*self._prefills, return_exceptions=True)
             route, request = self._request(r.config)
             started = await start(self.serving, route, request)
             r.input_tokens = request.prompt_tokens
