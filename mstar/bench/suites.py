@@ -187,6 +187,22 @@ def suite_prefix(repeats: int | None) -> SuiteResult:
                        notes=_fewer(repeats, 3), data=res)
 
 
+def suite_realtime(repeats: int | None) -> SuiteResult:
+    from mstar.bench.realtime_bench import format_table, run_realtime_bench
+    from mstar.bench.stats import percentile
+
+    n = _n(repeats, 1)
+    res = run_realtime_bench(repeats=n, log=_log)
+    one = res.levels[0]
+    ratio = percentile(one.chat_ms, 50) / percentile(one.realtime_ms, 50)
+    return SuiteResult("realtime", f"mstar bench realtime --repeats {n}", tables=[format_table(res)],
+                       goals=[Goal("the warm-up turn answered alike over /v1/realtime and the chat completion: "
+                                   + ("yes" if res.same_answer else "no"), res.same_answer),
+                              Goal(f"1 session: the end of speech -> first delta p50 lower over /v1/realtime "
+                                   f"(prefilled while spoken): chat / realtime {ratio:.2f}", ratio > 1.0)],
+                       data=res)
+
+
 def suite_sampler(repeats: int | None) -> SuiteResult:
     from mstar.bench.sampler_bench import format_table, goal_lines, run_sampler_bench
 
@@ -287,6 +303,8 @@ SUITES: dict[str, Suite] = {
     "policy": Suite("pi0.5 policy over openpi's websocket protocol vs. lerobot", suite_policy),
     "pressure": Suite("KV pressure: 4x oversubscription", suite_pressure),
     "prefix": Suite("Prefix caching: a shared system prompt, on vs. off", suite_prefix),
+    "realtime": Suite("Realtime: end of a spoken turn -> first answer delta, /v1/realtime vs. a chat completion",
+                      suite_realtime),
     "sampler": Suite("Sampler: OpenAI sampling options on every row vs. none", suite_sampler),
     "serve": Suite("Load generator against a running server", suite_serve),
     "soak": Suite("Soak: mixed load, leaks", suite_soak),

@@ -19,7 +19,7 @@ _batches = int_list("--batch")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark", description="Run a benchmark.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve, *ENGINE_BENCHES):
+    for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve, _add_realtime, *ENGINE_BENCHES):
         add(bsub)
 
 
@@ -173,6 +173,36 @@ def _add_serve(bsub) -> None:
     v.add_argument("--out", help="write the results as JSON")
     v.add_argument("--plot", help="write a PNG of throughput and latency against concurrency")
     v.set_defaults(func=run_serve)
+
+
+def _add_realtime(bsub) -> None:
+    r = bsub.add_parser("realtime", help="end of a spoken turn -> first answer delta: /v1/realtime vs. a chat "
+                                         "completion",
+                        description="Sessions streaming a spoken turn in real time over WS /v1/realtime (each "
+                                    "completed clip prefilled while spoken), against the same turn sent as one "
+                                    "streamed chat completion when the audio ends: p50/p95 of the time to the "
+                                    "first answer delta per number of sessions.")
+    r.add_argument("--model", default="qwen3-omni-tiny", help="a served model that takes audio (default "
+                                                               "qwen3-omni-tiny)")
+    r.add_argument("--sessions", type=_batches, default=[1, 4, 16], help="comma-separated levels (default 1,4,16)")
+    r.add_argument("--turn-s", type=float, default=4.0, help="seconds of audio per turn (default 4)")
+    r.add_argument("--segment-ms", type=int, default=1000, help="the session's clips (default 1000)")
+    r.add_argument("--max-tokens", type=int, default=8, help="answer tokens (default 8)")
+    r.add_argument("--repeats", type=int, default=1, help="repeats per level (default 1)")
+    r.set_defaults(func=run_realtime)
+
+
+def run_realtime(args: argparse.Namespace) -> int:
+    import sys
+
+    from mstar.bench.realtime_bench import format_table, run_realtime_bench
+
+    if args.turn_s <= 0 or args.max_tokens < 1 or args.repeats < 1:
+        raise ValueError("--turn-s must be > 0, --max-tokens and --repeats >= 1")
+    res = run_realtime_bench(args.model, tuple(args.sessions), args.turn_s, args.segment_ms, args.max_tokens,
+                             args.repeats, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_table(res))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
