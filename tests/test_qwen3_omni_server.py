@@ -345,22 +345,28 @@ def test_hostile_speech_knobs_are_400s(server, extra, fragment):
     assert fragment in r.json()["error"]["message"]
 
 
-def test_realtime_spoken_turns_answer_as_the_chat_completion(client):
-    """A turn streamed in 20 ms appends and committed gets the chat completion's answer for the same
-    audio (greedy); the next turn sees it; a spoken answer streams audio and its transcript."""
+def _audio_part(pcm: torch.Tensor) -> dict:
+    """A chat message's ``input_audio`` part: ``pcm`` (int16, 24 kHz) as a WAV file."""
     import base64
     import io
     import wave
 
-    pcm = _tone(1.0, 24000)
-    wav = io.BytesIO()
-    with wave.open(wav, "wb") as w:
+    f = io.BytesIO()
+    with wave.open(f, "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(24000)
         w.writeframes(pcm.numpy().tobytes())
-    audio_part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(),
-                                                         "format": "wav"}}
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(f.getvalue()).decode(), "format": "wav"}}
+
+
+def test_realtime_spoken_turns_answer_as_the_chat_completion(client):
+    """A turn streamed in 20 ms appends and committed gets the chat completion's answer for the same
+    audio (greedy); the next turn sees it; a spoken answer streams audio and its transcript."""
+    import base64
+
+    pcm = _tone(1.0, 24000)
+    audio_part = _audio_part(pcm)
 
     def chat(messages):
         r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0.0)
@@ -431,8 +437,6 @@ def test_realtime_server_vad_finds_the_turn_answers_it_and_barge_in_cancels(serv
     the turn committed and answered with the chat completion's answer for that audio; speech during a
     response cancels it (barge-in) and is answered in turn."""
     import base64
-    import io
-    import wave
 
     speech, silence = _spoken("Hello, how are you today? I would like to know the weather."), torch.zeros(12000,
                                                                                                          dtype=torch.int16)
@@ -468,16 +472,7 @@ def test_realtime_server_vad_finds_the_turn_answers_it_and_barge_in_cancels(serv
         assert 500 + speech_ms - 1000 <= stopped.audio_end_ms <= 500 + speech_ms + 1000
         answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
         turn = audio[started.audio_start_ms * 24:stopped.audio_end_ms * 24]
-        parts = []
-        for clip in turn.split(48000):  # the turn reaches the model as clips of 2 s (input_audio_segment_ms)
-            wav = io.BytesIO()
-            with wave.open(wav, "wb") as w:
-                w.setnchannels(1)
-                w.setsampwidth(2)
-                w.setframerate(24000)
-                w.writeframes(clip.numpy().tobytes())
-            parts.append({"type": "input_audio", "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(),
-                                                                 "format": "wav"}})
+        parts = [_audio_part(c) for c in turn.split(48000)]  # clips of 2 s (input_audio_segment_ms)
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}],
                                            max_tokens=4, temperature=0.0)
         assert answer == r.choices[0].message.content
@@ -503,22 +498,11 @@ def test_realtime_prefills_a_spoken_turn_while_it_is_spoken(server, client):
     response then reuses those blocks (prefix-cache hits through the clips' placeholders), and its
     answer equals the chat completion's for the same clips sent as ``input_audio`` parts."""
     import base64
-    import io
-    import wave
 
     runtime = server[1].runtime
 
     def thinker_hits():
         return sum(r["kv"]["Thinker"]["prefix_hit_tokens"] for r in runtime.stats()["ranks"] if "Thinker" in r["kv"])
-
-    def wav_part(pcm):
-        f = io.BytesIO()
-        with wave.open(f, "wb") as w:
-            w.setnchannels(1)
-            w.setsampwidth(2)
-            w.setframerate(24000)
-            w.writeframes(pcm.numpy().tobytes())
-        return {"type": "input_audio", "input_audio": {"data": base64.b64encode(f.getvalue()).decode(), "format": "wav"}}
 
     pcm = _tone(1.3, 24000)  # clips of 0.5 s: two complete ones, then 0.3 s
     with client.realtime.connect(model=MODEL) as conn:
@@ -542,6 +526,6 @@ def test_realtime_prefills_a_spoken_turn_while_it_is_spoken(server, client):
     # the two complete clips' placeholders (7 rows each for 0.5 s) came from the prefills' blocks
     assert hits >= 2 * 7, hits
     clips = [pcm[:12000], pcm[12000:24000], pcm[24000:]]
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [wav_part(c) for c in clips]}],
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [_audio_part(c) for c in clips]}],
                                        max_tokens=4, temperature=0.0)
     assert answer == r.choices[0].message.content
