@@ -402,3 +402,38 @@ def test_loader_reports_mismatches(omni, tmp_path):
         loader.build_talker(Qwen3OmniConfig.from_hf_dict(bigger), path)
     with pytest.raises(FileNotFoundError):
         loader.build_thinker(cfg, tmp_path)
+
+
+def test_the_audio_tower_runs_once_per_clip_and_keeps_its_embeddings():
+    """Each clip is encoded alone (its embeddings do not depend on the batch) and kept: a clip seen
+    again is not encoded again and gets the same embeddings; the store stays within its bytes."""
+    import math
+
+    from mstar.model.submodule import EngineInputs
+    from mstar.models.qwen3_omni.encoders import audio_input
+    from mstar.models.qwen3_omni.model import Qwen3OmniTiny
+
+    model = Qwen3OmniTiny()
+    node = model.build_submodules(["audio_encoder"])["audio_encoder"]
+    t = torch.arange(12000) / 24000
+    clips = [audio_input((0.3 * torch.sin(2 * math.pi * f * t) * 32767).to(torch.int16), 24000, model.audio_window,
+                         model.media.audio).features for f in (300, 500)]
+    calls = []
+    tower = node.tower
+    tower.register_forward_pre_hook(lambda _module, args: calls.append(len(args[0])))
+
+    def run(per_request):
+        ei = EngineInputs(walks=[], nodes=[], request_ids=[], infos=[], splits={}, args=per_request)
+        with torch.inference_mode():
+            return node.forward(None, ei)["audio_embeds"]
+
+    alone = run([[clips[0]]])[0]
+    both = run([[clips[0], clips[1]], [clips[1]]])
+    assert calls == [1, 1]  # clip 0 once, clip 1 once (then from the store, in the same batch too)
+    assert torch.equal(both[0][:alone.shape[0]], alone) and torch.equal(both[1], both[0][alone.shape[0]:])
+    assert node.cache.hits == 2 and len(node.cache) == 2
+    with torch.inference_mode():
+        assert torch.equal(tower([clips[1]])[0], both[1])  # kept as computed
+    node.cache = type(node.cache)(max_bytes=alone.numel() * alone.element_size())  # room for one clip
+    run([[clips[0]], [clips[1]]])
+    assert len(node.cache) == 1 and node.cache.bytes <= node.cache.max_bytes

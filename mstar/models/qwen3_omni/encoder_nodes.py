@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from mstar.model.submodule import EngineInputs, ForwardInfo, NodeInputs, NodeSubmodule
+from mstar.models.qwen3_omni.media_cache import LruStore, feature_key
 
 __all__ = ["AudioEncoderNode", "VisionEncoderNode"]
 
@@ -19,11 +20,13 @@ class AudioEncoderNode(NodeSubmodule):
     one call of the wrapped transformers audio tower per clip. Its output depends on how many clips
     one call holds (in the last bits), and a clip's embeddings must not depend on its batch: they
     are the prefix cache's keys of its placeholders (``nodes.audio_keys``), and outputs are batch
-    invariant."""
+    invariant. A clip's embeddings are kept (``media_cache``, at most ``cache_bytes``) and reused
+    when it comes again."""
 
-    def __init__(self, tower: Any) -> None:
+    def __init__(self, tower: Any, cache_bytes: int = 256 << 20) -> None:
         super().__init__()
         self.tower = tower
+        self.cache = LruStore(cache_bytes)
 
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
@@ -31,7 +34,15 @@ class AudioEncoderNode(NodeSubmodule):
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
         clips: list[list[torch.Tensor]] = engine_inputs.args
-        return {"audio_embeds": [torch.cat([self.tower([c])[0] for c in per_request]) for per_request in clips]}
+        return {"audio_embeds": [torch.cat([self._embed(c) for c in per_request]) for per_request in clips]}
+
+    def _embed(self, clip: torch.Tensor) -> torch.Tensor:
+        key = feature_key(clip)
+        out = self.cache.get(key)
+        if out is None:
+            out = self.tower([clip])[0]
+            self.cache.put(key, out.clone())  # its own storage: the store counts its bytes
+        return out
 
 
 class VisionEncoderNode(NodeSubmodule):
