@@ -529,3 +529,35 @@ def test_realtime_prefills_a_spoken_turn_while_it_is_spoken(server, client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [_audio_part(c) for c in clips]}],
                                        max_tokens=4, temperature=0.0)
     assert answer == r.choices[0].message.content
+
+
+def test_realtime_input_audio_buffer_is_bounded(server):
+    """Appends past ``ServerLimits.max_audio_samples`` get ``input_audio_buffer_full``; the buffer keeps
+    what it held, and a commit of it is answered."""
+    import base64
+    import json
+
+    import websockets.sync.client
+
+    from mstar.server.app import create_app
+    from mstar.server.limits import ServerLimits
+    from tests.server_utils import running_app
+
+    with running_app(create_app(server[1], limits=ServerLimits(max_audio_samples=24000))) as url:
+        with websockets.sync.client.connect(url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}") as ws:
+            json.loads(ws.recv())
+            ws.send(json.dumps({"type": "session.update", "session": {
+                "output_modalities": ["text"], "max_output_tokens": 2, "audio": {"input": {"turn_detection": None}}}}))
+            json.loads(ws.recv())
+            half = base64.b64encode(_tone(0.5, 24000).numpy().tobytes()).decode()
+            for _ in range(2):
+                ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": half}))
+            ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": half}))  # 1.5 s: over the 1 s bound
+            err = json.loads(ws.recv())
+            assert err["type"] == "error" and err["error"]["code"] == "input_audio_buffer_full"
+            ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            ws.send(json.dumps({"type": "response.create"}))
+            kinds = []
+            while not kinds or kinds[-1] != "response.done":
+                kinds.append(json.loads(ws.recv())["type"])
+            assert "input_audio_buffer.committed" in kinds and "error" not in kinds
