@@ -14,6 +14,7 @@ from mstar.models.qwen3_omni import adapter as A
 from mstar.models.qwen3_omni.media import MediaSettings
 from mstar.models.qwen3_omni.prompt import AUDIO_SYSTEM_PROMPT, OmniTokenIds
 from mstar.models.qwen3_omni.request import OmniRequest
+from tests.helpers import until_response_done
 
 IDS = OmniTokenIds()
 IS, IE, NL = IDS.im_start, IDS.im_end, IDS.newline
@@ -374,12 +375,7 @@ def test_realtime_spoken_turns_answer_as_the_chat_completion(client):
 
     def answer(conn, **response):
         conn.response.create(response={"max_output_tokens": 4, **response})
-        events = []
-        for event in conn:
-            events.append(event)
-            if event.type == "response.done":
-                return events
-        raise AssertionError("no response.done")
+        return until_response_done(conn)
 
     first = chat([{"role": "user", "content": [audio_part]}])
     second = chat([{"role": "user", "content": [audio_part]}, {"role": "assistant", "content": first},
@@ -446,21 +442,13 @@ def test_realtime_server_vad_finds_the_turn_answers_it_and_barge_in_cancels(serv
         for chunk in pcm.split(480):
             conn.input_audio_buffer.append(audio=base64.b64encode(chunk.numpy().tobytes()).decode())
 
-    def until_done(conn):
-        events = []
-        for event in conn:
-            events.append(event)
-            if event.type == "response.done":
-                return events
-        raise AssertionError("no response.done")
-
     with client.realtime.connect(model=MODEL) as conn:
         assert conn.recv().session.audio.input.turn_detection.type == "server_vad"  # the default
         conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "temperature": 0.0,
                                      "max_output_tokens": 4})
         conn.recv()
         send(conn, audio)
-        events = until_done(conn)
+        events = until_response_done(conn)
         kinds = [e.type for e in events]
         for kind in ("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
                      "input_audio_buffer.committed", "response.created"):
@@ -482,10 +470,10 @@ def test_realtime_server_vad_finds_the_turn_answers_it_and_barge_in_cancels(serv
             if event.type == "response.output_text.delta":
                 break
         send(conn, audio)
-        first = until_done(conn)
+        first = until_response_done(conn)
         assert first[-1].response.status == "cancelled"
         assert any(e.type == "input_audio_buffer.speech_started" for e in first)
-        second = until_done(conn)
+        second = until_response_done(conn)
         assert second[-1].response.status in ("completed", "incomplete")
     from tests.helpers import kv_blocks_in_use
     from tests.test_server import wait_for
@@ -516,11 +504,7 @@ def test_realtime_prefills_a_spoken_turn_while_it_is_spoken(server, client):
         before = thinker_hits()
         conn.input_audio_buffer.commit()
         conn.response.create()
-        events = []
-        for event in conn:
-            events.append(event)
-            if event.type == "response.done":
-                break
+        events = until_response_done(conn)
         hits = thinker_hits() - before
     answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     # the two complete clips' placeholders (7 rows each for 0.5 s) came from the prefills' blocks

@@ -11,7 +11,7 @@ import openai
 import pytest
 import websockets.sync.client
 
-from tests.helpers import kv_blocks_in_use
+from tests.helpers import kv_blocks_in_use, until_response_done
 from tests.server_utils import running_server
 from tests.test_server import expected_text, wait_for
 from tests.toy_server_models import SAMPLES_PER_TOKEN, ToyChat
@@ -28,16 +28,6 @@ def server():
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
-
-
-def _until_done(conn) -> list:
-    """Every event up to and including ``response.done``."""
-    events = []
-    for event in conn:
-        events.append(event)
-        if event.type == "response.done":
-            return events
-    raise AssertionError(f"the connection closed before response.done: {[e.type for e in events]}")
 
 
 def _say(conn, text: str, role: str = "user") -> None:
@@ -57,7 +47,7 @@ def test_a_text_conversation_keeps_its_turns(client):
         assert conn.recv().type == "session.updated"
         _say(conn, "hello")
         conn.response.create()
-        first = _until_done(conn)
+        first = until_response_done(conn)
         kinds = [e.type for e in first]
         assert kinds[:4] == ["conversation.item.added", "conversation.item.done", "response.created",
                              "response.output_item.added"]
@@ -70,7 +60,7 @@ def test_a_text_conversation_keeps_its_turns(client):
         # the next turn sees the first: the user's text, the assistant's answer, the new text
         _say(conn, "more")
         conn.response.create(response={"max_output_tokens": 4})
-        second = _text(_until_done(conn))
+        second = _text(until_response_done(conn))
         assert second == expected_text("hello" + answer + "more", 4)
 
 
@@ -80,7 +70,7 @@ def test_a_spoken_answer_streams_pcm16_and_its_transcript(client):
         assert session.output_modalities == ["audio"]  # a model with voices speaks by default
         _say(conn, "hi")
         conn.response.create(response={"max_output_tokens": 3})
-        events = _until_done(conn)
+        events = until_response_done(conn)
         pcm = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
         assert len(pcm) == 2 * 3 * SAMPLES_PER_TOKEN  # int16, one chunk per token
         transcript = _text(events, "response.output_audio_transcript.delta")
@@ -99,7 +89,7 @@ def test_cancel_ends_the_response_and_frees_its_blocks(client, server):
             if event.type == "response.output_text.delta":
                 break
         conn.response.cancel()
-        done = _until_done(conn)[-1].response
+        done = until_response_done(conn)[-1].response
         assert done.status == "cancelled" and done.usage.output_tokens < 200
         conn.response.cancel()  # nothing in progress now
         err = conn.recv()
@@ -107,7 +97,7 @@ def test_cancel_ends_the_response_and_frees_its_blocks(client, server):
         # the session goes on: a new response answers, and the cancelled one's KV blocks are back
         _say(conn, "again")
         conn.response.create(response={"max_output_tokens": 2})
-        assert _until_done(conn)[-1].response.status == "incomplete"
+        assert until_response_done(conn)[-1].response.status == "incomplete"
     wait_for(lambda: kv_blocks_in_use(server[1].runtime) == 0)
 
 
@@ -135,7 +125,7 @@ def test_bad_events_get_an_error_event_and_the_session_goes_on(client, frame, co
         assert err.type == "error" and err.error.code == code, err
         _say(conn, "ok")
         conn.response.create(response={"max_output_tokens": 2, "output_modalities": ["text"]})
-        assert _text(_until_done(conn)) == expected_text("ok", 2)
+        assert _text(until_response_done(conn)) == expected_text("ok", 2)
 
 
 def test_a_response_while_one_runs_is_refused(client):
@@ -144,7 +134,7 @@ def test_a_response_while_one_runs_is_refused(client):
         _say(conn, "first")
         conn.response.create(response={"max_output_tokens": 50, "output_modalities": ["text"]})
         conn.response.create()
-        refused = [e for e in _until_done(conn) if e.type == "error"]
+        refused = [e for e in until_response_done(conn) if e.type == "error"]
         assert [e.error.code for e in refused] == ["conversation_already_has_active_response"]
 
 
@@ -153,11 +143,11 @@ def test_a_request_the_model_refuses_fails_its_response_only(client):
         conn.recv()
         _say(conn, "x")
         conn.response.create(response={"max_output_tokens": 300, "output_modalities": ["text"]})  # past the context
-        events = _until_done(conn)
+        events = until_response_done(conn)
         assert [e.type for e in events if e.type == "error"] == ["error"]
         assert events[-1].response.status == "failed"
         conn.response.create(response={"max_output_tokens": 2, "output_modalities": ["text"]})
-        assert _until_done(conn)[-1].response.status == "incomplete"
+        assert until_response_done(conn)[-1].response.status == "incomplete"
 
 
 def test_a_wrong_model_is_an_error_then_a_close(server):

@@ -29,18 +29,16 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import dataclasses
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
 
-from mstar.model.adapter import CHAT, SPEECH, ApiRequest, AudioChunk, TextDelta
-from mstar.server import media
+from mstar.model.adapter import CHAT, SPEECH, ApiRequest
 from mstar.server.errors import APIError, internal_error
 from mstar.server.limits import ServerLimits
+from mstar.server.realtime.conversation import Item, Response
 from mstar.server.realtime.events import (
     INPUT_RATE,
     EventError,
@@ -65,37 +63,6 @@ _RESPONSE_FIELDS = frozenset({"output_modalities", "modalities", "instructions",
 _ROLES = ("user", "assistant", "system")
 
 
-@dataclass(frozen=True)
-class Item:
-    """A conversation item: a message's role, its text and (a user's spoken turn) its audio clips."""
-
-    id: str
-    role: str
-    text: str = ""
-    clips: tuple[torch.Tensor, ...] = ()  # int16 at 24 kHz
-    spoken: bool = False  # an assistant's answer given as audio (``text`` is its transcript)
-
-    def describe(self, status: str = "completed") -> dict[str, Any]:
-        content: list[dict[str, Any]] = [{"type": "input_audio", "transcript": None} for _ in self.clips]
-        if self.spoken:
-            content.append({"type": "output_audio", "transcript": self.text})
-        elif self.text or not self.clips:
-            content.append({"type": "output_text" if self.role == "assistant" else "input_text", "text": self.text})
-        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role, "status": status,
-                "content": content}
-
-
-@dataclass
-class _Response:
-    id: str
-    config: SessionConfig
-    item: Item
-    task: asyncio.Task | None = None
-    text: list[str] = field(default_factory=list)
-    input_tokens: int = 0
-    output_tokens: int = 0
-
-
 class RealtimeSession:
     def __init__(self, ws: WebSocket, serving: Serving, limits: ServerLimits) -> None:
         self.ws, self.serving, self.limits = ws, serving, limits
@@ -115,7 +82,7 @@ class RealtimeSession:
         self._speaking = False  # server VAD: a turn is under way (manual commits: whenever audio is buffered)
         self._prefilled = 0  # clips of the buffer's turn already prefilled (or being prefilled)
         self._prefills: list[asyncio.Task] = []  # under way
-        self._response: _Response | None = None
+        self._response: Response | None = None
         self._send_lock = asyncio.Lock()
         self.closed = False
 
@@ -232,6 +199,17 @@ class RealtimeSession:
             await self._detect(pcm)
         self._maybe_prefill()
 
+    def _pcm(self, audio: Any, param: str) -> torch.Tensor:
+        if not isinstance(audio, str):
+            raise EventError(f"'{param}' must be base64-encoded pcm16 (24 kHz mono, little-endian)", param=param)
+        try:
+            raw = base64.b64decode(audio, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise EventError(f"'{param}' is not valid base64: {e}", param=param) from e
+        if len(raw) % 2:
+            raise EventError(f"'{param}' must hold whole pcm16 samples (an even number of bytes)", param=param)
+        return torch.frombuffer(bytearray(raw), dtype=torch.int16) if raw else torch.zeros(0, dtype=torch.int16)
+
     async def _detect(self, pcm: torch.Tensor) -> None:
         """Feed the VAD (off the event loop); act on its events: a start marks the turn (and cancels
         a response under way), a stop commits the turn (and may answer it)."""
@@ -307,17 +285,6 @@ class RealtimeSession:
                 pass
         except APIError:  # the server at capacity, say: the response prefills it all instead
             pass
-    def _pcm(self, audio: Any, param: str) -> torch.Tensor:
-        if not isinstance(audio, str):
-            raise EventError(f"'{param}' must be base64-encoded pcm16 (24 kHz mono, little-endian)", param=param)
-        try:
-            raw = base64.b64decode(audio, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise EventError(f"'{param}' is not valid base64: {e}", param=param) from e
-        if len(raw) % 2:
-            raise EventError(f"'{param}' must hold whole pcm16 samples (an even number of bytes)", param=param)
-        return torch.frombuffer(bytearray(raw), dtype=torch.int16) if raw else torch.zeros(0, dtype=torch.int16)
-
     async def _commit(self, end: int | None) -> None:
         """The buffer's turn (from its start to ``end``, the VAD's; None: all) becomes a user item."""
         if not self.audio_in:
@@ -425,8 +392,7 @@ class RealtimeSession:
                                  param="response.conversation")
             config = update_session(config, {k: v for k, v in overrides.items() if k not in ("conversation", "metadata")},
                                     self.audio_out)
-        response = _Response(new_id("resp"), config,
-                             Item(new_id("item"), "assistant", spoken="audio" in config.output_modalities))
+        response = Response(config, self.send)
         self._response = response
         response.task = asyncio.create_task(self._respond(response))
 
@@ -438,18 +404,18 @@ class RealtimeSession:
         with contextlib.suppress(asyncio.CancelledError):
             await response.task
 
-    async def _respond(self, r: _Response) -> None:
+    async def _respond(self, r: Response) -> None:
         status, error = "completed", None
-        await self.send(server_event("response.created", response=self._describe_response(r, "in_progress")))
+        await self.send(server_event("response.created", response=r.describe("in_progress")))
         try:
             if self._prefills:  # their KV reaches the prefix cache before this prompt looks
                 await asyncio.gather(*self._prefills, return_exceptions=True)
             route, request = self._request(r.config)
             started = await start(self.serving, route, request)
             r.input_tokens = request.prompt_tokens
-            await self._open_output(r)
+            await r.open()
             async for out in started.outputs:
-                await self._deliver(r, out)
+                await r.deliver(out)
             if started.decoder.finish_reason == "length":
                 status = "incomplete"
         except asyncio.CancelledError:
@@ -464,61 +430,9 @@ class RealtimeSession:
             self._response = None
         if error is not None:
             await self.send(error)
-        await self._close_output(r, status)
-
-    def _describe_response(self, r: _Response, status: str) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": r.id, "object": "realtime.response", "status": status,
-                               "output_modalities": list(r.config.output_modalities),
-                               "output": [r.item.describe(status)] if status != "in_progress" else []}
-        if status != "in_progress":
-            out["usage"] = {"input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
-                            "total_tokens": r.input_tokens + r.output_tokens}
-        return out
-
-    @staticmethod
-    def _where(r: _Response) -> dict[str, Any]:
-        return {"response_id": r.id, "item_id": r.item.id, "output_index": 0, "content_index": 0}
-
-    @staticmethod
-    def _part(r: _Response) -> dict[str, Any]:
-        text = "".join(r.text)
-        return {"type": "audio", "transcript": text} if "audio" in r.config.output_modalities \
-            else {"type": "text", "text": text}
-
-    async def _open_output(self, r: _Response) -> None:
-        await self.send(server_event("response.output_item.added", response_id=r.id, output_index=0,
-                                     item=r.item.describe("in_progress")))
-        await self.send(server_event("response.content_part.added", **self._where(r), part=self._part(r)))
-
-    async def _deliver(self, r: _Response, out: Any) -> None:
-        if isinstance(out, TextDelta):
-            r.output_tokens += out.num_tokens
-            if out.text:
-                r.text.append(out.text)
-                kind = "response.output_audio_transcript.delta" if "audio" in r.config.output_modalities \
-                    else "response.output_text.delta"
-                await self.send(server_event(kind, **self._where(r), delta=out.text))
-        elif isinstance(out, AudioChunk) and "audio" in r.config.output_modalities and out.pcm.numel():
-            await self.send(server_event("response.output_audio.delta", **self._where(r),
-                                         delta=base64.b64encode(media.pcm_bytes(out.pcm)).decode()))
-
-    async def _close_output(self, r: _Response, status: str) -> None:
-        """The done events of the response's output, the assistant's reply joining the conversation
-        (whatever part of it was made), then ``response.done``."""
-        r.item = dataclasses.replace(r.item, text="".join(r.text))
-        if status != "failed":
-            if "audio" in r.config.output_modalities:
-                await self.send(server_event("response.output_audio.done", **self._where(r)))
-                await self.send(server_event("response.output_audio_transcript.done", **self._where(r),
-                                             transcript=r.item.text))
-            else:
-                await self.send(server_event("response.output_text.done", **self._where(r), text=r.item.text))
-            await self.send(server_event("response.content_part.done", **self._where(r), part=self._part(r)))
-            await self.send(server_event("response.output_item.done", response_id=r.id, output_index=0,
-                                         item=r.item.describe(status)))
-        if r.item.text:
-            self.items.append(r.item)
-        await self.send(server_event("response.done", response=self._describe_response(r, status)))
+        made = await r.close(status)
+        if made.text:  # the assistant's reply joins the conversation, whatever part of it was made
+            self.items.append(made)
 
 
 def _api_error_event(e: APIError) -> dict[str, Any]:
