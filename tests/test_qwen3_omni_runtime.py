@@ -539,9 +539,12 @@ def test_thinker_and_talker_reuse_shared_prompt_prefixes(omni):
 
 def test_a_voice_chat_reuses_its_earlier_audio_turns(omni):
     """A text answer's prompt that starts with an earlier prompt holding a spoken turn reuses the
-    Thinker's KV blocks through the audio placeholders (keyed by the clip's embeddings); a spoken
-    answer stops at the first placeholder (its Talker needs the hidden states there); another clip at
-    the same placeholders shares nothing past them. Outputs equal those without prefix caching."""
+    Thinker's KV blocks through the audio placeholders (keyed by the clip's embeddings); another clip
+    at the same placeholders shares nothing past them. A spoken answer's Talker reads the Thinker's
+    states at the placeholders, so it reuses a clip only once they are kept: after a text answer it
+    stops at the first placeholder; a text answer with ``keep_states`` (the realtime prefill) keeps
+    them, and the spoken answer then reuses the blocks through the clip. Outputs (text, codes,
+    waveform) equal those without prefix caching."""
     import dataclasses
     from pathlib import Path
 
@@ -559,7 +562,9 @@ def test_a_voice_chat_reuses_its_earlier_audio_turns(omni):
     work = [({"input_ids": first, "audio_features": [clips[0].features]}, {"max_tokens": 4}),
             ({"input_ids": later, "audio_features": [clips[0].features]}, {"max_tokens": 4}),
             ({"input_ids": later, "audio_features": [clips[1].features]}, {"max_tokens": 4}),
-            ({"input_ids": later, "audio_features": [clips[0].features]}, audio_params(4, 6))]
+            ({"input_ids": later, "audio_features": [clips[0].features]}, audio_params(4, 6)),
+            ({"input_ids": later, "audio_features": [clips[1].features]}, {"max_tokens": 1, "keep_states": True}),
+            ({"input_ids": later, "audio_features": [clips[1].features]}, audio_params(4, 6))]
     outputs, hits = [], []
     for caching in (False, True):
         with Runtime(Qwen3Omni(omni[1]), placement, prefix_caching=caching) as rt:
@@ -570,10 +575,12 @@ def test_a_voice_chat_reuses_its_earlier_audio_turns(omni):
                 per.append(_prefix_hits(rt, "Thinker") - before)
             hits.append(per)
             assert kv_blocks_in_use(rt) == 0
-    assert hits[0] == [0, 0, 0, 0]
+    assert hits[0] == [0] * len(work)
     block = 4
     assert hits[1][1] == first.numel() // block * block > int(audio_rows[-1])  # through the spoken turn
     assert hits[1][2] <= int(audio_rows[0])  # another clip: only the blocks before its placeholders
     assert hits[1][3] <= int(audio_rows[0])  # a spoken answer: nothing from the first placeholder on
+    assert hits[1][4] <= int(audio_rows[0])  # keep_states: the clip's states are not kept yet
+    assert hits[1][5] == (later.numel() - 1) // block * block > int(audio_rows[-1])  # now kept: through the clip
     for cached, uncached in zip(outputs[len(work):], outputs[:len(work)]):
         assert cached[0] == uncached[0] and torch.equal(cached[1], uncached[1]) and torch.equal(cached[2], uncached[2])

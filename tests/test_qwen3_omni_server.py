@@ -172,7 +172,7 @@ def test_decoder_turns_items_into_text_and_pcm16(adapter):
 # ------------------------------------------------------------------ qwen3-omni-tiny through the OpenAI SDK
 
 MODEL = "qwen3-omni-tiny"
-GREEDY_SPEECH = {"talker_temperature": 0.0, "talker_max_tokens": 12}  # greedy talker -> greedy code predictor
+GREEDY_SPEECH = {"talker_temperature": 0.0, "talker_max_tokens": 4}  # greedy talker -> greedy code predictor
 
 
 @pytest.fixture(scope="module")
@@ -481,10 +481,15 @@ def test_realtime_server_vad_finds_the_turn_answers_it_and_barge_in_cancels(serv
     wait_for(lambda: kv_blocks_in_use(server[1].runtime) == 0)  # the cancelled response's blocks too
 
 
-def test_realtime_prefills_a_spoken_turn_while_it_is_spoken(server, client):
+@pytest.mark.parametrize("output", ["text", "audio"])
+def test_realtime_prefills_a_spoken_turn_while_it_is_spoken(server, client, output):
     """Each completed clip of a turn (``input_audio_segment_ms``) is prefilled before the commit; the
     response then reuses those blocks (prefix-cache hits through the clips' placeholders), and its
-    answer equals the chat completion's for the same clips sent as ``input_audio`` parts."""
+    answer equals the chat completion's for the same clips sent as ``input_audio`` parts. A spoken
+    answer too: its prefills keep the Thinker's states at the clips, which its Talker reads (without
+    them its prompt would be reused only up to the first clip); its pcm equals the chat completion's
+    made first, without the cache (the session's temperature 0 and max_output_tokens bound the
+    Talker as well)."""
     import base64
 
     runtime = server[1].runtime
@@ -492,27 +497,47 @@ def test_realtime_prefills_a_spoken_turn_while_it_is_spoken(server, client):
     def thinker_hits():
         return sum(r["kv"]["Thinker"]["prefix_hit_tokens"] for r in runtime.stats()["ranks"] if "Thinker" in r["kv"])
 
-    pcm = _tone(1.3, 24000)  # clips of 0.5 s: two complete ones, then 0.3 s
-    with client.realtime.connect(model=MODEL) as conn:
-        conn.recv()
-        conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "temperature": 0.0,
-                                     "max_output_tokens": 4, "input_audio_segment_ms": 500,
-                                     "audio": {"input": {"turn_detection": None}}})
-        assert conn.recv().session.model_dump()["input_audio_segment_ms"] == 500
-        for chunk in pcm.split(480):
-            conn.input_audio_buffer.append(audio=base64.b64encode(chunk.numpy().tobytes()).decode())
-        before = thinker_hits()
-        conn.input_audio_buffer.commit()
-        conn.response.create()
-        events = until_response_done(conn)
-        hits = thinker_hits() - before
-    answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    def turn(pcm):
+        """(events, Thinker prefix-cache hits during the response) of ``pcm`` as a committed turn."""
+        with client.realtime.connect(model=MODEL) as conn:
+            conn.recv()
+            conn.session.update(session={"type": "realtime", "output_modalities": [output], "temperature": 0.0,
+                                         "max_output_tokens": 4, "input_audio_segment_ms": 500,
+                                         "audio": {"input": {"turn_detection": None}}})
+            assert conn.recv().session.model_dump()["input_audio_segment_ms"] == 500
+            for chunk in pcm.split(480):
+                conn.input_audio_buffer.append(audio=base64.b64encode(chunk.numpy().tobytes()).decode())
+            before = thinker_hits()
+            conn.input_audio_buffer.commit()
+            conn.response.create()
+            events = until_response_done(conn)
+            return events, thinker_hits() - before
+
+    def chat(pcm):  # the session's clips: two of 0.5 s, then 0.3 s
+        messages = [{"role": "user", "content": [_audio_part(c) for c in (pcm[:12000], pcm[12000:24000],
+                                                                          pcm[24000:])]}]
+        if output == "text":
+            return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0.0)
+        return client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=0.0, modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "pcm16"}, extra_body={"talker_temperature": 0.0, "talker_max_tokens": 4})
+
+    tone = _tone(1.3, 24000)
+    events, hits = turn(tone if output == "text" else tone.flip(0))  # audio no request has sent yet
     # the two complete clips' placeholders (7 rows each for 0.5 s) came from the prefills' blocks
     assert hits >= 2 * 7, hits
-    clips = [pcm[:12000], pcm[12000:24000], pcm[24000:]]
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [_audio_part(c) for c in clips]}],
-                                       max_tokens=4, temperature=0.0)
-    assert answer == r.choices[0].message.content
+    if output == "text":
+        answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert answer == chat(tone).choices[0].message.content
+        return
+    pcm = -tone  # its chat completion first: computed, not reused
+    expected = chat(pcm).choices[0].message
+    events, hits = turn(pcm)
+    assert hits >= 2 * 7, hits
+    spoken = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    transcript = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
+    assert spoken and spoken == base64.b64decode(expected.audio.data)
+    assert transcript == expected.content
 
 
 def test_realtime_input_audio_buffer_is_bounded(server):

@@ -157,6 +157,17 @@ class ApiAdapter:
         """``body``: the chat completion request; ``images`` decoded (uint8 HWC), ``audio`` (pcm, rate)."""
         raise NotImplementedError
 
+    def prefill_request(self, body: Mapping[str, Any], images: list[torch.Tensor],
+                        audio: list[tuple[torch.Tensor, int]]) -> ApiRequest | None:
+        """A request that computes the prompt of ``chat_request(body, images, audio)`` into the prefix
+        cache, with whatever a later answer to a prompt starting the same reads there, and answers one
+        token: the realtime route sends one each time a clip of a turn still being spoken is complete.
+        The default: a text answer's chat request with ``max_tokens`` 1; None for a spoken answer (a
+        family that speaks says what its answer needs kept)."""
+        if "audio" in (body.get("modalities") or ()):
+            return None
+        return self.chat_request({**body, "max_tokens": 1}, images, audio)
+
     def completion_request(self, body: Mapping[str, Any], prompt: str | list[int]) -> ApiRequest:
         """One prompt of a ``/v1/completions`` body (its text, or its token ids)."""
         raise NotImplementedError

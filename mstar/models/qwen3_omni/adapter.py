@@ -33,6 +33,7 @@ once, an ``OmniRequest``: what the adapter submits); ``voices`` is used when pre
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,7 @@ from mstar.models.qwen3_omni.prompt import (
     OmniTokenIds,
     chat_token_ids,
 )
+from mstar.models.qwen3_omni.request import OmniRequest
 
 __all__ = ["SPEECH_PROMPT", "VOICES", "OmniDecoder", "Qwen3OmniAdapter"]
 
@@ -137,6 +139,16 @@ class Qwen3OmniAdapter(ApiAdapter):
         speech = self._speech_params(body) if "audio" in (body.get("modalities") or ()) else None
         turns = _turns(body["messages"], media)
         return self._request(turns, media, body, speech)
+
+    def prefill_request(self, body, images, audio):
+        """The chat request as a one-token text answer; for a spoken answer's prompt (its system
+        prompt included), one that keeps the Thinker's states at the audio clips (``keep_states``),
+        which the spoken answer's Talker reads."""
+        request = self.chat_request({**body, "max_tokens": 1}, images, audio)
+        omni: OmniRequest = request.params
+        if omni.audio:
+            omni = dataclasses.replace(omni, audio=False, talker=None, predictor=None, keep_states=True)
+        return dataclasses.replace(request, params=omni)
 
     def speech_request(self, body):
         text = body["input"]

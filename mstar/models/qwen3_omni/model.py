@@ -17,6 +17,9 @@ output row). Parameters:
 * ``talker_sampling``: default temperature 0.9, top-k 50, repetition penalty 1.05 (over the
   generated layer-0 codes), ``max_tokens`` 4096 talker steps (the last step's code is never spoken,
   as in the reference: at most ``max_tokens - 1`` frames); ``ignore_eos`` also suppresses codec EOS;
+* ``keep_states`` (bool, text answers): keep the Thinker's states at the prompt's audio clips, as a
+  spoken answer does, so that a spoken answer to a prompt starting the same takes those clips from
+  the prefix cache (the realtime route prefills a turn while it is spoken this way);
 * ``code_predictor_sampling``: default temperature 1, top-k 50, top-p 0.8; greedy when the talker
   is greedy and none is given (the reference's rule).
 """
@@ -151,7 +154,7 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
         self._validate_images(tokens, inputs)
         stop_ids = tuple(sorted(stop_token_set(sp, (self.config.tokens.im_end,))))
         if not params.get("audio", False):
-            return OmniRequest(sp, stop_ids)
+            return OmniRequest(sp, stop_ids, keep_states=bool(params.get("keep_states", False)))
         voice, talker, predictor = self._validate_audio(tokens, params, nodes)
         return OmniRequest(sp, stop_ids, True, voice, talker, predictor)
 

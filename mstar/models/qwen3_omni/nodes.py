@@ -27,6 +27,7 @@ from mstar.layers.sampling import SamplingParams, request_sampling, sample
 from mstar.model.decode import generation_finish
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
+from mstar.models.qwen3_omni.media_cache import LruStore
 from mstar.models.qwen3_omni.prompt import OmniTokenIds
 from mstar.models.qwen3_omni.thinker import ThinkerLM, mrope_positions
 
@@ -74,6 +75,15 @@ def flag(value: bool) -> torch.Tensor:
 
 
 @dataclass(frozen=True, slots=True)
+class _Clip:
+    """One audio clip of a prefill's prompt, for the Thinker's states kept per clip (``ThinkerNode.clip_states``)."""
+
+    rows: torch.Tensor  # its placeholder rows in the prompt
+    key: bytes  # a digest of the prompt's prefix-cache keys up to its last row: what its states depend on
+    kept: torch.Tensor | None  # [rows, H]: the accepted layer's output there, kept from an earlier prompt
+
+
+@dataclass(frozen=True, slots=True)
 class _ThinkerArgs:
     """One request's share of a Thinker forward beyond its token ids (``NodeInputs.args``)."""
 
@@ -81,12 +91,14 @@ class _ThinkerArgs:
     stop_ids: tuple[int, ...]
     step: int  # the generated token this forward samples (0: the prefill's)
     stream: bool  # its states go to the Talker (a spoken answer)
+    keep: bool  # its states at audio clips are kept (a spoken answer; a text answer with ``keep_states``)
     seen: torch.Tensor | None  # prompt + generated tokens, with a repetition penalty (else None)
     media: list[tuple[torch.Tensor, torch.Tensor]]  # (placeholder rows, tower embeddings) replacing them
     deepstack: tuple[torch.Tensor, torch.Tensor] | None  # (image rows, [layers, n, H]) added after layers
     positions: torch.Tensor | None  # [3, n] M-RoPE position ids of the new tokens (None: a decode token)
     delta: int  # M-RoPE position - cache offset of every token after the prompt (a decode token's position)
     prompt: torch.Tensor | None = None  # a prefill's whole prompt (its leading tokens may come cached)
+    clips: tuple[_Clip, ...] = ()  # a prefill's audio clips, with ``keep``
 
 
 class ThinkerNode(NodeSubmodule):
@@ -96,9 +108,13 @@ class ThinkerNode(NodeSubmodule):
     ids when the request has a repetition penalty, else empty), ``rope_delta`` and ``thinker_states``
     (a list of items per request)."""
 
-    def __init__(self, lm: ThinkerLM, cfg: Qwen3OmniConfig) -> None:
+    def __init__(self, lm: ThinkerLM, cfg: Qwen3OmniConfig, states_bytes: int = 256 << 20) -> None:
         super().__init__()
         self.lm = lm
+        # the accepted layer's output at each audio clip's placeholders, by the prompt up to the clip: a
+        # spoken answer's Talker reads it there, and a position that comes from the prefix cache is not
+        # computed, so a spoken answer's prompt is reused only through the clips kept here
+        self.clip_states = LruStore(states_bytes)
         c = cfg.thinker
         self.kv_spec = KVSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, lm.lm_head.weight.dtype)
         self.accept_layer = cfg.talker.accept_hidden_layer
@@ -112,44 +128,55 @@ class ThinkerNode(NodeSubmodule):
         sp = req.thinker
         penalised = sp.repetition_penalty != 1.0
         stream = not graph_walk.endswith("_text")
+        keep = stream or req.keep_states
         if "input_ids" in inputs:
             ids = inputs["input_ids"][0].reshape(-1).to(torch.long)
             media, deepstack, positions, delta = self._prefill_layout(ids, inputs)
-            args = _ThinkerArgs(sp, req.thinker_stop_ids, 0, stream, ids if penalised else None, media, deepstack,
-                                positions, delta, ids)
+            prefix, clips = self._reusable(ids, media, keep)
+            args = _ThinkerArgs(sp, req.thinker_stop_ids, 0, stream, keep, ids if penalised else None, media,
+                                deepstack, positions, delta, ids, clips)
         else:
             ids = inputs["token"][0].reshape(-1).to(torch.long)
             seen = inputs["seen"][0].reshape(-1).to(torch.long) if penalised else None
-            args = _ThinkerArgs(sp, req.thinker_stop_ids, fwd_info.iteration[-1] + 1, stream, seen, [], None, None,
-                                int(inputs["rope_delta"][0]))
+            args = _ThinkerArgs(sp, req.thinker_stop_ids, fwd_info.iteration[-1] + 1, stream, keep, seen, [], None,
+                                None, int(inputs["rope_delta"][0]))
+            prefix = None
         if ids.numel() == 0:
             raise ValueError("the Thinker got no tokens")
-        return NodeInputs(tensor_inputs={"ids": ids}, num_tokens=ids.numel(), args=args,
-                          prefix_ids=self._reusable(ids, args.media, stream) if args.step == 0 else None,
+        return NodeInputs(tensor_inputs={"ids": ids}, num_tokens=ids.numel(), args=args, prefix_ids=prefix,
                           token_inputs=("ids",))
 
     def _reusable(self, ids: torch.Tensor, media: list[tuple[torch.Tensor, torch.Tensor]],
-                  stream: bool) -> torch.Tensor:
+                  keep: bool) -> tuple[torch.Tensor, tuple[_Clip, ...]]:
         """The prefix cache's keys of the prompt's leading tokens whose KV a later prompt may reuse
-        (a multi-turn voice chat: its earlier turns). Up to the first image or video placeholder: an
-        image's KV depends on its grid's positions and deepstack features. An audio placeholder's KV
-        depends only on its embedding and its (sequential) position, so it is keyed by the embedding
-        (``audio_keys``) -- for a text answer only: a spoken answer's Talker reads the Thinker's
-        hidden state at every audio placeholder, which a cached position does not compute, so it
-        stops at the first one."""
+        (a multi-turn voice chat: its earlier turns), and, with ``keep``, its audio clips.
+
+        Up to the first image or video placeholder: an image's KV depends on its grid's positions and
+        deepstack features. An audio placeholder's KV depends only on its embedding and its
+        (sequential) position, so it is keyed by the embedding (``audio_keys``). With ``keep`` (a
+        spoken answer, whose Talker reads the accepted layer's output at every audio placeholder,
+        which a cached position does not compute) only up to the first clip whose states are not
+        kept in ``clip_states``: the clips from there on are computed, and kept."""
         t = self.tokens
         visual = ((ids == t.image) | (ids == t.video)).nonzero()
         end = int(visual[0]) if visual.numel() else ids.numel()
         audio = next(((rows, values) for rows, values in media if rows.numel() and int(ids[rows[0]]) == t.audio), None)
         if audio is None:
-            return ids[:end]
+            return ids[:end], ()
         rows, values = audio
-        if stream:
-            return ids[:min(end, int(rows[0]))]
         keys = ids[:end].clone()
         inside = rows < end
         keys[rows[inside]] = torch.tensor(audio_keys(values[inside]), dtype=torch.long)
-        return keys
+        if not keep:
+            return keys, ()
+        clips, cut = [], None
+        for run in _runs(rows[inside]):
+            key = hashlib.blake2b(keys[:int(run[-1]) + 1].numpy().tobytes(), digest_size=16).digest()
+            kept = self.clip_states.get(key) if cut is None else None
+            if kept is None and cut is None:
+                cut = int(run[0])
+            clips.append(_Clip(run, key, kept))
+        return keys[:cut], tuple(clips)
 
     def _prefill_layout(self, ids: torch.Tensor, inputs: Mapping[str, list]) -> tuple:
         """A prefill's media (placeholder rows, embeddings), deepstack, M-RoPE positions and delta."""
@@ -202,8 +229,8 @@ class ThinkerNode(NodeSubmodule):
         ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0].reshape(-1)
         if ids.dtype != torch.long or ids.shape[0] != len(tokens):
             return None
-        return {"ids": ids}, [_ThinkerArgs(a.sampling, a.stop_ids, a.step + 1, a.stream, None, [], None, None, a.delta)
-                              for a in args]
+        return {"ids": ids}, [_ThinkerArgs(a.sampling, a.stop_ids, a.step + 1, a.stream, a.keep, None, [], None, None,
+                                           a.delta) for a in args]
 
     def _embed(self, ids: torch.Tensor, ei: EngineInputs) -> torch.Tensor:
         embeds = self.lm.embed(ids)
@@ -229,10 +256,10 @@ class ThinkerNode(NodeSubmodule):
                 ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         ei = engine_inputs
         args: list[_ThinkerArgs] = ei.args
-        streams = any(a.stream for a in args)
+        captures = any(a.keep for a in args)
         embeds = self._embed(ids, ei)
         positions = self._positions(ei)
-        out = self.lm(embeds, ei, capture=self.accept_layer if streams else None, mrope_positions=positions,
+        out = self.lm(embeds, ei, capture=self.accept_layer if captures else None, mrope_positions=positions,
                       deepstack=self._deepstack(ei))
         last = out.hidden[ei.last_token_rows().to(out.hidden.device)]
         seen, sampling = [a.seen for a in args], [a.sampling for a in args]
@@ -243,7 +270,7 @@ class ThinkerNode(NodeSubmodule):
             tokens = sample(self.lm.lm_head(last), sampling, None if all(s is None for s in seen) else seen,
                             [a.step for a in args])
         tokens = tokens.cpu()
-        states = torch.stack([embeds, out.captured], dim=1).cpu() if streams else None
+        states = torch.stack([embeds, out.captured], dim=1).cpu() if captures else None
         cached = self._cached(ei)
         result: dict[str, list] = {"token": [], "text": [], "stop": [], "thinker_states": [], "rope_delta": [],
                                    "seen": []}
@@ -251,6 +278,8 @@ class ThinkerNode(NodeSubmodule):
         ids, rows = tokens.tolist(), tokens.view(-1, 1).unbind(0)
         deltas = torch.tensor([a.delta for a in args]).view(-1, 1).unbind(0)
         per_request = self._states(states, ei, cached) if states is not None else None
+        if per_request is not None:
+            self._keep_clips(per_request, args)
         for i in range(len(ei.num_tokens)):
             tok = rows[i]
             result["token"].append(tok)
@@ -267,9 +296,9 @@ class ThinkerNode(NodeSubmodule):
     def _states(self, computed: torch.Tensor, ei: EngineInputs, cached: list[int]) -> list[torch.Tensor]:
         """Each request's ``[rows, 2, H]`` states (views of one tensor): a decode token's row, a
         prefill's whole prompt, whose cached leading positions get their input embeddings (text: the
-        embedding table; one lookup for the batch) and zeros for the accepted layer's hidden state,
-        which was not computed; the Talker reads hidden states only at media placeholders, never
-        cached."""
+        embedding table; one lookup for the batch) and, for the accepted layer's output, which was not
+        computed, the states kept for their audio clips (``_reusable`` reuses no further) and zeros
+        elsewhere: the Talker reads that output only at media placeholders."""
         if not any(cached):
             return list(computed.split(ei.num_tokens))
         reqs: list[_ThinkerArgs] = ei.args
@@ -277,12 +306,31 @@ class ThinkerNode(NodeSubmodule):
                               .to(self.lm.lm_head.weight.device)).to(computed)
         out = computed.new_empty(sum(cached) + computed.shape[0], *computed.shape[1:])
         at = head = row = 0  # in out, heads, computed
-        for c, n in zip(cached, ei.num_tokens):  # slices, not masks: out is written once (~4 MB at 16 prompts)
+        for req, c, n in zip(reqs, cached, ei.num_tokens):  # slices, not masks: out is written once
             out[at:at + c, 0] = heads[head:head + c]
             out[at:at + c, 1] = 0
+            for clip in req.clips:
+                if clip.kept is not None and int(clip.rows[0]) < c:
+                    early = clip.rows < c  # a clip the cache holds only part of: the rest was computed
+                    out[at + clip.rows[early], 1] = clip.kept[early].to(out)
             out[at + c:at + c + n] = computed[row:row + n]
             at, head, row = at + c + n, head + c, row + n
         return list(out.split([c + n for c, n in zip(cached, ei.num_tokens)]))
+
+    def _keep_clips(self, per_request: list[torch.Tensor], args: list[_ThinkerArgs]) -> None:
+        """Keep the accepted layer's output at each prefill's audio clips computed here (not kept yet)."""
+        for a, states in zip(args, per_request):
+            for clip in a.clips:
+                if clip.kept is None:
+                    self.clip_states.put(clip.key, states[clip.rows, 1])  # indexing copies: not a view of the batch
+
+
+def _runs(rows: torch.Tensor) -> list[torch.Tensor]:
+    """Sorted placeholder rows split into runs of consecutive rows: one per clip (its audio start and
+    end tokens separate one clip from the next)."""
+    if rows.numel() == 0:
+        return []
+    return list(rows.tensor_split(((rows[1:] - rows[:-1]) != 1).nonzero().reshape(-1) + 1))
 
 
 _AUDIO_KEY_BASE = 1 << 56  # above every vocabulary: a key never equals a token id

@@ -22,3 +22,7 @@ class OmniRequest(ModelRequest):
     voice: str = "ethan"
     talker: SamplingParams | None = None  # with audio
     predictor: SamplingParams | None = None  # with audio: the code predictor's
+    # a text answer that keeps the Thinker's states at its audio clips (as a spoken answer does), so a
+    # spoken answer to a prompt starting the same may take those clips from the prefix cache: the
+    # realtime route's prefill of a turn while it is spoken (``keep_states`` in the params)
+    keep_states: bool = False

@@ -16,11 +16,16 @@ the turns itself (``vad.VadStream``): speech starting marks a turn (and cancels 
 way: barge-in), silence after it commits the turn and, with ``create_response``, answers it.
 
 A spoken turn reaches the model as consecutive clips of ``segment_ms`` (the last one shorter), as
-``input_audio`` parts. For a text answer each clip is prefilled while the user is still talking:
-once a clip is complete, a one-token request over the conversation up to that clip computes its KV,
-which the prefix cache keeps (a model whose cache reaches through audio, Qwen3-Omni's Thinker), so
-at the turn's end the response prefills only the rest. The same clips sent as a chat completion's
-``input_audio`` parts get the same prompt, so the same greedy answer.
+``input_audio`` parts, and each clip is prefilled while the user is still talking: once a clip is
+complete, the adapter's ``prefill_request`` over the conversation up to that clip (the answer's
+prompt: a spoken answer's has its own system prompt) computes its KV, which the prefix cache keeps
+(a model whose cache reaches through audio, Qwen3-Omni's Thinker, which also keeps the states a
+spoken answer's Talker reads there), so at the turn's end the response prefills only the rest. The
+same clips sent as a chat completion's ``input_audio`` parts get the same prompt, so the same
+greedy answer.
+
+The session's ``temperature`` and ``max_output_tokens`` bound the whole answer, as the API's do (its
+audio tokens count as output): a spoken Qwen3-Omni answer's Talker gets them too.
 """
 
 from __future__ import annotations
@@ -259,11 +264,10 @@ class RealtimeSession:
 
     # -- prefill while the user speaks -----------------------------------------------------------
     def _maybe_prefill(self) -> None:
-        """Send the turn's newly completed clips to be prefilled (text answers only: a spoken answer's
-        Talker needs states a cached prefix does not compute): one request per completed clip, each
+        """Send the turn's newly completed clips to be prefilled: one request per completed clip, each
         over the conversation up to its clip."""
         under_way = self._speaking if self.config.turn_detection is not None else self._buffered > 0
-        if not under_way or "audio" in self.config.output_modalities or CHAT not in self.adapter.routes:
+        if not under_way or CHAT not in self.adapter.routes:
             return
         clips = self._turn_clips(self._buffered, whole=False)
         if len(clips) <= self._prefilled:
@@ -271,11 +275,12 @@ class RealtimeSession:
         self._prefilled = len(clips)
         turn = Item("pending", "user", clips=tuple(clips))
         body, audio = self._chat_body(self.config, [*self.items, turn])
-        body["max_tokens"] = 1  # the prompt's KV is what is wanted
         try:
-            request = self.adapter.chat_request(body, [], audio)
+            request = self.adapter.prefill_request(body, [], audio)
         except (ValueError, TypeError, KeyError):
             return  # the turn's response will say what is wrong with it
+        if request is None:
+            return
         self._prefills = [t for t in self._prefills if not t.done()]
         self._prefills.append(asyncio.create_task(self._prefill(request)))
 
@@ -354,6 +359,8 @@ class RealtimeSession:
                                 "temperature": config.temperature}
         if "audio" in config.output_modalities:
             body["modalities"], body["audio"] = ["text", "audio"], {"voice": config.voice}
+            # the Talker's (Qwen3-Omni's chat fields): its steps are the answer's audio tokens
+            body["talker_temperature"], body["talker_max_tokens"] = config.temperature, config.max_output_tokens
         return body, audio
 
     def _request(self, config: SessionConfig) -> tuple[str, ApiRequest]:
