@@ -187,7 +187,10 @@ def _add_realtime(bsub) -> None:
     r.add_argument("--sessions", type=_batches, default=[1, 4, 16], help="comma-separated levels (default 1,4,16)")
     r.add_argument("--turn-s", type=float, default=4.0, help="seconds of audio per turn (default 4)")
     r.add_argument("--segment-ms", type=int, default=1000, help="the session's clips (default 1000)")
-    r.add_argument("--max-tokens", type=int, default=8, help="answer tokens (default 8)")
+    r.add_argument("--max-tokens", type=int, default=8, help="answer tokens (default 8; a spoken answer's Talker "
+                                                              "steps too)")
+    r.add_argument("--output", choices=("audio", "text"), default="audio",
+                   help="spoken answers, timed to the first audio delta (default), or text answers")
     r.add_argument("--repeats", type=int, default=1, help="repeats per level (default 1)")
     r.set_defaults(func=run_realtime)
 
@@ -200,7 +203,7 @@ def run_realtime(args: argparse.Namespace) -> int:
     if args.turn_s <= 0 or args.max_tokens < 1 or args.repeats < 1:
         raise ValueError("--turn-s must be > 0, --max-tokens and --repeats >= 1")
     res = run_realtime_bench(args.model, tuple(args.sessions), args.turn_s, args.segment_ms, args.max_tokens,
-                             args.repeats, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                             args.repeats, log=lambda msg: print(msg, file=sys.stderr, flush=True), output=args.output)
     print(format_table(res))
     return 0
 
