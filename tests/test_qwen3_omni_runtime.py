@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mstar import RequestStatus
+from mstar.model.submodule import EngineInputs, ForwardInfo
 from mstar.models.qwen3_omni import graph as omni_graph
 from mstar.models.qwen3_omni import loader
 from mstar.models.qwen3_omni.config import TINY_HF_CONFIG
@@ -584,3 +585,30 @@ def test_a_voice_chat_reuses_its_earlier_audio_turns(omni):
     assert hits[1][5] == (later.numel() - 1) // block * block > int(audio_rows[-1])  # now kept: through the clip
     for cached, uncached in zip(outputs[len(work):], outputs[:len(work)]):
         assert cached[0] == uncached[0] and torch.equal(cached[1], uncached[1]) and torch.equal(cached[2], uncached[2])
+
+
+def test_a_vad_request_walks_only_the_vad_node(runtime):
+    """A ``VadRequest`` (inputs ``vad_audio``, ``vad_state``, ``vad_context``) walks the VAD node alone:
+    its outputs are the node's for the stretch, two requests batched or not, and no KV is held."""
+    from mstar.layers.vad import VAD_RATE, SileroVadNode, initial_vad_state, vad_available
+
+    if not vad_available():
+        pytest.skip("the silero-vad package is not installed")
+    t = torch.arange(6 * 256) / VAD_RATE
+    audio = [(0.3 * torch.sin(2 * torch.pi * f * t) * (1 + torch.sin(2 * torch.pi * 3 * t))).float()
+             for f in (180.0, 300.0)]
+    requests = [{"vad_audio": a, "vad_state": initial_vad_state()[0], "vad_context": initial_vad_state()[1]}
+                for a in audio]
+    outs = runtime.generate(requests, {})
+    node = SileroVadNode()
+    for inputs, out in zip(requests, outs):
+        assert out.finished, out.error
+        assert set(out.outputs) == {"vad_probs", "vad_state", "vad_context"}  # nothing of the Thinker's
+        info = ForwardInfo("r", "vad", "vad", (), None)
+        args = node.prepare_inputs("vad", info, {k: [v] for k, v in inputs.items()}).args
+        alone = node.forward("vad", EngineInputs(["vad"], ["vad"], ["r"], [info], {}, [args]))
+        for name in ("vad_probs", "vad_state", "vad_context"):
+            torch.testing.assert_close(out.tensors(name)[0], alone[name][0], atol=1e-5, rtol=0)
+    assert kv_blocks_in_use(runtime) == 0
+    with pytest.raises(ValueError, match="VAD request"):
+        runtime.submit({**requests[0], "input_ids": PROMPTS[0]}, {})

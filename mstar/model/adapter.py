@@ -150,12 +150,18 @@ class ApiAdapter:
     voices: tuple[str, ...] = ()
     default_voice: str | None = None
     sample_rate: int = 24000
+    detects_speech: bool = False  # the graph has the VAD walk (``vad_request``): the realtime route's server VAD
     accepts_audio: bool = False  # chat_request takes ``input_audio`` parts (the realtime route's spoken turns)
 
     def chat_request(self, body: Mapping[str, Any], images: list[torch.Tensor],
                      audio: list[tuple[torch.Tensor, int]]) -> ApiRequest:
         """``body``: the chat completion request; ``images`` decoded (uint8 HWC), ``audio`` (pcm, rate)."""
         raise NotImplementedError
+
+    def vad_request(self, audio: torch.Tensor, state: torch.Tensor, context: torch.Tensor) -> ApiRequest:
+        """Voice activity detection over ``audio`` (whole windows at 8 kHz) from ``state`` / ``context``:
+        the request of the model's VAD walk (``mstar.layers.vad``), where ``detects_speech``."""
+        raise NotImplementedError(f"{type(self).__name__} has no VAD walk")
 
     def prefill_request(self, body: Mapping[str, Any], images: list[torch.Tensor],
                         audio: list[tuple[torch.Tensor, int]]) -> ApiRequest | None:

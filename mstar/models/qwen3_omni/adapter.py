@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from mstar.layers.vad import VadRequest
 from mstar.model.adapter import (
     CHAT,
     GENERATE,
@@ -124,6 +125,7 @@ class Qwen3OmniAdapter(ApiAdapter):
     default_voice = DEFAULT_VOICE
     sample_rate = SAMPLE_RATE
     accepts_audio = True
+    detects_speech = True  # the graph's VAD walk (mstar.layers.vad)
 
     def __init__(self, model: Any, token_ids: OmniTokenIds | None = None) -> None:
         self.model = model
@@ -139,6 +141,9 @@ class Qwen3OmniAdapter(ApiAdapter):
         speech = self._speech_params(body) if "audio" in (body.get("modalities") or ()) else None
         turns = _turns(body["messages"], media)
         return self._request(turns, media, body, speech)
+
+    def vad_request(self, audio, state, context):
+        return ApiRequest({"vad_audio": [audio], "vad_state": [state], "vad_context": [context]}, VadRequest())
 
     def prefill_request(self, body, images, audio):
         """The chat request as a one-token text answer; for a spoken answer's prompt (its system

@@ -19,6 +19,8 @@
                                  frame_assembler: code0, speak, code (15), cp_sum -> codec_sum (fed back),
                                                   frame_codes (client), codec_frames ~> Code2Wav)
     Code2Wav  code2wav_chunk:  codec_frames (5, 10, 20, then 25 new frames + left context) -> Code2Wav -> audio
+    Thinker   vad:             vad_audio, vad_state, vad_context -> vad (Silero VAD, ``mstar.layers.vad``)
+                               -> vad_probs, vad_state, vad_context (client): a ``VadRequest``'s only walk
 
 Stream items: the Thinker's prefill pushes ONE item, the prompt's ``[P, 2, H]`` (input embeddings and
 the ``accept_hidden_layer`` output per position); each decode iteration pushes the ``[1, 2, H]`` of the
@@ -54,6 +56,7 @@ from mstar.graph import (
     Walk,
     WalkGraph,
 )
+from mstar.layers.vad import VAD_WALK, VadRequest, vad_walk
 from mstar.model.decode import prefill_finish
 
 if TYPE_CHECKING:
@@ -69,8 +72,8 @@ CODE2WAV_LEFT_CONTEXT = 25  # the seeds' value; the model passes its exact conte
 
 
 def wants_audio(request) -> bool:
-    """Whether a request (an ``OmniRequest``) asks for speech (default: text only)."""
-    return request.audio
+    """Whether a request (an ``OmniRequest``) asks for speech (default: text only; a ``VadRequest`` never)."""
+    return getattr(request, "audio", False)
 
 
 def _prefill_section(outputs: list[GraphEdge], audio_in: bool, image_in: bool):
@@ -177,7 +180,7 @@ def build_graph(max_text_tokens: int = 2048, max_frames: int = 4096,
                                                   first_chunk=code2wav_first_chunk)),
     ])
     return WalkGraph([*_thinker_walks(max_text_tokens), *_talker_walks(max_frames, num_code_groups),
-                      Walk("code2wav_chunk", code2wav, partition="Code2Wav")], topology=topology)
+                      Walk("code2wav_chunk", code2wav, partition="Code2Wav"), vad_walk("Thinker")], topology=topology)
 
 
 def next_walk(state: WalkState) -> str | None:
@@ -189,6 +192,8 @@ def next_walk(state: WalkState) -> str | None:
     audio = wants_audio(state.params)
     images = bool(state.tensors.get("pixel_values"))
     if state.partition == "Thinker":
+        if isinstance(state.params, VadRequest):  # a stretch of a realtime session's audio: VAD only
+            return VAD_WALK if state.last_walk is None else None
         if state.last_walk is None:
             return prefill_walk_name(bool(state.tensors.get("audio_features")), images, audio)
         if state.last_walk.startswith("thinker_prefill") and prefill_finish(state) is None:

@@ -4,6 +4,9 @@
 (``loader.py``); ``Qwen3OmniTiny`` (``qwen3-omni-tiny``): the tiny configuration of ``config.py`` with
 seeded random weights, offline.
 
+A ``VadRequest`` (inputs ``vad_audio``, ``vad_state``, ``vad_context``: ``mstar.layers.vad``) walks only
+the VAD node: the realtime route's voice activity detection, placed like any node.
+
 Request inputs: ``input_ids`` (one 1-D int tensor: the chat prompt, ending in
 ``<|im_start|>assistant\\n`` for audio output) and optionally ``audio_features`` (one ``[128, T]`` log-mel
 tensor per clip, ``encoders.audio_input``; the prompt holds one audio placeholder per audio-tower
@@ -34,6 +37,7 @@ import torch
 
 from mstar.graph import FinishReason, WalkGraph
 from mstar.layers.sampling import SamplingParams, request_sampling
+from mstar.layers.vad import VAD_INPUTS, VAD_NODE, SileroVadNode, VadRequest
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.model.checkpoint import check_load_format, reject_checkpoint, resolve_dtype
 from mstar.model.decode import prefill_finish, stop_token_set
@@ -45,7 +49,8 @@ from mstar.models.qwen3_omni.request import OmniRequest
 
 __all__ = ["Qwen3Omni", "Qwen3OmniTiny"]
 
-_NODES = ("audio_encoder", "vision_encoder", "Thinker", "Talker", "code_predictor", "frame_assembler", "Code2Wav")
+_NODES = ("audio_encoder", "vision_encoder", "Thinker", "Talker", "code_predictor", "frame_assembler", "Code2Wav",
+          VAD_NODE)
 
 
 class Qwen3Omni(LazyTokenizer, ModelDef):
@@ -53,7 +58,7 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
     alone needs none), or ``config`` with ``load_format="dummy"`` for seeded random weights."""
 
     checks_params = True  # parse_request looks up every params key (Runtime.submit refuses others)
-    request_type = OmniRequest
+    request_type = (OmniRequest, VadRequest)
 
     name = "qwen3-omni"
     family = "qwen3-omni"
@@ -132,9 +137,13 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
         return state.finish
 
     # -- requests ----------------------------------------------------------------------------------
-    def parse_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> OmniRequest:
+    def parse_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> OmniRequest | VadRequest:
         from mstar.models.qwen3_omni import nodes
 
+        if "vad_audio" in inputs:  # voice activity detection over a stretch of audio (``mstar.layers.vad``)
+            if set(inputs) != set(VAD_INPUTS) or any(len(inputs[k]) != 1 for k in VAD_INPUTS):
+                raise ValueError(f"qwen3-omni: a VAD request has exactly the inputs {list(VAD_INPUTS)}, one each")
+            return VadRequest()
         if "input_ids" not in inputs or len(inputs["input_ids"]) != 1:
             raise ValueError("qwen3-omni: 'input_ids' (one 1-D tensor of prompt token ids) is required")
         ids = inputs["input_ids"][0]
@@ -223,8 +232,10 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
                              f"context of {limit} positions")
         return voice, talker, predictor
 
-    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], request: OmniRequest) -> Mapping[str, int]:
+    def max_kv_tokens(self, inputs: Mapping[str, list[Any]], request: OmniRequest | VadRequest) -> Mapping[str, int]:
         """Thinker: prompt + max_tokens; Talker (audio only): the user part (<= prompt) + 9 + its steps."""
+        if isinstance(request, VadRequest):
+            return {}
         n = inputs["input_ids"][0].numel()
         out = {"Thinker": n + request.thinker.max_tokens}
         if request.audio:
@@ -254,6 +265,8 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
                 mods[node] = codec_nodes.FrameAssembler()
             elif node == "Code2Wav":
                 mods[node] = codec_nodes.Code2WavNode(loader.build_code2wav(cfg, path, fmt, self.seed + 3))
+            elif node == VAD_NODE:
+                mods[node] = SileroVadNode()
             else:
                 raise ValueError(f"qwen3-omni has no node {node!r}; nodes: {', '.join(_NODES)}")
         return mods

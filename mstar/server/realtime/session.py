@@ -11,9 +11,12 @@ A model that takes audio (``ApiAdapter.accepts_audio``) also takes spoken turns:
 the input audio buffer, committed by the client (``turn_detection`` null), or ``input_audio`` parts
 of a user item. A turn's audio reaches the model as the chat route's ``input_audio`` parts do, so
 the same audio sent as a chat completion gets the same answer. With ``turn_detection: server_vad``
-(the default where the ``silero-vad`` package is installed, as in OpenAI's API) the server finds
-the turns itself (``vad.VadStream``): speech starting marks a turn (and cancels a response under
-way: barge-in), silence after it commits the turn and, with ``create_response``, answers it.
+(the default for a model whose graph has the VAD walk, ``ApiAdapter.detects_speech``, where the
+``silero-vad`` package is installed, as in OpenAI's API) the server finds the turns itself: the
+appended audio goes, a stretch of windows at a time, through the model's VAD node (a request of
+its own, batched with other sessions' by the runtime), and ``vad.VadStream`` turns the
+probabilities into events: speech starting marks a turn (and cancels a response under way:
+barge-in), silence after it commits the turn and, with ``create_response``, answers it.
 
 A spoken turn reaches the model as consecutive clips of ``segment_ms`` (the last one shorter), as
 ``input_audio`` parts, and each clip is prefilled while the user is still talking: once a clip is
@@ -75,7 +78,7 @@ class RealtimeSession:
         self.id = new_id("sess")
         self.audio_in = self.adapter.accepts_audio
         self.audio_out = self._speaks()
-        vad = VadConfig() if self.audio_in and vad_available() else None
+        vad = VadConfig() if self._detects() else None
         self.config = SessionConfig(output_modalities=("audio",) if self.audio_out else ("text",),
                                     voice=self.adapter.default_voice, turn_detection=vad)
         self.items: list[Item] = []
@@ -90,6 +93,10 @@ class RealtimeSession:
         self._response: Response | None = None
         self._send_lock = asyncio.Lock()
         self.closed = False
+
+    def _detects(self) -> bool:
+        """Whether server VAD can run: the model's graph has the VAD walk and silero-vad is installed."""
+        return self.audio_in and self.adapter.detects_speech and vad_available()
 
     def _speaks(self) -> bool:
         """Whether answers can be audio (pcm16 at the API's 24 kHz): a speech model, or a chat model
@@ -178,9 +185,10 @@ class RealtimeSession:
         if config.turn_detection is not None and not self.audio_in:
             raise EventError(f"model {self.serving.model_name!r} takes no audio input: turn_detection must be null",
                              code="unsupported", param="session.turn_detection")
-        if config.turn_detection is not None and not vad_available():
-            raise EventError("server_vad needs the silero-vad package on the server; leave turn_detection null "
-                             "and commit each turn", code="unsupported", param="session.turn_detection")
+        if config.turn_detection is not None and not self._detects():
+            raise EventError(f"server_vad needs the silero-vad package on the server and a VAD walk in "
+                             f"{self.serving.model_name!r}'s graph; leave turn_detection null and commit each turn",
+                             code="unsupported", param="session.turn_detection")
         if config.turn_detection != self.config.turn_detection:
             self._vad = None  # made with the new settings at the next append
         self.config = config
@@ -216,14 +224,17 @@ class RealtimeSession:
         return torch.frombuffer(bytearray(raw), dtype=torch.int16) if raw else torch.zeros(0, dtype=torch.int16)
 
     async def _detect(self, pcm: torch.Tensor) -> None:
-        """Feed the VAD (off the event loop); act on its events: a start marks the turn (and cancels
-        a response under way), a stop commits the turn (and may answer it)."""
+        """Feed the VAD; act on its events: a start marks the turn (and cancels a response under way),
+        a stop commits the turn (and may answer it)."""
         vad = self.config.turn_detection
         if self._vad is None:
-            self._vad = await asyncio.to_thread(VadStream, vad)
+            self._vad = VadStream(vad)
             if self._buffered > pcm.numel():  # audio appended before server_vad was switched on
-                await asyncio.to_thread(self._vad.feed, torch.cat(self._buffer[:-1]))
-        for event in await asyncio.to_thread(self._vad.feed, pcm):
+                pcm = torch.cat(self._buffer)
+        windows = self._vad.take(pcm)
+        if windows is None:
+            return
+        for event in await self._run_vad(windows):
             if event.kind is VadKind.STARTED:
                 self._turn_start, self._prefilled, self._speaking = event.at_ms * INPUT_RATE // 1000, 0, True
                 await self.send(server_event("input_audio_buffer.speech_started", audio_start_ms=event.at_ms,
@@ -236,6 +247,15 @@ class RealtimeSession:
                 await self._commit(event.at_ms * INPUT_RATE // 1000)
                 if vad.create_response and self._response is None:
                     await self._create_response(None)
+
+    async def _run_vad(self, windows: torch.Tensor) -> list:
+        """The VAD walk over ``windows`` (one request, from the stream's state): its events."""
+        v = self._vad
+        request = self.adapter.vad_request(windows, v.state, v.context)
+        out = {}
+        async for item in self.serving.stream("realtime", request.inputs, request.params):
+            out[item.name] = item.value[0]
+        return v.decide(out["vad_probs"], out["vad_state"], out["vad_context"])
 
     def _next_item_id(self) -> str:
         if self._pending_item is None:
