@@ -612,3 +612,5 @@ def test_a_vad_request_walks_only_the_vad_node(runtime):
     assert kv_blocks_in_use(runtime) == 0
     with pytest.raises(ValueError, match="VAD request"):
         runtime.submit({**requests[0], "input_ids": PROMPTS[0]}, {})
+    with pytest.raises(ValueError, match="whole windows"):  # refused at submit, not in the node
+        runtime.submit({**requests[0], "vad_audio": torch.zeros(100)}, {})

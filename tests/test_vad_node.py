@@ -78,6 +78,9 @@ def test_a_stream_in_stretches_gives_what_it_gives_whole():
     (torch.zeros(0), torch.zeros(2, 128), torch.zeros(32), "whole windows"),
     (torch.zeros(256), torch.zeros(2, 64), torch.zeros(32), "vad_state"),
     (torch.zeros(256), torch.zeros(2, 128), torch.zeros(16), "vad_state"),
+    (torch.zeros(256, dtype=torch.int16), torch.zeros(2, 128), torch.zeros(32), "float tensors"),
+    ([0.0] * 256, torch.zeros(2, 128), torch.zeros(32), "float tensors"),
+    (torch.zeros(256 * 7501), torch.zeros(2, 128), torch.zeros(32), "whole windows"),
 ])
 def test_bad_stretches_are_refused(audio, state, context, match):
     info = ForwardInfo("r", "vad", "vad", (), None)

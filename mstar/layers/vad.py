@@ -37,8 +37,9 @@ from mstar.model.request import ModelRequest
 from mstar.model.sendable import register_message
 from mstar.model.submodule import EngineInputs, ForwardInfo, NodeInputs, NodeSubmodule
 
-__all__ = ["VAD_CONTEXT", "VAD_INPUTS", "VAD_NODE", "VAD_RATE", "VAD_STATE_SHAPE", "VAD_WALK", "VAD_WINDOW",
-           "SileroVadNode", "VadRequest", "initial_vad_state", "load_silero", "vad_available", "vad_walk"]
+__all__ = ["MAX_VAD_WINDOWS", "VAD_CONTEXT", "VAD_INPUTS", "VAD_NODE", "VAD_RATE", "VAD_STATE_SHAPE", "VAD_WALK",
+           "VAD_WINDOW", "SileroVadNode", "VadRequest", "check_vad_inputs", "initial_vad_state", "load_silero",
+           "vad_available", "vad_walk"]
 
 VAD_RATE = 8000
 VAD_WINDOW = 256  # samples per network call at 8 kHz (32 ms)
@@ -46,6 +47,22 @@ VAD_CONTEXT = 32  # samples of the previous window each call also reads
 VAD_STATE_SHAPE = (2, 128)
 VAD_NODE, VAD_WALK = "vad", "vad"
 VAD_INPUTS = ("vad_audio", "vad_state", "vad_context")
+MAX_VAD_WINDOWS = 60 * VAD_RATE // VAD_WINDOW  # a minute of audio per request at most
+
+
+def check_vad_inputs(audio: Any, state: Any, context: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A VAD request's inputs as ``[n, 256]`` windows, ``[2, 128]`` state and ``[32]`` context, all
+    float; ValueError naming what is wrong."""
+    tensors = (audio, state, context)
+    if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors):
+        raise ValueError(f"{', '.join(VAD_INPUTS)} must be float tensors")
+    audio = audio.reshape(-1).float()
+    if audio.numel() == 0 or audio.numel() % VAD_WINDOW or audio.numel() > MAX_VAD_WINDOWS * VAD_WINDOW:
+        raise ValueError(f"vad_audio must hold 1 to {MAX_VAD_WINDOWS} whole windows of {VAD_WINDOW} samples at "
+                         f"{VAD_RATE} Hz, got {audio.numel()} samples")
+    if tuple(state.shape) != VAD_STATE_SHAPE or context.numel() != VAD_CONTEXT:
+        raise ValueError(f"vad_state must be {list(VAD_STATE_SHAPE)} and vad_context [{VAD_CONTEXT}]")
+    return audio.view(-1, VAD_WINDOW), state.float(), context.reshape(-1).float()
 
 
 @register_message
@@ -111,15 +128,7 @@ class SileroVadNode(NodeSubmodule):
 
     def prepare_inputs(self, graph_walk: str, fwd_info: ForwardInfo,
                        inputs: Mapping[str, list[torch.Tensor]]) -> NodeInputs:
-        audio = inputs["vad_audio"][0].reshape(-1).float()
-        state = inputs["vad_state"][0].float()
-        context = inputs["vad_context"][0].reshape(-1).float()
-        if audio.numel() == 0 or audio.numel() % VAD_WINDOW:
-            raise ValueError(f"vad_audio must hold whole windows of {VAD_WINDOW} samples at {VAD_RATE} Hz, "
-                             f"got {audio.numel()}")
-        if tuple(state.shape) != VAD_STATE_SHAPE or context.numel() != VAD_CONTEXT:
-            raise ValueError(f"vad_state must be {list(VAD_STATE_SHAPE)} and vad_context [{VAD_CONTEXT}]")
-        return NodeInputs(args=_Stretch(audio.view(-1, VAD_WINDOW), state, context))
+        return NodeInputs(args=_Stretch(*check_vad_inputs(*(inputs[name][0] for name in VAD_INPUTS))))
 
     def forward(self, graph_walk: str | None, engine_inputs: EngineInputs, **_: torch.Tensor) -> dict[str, list]:
         if self._net is None:

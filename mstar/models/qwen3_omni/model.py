@@ -37,7 +37,7 @@ import torch
 
 from mstar.graph import FinishReason, WalkGraph
 from mstar.layers.sampling import SamplingParams, request_sampling
-from mstar.layers.vad import VAD_INPUTS, VAD_NODE, SileroVadNode, VadRequest
+from mstar.layers.vad import VAD_INPUTS, VAD_NODE, SileroVadNode, VadRequest, check_vad_inputs
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.model.checkpoint import check_load_format, reject_checkpoint, resolve_dtype
 from mstar.model.decode import prefill_finish, stop_token_set
@@ -143,6 +143,7 @@ class Qwen3Omni(LazyTokenizer, ModelDef):
         if "vad_audio" in inputs:  # voice activity detection over a stretch of audio (``mstar.layers.vad``)
             if set(inputs) != set(VAD_INPUTS) or any(len(inputs[k]) != 1 for k in VAD_INPUTS):
                 raise ValueError(f"qwen3-omni: a VAD request has exactly the inputs {list(VAD_INPUTS)}, one each")
+            check_vad_inputs(*(inputs[name][0] for name in VAD_INPUTS))
             return VadRequest()
         if "input_ids" not in inputs or len(inputs["input_ids"]) != 1:
             raise ValueError("qwen3-omni: 'input_ids' (one 1-D tensor of prompt token ids) is required")
