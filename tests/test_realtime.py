@@ -39,7 +39,7 @@ def _text(events, kind="response.output_text.delta") -> str:
     return "".join(e.delta for e in events if e.type == kind)
 
 
-def test_a_text_conversation_keeps_its_turns(client):
+def test_a_text_conversation_keeps_its_turns(client, server):
     with client.realtime.connect(model=MODEL) as conn:
         created = conn.recv()
         assert created.type == "session.created" and created.session.model == MODEL
@@ -62,6 +62,11 @@ def test_a_text_conversation_keeps_its_turns(client):
         conn.response.create(response={"max_output_tokens": 4})
         second = _text(until_response_done(conn))
         assert second == expected_text("hello" + answer + "more", 4)
+    # a response's walks are traced under its id
+    import httpx
+
+    trace = httpx.get(f"{server[0]}/v1/requests/{done.id}/trace", timeout=30).json()
+    assert len(trace["requests"]) == 1 and trace["requests"][0]["walks"]
 
 
 def test_a_spoken_answer_streams_pcm16_and_its_transcript(client):

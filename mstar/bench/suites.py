@@ -203,6 +203,19 @@ def suite_realtime(repeats: int | None) -> SuiteResult:
                        data=res)
 
 
+def suite_trace(repeats: int | None) -> SuiteResult:
+    from mstar.bench.trace_bench import format_table, run_trace_bench
+
+    n = _n(repeats, 5)
+    res = run_trace_bench(repeats=n, log=_log)
+    return SuiteResult("trace", f"mstar bench trace --repeats {n}", tables=[format_table(res)],
+                       goals=[Goal("the same tokens with and without traces: " + ("yes" if res.same_tokens else "no"),
+                                   res.same_tokens),
+                              Goal(f"16 concurrent: tok/s with traces within 5% of without: traced / untraced "
+                                   f"{res.ratio:.3f}", res.ratio >= 0.95)],
+                       notes=_fewer(repeats, 5), data=res)
+
+
 def suite_sampler(repeats: int | None) -> SuiteResult:
     from mstar.bench.sampler_bench import format_table, goal_lines, run_sampler_bench
 
@@ -305,6 +318,7 @@ SUITES: dict[str, Suite] = {
     "prefix": Suite("Prefix caching: a shared system prompt, on vs. off", suite_prefix),
     "realtime": Suite("Realtime: end of a spoken turn -> first answer delta, /v1/realtime vs. a chat completion",
                       suite_realtime),
+    "trace": Suite("Walk traces: tok/s with traces kept vs. none", suite_trace),
     "sampler": Suite("Sampler: OpenAI sampling options on every row vs. none", suite_sampler),
     "serve": Suite("Load generator against a running server", suite_serve),
     "soak": Suite("Soak: mixed load, leaks", suite_soak),

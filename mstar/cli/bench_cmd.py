@@ -19,7 +19,8 @@ _batches = int_list("--batch")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark", description="Run a benchmark.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve, _add_realtime, *ENGINE_BENCHES):
+    for add in (_add_runtime, _add_orpheus, _add_rollout, _add_compare, _add_serve, _add_realtime, _add_trace,
+                *ENGINE_BENCHES):
         add(bsub)
 
 
@@ -193,6 +194,30 @@ def _add_realtime(bsub) -> None:
                    help="spoken answers, timed to the first audio delta (default), or text answers")
     r.add_argument("--repeats", type=int, default=1, help="repeats per level (default 1)")
     r.set_defaults(func=run_realtime)
+
+
+def _add_trace(bsub) -> None:
+    t = bsub.add_parser("trace", help="what keeping walk traces costs: tok/s with and without",
+                        description="The same concurrent requests through a runtime keeping walk traces and one "
+                                    "not, in rotating rounds: generated tokens per second and their ratio.")
+    t.add_argument("--model", default="smollm2-135m", help="a text model (default smollm2-135m)")
+    t.add_argument("--concurrency", type=int, default=16, help="requests at once (default 16)")
+    t.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    t.add_argument("--repeats", type=int, default=3, help="rounds (default 3)")
+    t.set_defaults(func=run_trace)
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    import sys
+
+    from mstar.bench.trace_bench import format_table, run_trace_bench
+
+    if args.concurrency < 1 or args.max_tokens < 1 or args.repeats < 1:
+        raise ValueError("--concurrency, --max-tokens and --repeats must be >= 1")
+    res = run_trace_bench(args.model, args.concurrency, args.max_tokens, args.repeats,
+                          log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_table(res))
+    return 0
 
 
 def run_realtime(args: argparse.Namespace) -> int:

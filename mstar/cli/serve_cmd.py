@@ -43,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "kv_cache_blocks)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
                    help="do not reuse KV blocks of identical prompt prefixes across requests (on by default)")
+    p.add_argument("--trace-requests", type=int, metavar="N", default=None,
+                   help="keep the walk traces of the latest N requests (GET /v1/requests/{id}/trace; default 256 "
+                        "or the placement's runtime.trace_requests; 0: none)")
     p.add_argument("--on-worker-death", choices=["restart", "exit"], default="restart",
                    help="restart: respawn a dead worker process (default); exit: exit non-zero at the first death")
     p.add_argument("--max-restarts", type=int, default=3,
@@ -98,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     runtime = Runtime(args.model, args.config, workers=args.workers, model_kwargs=kwargs,
                       kv_cache_memory_gib=args.kv_cache_memory, on_worker_death=args.on_worker_death,
                       max_restarts=args.max_restarts, restart_window_s=args.restart_window,
-                      prefix_caching=args.prefix_caching, **_ray_kwargs(args))
+                      prefix_caching=args.prefix_caching, trace_requests=args.trace_requests, **_ray_kwargs(args))
     runtime.start()
     log.info("model ready in %.1f s on %d rank(s)", time.perf_counter() - t0, runtime.routing.num_ranks)
     name = args.served_model_name or args.model

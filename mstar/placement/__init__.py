@@ -22,6 +22,7 @@ only for some walks::
       prefix_caching: true
       scheduling: downstream_first    # or fcfs (RuntimeLimits)
       scheduling_max_wait_ms: 20      # an item waiting longer goes first, whatever its partition
+      trace_requests: 256             # walk traces kept of the latest requests (0: none)
 
 Group keys: ``node_names`` and ``ranks`` (required), ``graph_walks`` (restrict the group to these
 walks), ``tp_size`` (default 1) and ``max_batch_size`` (override of ``runtime.max_batch_size``).

@@ -10,7 +10,7 @@ from typing import Any
 TOP_LEVEL_KEYS = ("model", "name", "nodes", "node_groups", "runtime")
 GROUP_KEYS = ("node_names", "ranks", "graph_walks", "tp_size", "max_batch_size")
 RUNTIME_KEYS = ("max_batch_size", "kv_cache_blocks", "kv_block_size", "max_queue", "kv_cache_memory_gib",
-                "prefix_caching", "scheduling", "scheduling_max_wait_ms")
+                "prefix_caching", "scheduling", "scheduling_max_wait_ms", "trace_requests")
 SCHEDULING_POLICIES = ("downstream_first", "fcfs")
 
 DEFAULT_RANK = 0
@@ -50,6 +50,8 @@ class RuntimeLimits:
     and other requests are never starved; except an item whose request's consumer here still
     holds chunks it streamed and has not taken them (running it would only grow that backlog).
     Models without streams have one partition: FCFS.
+    ``trace_requests`` (default 256; 0: none): how many of the latest requests' walk traces the
+    runtime keeps (``Runtime.trace``, ``GET /v1/requests/{id}/trace``).
     """
 
     max_batch_size: int = 32
@@ -60,6 +62,7 @@ class RuntimeLimits:
     prefix_caching: bool = True
     scheduling: str = "downstream_first"
     scheduling_max_wait_ms: float = 20.0
+    trace_requests: int = 256
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -71,6 +74,9 @@ class RuntimeLimits:
             elif f.name == "scheduling_max_wait_ms":
                 if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
                     raise PlacementError(f"runtime.scheduling_max_wait_ms must be a number >= 0, got {v!r}")
+            elif f.name == "trace_requests":
+                if not _is_int(v) or v < 0:
+                    raise PlacementError(f"runtime.trace_requests must be an int >= 0, got {v!r}")
             elif f.name == "prefix_caching":
                 if not isinstance(v, bool):
                     raise PlacementError(f"runtime.prefix_caching must be true or false, got {v!r}")

@@ -84,8 +84,8 @@ def _parse_runtime(raw: object, source: str) -> RuntimeLimits:
     memory = raw.get("kv_cache_memory_gib")
     values: dict[str, object] = {k: _pos_int(v, k, where) for k, v in raw.items()
                                  if k not in ("kv_cache_memory_gib", "prefix_caching", "scheduling",
-                                              "scheduling_max_wait_ms")}
-    for key in ("scheduling", "scheduling_max_wait_ms"):  # checked by RuntimeLimits
+                                              "scheduling_max_wait_ms", "trace_requests")}
+    for key in ("scheduling", "scheduling_max_wait_ms", "trace_requests"):  # checked by RuntimeLimits
         if key in raw:
             values[key] = raw[key]
     if "prefix_caching" in raw:

@@ -66,7 +66,7 @@ class Runtime:
                  start_timeout: float = 300.0, kv_cache_memory_gib: float | None = None,
                  on_worker_death: str = "restart", max_restarts: int = 3, restart_window_s: float = 300.0,
                  prefix_caching: bool | None = None, transport: str = "auto",
-                 ray_address: str | None = None) -> None:
+                 ray_address: str | None = None, trace_requests: int | None = None) -> None:
         """``on_worker_death`` (process mode): ``restart`` respawns a dead worker's rank, unless
         ``max_restarts`` restarts already happened within ``restart_window_s``; then, or at once
         with ``exit``, the runtime stays unhealthy for good (``fatal``).
@@ -75,6 +75,8 @@ class Runtime:
         ``kv_cache_blocks`` / ``kv_cache_memory_gib``; ``mstar serve --kv-cache-memory``).
         ``prefix_caching``: True / False replaces the placement's ``runtime.prefix_caching`` (default
         on; ``mstar serve --no-prefix-caching``).
+        ``trace_requests``: replaces the placement's ``runtime.trace_requests`` (how many of the
+        latest requests' traces ``trace`` finds; 0: none; ``mstar serve --trace-requests``).
 
         ``workers="ray"``: one Ray actor per rank (``drivers/ray.py``), on the Ray cluster at
         ``ray_address`` (None: the one this process is connected to, else a new local one); ranks
@@ -95,7 +97,8 @@ class Runtime:
             placement = Placement.load(placement)
         self.placement = placement.check_model(self.model.name, self.model.family).validate(graph)
         overrides = {k: v for k, v in (("kv_cache_memory_gib", kv_cache_memory_gib),
-                                       ("prefix_caching", prefix_caching)) if v is not None}
+                                       ("prefix_caching", prefix_caching), ("trace_requests", trace_requests))
+                     if v is not None}
         if overrides:
             limits = dataclasses.replace(self.placement.limits, **overrides)
             self.placement = dataclasses.replace(self.placement, limits=limits)
@@ -250,6 +253,18 @@ class Runtime:
             return future.result(timeout)
         except FutureTimeout:
             raise TimeoutError("stats did not arrive") from None
+
+    def trace(self, request_id: str, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """The walk traces (``trace.trace_json``) of request ``request_id``, or of every request
+        submitted with that label (``submit``'s ``request_id``): its walks, each with its node runs on
+        every rank. [] when no kept trace matches (unknown, or older than the last
+        ``trace_requests``). Errors as ``stats``'s."""
+        future: Future = Future()
+        self._command(lambda: self._conductor.trace(request_id, future))
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError("the trace did not arrive") from None
 
     # -- in-process access (inline mode), for tests and tools --------------------------------------
     def local_engine(self, module: str) -> StatelessEngine:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,6 +18,7 @@ from mstar.model.base import ModelDef, WalkState
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.routing import Routing
 from mstar.runtime.stats_gather import StatsGather
+from mstar.runtime.trace import RequestTrace, TraceGather, TraceStore
 from mstar.runtime.wire.messages import (
     Emit,
     EmitRows,
@@ -30,6 +32,7 @@ from mstar.runtime.wire.messages import (
     StartWalk,
     StatsReply,
     StreamEnd,
+    TraceReply,
     WalkDone,
 )
 
@@ -82,6 +85,7 @@ class _Request:
     deferred: list[tuple[int, StartWalk]] = field(default_factory=list)
     streamed: dict[str, int] = field(default_factory=dict)  # stream (wire form) -> items pushed so far
     finish: FinishReason | None = None  # the latest a partition ended with (``ModelDef.finish_reason``)
+    trace: RequestTrace | None = None  # its walks, when traces are kept (``trace.py``)
 
 
 class Conductor:
@@ -91,6 +95,9 @@ class Conductor:
         self.transport = transport
         self.requests: dict[str, _Request] = {}
         self.stats = StatsGather(routing, transport, self.num_running)
+        keep = routing.placement.limits.trace_requests
+        self.traces = TraceStore(keep) if keep else None  # trace.py: each request's walks
+        self.trace_calls = TraceGather(routing.num_ranks, transport)
         self._ids = itertools.count()
         self._row_sinks: tuple[list[str], list] | None = None  # (a request_ids list, its rows' on_row or None)
 
@@ -110,6 +117,8 @@ class Conductor:
             st.tensors = tensors
             parts[p] = _Partition(st)
         req = _Request(request_id, params, parts, sink, RequestStatus.RUNNING)
+        if self.traces is not None:
+            req.trace = self.traces.start(request_id)
         self.requests[request_id] = req
         self._row_sinks = None  # looked up again: the rows find the requests as they are now
         for p in graph.root_partitions:
@@ -140,6 +149,9 @@ class Conductor:
         if isinstance(msg, StatsReply):
             self.stats.reply(msg)
             return
+        if isinstance(msg, TraceReply):
+            self.trace_calls.reply(msg)
+            return
         req = self.requests.get(msg.request_id)
         if req is None:
             return  # a late message of a finished request
@@ -148,6 +160,8 @@ class Conductor:
         elif isinstance(msg, WalkDone):
             part = req.partitions[msg.partition]
             part.running = False
+            if req.trace is not None:
+                req.trace.walk_ended(msg.partition)
             part.state.tensors.update(msg.state)
             part.state.finish = msg.finish
             for k, n in msg.streamed.items():
@@ -225,6 +239,8 @@ class Conductor:
         req.walks.append(walk)
         inputs = {n: part.state.tensors[n] for n in plan.inputs}
         start = StartWalk(req.request_id, partition, walk, part.walks_run, inputs, req.params, dict(req.streamed))
+        if req.trace is not None:
+            req.trace.walk_started(walk, partition, part.walks_run)
         part.walks_run += 1
         self._migrate_kv(req, partition, walk)
         if req.migrations:
@@ -268,10 +284,22 @@ class Conductor:
             return
         req.status, req.error = status, error
         del self.requests[req.request_id]
+        if req.trace is not None:
+            reason = finish or {RequestStatus.ABORTED: FinishReason.ABORT, RequestStatus.FAILED: FinishReason.ERROR}.get(status)
+            req.trace.end(status.name.lower(), str(reason) if reason else None, error)
+            self.traces.finish(req.request_id)
         self._row_sinks = None  # a list of sinks may hold the request's
         for rank in range(self.routing.num_ranks):
             self.transport.send(rank, FreeRequest(req.request_id))
         req.sink.on_end(status, error, failure, finish)
+
+    def trace(self, key: str, future: Future) -> None:
+        """``future`` gets the traces (``trace.trace_json``) of request ``key`` or of every request
+        labelled ``key``: [] when none is kept."""
+        if self.traces is None:
+            future.set_result([])
+            return
+        self.trace_calls.collect(self.traces.find(key), future)
 
     def num_running(self) -> int:
         return len(self.requests)

@@ -26,7 +26,15 @@ from typing import TYPE_CHECKING, Any
 from mstar.runtime.failures import FailureKind, describe
 from mstar.runtime.self_loops import LoopExits, RowsBound
 from mstar.runtime.walk_records import read_stop
-from mstar.runtime.wire.messages import ExecNode, NodeResult, StartWalk, StatsRequest, StreamEnd, StreamPush
+from mstar.runtime.wire.messages import (
+    ExecNode,
+    NodeResult,
+    StartWalk,
+    StatsRequest,
+    StreamEnd,
+    StreamPush,
+    TraceRequest,
+)
 from mstar.runtime.work_items import WorkItem, as_values
 
 if TYPE_CHECKING:
@@ -202,10 +210,10 @@ class RunningSet:
         items end the rows at the next step instead, the batch being another), and a walk's messages
         (its start, nodes and results, its stream's items and end) only its partition's: the items
         the rows stream to another partition of their requests leave them as they are. Others
-        (stats aside) are taken to touch anything."""
+        (stats and trace requests aside) are taken to touch anything."""
         rid = getattr(msg, "request_id", None)
         if rid is None:
-            if not isinstance(msg, StatsRequest):
+            if not isinstance(msg, (StatsRequest, TraceRequest)):
                 self.dissolve()
             return
         walk_msg = type(msg) in _WALK_MESSAGES

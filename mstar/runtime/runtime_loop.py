@@ -86,3 +86,4 @@ class RuntimeLoop:
         for rid in list(self._conductor.requests):
             self._conductor.fail(rid, error, kind)
         self._conductor.stats.fail(error)
+        self._conductor.trace_calls.fail(error)

@@ -20,6 +20,7 @@ follower and stats barrier (``TPRank``).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -34,6 +35,7 @@ from mstar.runtime.scheduling import ModuleScheduler, RankScheduler, module_stag
 from mstar.runtime.streams import StreamInbox
 from mstar.runtime.tp.follower import TPRank
 from mstar.runtime.tp.groups import TPContext
+from mstar.runtime.trace import NodeRuns
 from mstar.runtime.walk_table import LiveWalk, WalkTable
 from mstar.runtime.walk_tracker import WalkTracker
 from mstar.runtime.wire.messages import (
@@ -47,6 +49,8 @@ from mstar.runtime.wire.messages import (
     StatsRequest,
     StreamEnd,
     StreamPush,
+    TraceReply,
+    TraceRequest,
 )
 from mstar.runtime.work_items import DEFERRED, WorkItem
 from mstar.runtime.worker_engines import build_engines
@@ -74,6 +78,8 @@ class Worker:
         self.running_set = RunningSet(self.engines, self.sched, self.walks, self.fail_request)  # running_rows.py
         self.post = Postprocess(rank, routing, transport, self.walks, self.inbox, self.sched, self.fail_request)
         self.tp = TPRank(tp, built.shards, transport, self._reply_stats)
+        keep = routing.placement.limits.trace_requests
+        self.trace = NodeRuns(rank, keep) if keep else None  # trace.py: each request's node runs here
         self.running = True
         # requests already freed here: a message for one (sent before its sender learned of the end)
         # is dropped, so it cannot allocate KV blocks or buffers that nobody would free
@@ -81,6 +87,7 @@ class Worker:
         self._handlers = {StartWalk: self._start_walk, ExecNode: self._exec_node, NodeResult: self._node_result,
                           StreamPush: self._stream_push, StreamEnd: self._stream_end, FreeRequest: self._free_request,
                           StatsRequest: lambda m: self.tp.stats_requested(m.token), Shutdown: self._shutdown,
+                          TraceRequest: self._trace_requested,
                           **KVMover(rank, self.engines, transport, self.post.guarded, self.fail_request,
                                     self.post.tell).handlers(),
                           **self.tp.handlers()}
@@ -150,6 +157,9 @@ class Worker:
     def _reply_stats(self, token: int) -> None:
         self.post.tell(StatsReply(token, self.rank, self.stats()))
 
+    def _trace_requested(self, msg: TraceRequest) -> None:
+        self.post.tell(TraceReply(msg.token, self.rank, self.trace.take(msg.request_ids) if self.trace else {}))
+
     def _shutdown(self, msg: Shutdown) -> None:
         self.running = False
 
@@ -170,9 +180,14 @@ class Worker:
             return False
         base, batch = picked
         rows = self.running_set.of(base, batch) if base in self.running_set.modules else None
+        trace = self.trace
+        if trace is not None:
+            started, wall = time.monotonic(), time.time()
         if rows is not None:  # the module's running rows
             out = self.running_set.run(rows)  # run
             if out is not None:
+                if trace is not None:  # before postprocess moves the rows' iterations on
+                    trace.record(rows.items, started, wall, time.monotonic() - started)
                 self.post.rows_ran(self.running_set, rows, out)  # postprocess
                 return True
         results = self.admission.run(base, batch)  # run: any batch
@@ -183,6 +198,9 @@ class Worker:
             return self.sched.runnable()  # other modules may still run
         self.admission.stalled.clear()
         self.sched.batch_hist[base][sum(out is not DEFERRED for out in results)] += 1
+        if trace is not None:
+            trace.record([it for it, out in zip(batch, results) if out is not DEFERRED], started, wall,
+                         time.monotonic() - started)
         continued, walks = self.post.results(batch, results)  # postprocess
         if continued:
             self.running_set.form(base, continued, walks)

@@ -9,7 +9,7 @@ from typing import Any
 from mstar.model.adapter import ItemDecoder
 from mstar.runtime.api import Runtime
 from mstar.runtime.handles import RequestError, StreamItem
-from mstar.server.errors import SHAPE_ERRORS, APIError, api_error
+from mstar.server.errors import SHAPE_ERRORS, APIError, api_error, request_id
 from mstar.server.metrics import ServerMetrics
 
 
@@ -49,7 +49,8 @@ class Serving:
         if self.in_flight >= self.max_queue:
             raise APIError(429, f"server is at capacity ({self.max_queue} requests in flight); retry later")
         try:
-            handle = self.runtime.submit(inputs, params)
+            label = request_id.get()  # the HTTP request's x-request-id: its trace's name (GET /v1/requests/{id}/trace)
+            handle = self.runtime.submit(inputs, params, request_id=None if label == "-" else label)
         except (ValueError, RuntimeError, *SHAPE_ERRORS) as e:  # bad input 400, a runtime not serving 503
             raise api_error(e) from e
         self.in_flight += 1

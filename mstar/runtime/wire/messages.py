@@ -207,6 +207,23 @@ class StatsReply:
 
 @register_message
 @dataclass
+class TraceRequest:
+    """Conductor -> every worker: the node runs it kept of these requests (``trace.NodeRuns``)."""
+
+    token: int
+    request_ids: list[str]
+
+
+@register_message
+@dataclass
+class TraceReply:
+    token: int
+    rank: int
+    runs: dict[str, Any]  # request id -> {"runs": [...], "not_kept": {...}}
+
+
+@register_message
+@dataclass
 class Shutdown:
     reason: str = ""
 

@@ -44,7 +44,7 @@ from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from mstar.model.adapter import CHAT, SPEECH, ApiRequest
-from mstar.server.errors import APIError, internal_error
+from mstar.server.errors import APIError, internal_error, request_id
 from mstar.server.limits import ServerLimits
 from mstar.server.realtime.conversation import Item, Response
 from mstar.server.realtime.events import (
@@ -432,6 +432,7 @@ class RealtimeSession:
             await response.task
 
     async def _respond(self, r: Response) -> None:
+        request_id.set(r.id)  # its runtime request's label: GET /v1/requests/{response id}/trace (this task only)
         status, error = "completed", None
         await self.send(server_event("response.created", response=r.describe("in_progress")))
         try:

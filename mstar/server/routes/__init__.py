@@ -12,7 +12,8 @@ from mstar.server.routes import (
            responses,
            speech,
            system,
+           traces,
 )
 
 ROUTERS = (system.router, chat.router, completions.router, responses.router, speech.router, images.router,
-           generate.router, policy.router, realtime.router)
+           generate.router, policy.router, realtime.router, traces.router)

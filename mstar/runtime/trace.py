@@ -1,0 +1,203 @@
+"""Per-request walk traces: what a request's walks did, node by node (ARCHITECTURE.md, "Traces").
+
+Recording is local and cheap; nothing crosses ranks until someone asks:
+
+* each worker keeps, per request that ran there, its node runs (``NodeRuns``): the node, its walk
+  (partition and walk number) and iteration, the size of the batch it ran in, its wait in the
+  queue, the wall-clock start and the compute time of that forward -- one tuple per row of a
+  forward, for the last ``keep`` requests, at most ``max_runs`` each (beyond that a count and a
+  total per node);
+* the conductor keeps each request's walks (``RequestTrace``: walk, partition, dispatch and end
+  times) and its end, in a store of the last ``keep`` requests (``TraceStore``);
+* ``Runtime.trace`` gathers a request's node runs from every rank (``TraceRequest`` /
+  ``TraceReply``, ``TraceGather``) and joins them to its walks (``trace_json``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from mstar.runtime.wire.messages import TraceReply, TraceRequest
+
+__all__ = ["NodeRuns", "RequestTrace", "TraceGather", "TraceStore", "trace_json"]
+
+# a node run as a worker keeps it (a tuple: one is made per row of every forward)
+_RUN = ("node", "partition", "walk_seq", "iteration", "batch", "queued_ms", "start", "compute_ms")
+
+
+class NodeRuns:
+    """A rank's node runs per request (module docstring)."""
+
+    def __init__(self, rank: int, keep: int, max_runs: int = 4096) -> None:
+        self.rank, self.keep, self.max_runs = rank, keep, max_runs
+        self._runs: OrderedDict[str, list[tuple]] = OrderedDict()
+        self._over: dict[str, dict[str, list[float]]] = {}  # request -> node -> [runs, compute ms] past max_runs
+
+    def record(self, items: Iterable[Any], started: float, wall: float, seconds: float) -> None:
+        """One forward of ``items`` (work items): ``started`` its ``time.monotonic()`` start (the
+        items' ``queued_at`` clock), ``wall`` its ``time.time()`` start, ``seconds`` its length."""
+        items = list(items)
+        batch, ms, runs_of = len(items), seconds * 1e3, self._runs
+        for it in items:
+            runs = runs_of.get(it.request_id)
+            if runs is None:
+                runs = runs_of[it.request_id] = []
+                if len(runs_of) > self.keep:
+                    old, _ = runs_of.popitem(last=False)
+                    self._over.pop(old, None)
+            if len(runs) < self.max_runs:
+                queued = (started - it.queued_at) * 1e3 if it.queued_at else 0.0
+                runs.append((it.node, it.partition, it.walk_seq, it.iteration, batch, queued, wall, ms))
+            else:
+                agg = self._over.setdefault(it.request_id, {}).setdefault(it.node, [0, 0.0])
+                agg[0] += 1
+                agg[1] += ms
+
+    def take(self, request_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The runs kept of these requests (each run a dict of ``_RUN``'s fields, with the rank)."""
+        out = {}
+        for rid in request_ids:
+            runs = self._runs.get(rid)
+            if runs is None:
+                continue
+            out[rid] = {"runs": [dict(zip(_RUN, r), rank=self.rank) for r in runs],
+                        "not_kept": {node: {"runs": int(n), "compute_ms": round(t, 3)}
+                                     for node, (n, t) in self._over.get(rid, {}).items()}}
+        return out
+
+
+@dataclass
+class _Walk:
+    walk: str
+    partition: str
+    seq: int  # the partition's walk number (a work item's ``walk_seq``)
+    start: float  # time.time() when the conductor dispatched it
+    end: float | None = None
+
+
+@dataclass
+class RequestTrace:
+    """A request's walks as the conductor saw them, and its end."""
+
+    request_id: str
+    submitted: float = field(default_factory=time.time)
+    walks: list[_Walk] = field(default_factory=list)
+    ended: float | None = None
+    status: str = "running"
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def walk_started(self, walk: str, partition: str, seq: int) -> None:
+        self.walks.append(_Walk(walk, partition, seq, time.time()))
+
+    def walk_ended(self, partition: str) -> None:
+        for w in reversed(self.walks):
+            if w.partition == partition and w.end is None:
+                w.end = time.time()
+                return
+
+    def end(self, status: str, finish_reason: str | None, error: str | None) -> None:
+        self.ended, self.status, self.finish_reason, self.error = time.time(), status, finish_reason, error
+
+
+class TraceStore:
+    """The traces of the last ``keep`` requests that ended, and of those running, by request id; a
+    label (the id's part before its random suffix: the server's ``x-request-id``) finds every
+    request submitted with it."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.running: dict[str, RequestTrace] = {}
+        self.ended: OrderedDict[str, RequestTrace] = OrderedDict()
+
+    def start(self, request_id: str) -> RequestTrace:
+        trace = self.running[request_id] = RequestTrace(request_id)
+        return trace
+
+    def finish(self, request_id: str) -> None:
+        trace = self.running.pop(request_id, None)
+        if trace is None:
+            return
+        self.ended[request_id] = trace
+        while len(self.ended) > self.keep:
+            self.ended.popitem(last=False)
+
+    def find(self, key: str) -> list[RequestTrace]:
+        """The traces of request ``key``, or of every request labelled ``key`` (oldest first)."""
+        exact = self.running.get(key) or self.ended.get(key)
+        if exact is not None:
+            return [exact]
+        prefix = key + "-"
+        found = [t for t in itertools.chain(self.ended.values(), self.running.values())
+                 if t.request_id.startswith(prefix) and "-" not in t.request_id[len(prefix):]]
+        return sorted(found, key=lambda t: t.submitted)
+
+
+@dataclass
+class _TraceCall:
+    traces: list[RequestTrace]
+    future: Future
+    replies: dict[int, dict] = field(default_factory=dict)
+
+
+class TraceGather:
+    """The conductor's trace calls, each gathering every rank's node runs of some requests."""
+
+    def __init__(self, num_ranks: int, transport: Any) -> None:
+        self.num_ranks, self.transport = num_ranks, transport
+        self._calls: dict[int, _TraceCall] = {}
+        self._tokens = itertools.count()
+
+    def collect(self, traces: list[RequestTrace], future: Future) -> None:
+        if not traces:
+            future.set_result([])
+            return
+        token = next(self._tokens)
+        self._calls[token] = _TraceCall(traces, future)
+        for r in range(self.num_ranks):
+            self.transport.send(r, TraceRequest(token, [t.request_id for t in traces]))
+
+    def reply(self, msg: TraceReply) -> None:
+        call = self._calls.get(msg.token)
+        if call is None:
+            return
+        call.replies[msg.rank] = msg.runs
+        if len(call.replies) == self.num_ranks:
+            del self._calls[msg.token]
+            call.future.set_result([trace_json(t, [call.replies[r].get(t.request_id) for r in sorted(call.replies)])
+                                    for t in call.traces])
+
+    def fail(self, error: str) -> None:
+        calls, self._calls = self._calls, {}
+        for call in calls.values():
+            call.future.set_exception(RuntimeError(f"trace unavailable: {error}"))
+
+
+def trace_json(trace: RequestTrace, per_rank: list[dict | None]) -> dict[str, Any]:
+    """A request's trace as JSON-ready data: its walks in dispatch order, each with its node runs
+    (every rank's, by start time), and per rank what was counted but not kept."""
+    runs: dict[tuple[str, int], list[dict]] = {}
+    not_kept = {}
+    for rank, part in enumerate(per_rank):
+        if not part:
+            continue
+        for run in part["runs"]:
+            runs.setdefault((run.pop("partition"), run.pop("walk_seq")), []).append(run)
+        if part["not_kept"]:
+            not_kept[rank] = part["not_kept"]
+    walks = []
+    for w in trace.walks:
+        nodes = sorted(runs.get((w.partition, w.seq), []), key=lambda r: r["start"])
+        for r in nodes:
+            r["iteration"] = list(r["iteration"])
+            r["queued_ms"], r["compute_ms"] = round(r["queued_ms"], 3), round(r["compute_ms"], 3)
+        walks.append({"walk": w.walk, "partition": w.partition, "start": w.start, "end": w.end, "nodes": nodes})
+    return {"request_id": trace.request_id, "status": trace.status, "finish_reason": trace.finish_reason,
+            "error": trace.error, "submitted": trace.submitted, "ended": trace.ended, "walks": walks,
+            "not_kept": not_kept}
