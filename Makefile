@@ -41,13 +41,16 @@ test: install test-tools
 	$(PY) -m pytest -m "not ray"
 	$(MAKE) --no-print-directory test-ray
 
-# Debian's espeak-ng speaks the realtime route's server-VAD test turns; where apt is not available (or
-# not as root) that test skips, saying why.
+# Debian packages some tests use, installed where apt is available (as root); elsewhere those tests
+# skip, saying why: espeak-ng speaks the realtime route's server-VAD test turns, Graphviz (`dot`)
+# draws `mstar graph` SVGs.
+TEST_TOOLS := espeak-ng:espeak-ng dot:graphviz
 test-tools:
-	@command -v espeak-ng > /dev/null || { command -v apt-get > /dev/null && \
-		{ apt-get install -y -q --no-install-recommends espeak-ng > /dev/null 2>&1 || \
-		  { apt-get update -q > /dev/null 2>&1 && apt-get install -y -q --no-install-recommends espeak-ng > /dev/null 2>&1; }; }; } || \
-		echo "espeak-ng is not available: the server-VAD test will be skipped"
+	@for tool in $(TEST_TOOLS); do cmd=$${tool%%:*}; pkg=$${tool#*:}; \
+	  command -v $$cmd > /dev/null || { command -v apt-get > /dev/null && \
+		{ apt-get install -y -q --no-install-recommends $$pkg > /dev/null 2>&1 || \
+		  { apt-get update -q > /dev/null 2>&1 && apt-get install -y -q --no-install-recommends $$pkg > /dev/null 2>&1; }; }; } || \
+		echo "$$pkg is not available: the tests that need $$cmd will be skipped"; done
 
 test-ray: install
 	@if $(RAY_NS) true 2>/dev/null; then \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -13,23 +14,50 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Describe a model's compiled walks, or draw one walk.")
     p.add_argument("model", help="registered model name or module:Class")
     p.add_argument("--walk", help="walk to draw (default: describe every walk as text)")
+    p.add_argument("--trace", metavar="JSON",
+                   help="draw the whole graph with a request trace over it: the JSON of GET /v1/requests/{id}/trace "
+                        "(or Runtime.trace's list, or one request's trace)")
     p.add_argument("--format", choices=["text", "dot", "svg", "png"], default=None,
-                   help="output format (default: text, or dot when --walk is given)")
+                   help="output format (default: text, or dot when --walk or --trace is given)")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.set_defaults(func=run)
 
 
+def _traces(path: str, graph) -> list[dict]:
+    """The request traces in ``path``: the trace endpoint's JSON, a list of traces, or one trace;
+    ValueError when it is none of those or names walks ``graph`` does not have."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--trace {path}: {e}") from e
+    traces = doc.get("requests") if isinstance(doc, dict) and "requests" in doc else doc
+    if isinstance(traces, dict):
+        traces = [traces]
+    if not isinstance(traces, list) or not all(isinstance(t, dict) and isinstance(t.get("walks"), list)
+                                               for t in traces):
+        raise ValueError(f"--trace {path}: expected GET /v1/requests/{{id}}/trace's JSON (requests with walks)")
+    unknown = sorted({w.get("walk") for t in traces for w in t["walks"]} - set(graph.plans))
+    if unknown:
+        raise ValueError(f"--trace {path}: walks {unknown} are not this model's (walks: {', '.join(graph.plans)})")
+    return traces
+
+
 def run(args: argparse.Namespace) -> int:
+    from mstar.graph.render import trace_to_dot
     from mstar.model.registry import resolve_model
 
     graph = resolve_model(args.model).graph
-    fmt = args.format or ("dot" if args.walk else "text")
+    fmt = args.format or ("dot" if args.walk or args.trace else "text")
+    if args.trace and (args.walk or fmt == "text"):
+        raise ValueError("--trace draws the whole graph: give it without --walk, with --format dot, svg or png")
     if fmt == "text":
         out: str | bytes = graph.describe(args.walk) + "\n"
     else:
-        if not args.walk:
-            raise ValueError(f"--format {fmt} draws one walk: pass --walk (walks: {', '.join(graph.plans)})")
-        out = graph.to_dot(args.walk)
+        if not args.walk and not args.trace:
+            raise ValueError(f"--format {fmt} draws one walk: pass --walk (walks: {', '.join(graph.plans)}), "
+                             "or --trace")
+        out = trace_to_dot(graph, _traces(args.trace, graph)) if args.trace else graph.to_dot(args.walk)
         if fmt in ("svg", "png"):
             dot = shutil.which("dot")
             if dot is None:
