@@ -107,3 +107,38 @@ def test_the_server_gives_a_requests_trace_by_its_x_request_id():
         assert t["status"] == "finished" and t["walks"][0]["walk"] == "prefill" and t["walks"][0]["nodes"]
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "trace_not_found"
+
+
+def test_a_trace_counts_prefix_hits_kv_blocks_and_preemptions():
+    from tests.test_kv_pressure import kv_totals, lm_requests, small_cache
+    from tests.toy_models import ToyLM
+
+    prompt = torch.arange(1, 14)  # 13 tokens: 3 full blocks of 4 to reuse
+    with Runtime(LlamaTiny(), _placement(kv_block_size=4)) as rt:
+        for label in ("first", "again"):
+            rt.submit({"input_ids": prompt}, {"max_tokens": 3}, request_id=label).result()
+        (first,), (again,) = rt.trace("first"), rt.trace("again")
+    assert "prefix_hit_tokens" not in first["kv"]["LLM@0"] and again["kv"]["LLM@0"]["prefix_hit_tokens"] == 12
+    # 13 prompt + 3 generated (+ the deferred stop check's one) tokens in blocks of 4
+    assert first["kv"]["LLM@0"]["kv_blocks_at_end"] == again["kv"]["LLM@0"]["kv_blocks_at_end"] >= 4
+    # 4x more than the cache holds: the preemptions each trace counts are the rank's
+    with Runtime(ToyLM(defer_stop_check=True), small_cache("toy-lm", 10)) as rt:
+        handles = [rt.submit({"input_ids": torch.tensor(p)}, {"max_tokens": m}, request_id="load")
+                   for p, m in lm_requests(24, seed=1)]
+        for h in handles:
+            h.result(timeout=60)
+        traced = sum(t["kv"].get("LLM@0", {}).get("preemptions", 0) for t in rt.trace("load"))
+        assert traced == kv_totals(rt)["preemptions"] > 0
+
+
+def test_a_streaming_requests_trace_has_its_stream_and_chunks():
+    from mstar.model.registry import resolve_model
+    from mstar.models.orpheus.config import END_OF_PROMPT, START_OF_HUMAN
+
+    with Runtime(resolve_model("orpheus-tiny")) as rt:
+        prompt = torch.tensor([START_OF_HUMAN, 5, 9, 13, *END_OF_PROMPT])
+        rt.submit({"input_ids": prompt}, {"max_tokens": 40, "sampling": {"seed": 1}}, request_id="tts").result()
+        (t,) = rt.trace("tts")
+    assert t["streamed"] and all(n > 0 for n in t["streamed"].values())
+    codec = [r for w in t["walks"] if w["partition"] != t["walks"][0]["partition"] for r in w["nodes"]]
+    assert codec and all("chunks" in r for r in codec)  # each codec run names the stream chunk it took

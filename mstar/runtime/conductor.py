@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from mstar.graph.finish import FinishReason
 from mstar.model.base import ModelDef, WalkState
 from mstar.runtime.failures import FailureKind, describe
+from mstar.runtime.keys import decode_counts
 from mstar.runtime.routing import Routing
 from mstar.runtime.stats_gather import StatsGather
 from mstar.runtime.trace import RequestTrace, TraceGather, TraceStore
@@ -286,6 +287,7 @@ class Conductor:
         del self.requests[req.request_id]
         if req.trace is not None:
             reason = finish or {RequestStatus.ABORTED: FinishReason.ABORT, RequestStatus.FAILED: FinishReason.ERROR}.get(status)
+            req.trace.streamed = {".".join(k): n for k, n in decode_counts(req.streamed).items()}
             req.trace.end(status.name.lower(), str(reason) if reason else None, error)
             self.traces.finish(req.request_id)
         self._row_sinks = None  # a list of sinks may hold the request's

@@ -38,6 +38,9 @@ class StatelessEngine:
     module: NodeSubmodule
     holds_kv = False  # a KV cache engine's blocks and preemptions appear in the rank's stats
     batch_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=4096))  # the latest forwards' sizes
+    # (request id, key, number) -> None: the rank's trace notes of this module (``trace.NodeRuns.notes_of``;
+    # a KV engine notes prefix-cache hits, preemptions and the blocks a request held at its end)
+    trace_note: Any = None
 
     def cache_len(self, item: WorkItem) -> int:
         return 0

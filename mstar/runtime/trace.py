@@ -28,7 +28,7 @@ from mstar.runtime.wire.messages import TraceReply, TraceRequest
 __all__ = ["NodeRuns", "RequestTrace", "TraceGather", "TraceStore", "trace_json"]
 
 # a node run as a worker keeps it (a tuple: one is made per row of every forward)
-_RUN = ("node", "partition", "walk_seq", "iteration", "batch", "queued_ms", "start", "compute_ms")
+_RUN = ("node", "partition", "walk_seq", "iteration", "batch", "queued_ms", "start", "compute_ms", "chunks")
 
 
 class NodeRuns:
@@ -38,6 +38,22 @@ class NodeRuns:
         self.rank, self.keep, self.max_runs = rank, keep, max_runs
         self._runs: OrderedDict[str, list[tuple]] = OrderedDict()
         self._over: dict[str, dict[str, list[float]]] = {}  # request -> node -> [runs, compute ms] past max_runs
+        self._notes: OrderedDict[str, dict[str, dict[str, int]]] = OrderedDict()  # request -> module -> key -> sum
+
+    def notes_of(self, module: str):
+        """What ``module``'s engine calls to note a number about a request (summed per key; zeros
+        are not noted)."""
+        def note(request_id: str, key: str, value: int) -> None:
+            if not value:
+                return
+            notes = self._notes.get(request_id)
+            if notes is None:
+                notes = self._notes[request_id] = {}
+                if len(self._notes) > self.keep:
+                    self._notes.popitem(last=False)
+            per = notes.setdefault(module, {})
+            per[key] = per.get(key, 0) + int(value)
+        return note
 
     def record(self, items: Iterable[Any], started: float, wall: float, seconds: float) -> None:
         """One forward of ``items`` (work items): ``started`` its ``time.monotonic()`` start (the
@@ -53,7 +69,8 @@ class NodeRuns:
                     self._over.pop(old, None)
             if len(runs) < self.max_runs:
                 queued = (started - it.queued_at) * 1e3 if it.queued_at else 0.0
-                runs.append((it.node, it.partition, it.walk_seq, it.iteration, batch, queued, wall, ms))
+                runs.append((it.node, it.partition, it.walk_seq, it.iteration, batch, queued, wall, ms,
+                             it.chunks or None))
             else:
                 agg = self._over.setdefault(it.request_id, {}).setdefault(it.node, [0, 0.0])
                 agg[0] += 1
@@ -63,12 +80,13 @@ class NodeRuns:
         """The runs kept of these requests (each run a dict of ``_RUN``'s fields, with the rank)."""
         out = {}
         for rid in request_ids:
-            runs = self._runs.get(rid)
-            if runs is None:
+            runs, notes = self._runs.get(rid), self._notes.get(rid)
+            if runs is None and notes is None:
                 continue
-            out[rid] = {"runs": [dict(zip(_RUN, r), rank=self.rank) for r in runs],
+            out[rid] = {"runs": [dict(zip(_RUN, r), rank=self.rank) for r in runs or ()],
                         "not_kept": {node: {"runs": int(n), "compute_ms": round(t, 3)}
-                                     for node, (n, t) in self._over.get(rid, {}).items()}}
+                                     for node, (n, t) in self._over.get(rid, {}).items()},
+                        "kv": notes or {}}
         return out
 
 
@@ -92,6 +110,7 @@ class RequestTrace:
     status: str = "running"
     finish_reason: str | None = None
     error: str | None = None
+    streamed: dict[str, int] = field(default_factory=dict)  # "partition.node.input" -> stream items pushed
 
     def walk_started(self, walk: str, partition: str, seq: int) -> None:
         self.walks.append(_Walk(walk, partition, seq, time.time()))
@@ -183,14 +202,18 @@ def trace_json(trace: RequestTrace, per_rank: list[dict | None]) -> dict[str, An
     """A request's trace as JSON-ready data: its walks in dispatch order, each with its node runs
     (every rank's, by start time), and per rank what was counted but not kept."""
     runs: dict[tuple[str, int], list[dict]] = {}
-    not_kept = {}
+    not_kept, kv = {}, {}
     for rank, part in enumerate(per_rank):
         if not part:
             continue
         for run in part["runs"]:
+            if run["chunks"] is None:
+                del run["chunks"]
             runs.setdefault((run.pop("partition"), run.pop("walk_seq")), []).append(run)
         if part["not_kept"]:
             not_kept[rank] = part["not_kept"]
+        for module, notes in part["kv"].items():
+            kv[f"{module}@{rank}"] = notes
     walks = []
     for w in trace.walks:
         nodes = sorted(runs.get((w.partition, w.seq), []), key=lambda r: r["start"])
@@ -200,4 +223,4 @@ def trace_json(trace: RequestTrace, per_rank: list[dict | None]) -> dict[str, An
         walks.append({"walk": w.walk, "partition": w.partition, "start": w.start, "end": w.end, "nodes": nodes})
     return {"request_id": trace.request_id, "status": trace.status, "finish_reason": trace.finish_reason,
             "error": trace.error, "submitted": trace.submitted, "ended": trace.ended, "walks": walks,
-            "not_kept": not_kept}
+            "streamed": dict(trace.streamed), "kv": kv, "not_kept": not_kept}

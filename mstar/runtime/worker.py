@@ -80,6 +80,9 @@ class Worker:
         self.tp = TPRank(tp, built.shards, transport, self._reply_stats)
         keep = routing.placement.limits.trace_requests
         self.trace = NodeRuns(rank, keep) if keep else None  # trace.py: each request's node runs here
+        if self.trace is not None:
+            for base, eng in self.engines.items():
+                eng.trace_note = self.trace.notes_of(base)
         self.running = True
         # requests already freed here: a message for one (sent before its sender learned of the end)
         # is dropped, so it cannot allocate KV blocks or buffers that nobody would free

@@ -81,6 +81,10 @@ class BlockTables:
         bs = self.block_size
         return [table.blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def blocks_held(self, request_id: str) -> int:
+        """Blocks in the request's tables (a block shared by two of them, or with another request, counts once here)."""
+        return len({b for name in self._by_request.get(request_id, ()) for b in self._tables[(request_id, name)].blocks})
+
     def cache_names(self, request_id: str) -> list[str]:
         return list(self._by_request.get(request_id, ()))
 

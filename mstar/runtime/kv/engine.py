@@ -154,6 +154,8 @@ class KVCacheEngine(KVRows, KVSwap, StatelessEngine):
             self.manager.register_prefix(use.request_id, use.cache_name, use.hashes)
             self.prefix_query_tokens += use.num_tokens
             self.prefix_hit_tokens += use.reused
+            if self.trace_note is not None:
+                self.trace_note(use.request_id, "prefix_hit_tokens", use.reused)
         self._prefix_uses = {}
 
     def _copy_pending(self) -> None:
@@ -205,6 +207,8 @@ class KVCacheEngine(KVRows, KVSwap, StatelessEngine):
                 self.manager.truncate(rid, name, before)
 
     def free_request(self, request_id: str) -> None:
+        if self.trace_note is not None:
+            self.trace_note(request_id, "kv_blocks_at_end", self.manager.blocks_held(request_id))
         self.manager.free_request(request_id)
         self._swapped.pop(request_id, None)
         super().free_request(request_id)  # the node's own per-request state

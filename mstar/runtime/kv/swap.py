@@ -50,6 +50,8 @@ class KVSwap:
                                              [v[idx].to("cpu") for _, v in self.kv_caches])
         self.manager.free_request(request_id)
         self.preemptions += int(preempted)
+        if preempted and self.trace_note is not None:
+            self.trace_note(request_id, "preemptions", 1)
 
     def swap_in(self, request_id: str) -> bool:
         """Bring a swapped-out request's blocks back; False (nothing changed) when they do not fit."""
