@@ -74,6 +74,7 @@ def test_a_trace_gathers_every_ranks_runs():
         (t,) = rt.trace("pd")
     ranks = {w["walk"]: {r["rank"] for r in w["nodes"]} for w in t["walks"]}
     assert ranks == {"prefill": {0}, "decode": {1}}
+    assert t["counts"]["sent@0"]["bytes_to_rank_1"] > 0  # the prompt's KV, moved to the decode rank
 
 
 def test_a_running_request_has_a_trace_too():
@@ -118,16 +119,16 @@ def test_a_trace_counts_prefix_hits_kv_blocks_and_preemptions():
         for label in ("first", "again"):
             rt.submit({"input_ids": prompt}, {"max_tokens": 3}, request_id=label).result()
         (first,), (again,) = rt.trace("first"), rt.trace("again")
-    assert "prefix_hit_tokens" not in first["kv"]["LLM@0"] and again["kv"]["LLM@0"]["prefix_hit_tokens"] == 12
+    assert "prefix_hit_tokens" not in first["counts"]["LLM@0"] and again["counts"]["LLM@0"]["prefix_hit_tokens"] == 12
     # 13 prompt + 3 generated (+ the deferred stop check's one) tokens in blocks of 4
-    assert first["kv"]["LLM@0"]["kv_blocks_at_end"] == again["kv"]["LLM@0"]["kv_blocks_at_end"] >= 4
+    assert first["counts"]["LLM@0"]["kv_blocks_at_end"] == again["counts"]["LLM@0"]["kv_blocks_at_end"] >= 4
     # 4x more than the cache holds: the preemptions each trace counts are the rank's
     with Runtime(ToyLM(defer_stop_check=True), small_cache("toy-lm", 10)) as rt:
         handles = [rt.submit({"input_ids": torch.tensor(p)}, {"max_tokens": m}, request_id="load")
                    for p, m in lm_requests(24, seed=1)]
         for h in handles:
             h.result(timeout=60)
-        traced = sum(t["kv"].get("LLM@0", {}).get("preemptions", 0) for t in rt.trace("load"))
+        traced = sum(t["counts"].get("LLM@0", {}).get("preemptions", 0) for t in rt.trace("load"))
         assert traced == kv_totals(rt)["preemptions"] > 0
 
 

@@ -4,9 +4,10 @@ Recording is local and cheap; nothing crosses ranks until someone asks:
 
 * each worker keeps, per request that ran there, its node runs (``NodeRuns``): the node, its walk
   (partition and walk number) and iteration, the size of the batch it ran in, its wait in the
-  queue, the wall-clock start and the compute time of that forward -- one tuple per row of a
-  forward, for the last ``keep`` requests, at most ``max_runs`` each (beyond that a count and a
-  total per node);
+  queue, the wall-clock start and the compute time of that forward (and a stream consumer's chunk)
+  -- one tuple per row of a forward, for the last ``keep`` requests, at most ``max_runs`` each
+  (beyond that a count and a total per node); and counts its engines note (prefix-cache hits,
+  preemptions, KV blocks held at the end) and the tensor bytes it sends other ranks (``SentBytes``);
 * the conductor keeps each request's walks (``RequestTrace``: walk, partition, dispatch and end
   times) and its end, in a store of the last ``keep`` requests (``TraceStore``);
 * ``Runtime.trace`` gathers a request's node runs from every rank (``TraceRequest`` /
@@ -15,6 +16,7 @@ Recording is local and cheap; nothing crosses ranks until someone asks:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import OrderedDict
@@ -23,9 +25,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from mstar.runtime.wire.messages import TraceReply, TraceRequest
 
-__all__ = ["NodeRuns", "RequestTrace", "TraceGather", "TraceStore", "trace_json"]
+__all__ = ["NodeRuns", "RequestTrace", "SentBytes", "TraceGather", "TraceStore", "tensor_bytes", "trace_json"]
 
 # a node run as a worker keeps it (a tuple: one is made per row of every forward)
 _RUN = ("node", "partition", "walk_seq", "iteration", "batch", "queued_ms", "start", "compute_ms", "chunks")
@@ -86,8 +90,39 @@ class NodeRuns:
             out[rid] = {"runs": [dict(zip(_RUN, r), rank=self.rank) for r in runs or ()],
                         "not_kept": {node: {"runs": int(n), "compute_ms": round(t, 3)}
                                      for node, (n, t) in self._over.get(rid, {}).items()},
-                        "kv": notes or {}}
+                        "counts": notes or {}}
         return out
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes of every tensor in ``value`` (a message: dataclasses, dicts, lists and tuples of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0
+
+
+class SentBytes:
+    """A worker's transport that notes, per request, the tensor bytes of each message it sends to
+    another rank (``bytes_to_rank_N``); messages to its own rank and to the conductor are not counted."""
+
+    def __init__(self, transport: Any, rank: int, note: Any) -> None:
+        self.inner, self.rank, self.note = transport, rank, note
+
+    def send(self, dest: int, msg: Any) -> None:
+        if dest >= 0 and dest != self.rank:
+            rid = getattr(msg, "request_id", None)
+            if rid is not None:
+                self.note(rid, f"bytes_to_rank_{dest}", tensor_bytes(msg))
+        self.inner.send(dest, msg)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 @dataclass
@@ -200,9 +235,12 @@ class TraceGather:
 
 def trace_json(trace: RequestTrace, per_rank: list[dict | None]) -> dict[str, Any]:
     """A request's trace as JSON-ready data: its walks in dispatch order, each with its node runs
-    (every rank's, by start time), and per rank what was counted but not kept."""
+    (every rank's, by start time; a stream consumer's with the chunk it took); the items each stream
+    carried; ``counts`` per ``module@rank`` (a KV module's prefix-cache hit tokens, preemptions and
+    blocks held at the end; ``sent@rank``: tensor bytes sent to each other rank); and per rank the
+    runs counted but not kept."""
     runs: dict[tuple[str, int], list[dict]] = {}
-    not_kept, kv = {}, {}
+    not_kept, counts = {}, {}
     for rank, part in enumerate(per_rank):
         if not part:
             continue
@@ -212,8 +250,8 @@ def trace_json(trace: RequestTrace, per_rank: list[dict | None]) -> dict[str, An
             runs.setdefault((run.pop("partition"), run.pop("walk_seq")), []).append(run)
         if part["not_kept"]:
             not_kept[rank] = part["not_kept"]
-        for module, notes in part["kv"].items():
-            kv[f"{module}@{rank}"] = notes
+        for module, notes in part["counts"].items():
+            counts[f"{module}@{rank}"] = notes
     walks = []
     for w in trace.walks:
         nodes = sorted(runs.get((w.partition, w.seq), []), key=lambda r: r["start"])
@@ -223,4 +261,4 @@ def trace_json(trace: RequestTrace, per_rank: list[dict | None]) -> dict[str, An
         walks.append({"walk": w.walk, "partition": w.partition, "start": w.start, "end": w.end, "nodes": nodes})
     return {"request_id": trace.request_id, "status": trace.status, "finish_reason": trace.finish_reason,
             "error": trace.error, "submitted": trace.submitted, "ended": trace.ended, "walks": walks,
-            "streamed": dict(trace.streamed), "kv": kv, "not_kept": not_kept}
+            "streamed": dict(trace.streamed), "counts": counts, "not_kept": not_kept}

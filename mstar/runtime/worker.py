@@ -35,7 +35,7 @@ from mstar.runtime.scheduling import ModuleScheduler, RankScheduler, module_stag
 from mstar.runtime.streams import StreamInbox
 from mstar.runtime.tp.follower import TPRank
 from mstar.runtime.tp.groups import TPContext
-from mstar.runtime.trace import NodeRuns
+from mstar.runtime.trace import NodeRuns, SentBytes
 from mstar.runtime.walk_table import LiveWalk, WalkTable
 from mstar.runtime.walk_tracker import WalkTracker
 from mstar.runtime.wire.messages import (
@@ -61,6 +61,10 @@ __all__ = ["Worker"]
 class Worker:
     def __init__(self, rank: int, model: ModelDef, routing: Routing, transport, device: str = "cpu",
                  tp: TPContext | None = None) -> None:
+        keep = routing.placement.limits.trace_requests
+        self.trace = NodeRuns(rank, keep) if keep else None  # trace.py: each request's node runs here
+        if self.trace is not None:  # and the tensor bytes sent to other ranks per request
+            transport = SentBytes(transport, rank, self.trace.notes_of("sent"))
         self.rank, self.model, self.routing, self.transport = rank, model, routing, transport
         nodes = sorted(routing.placement.nodes_on(rank))
         built = build_engines(model, routing, nodes, device, tp, transport)  # worker_engines.py
@@ -78,8 +82,6 @@ class Worker:
         self.running_set = RunningSet(self.engines, self.sched, self.walks, self.fail_request)  # running_rows.py
         self.post = Postprocess(rank, routing, transport, self.walks, self.inbox, self.sched, self.fail_request)
         self.tp = TPRank(tp, built.shards, transport, self._reply_stats)
-        keep = routing.placement.limits.trace_requests
-        self.trace = NodeRuns(rank, keep) if keep else None  # trace.py: each request's node runs here
         if self.trace is not None:
             for base, eng in self.engines.items():
                 eng.trace_note = self.trace.notes_of(base)
