@@ -43,8 +43,8 @@ test: install test-tools
 
 # Debian packages some tests use, installed where apt is available (as root); elsewhere those tests
 # skip, saying why: espeak-ng speaks the realtime route's server-VAD test turns, Graphviz (`dot`)
-# draws `mstar graph` SVGs.
-TEST_TOOLS := espeak-ng:espeak-ng dot:graphviz
+# draws `mstar graph` SVGs, headless Chromium and its WebDriver run the playground page's test.
+TEST_TOOLS := espeak-ng:espeak-ng dot:graphviz chromium:chromium chromedriver:chromium-driver
 test-tools:
 	@for tool in $(TEST_TOOLS); do cmd=$${tool%%:*}; pkg=$${tool#*:}; \
 	  command -v $$cmd > /dev/null || { command -v apt-get > /dev/null && \

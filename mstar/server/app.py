@@ -21,7 +21,8 @@ from mstar.server.serving import Serving
 
 __all__ = ["ServerLimits", "create_app"]
 
-_OPEN_PATHS = ("/health", "/healthz", "/metrics")  # no API key: load balancers and scrapers hold none
+# no API key: load balancers and scrapers hold none; the playground's static files (its calls send one)
+_OPEN_PATHS = ("/health", "/healthz", "/metrics")
 _COUNTED_PATHS = frozenset(ROUTE_PATHS.values())
 DEFAULT_LIMITS = ServerLimits()
 
@@ -51,7 +52,7 @@ async def _guard(request: Request, call_next):
 
 async def _checked(request: Request, call_next):
     state = request.app.state
-    if state.api_key and request.url.path not in _OPEN_PATHS:
+    if state.api_key and request.url.path not in _OPEN_PATHS and not request.url.path.startswith("/playground"):
         if request.headers.get("authorization") != f"Bearer {state.api_key}":
             return error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
                                   code="invalid_api_key")

@@ -7,6 +7,7 @@ from mstar.server.routes import (
            completions,
            generate,
            images,
+           playground,
            policy,
            realtime,
            responses,
@@ -16,4 +17,5 @@ from mstar.server.routes import (
 )
 
 ROUTERS = (system.router, chat.router, completions.router, responses.router, speech.router, images.router,
-           generate.router, policy.router, realtime.router, traces.router)
+           generate.router, policy.router, realtime.router, traces.router,
+           playground.router)
