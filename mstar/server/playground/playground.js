@@ -82,7 +82,7 @@ function timeline(t) {
   wrap.append(el("div", "caption",
     `${t.request_id}: ${t.status}${t.finish_reason ? " (" + t.finish_reason + ")" : ""}, ` +
     `${total.toFixed(1)} ms, ${t.walks.length} walk(s), ${runs.length} node run(s), ${busy.toFixed(1)} ms in forwards`));
-  const W = 640, left = 150, rowH = 16, top = 20;
+  const W = 640, left = 150, rowH = 16, top = 28;
   const H = top + rows.length * rowH + 24;
   const x = (ms) => left + (W - left - 10) * Math.max(0, ms) / total;
   const ns = "http://www.w3.org/2000/svg";
@@ -100,7 +100,7 @@ function timeline(t) {
     const a = x((w.start - t0) * 1e3), b = x(((w.end || w.start) - t0) * 1e3);
     add("rect", { x: a, y: top - 4, width: Math.max(b - a, 1), height: H - top - 16,
                   fill: i % 2 ? "#eef1f6" : "#e4e9f2" });
-    add("text", { x: a + 2, y: 12, "font-size": 10, fill: "#445" }, w.walk);
+    add("text", { x: a + 2, y: i % 2 ? 21 : 11, "font-size": 10, fill: "#445" }, w.walk);  // staggered: short walks
   });
   rows.forEach((name, i) => add("text", { x: 4, y: top + i * rowH + 11, "font-size": 10 }, name));
   for (const n of runs) {
