@@ -1,17 +1,48 @@
 """The playground page (``GET /playground``) in a real browser: Debian's headless Chromium driven by
-Selenium loads it from a server of llama-tiny, sends a chat, waits for the streamed answer and its
+Selenium loads it from ``mstar serve llama-tiny``, sends a chat, waits for the streamed answer and its
 trace timeline, and saves a screenshot; a server error shows as a message. Skips, saying why, where
 Chromium, its driver or Selenium is missing (``make test`` installs them where apt is)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
 
+from mstar.bench.net import free_port
 from mstar.models.llama.model import LlamaTiny
 from tests.server_utils import running_server
+
+
+@contextlib.contextmanager
+def mstar_serve(model: str):
+    """``mstar serve MODEL`` as a process on a free port; yields its URL."""
+    root, port = Path(__file__).resolve().parent.parent, free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mstar.cli.main", "serve", model, "--port", str(port)], cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "mstar serve did not come up"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
 
 
 def _browser():
@@ -51,7 +82,7 @@ def test_a_chat_in_a_real_browser_streams_its_answer_and_draws_its_trace(tmp_pat
 
     browser = _browser()
     try:
-        with running_server(LlamaTiny(), "llama-tiny") as (url, _):
+        with mstar_serve("llama-tiny") as url:
             browser.get(url + "/playground")
             wait = WebDriverWait(browser, 60)
             wait.until(ec.text_to_be_present_in_element((By.ID, "model"), "llama-tiny"))
