@@ -31,12 +31,12 @@ def _traces(path: str, graph) -> list[dict]:
             doc = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"--trace {path}: {e}") from e
-    traces = doc.get("requests") if isinstance(doc, dict) and "requests" in doc else doc
-    if isinstance(traces, dict):
-        traces = [traces]
-    if not isinstance(traces, list) or not all(isinstance(t, dict) and isinstance(t.get("walks"), list)
-                                               for t in traces):
-        raise ValueError(f"--trace {path}: expected GET /v1/requests/{{id}}/trace's JSON (requests with walks)")
+    from mstar.runtime.trace import traces_in
+
+    try:
+        traces = traces_in(doc)
+    except ValueError as e:
+        raise ValueError(f"--trace {path}: {e}") from None
     unknown = sorted({w.get("walk") for t in traces for w in t["walks"]} - set(graph.plans))
     if unknown:
         raise ValueError(f"--trace {path}: walks {unknown} are not this model's (walks: {', '.join(graph.plans)})")

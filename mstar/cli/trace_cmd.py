@@ -47,10 +47,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{path}: {e}") from e
     else:
         doc = _fetch(args)
-    traces = doc.get("requests") if isinstance(doc, dict) and "requests" in doc else doc
-    traces = [traces] if isinstance(traces, dict) else traces
-    if not isinstance(traces, list) or not all(isinstance(t, dict) and "walks" in t for t in traces):
-        raise ValueError(f"{args.source}: not a walk trace (GET /v1/requests/{{id}}/trace's JSON)")
+    from mstar.runtime.trace import traces_in
+
+    try:
+        traces = traces_in(doc)
+    except ValueError as e:
+        raise ValueError(f"{args.source}: {e}") from None
     if not args.otel:
         json.dump(doc, sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -29,7 +29,8 @@ import torch
 
 from mstar.runtime.wire.messages import TraceReply, TraceRequest
 
-__all__ = ["NodeRuns", "RequestTrace", "SentBytes", "TraceGather", "TraceStore", "tensor_bytes", "trace_json"]
+__all__ = ["NodeRuns", "RequestTrace", "SentBytes", "TraceGather", "TraceStore", "tensor_bytes", "trace_json",
+           "traces_in"]
 
 # a node run as a worker keeps it (a tuple: one is made per row of every forward)
 _RUN = ("node", "partition", "walk_seq", "iteration", "batch", "queued_ms", "start", "compute_ms", "chunks")
@@ -59,10 +60,9 @@ class NodeRuns:
             per[key] = per.get(key, 0) + int(value)
         return note
 
-    def record(self, items: Iterable[Any], started: float, wall: float, seconds: float) -> None:
+    def record(self, items: list[Any], started: float, wall: float, seconds: float) -> None:
         """One forward of ``items`` (work items): ``started`` its ``time.monotonic()`` start (the
         items' ``queued_at`` clock), ``wall`` its ``time.time()`` start, ``seconds`` its length."""
-        items = list(items)
         batch, ms, runs_of = len(items), seconds * 1e3, self._runs
         for it in items:
             runs = runs_of.get(it.request_id)
@@ -262,3 +262,15 @@ def trace_json(trace: RequestTrace, per_rank: list[dict | None]) -> dict[str, An
     return {"request_id": trace.request_id, "status": trace.status, "finish_reason": trace.finish_reason,
             "error": trace.error, "submitted": trace.submitted, "ended": trace.ended, "walks": walks,
             "streamed": dict(trace.streamed), "counts": counts, "not_kept": not_kept}
+
+
+def traces_in(doc: Any) -> list[dict[str, Any]]:
+    """The request traces in a parsed JSON document: ``GET /v1/requests/{id}/trace``'s (its
+    ``requests``), a list of traces (``Runtime.trace``'s), or one trace. ValueError when it is none."""
+    traces = doc.get("requests") if isinstance(doc, dict) and "requests" in doc else doc
+    if isinstance(traces, dict):
+        traces = [traces]
+    if not isinstance(traces, list) or not all(isinstance(t, dict) and isinstance(t.get("walks"), list)
+                                               for t in traces):
+        raise ValueError("not a walk trace: expected GET /v1/requests/{id}/trace's JSON (requests with walks)")
+    return traces
