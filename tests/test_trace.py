@@ -143,3 +143,16 @@ def test_a_streaming_requests_trace_has_its_stream_and_chunks():
     assert t["streamed"] and all(n > 0 for n in t["streamed"].values())
     codec = [r for w in t["walks"] if w["partition"] != t["walks"][0]["partition"] for r in w["nodes"]]
     assert codec and all("chunks" in r for r in codec)  # each codec run names the stream chunk it took
+
+
+def test_an_untraced_request_takes_no_traced_ones_place():
+    """``submit(trace=False)`` (the realtime route's VAD and prefill requests): nothing is kept of it,
+    on the conductor or the workers, so the latest traced requests stay findable."""
+    with Runtime(LlamaTiny(), _placement(trace_requests=2)) as rt:
+        rt.submit({"input_ids": _prompt(0)}, {"max_tokens": 2}, request_id="kept").result()
+        for i in range(5):
+            rt.submit({"input_ids": _prompt(i + 1)}, {"max_tokens": 2}, request_id="own", trace=False).result()
+        assert rt.trace("own") == []
+        (t,) = rt.trace("kept")
+        assert t["walks"][0]["nodes"]  # its runs still on the worker
+        assert all(not any(rid.startswith("own-") for rid in w.trace._runs) for w in rt._driver.workers)

@@ -173,11 +173,13 @@ class Runtime:
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, inputs: Mapping[str, Any], params: Mapping[str, Any] | None = None,
-               request_id: str | None = None) -> RequestHandle:
+               request_id: str | None = None, trace: bool = True) -> RequestHandle:
         """Validate and submit one request; returns at once. Bad input raises ValueError here.
         ``request_id``: a label the request's id starts with (``handle.request_id``, what ``abort``
         takes); the runtime adds a fresh suffix, so an id is never used twice and a late value of an
-        ended request can never reach a new one."""
+        ended request can never reach a new one. ``trace`` False: no walk trace is kept of it (a
+        request of the server's own, such as the realtime route's VAD and prefill requests, which
+        would take the place of the traces users ask for)."""
         if self._thread is None:
             raise RuntimeError("runtime is not started: use `with Runtime(...) as rt:` or rt.start()")
         reason = self.unhealthy_reason
@@ -203,7 +205,7 @@ class Runtime:
                                  f"{sorted(looked.read)})")
         fresh = uuid.uuid4().hex[:16]
         handle = RequestHandle(f"{request_id}-{fresh}" if request_id else fresh)
-        self._command(lambda: self._conductor.submit(handle.request_id, norm, request, handle))
+        self._command(lambda: self._conductor.submit(handle.request_id, norm, request, handle, trace))
         return handle
 
     def _check_fits(self, inputs: dict[str, list], params: Any) -> None:

@@ -102,8 +102,9 @@ class Conductor:
         self._ids = itertools.count()
         self._row_sinks: tuple[list[str], list] | None = None  # (a request_ids list, its rows' on_row or None)
 
-    def submit(self, request_id: str, inputs: dict[str, list], params: dict[str, Any], sink: RequestSink) -> None:
-        """Admit a request (inputs already validated by the caller)."""
+    def submit(self, request_id: str, inputs: dict[str, list], params: dict[str, Any], sink: RequestSink,
+               traced: bool = True) -> None:
+        """Admit a request (inputs already validated by the caller); ``traced`` False: keep no trace of it."""
         graph = self.model.graph
         # one dict of request tensors shared by every partition: the inputs, what create_state adds,
         # and later every value routed TO_STATE
@@ -118,7 +119,7 @@ class Conductor:
             st.tensors = tensors
             parts[p] = _Partition(st)
         req = _Request(request_id, params, parts, sink, RequestStatus.RUNNING)
-        if self.traces is not None:
+        if self.traces is not None and traced:
             req.trace = self.traces.start(request_id)
         self.requests[request_id] = req
         self._row_sinks = None  # looked up again: the rows find the requests as they are now
@@ -292,7 +293,7 @@ class Conductor:
             self.traces.finish(req.request_id)
         self._row_sinks = None  # a list of sinks may hold the request's
         for rank in range(self.routing.num_ranks):
-            self.transport.send(rank, FreeRequest(req.request_id))
+            self.transport.send(rank, FreeRequest(req.request_id, req.trace is not None))
         req.sink.on_end(status, error, failure, finish)
 
     def trace(self, key: str, future: Future) -> None:

@@ -80,6 +80,12 @@ class NodeRuns:
                 agg[0] += 1
                 agg[1] += ms
 
+    def forget(self, request_id: str) -> None:
+        """Drop what was kept of an untraced request (so it takes no other request's place)."""
+        self._runs.pop(request_id, None)
+        self._over.pop(request_id, None)
+        self._notes.pop(request_id, None)
+
     def take(self, request_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
         """The runs kept of these requests (each run a dict of ``_RUN``'s fields, with the rank)."""
         out = {}

@@ -153,6 +153,8 @@ class Worker:
 
     def _free_request(self, msg: FreeRequest) -> None:
         self._free(msg.request_id)
+        if not msg.keep_trace and self.trace is not None:
+            self.trace.forget(msg.request_id)
         for eng in self.engines.values():  # for good: a sharded engine's other shards drop what never arrived
             eng.forget(msg.request_id)
         self._freed[msg.request_id] = None

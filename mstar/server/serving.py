@@ -41,16 +41,17 @@ class Serving:
             raise APIError(503, f"model {self.model_name} is not ready: {reason}")
 
     async def stream(self, route: str, inputs: dict[str, Any], params: Any,
-                     decoder: ItemDecoder | None = None) -> AsyncIterator[StreamItem]:
+                     decoder: ItemDecoder | None = None, trace: bool = True) -> AsyncIterator[StreamItem]:
         """Submit and stream items; when the request ends, ``decoder`` (of its items) gets the runtime's
-        finish reason (``ItemDecoder.end``). A consumer that stops iterating aborts the request: a client
+        finish reason (``ItemDecoder.end``); ``trace`` False: the runtime keeps no walk trace of it (the
+        server's own requests). A consumer that stops iterating aborts the request: a client
         gone, counted as aborted, or an answer the decoder ended early (a stop string), which is not."""
         self.check_ready()
         if self.in_flight >= self.max_queue:
             raise APIError(429, f"server is at capacity ({self.max_queue} requests in flight); retry later")
         try:
             label = request_id.get()  # the HTTP request's x-request-id: its trace's name (GET /v1/requests/{id}/trace)
-            handle = self.runtime.submit(inputs, params, request_id=None if label == "-" else label)
+            handle = self.runtime.submit(inputs, params, request_id=None if label == "-" else label, trace=trace)
         except (ValueError, RuntimeError, *SHAPE_ERRORS) as e:  # bad input 400, a runtime not serving 503
             raise api_error(e) from e
         self.in_flight += 1

@@ -186,9 +186,11 @@ class RequestFailed:
 @register_message
 @dataclass
 class FreeRequest:
-    """Conductor -> every worker: drop all state of a request (finished, aborted or failed)."""
+    """Conductor -> every worker: drop all state of a request (finished, aborted or failed);
+    ``keep_trace`` False: its node runs too (a request submitted untraced)."""
 
     request_id: str
+    keep_trace: bool = True
 
 
 @register_message

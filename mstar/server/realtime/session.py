@@ -253,7 +253,7 @@ class RealtimeSession:
         v = self._vad
         request = self.adapter.vad_request(windows, v.state, v.context)
         out = {}
-        async for item in self.serving.stream("realtime", request.inputs, request.params):
+        async for item in self.serving.stream("realtime", request.inputs, request.params, trace=False):
             out[item.name] = item.value[0]
         return v.decide(out["vad_probs"], out["vad_state"], out["vad_context"])
 
@@ -306,10 +306,11 @@ class RealtimeSession:
 
     async def _prefill(self, request: ApiRequest) -> None:
         try:
-            async for _ in self.serving.stream(CHAT, request.inputs, request.params):
+            async for _ in self.serving.stream(CHAT, request.inputs, request.params, trace=False):
                 pass
         except APIError:  # the server at capacity, say: the response prefills it all instead
             pass
+
     async def _commit(self, end: int | None) -> None:
         """The buffer's turn (from its start to ``end``, the VAD's; None: all) becomes a user item."""
         if not self.audio_in:
