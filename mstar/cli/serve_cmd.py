@@ -28,6 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weights, activations and KV cache (default: the model's, float32 for the Llama family); "
                         "bfloat16 uses the CPU's bf16 dot-product instructions where it has them")
+    p.add_argument("--weights-as-stored", action="store_true", default=None,
+                   help="a .gguf model: keep its Q8_0 / Q4_0 / Q4_1 weights quantized in memory and multiply them as "
+                        "stored (default: dequantize them to --dtype)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on API routes")
@@ -62,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def model_kwargs(target, args: argparse.Namespace) -> dict:
     """The CLI options the model's constructor accepts; an option it does not take is an error."""
     wanted = {"model_path": args.model_path, "load_format": args.load_format,
-              "dtype": getattr(args, "dtype", None)}
+              "dtype": getattr(args, "dtype", None), "weights_as_stored": getattr(args, "weights_as_stored", None)}
     wanted = {k: v for k, v in wanted.items() if v is not None}
     if not wanted:
         return {}

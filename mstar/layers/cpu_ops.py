@@ -34,7 +34,7 @@ __all__ = ["build", "ops"]
 
 log = logging.getLogger(__name__)
 
-_EXTENSION = CpuExtension("cpu_ops", ("linear.cpp", "rowwise.cpp", "paged_decode.cpp", "core_module.cpp"),
+_EXTENSION = CpuExtension("cpu_ops", ("linear.cpp", "quant_linear.cpp", "rowwise.cpp", "paged_decode.cpp", "core_module.cpp"),
                          "CPU kernels", log)
 
 

@@ -30,6 +30,11 @@ prepacked layout of the route in use (column panels for mstar's kernel, gate/up 
 the fused SiLU-mul; or oneDNN's blocked layout), used while the weights they came from are
 unchanged; the norms and the rotary embedding then run through the compiled kernels too.
 
+Weights as stored (``use_stored``, a GGUF file's block-quantized projections): the q/k/v, o,
+gate/up and down projections are ``mstar.layers.quant.QuantizedLinear`` s in place of prepacked
+ones, used whatever the (then unmaterialised) ``nn.Linear`` parameters hold; such a module is not
+repacked, prepacked or sharded.
+
 Attention goes through ``backend``; ``LlamaBackbone`` defaults to ``default_backend()`` (decode rows
 through the compiled kernel where it can be built, see ``mstar.layers.paged_decode``).
 """
@@ -47,6 +52,7 @@ from mstar.layers.cpu_ops import ops
 from mstar.layers.norms import RMSNorm
 from mstar.layers.paged_attention import paged_attention
 from mstar.layers.prepack import PrepackedLinear, can_prepack, hooked
+from mstar.layers.quant import QuantizedLinear
 from mstar.layers.rotary import RopeScaling, RotaryEmbedding, apply_rotary
 
 __all__ = [
@@ -64,6 +70,7 @@ __all__ = [
 _COMPILED_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled norm / rotary take
 _ATTN_BIAS = ("attention_bias=True is not supported by mstar's Llama layers "
               "(q/k/v/o projections must have no bias)")
+_STORED = "projections kept as stored (quantized) cannot be replaced (tensor parallelism needs dequantized weights)"
 _MLP_BIAS = ("mlp_bias=True is not supported by mstar's Llama layers "
              "(gate/up/down projections must have no bias)")
 
@@ -156,6 +163,7 @@ class LlamaAttention(nn.Module):
         # forward(..., residual) adds it; False where the output must be reduced first (TP shards)
         self.takes_residual = True
         self.prepacked: tuple[PrepackedLinear, PrepackedLinear] | None = None  # (qkv, o)
+        self.stored = False  # ``prepacked`` holds quantized projections as stored (``use_stored``)
 
     def pack_weights(self) -> None:
         """q/k/v in one ``[hidden, (Hq + 2 Hkv) * D]`` tensor, o re-laid out (see the module docstring)."""
@@ -163,9 +171,15 @@ class LlamaAttention(nn.Module):
         self._qkv_views = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
         pack_linears(self.o_proj)
 
+    def use_stored(self, qkv: QuantizedLinear, o: QuantizedLinear) -> None:
+        """Compute with quantized projections as stored: ``qkv`` (q, k and v rows stacked) and ``o``."""
+        self.prepacked, self.stored = (qkv, o), True
+
     def set_projections(self, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear) -> None:
         """Replace the projections (a tensor-parallel shard: fewer heads, whole heads only); the
         head counts follow their sizes, and packed / prepacked weights are rebuilt as they were."""
+        if self.stored:
+            raise ValueError(_STORED)
         packed, prepacked = self._qkv is not None, self.prepacked is not None
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
         self.num_heads = q.out_features // self.head_dim
@@ -178,6 +192,8 @@ class LlamaAttention(nn.Module):
 
     def prepack(self) -> bool:
         """Prepacked q/k/v and o projections (``mstar.layers.prepack``); needs ``pack_weights``."""
+        if self.stored:
+            return False
         qkv = packed_weight(self._qkv, (self.q_proj, self.k_proj, self.v_proj), self._qkv_views)
         if not can_prepack(qkv, self.o_proj.weight):
             return False
@@ -187,6 +203,8 @@ class LlamaAttention(nn.Module):
     def _prepacked(self, qkv: torch.Tensor | None) -> tuple[PrepackedLinear, PrepackedLinear] | None:
         """The prepacked projections, if the weights they were packed from are unchanged."""
         pre = self.prepacked
+        if self.stored:
+            return pre
         if pre is None or qkv is None or not (pre[0].fresh(qkv) and pre[1].fresh(self.o_proj.weight)):
             return None
         return pre
@@ -209,7 +227,7 @@ class LlamaAttention(nn.Module):
             q = y[:, :nq].view(t, self.num_heads, self.head_dim)
             k = y[:, nq:nq + nkv].view(t, self.num_kv_heads, self.head_dim)
             v = y[:, nq + nkv:]
-        elif qkv is not None:  # one matmul; q and k heads side by side are rotated together
+        elif qkv is not None or pre is not None:  # one matmul; q and k heads side by side are rotated together
             y = pre[0](x) if pre is not None else torch.matmul(x, qkv)
             qk = apply_rotary(y[:, :nq + nkv].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
             q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], y[:, nq + nkv:]
@@ -246,6 +264,7 @@ class LlamaMLP(nn.Module):
         self._gate_up_views: tuple = ()
         self.takes_residual = True  # as LlamaAttention.takes_residual
         self.prepacked: tuple[PrepackedLinear, PrepackedLinear] | None = None  # (gate_up, down)
+        self.stored = False  # as LlamaAttention.stored
 
     def pack_weights(self) -> None:
         """gate/up in one ``[hidden, 2 * intermediate]`` tensor, down re-laid out."""
@@ -253,9 +272,16 @@ class LlamaMLP(nn.Module):
         self._gate_up_views = (self.gate_proj.weight, self.up_proj.weight)
         pack_linears(self.down_proj)
 
+    def use_stored(self, gate_up: QuantizedLinear, down: QuantizedLinear) -> None:
+        """Compute with quantized projections as stored: ``gate_up`` (gate and up rows stacked, built
+        with ``silu_mul=True``) and ``down``."""
+        self.prepacked, self.stored = (gate_up, down), True
+
     def set_projections(self, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> None:
         """Replace the projections (a tensor-parallel shard); packed / prepacked weights are rebuilt
         as they were."""
+        if self.stored:
+            raise ValueError(_STORED)
         packed, prepacked = self._gate_up is not None, self.prepacked is not None
         self.gate_proj, self.up_proj, self.down_proj = gate, up, down
         self._gate_up, self._gate_up_views, self.prepacked = None, (), None
@@ -266,6 +292,8 @@ class LlamaMLP(nn.Module):
 
     def prepack(self) -> bool:
         """Prepacked gate/up (SiLU-mul fused) and down projections (``mstar.layers.prepack``)."""
+        if self.stored:
+            return False
         gate_up = packed_weight(self._gate_up, (self.gate_proj, self.up_proj), self._gate_up_views)
         if not can_prepack(gate_up, self.down_proj.weight):
             return False
@@ -277,6 +305,8 @@ class LlamaMLP(nn.Module):
         """``(gate_up, down)`` prepacked projections that ``forward`` would use now (None: it would not)."""
         gate_up = packed_weight(self._gate_up, (self.gate_proj, self.up_proj), self._gate_up_views)
         pre = self.prepacked
+        if self.stored:
+            return pre
         if gate_up is not None and pre is not None and pre[0].fresh(gate_up) and pre[1].fresh(self.down_proj.weight):
             return pre
         return None
@@ -327,15 +357,15 @@ class _LeanLayer(NamedTuple):
     attn: LlamaAttention
     in_norm: RMSNorm
     post_norm: RMSNorm
-    qkv: PrepackedLinear
-    o: PrepackedLinear
-    gate_up: PrepackedLinear
-    down: PrepackedLinear
+    qkv: PrepackedLinear | QuantizedLinear
+    o: PrepackedLinear | QuantizedLinear
+    gate_up: PrepackedLinear | QuantizedLinear
+    down: PrepackedLinear | QuantizedLinear
 
 
 def _lean_layer(layer: nn.Module, dtype: torch.dtype) -> _LeanLayer | None:
     """``layer``'s parts if its forward would take the compiled route for a ``dtype`` input: a plain
-    ``LlamaDecoderLayer`` (no subclass, no hooks) with fresh panel-prepacked projections, compiled
+    ``LlamaDecoderLayer`` (no subclass, no hooks) with fresh panel-prepacked (or quantized) projections, compiled
     norms of that dtype and fused residual adds; None otherwise."""
     if type(layer) is not LlamaDecoderLayer:
         return None
@@ -347,7 +377,7 @@ def _lean_layer(layer: nn.Module, dtype: torch.dtype) -> _LeanLayer | None:
     if not (n1.compiled and n2.compiled and n1.weight.dtype == dtype and n2.weight.dtype == dtype):
         return None
     a, m = attn.fresh_prepacked(), mlp.fresh_prepacked()
-    if a is None or m is None or any(p.mode != "panel" for p in (*a, *m)):
+    if a is None or m is None or any(p.mode not in ("panel", "quant") for p in (*a, *m)):
         return None
     return _LeanLayer(attn, n1, n2, a[0], a[1], m[0], m[1])
 
@@ -395,7 +425,8 @@ class LlamaBackbone(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids.to(self.embed_tokens.weight.device))
+            weight = getattr(self.embed_tokens, "weight", None)  # a QuantizedEmbedding has none: CPU
+            inputs_embeds = self.embed_tokens(input_ids if weight is None else input_ids.to(weight.device))
         h = inputs_embeds
         positions = engine_inputs.positions
         if positions is None or positions.shape[0] != h.shape[0]:
@@ -444,7 +475,8 @@ class LlamaBackbone(nn.Module):
             nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
             nq, nk = nh * d, nkv * d
             x = part.in_norm._kernel.rms_norm(h, part.in_norm.weight, part.in_norm.eps)
-            y = part.qkv._kernel.linear(x, part.qkv.packed, part.qkv.n_out, False, None)
+            qkv = part.qkv
+            y = qkv._kernel.linear(x, qkv.packed, qkv.n_out, False, None) if qkv.mode == "panel" else qkv(x)
             ops().rotary_(y, cos, sin, nh + nkv, d)
             q = y[:, :nq].view(t, nh, d)
             k = y[:, nq:nq + nk].view(t, nkv, d)
@@ -464,5 +496,6 @@ class LlamaBackbone(nn.Module):
                 out = backend.forward(q, k, v, k_cache, v_cache, meta, scale=attn.scaling)
             h = part.o(out.reshape(t, nq), h)
             x = part.post_norm._kernel.rms_norm(h, part.post_norm.weight, part.post_norm.eps)
-            h = part.down(part.gate_up._kernel.linear(x, part.gate_up.packed, part.gate_up.n_out, True, None), h)
+            gu = part.gate_up
+            h = part.down(gu._kernel.linear(x, gu.packed, gu.n_out, True, None) if gu.mode == "panel" else gu(x), h)
         return h

@@ -242,6 +242,9 @@ def apply_tp(module: nn.Module, tp: TPGroup) -> nn.Module:
     if not shardable(module):
         raise ValueError(f"{type(module).__name__} has no layer that tensor parallelism can shard "
                          f"(Llama attention / MLP blocks, or a block with shard_tp)")
+    if any(getattr(m, "stored", False) for m in [*attns, *mlps]):
+        raise ValueError("tensor parallelism needs dequantized weights: serve this GGUF file with "
+                         "--no-weights-as-stored (its projections are kept quantized as stored)")
     shards = {head_shard(a.num_heads, a.num_kv_heads, tp) for a in [*attns, *own]
               if hasattr(a, "num_kv_heads")}  # checks every layer before changing any
     for a in attns:

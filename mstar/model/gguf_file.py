@@ -6,7 +6,8 @@ asked for) and exposes:
 * ``metadata``: every key -> its value (ints, floats, bools, strings; arrays as Python lists);
 * ``tensor_names``, ``shape(name)`` (in torch order, outermost dimension first, as the tensor will be
   once dequantized), ``type_name(name)`` (``"Q4_1"``, ``"F32"``...), ``nbytes(name)`` (in the file);
-* ``tensor(name)``: the tensor dequantized to a float32 ``torch.Tensor``.
+* ``tensor(name)``: the tensor dequantized to a float32 ``torch.Tensor``; ``raw(name)``: its bytes as
+  stored (for weights kept quantized, ``mstar.layers.quant``).
 
 Quantized tensors are dequantized with the ``gguf`` package's reference NumPy kernels; the types in
 ``SUPPORTED_TYPES`` are the ones whose dequantization mstar's tests check against transformers' GGUF
@@ -111,6 +112,11 @@ class GGUFFile:
         if kind in SUPPORTED_TYPES:
             return None
         return f"{name} has type {kind} (supported: {', '.join(SUPPORTED_TYPES)})"
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor's bytes as stored in the file (a uint8 copy, not dequantized)."""
+        data = np.asarray(self._info(name).data)
+        return torch.from_numpy(np.array(data.reshape(-1).view(np.uint8), copy=True))
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor dequantized to float32, shaped ``shape(name)``."""

@@ -1,4 +1,5 @@
-// The core CPU extension's Python bindings: panel linears (linear.cpp), row-wise kernels
+// The core CPU extension's Python bindings: panel linears (linear.cpp), block-quantized linears
+// (quant_linear.cpp), row-wise kernels
 // (rowwise.cpp) and paged attention (paged_decode.cpp).
 #include <torch/extension.h>
 
@@ -11,6 +12,11 @@ bool tile_unit_available(int64_t in_features);
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, bool silu_mul,
                      c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> bias, bool gelu);
 torch::Tensor linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t n_out);
+
+// quant_linear.cpp
+bool quant_dots_available();
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t n_out, bool silu_mul,
+                           c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> bias);
 
 // rowwise.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -51,6 +57,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ W over a packed weight, with optional fused epilogues", py::arg("x"),
         py::arg("packed"), py::arg("n_out"), py::arg("silu_mul"), py::arg("residual"), py::arg("bias") = py::none(),
         py::arg("gelu") = false);
+  m.def("quant_linear", &quant_linear, "x @ W over a block-quantized packed weight (Q8_0, Q4_0, Q4_1), as stored",
+        py::arg("x"), py::arg("packed"), py::arg("kind"), py::arg("n_out"), py::arg("silu_mul"),
+        py::arg("residual") = py::none(), py::arg("bias") = py::none());
+  m.def("quant_dots_available", &quant_dots_available, "quantized linears use the CPU's u8 x s8 dot products (AVX512-VNNI)");
   m.def("linear_argmax", &linear_argmax, "argmax over the columns of x @ W (packed float32), row by row, without storing the product",
         py::arg("x"), py::arg("packed"), py::arg("n_out"));
 }

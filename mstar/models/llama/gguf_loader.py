@@ -12,6 +12,11 @@ llama.cpp's converter reorders the rows of ``attn_q`` / ``attn_k`` inside each h
 dimensions ``(2i, 2i + 1)``, transformers' pairs ``(i, i + D/2)``); ``unpermute_rows`` undoes that.
 A file without ``output.weight`` has tied embeddings (llama.cpp writes the LM head only when it is
 not the embedding matrix).
+
+Weights as stored (``load_gguf_stored``, the default for a file whose projections, embedding and
+head are all Q8_0 / Q4_0 / Q4_1): those tensors are kept in their blocks and multiplied as stored
+(``mstar.layers.quant``); only the norms are materialised in float. ``stored_blocker`` says why a
+file cannot be served that way (its tensors are then dequantized).
 """
 
 from __future__ import annotations
@@ -24,14 +29,15 @@ from pathlib import Path
 
 import torch
 
+from mstar.layers.quant import QUANT_KINDS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from mstar.model.checkpoint import CheckpointError, LoadReport, listed
 from mstar.model.gguf_file import GGUFFile, is_gguf_path, open_gguf
 from mstar.models.llama.config import LlamaConfig, gguf_eos_ids, llama_config_from_gguf
 
 log = logging.getLogger(__name__)
 
-__all__ = ["gguf_eos_ids", "gguf_hf_name", "hf_tensors", "is_gguf_path", "llama_config_from_gguf", "load_gguf_weights",
-           "unpermute_rows"]
+__all__ = ["gguf_eos_ids", "gguf_hf_name", "hf_tensors", "is_gguf_path", "llama_config_from_gguf", "load_gguf_stored",
+           "load_gguf_weights", "stored_blocker", "unpermute_rows"]
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -137,3 +143,108 @@ def load_gguf_weights(module: torch.nn.Module, path: str | Path | GGUFFile, conf
     log.info("loaded %s: %d tensors (%.1f MiB in the file) dequantized in %.2f s", gf.path.name, report.tensors,
              report.bytes / 2**20, report.seconds)
     return report
+
+
+# -- weights as stored -----------------------------------------------------------------------------
+_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def stored_blocker(gf: GGUFFile, config: LlamaConfig) -> str | None:
+    """Why the file's weights cannot be kept as stored (a tensor that is not Q8_0 / Q4_0 / Q4_1,
+    named), or None when they can."""
+    names = [f"blk.{i}.{p}.weight" for i in range(config.num_hidden_layers) for p in _PROJECTIONS]
+    names.append("token_embd.weight")
+    if "output.weight" in gf.tensor_names:
+        names.append("output.weight")
+    for name in names:
+        if name in gf.tensor_names and gf.type_name(name) not in QUANT_KINDS:
+            return f"{name} is {gf.type_name(name)} (kept as stored: {', '.join(QUANT_KINDS)})"
+    return None
+
+
+def _stored(gf: GGUFFile, config: LlamaConfig, name: str) -> QuantizedWeight:
+    """A tensor's blocks, q/k rows back in transformers' order (rows are whole output features)."""
+    weight = QuantizedWeight.from_bytes(gf.type_name(name), gf.raw(name), gf.shape(name))
+    kind = name.split(".")[-2]
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    if kind in heads:
+        weight = QuantizedWeight(weight.kind, unpermute_rows(weight.blocks, heads[kind]))
+    return weight
+
+
+def _group(gf: GGUFFile, config: LlamaConfig, names: list[str], *, silu_mul: bool = False) -> QuantizedLinear:
+    parts = [_stored(gf, config, n) for n in names]
+    if len({p.kind for p in parts}) != 1:
+        raise CheckpointError(f"{gf.path.name}: {', '.join(names)} have different types "
+                              f"({', '.join(p.kind for p in parts)}); serve it with --no-weights-as-stored")
+    return QuantizedLinear(QuantizedWeight.cat(parts), silu_mul=silu_mul)
+
+
+def load_gguf_stored(module: torch.nn.Module, path: str | Path | GGUFFile, config: LlamaConfig) -> LoadReport:
+    """Load a ``LlamaCausalLM`` built on the meta device with its projections, embedding and head kept
+    quantized as stored (``stored_blocker`` must be None): those modules' parameters become empty
+    tensors, unused; every other parameter (the norms) is materialised and loaded. Strict as
+    ``load_gguf_weights`` (the file's tensors must match the model)."""
+    gf = path if isinstance(path, GGUFFile) else open_gguf(path)
+    why = stored_blocker(gf, config)
+    if why is not None:
+        raise CheckpointError(f"{gf.path.name}: cannot keep the weights as stored: {why}")
+    plan, skipped = _plan(module, gf)
+    report = LoadReport(files=[str(gf.path)], skipped=skipped)
+    t0 = time.perf_counter()
+    backbone = module.model
+    quantized_modules = {id(backbone.embed_tokens), id(module.lm_head)}
+    for layer in backbone.layers:
+        a, m = layer.self_attn, layer.mlp
+        quantized_modules |= {id(x) for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)}
+    for sub in module.modules():
+        if id(sub) not in quantized_modules:
+            sub.to_empty(device="cpu", recurse=False)
+            continue
+        for pname, param in list(sub.named_parameters(recurse=False)):  # unused: empty, so .to() still works
+            setattr(sub, pname, torch.nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=False))
+    state = module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, hf, tensor in hf_tensors(gf, config, [n for n in plan if gf.type_name(n) not in QUANT_KINDS]):
+            state[hf].copy_(tensor)
+            report.tensors += 1
+            report.bytes += gf.nbytes(name)
+    for i, layer in enumerate(backbone.layers):
+        blk = f"blk.{i}."
+        layer.self_attn.use_stored(_group(gf, config, [blk + p + ".weight" for p in ("attn_q", "attn_k", "attn_v")]),
+                                   _group(gf, config, [blk + "attn_output.weight"]))
+        layer.mlp.use_stored(_group(gf, config, [blk + "ffn_gate.weight", blk + "ffn_up.weight"], silu_mul=True),
+                             _group(gf, config, [blk + "ffn_down.weight"]))
+        report.tensors += len(_PROJECTIONS)
+        report.bytes += sum(gf.nbytes(f"{blk}{p}.weight") for p in _PROJECTIONS)
+    table = _group(gf, config, ["token_embd.weight"])
+    head = _group(gf, config, ["output.weight"]) if "output.weight" in gf.tensor_names else table
+    backbone.embed_tokens = QuantizedEmbedding(table)
+    module.use_stored_head(head)
+    report.tensors += 1 + (head is not table)
+    report.bytes += gf.nbytes("token_embd.weight") + (gf.nbytes("output.weight") if head is not table else 0)
+    report.seconds = time.perf_counter() - t0
+    log.info("loaded %s: %d tensors (%.1f MiB in the file) kept as stored (%s) in %.2f s; weights in memory %.1f MiB",
+             gf.path.name, report.tensors, report.bytes / 2**20,
+             ", ".join(sorted({gf.type_name(n) for n in gf.tensor_names})), report.seconds,
+             weight_bytes(module) / 2**20)
+    return report
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes the module's weights hold in memory: its materialised parameters and buffers, and the
+    quantized linears it computes with (each counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.device.type != "meta" and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    for sub in module.modules():
+        pre = getattr(sub, "prepacked", None)
+        held = [*(pre if isinstance(pre, tuple) else (pre,)), getattr(sub, "table", None)]  # table: an embedding's
+        for lin in held:
+            if isinstance(lin, QuantizedLinear) and id(lin) not in seen:
+                seen.add(id(lin))
+                total += lin.nbytes
+    return total

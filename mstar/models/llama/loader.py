@@ -35,9 +35,9 @@ from mstar.model.checkpoint import (
     mismatch_report,
     resolve_dtype,
 )
-from mstar.model.gguf_file import is_gguf_path
+from mstar.model.gguf_file import is_gguf_path, open_gguf
 from mstar.models.llama.config import LlamaConfig, read_json
-from mstar.models.llama.gguf_loader import load_gguf_weights
+from mstar.models.llama.gguf_loader import load_gguf_stored, load_gguf_weights, stored_blocker
 from mstar.models.llama.nodes import LlamaCausalLM
 
 log = logging.getLogger(__name__)
@@ -213,7 +213,8 @@ def init_dummy_weights(module: torch.nn.Module, seed: int = 0, std: float | None
 def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = None, load_format: str = "auto",
                       dtype: str | torch.dtype = "float32", eos_token_ids: Iterable[int] | None = None,
                       seed: int = 0,
-                      module_cls: type | None = None, prepack: bool | None = None) -> Any:
+                      module_cls: type | None = None, prepack: bool | None = None,
+                      weights_as_stored: bool = False) -> Any:
     """A ``LlamaCausalLM`` (or ``module_cls``, a subclass) on CPU with its weights (from ``model_path``
     unless ``load_format="dummy"``).
 
@@ -221,6 +222,12 @@ def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = No
     materialised, so building a large model costs one copy of its weights. With ``prepack=True``
     (``None``: unless ``MSTAR_PREPACK=0``) the projections are then prepacked
     (``mstar.layers.prepack``), which keeps a second copy of those weights.
+
+    ``weights_as_stored=True`` (a GGUF file whose projections, embedding and head are Q8_0 / Q4_0 /
+    Q4_1: ``gguf_loader.stored_blocker``): those stay quantized as the file stores them and are
+    multiplied as stored (``gguf_loader.load_gguf_stored``; ``dtype`` is then the activations' and
+    the KV cache's); False (the default) dequantizes every tensor to ``dtype``. Only
+    ``LlamaCausalLM`` itself keeps them (a subclass may compute its logits its own way).
     """
     check_load_format(load_format, LOAD_FORMATS)
     torch_dtype = resolve_dtype(dtype)
@@ -231,6 +238,18 @@ def build_llama_model(config: LlamaConfig, *, model_path: str | Path | None = No
                                   "load_format='dummy'")
         files = [] if is_gguf_path(model_path) else checkpoint_files(model_path)
     module = (module_cls or LlamaCausalLM)(config, dtype=torch_dtype, device="meta", eos_token_ids=eos_token_ids)
+    if weights_as_stored:
+        if load_format == "dummy" or not is_gguf_path(model_path):
+            raise CheckpointError("weights as stored need a GGUF checkpoint (a .gguf model_path)")
+        why = stored_blocker(open_gguf(model_path), config)
+        if why is None and type(module) is not LlamaCausalLM:
+            why = f"{type(module).__name__} computes its own logits"
+        if why is not None:
+            raise CheckpointError(f"cannot keep {Path(model_path).name}'s weights as stored: {why}")
+        load_gguf_stored(module, model_path, config)
+        if prepack_requested(prepack):
+            prepack_linears(module)  # the norms' compiled kernels
+        return module.eval()
     module.to_empty(device="cpu")
     module.tie_weights()
     module.pack_weights()

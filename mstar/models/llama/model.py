@@ -49,7 +49,9 @@ class LlamaLM(LazyTokenizer, ModelDef):
     the config still comes from ``model_path`` or ``config``); ``dtype``: float32 / bfloat16 /
     float16; ``config``: a ``LlamaConfig`` or an HF config dict, instead of model_path/config.json;
     ``prepack``: prepack the projections at build time (``mstar.layers.prepack``; default ``None``:
-    yes, with the compiled panel kernel where it builds, unless ``MSTAR_PREPACK=0``).
+    yes, with the compiled panel kernel where it builds, unless ``MSTAR_PREPACK=0``);
+    ``weights_as_stored``: a GGUF file's Q8_0 / Q4_0 / Q4_1 projections, embedding and head kept
+    quantized and multiplied as stored (``mstar.layers.quant``), instead of dequantized to ``dtype``.
     """
 
     checks_params = True  # parse_request looks up every params key (Runtime.submit refuses others)
@@ -60,8 +62,9 @@ class LlamaLM(LazyTokenizer, ModelDef):
 
     def __init__(self, model_path: str | Path | None = None, load_format: str = "auto",
                  dtype: str | torch.dtype = "float32", config: LlamaConfig | Mapping[str, Any] | None = None,
-                 seed: int = 0, prepack: bool | None = None) -> None:
+                 seed: int = 0, prepack: bool | None = None, weights_as_stored: bool = False) -> None:
         self.prepack = prepack
+        self.weights_as_stored = weights_as_stored
         self.model_path = str(model_path) if model_path is not None else None
         self.load_format = check_load_format(load_format, LOAD_FORMATS)
         self.dtype = resolve_dtype(dtype)
@@ -156,7 +159,7 @@ class LlamaLM(LazyTokenizer, ModelDef):
             return {}
         module = build_llama_model(self.config, model_path=self.model_path, load_format=self.load_format,
                                    dtype=self.dtype, eos_token_ids=self.eos_token_ids, seed=self.seed,
-                                   prepack=self.prepack)
+                                   prepack=self.prepack, weights_as_stored=self.weights_as_stored)
         module.grammars = self.grammars
         return {llama_graph.NODE: module}
 

