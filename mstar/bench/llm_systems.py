@@ -89,11 +89,14 @@ class StepOverhead:
 class MstarSystem(_InProcess):
     name = "mstar"
 
-    def __init__(self, checkpoint: str | Path, workers: str = "inline", dtype: str = "float32") -> None:
+    def __init__(self, checkpoint: str | Path, workers: str = "inline", dtype: str = "float32",
+                 weights_as_stored: bool = False, name: str = "mstar") -> None:
         from mstar.models.llama.model import LlamaLM
         from mstar.runtime.api import Runtime
 
-        self.rt = Runtime(LlamaLM(model_path=str(checkpoint), dtype=dtype), workers=workers).start()
+        self.name = name
+        self.rt = Runtime(LlamaLM(model_path=str(checkpoint), dtype=dtype, weights_as_stored=weights_as_stored),
+                          workers=workers).start()
 
     def _tokens(self, out) -> list[int]:
         if not out.finished:

@@ -64,6 +64,19 @@ def suite_llm(repeats: int | None) -> SuiteResult:
                        tables=[format_table(res)], goals=goals, notes=_fewer(repeats, 3), data=to_json(res))
 
 
+def suite_gguf(repeats: int | None) -> SuiteResult:
+    from dataclasses import asdict
+
+    from mstar.bench import gguf_bench as g
+
+    n = _n(repeats, 3)
+    res = g.run_gguf_bench(repeats=n, log=_log)
+    goals = [Goal(text, met) for text, met in g.goal_checks(res)]
+    return SuiteResult("gguf", f"mstar bench compare gguf --repeats {n}", description=g.describe(res),
+                       tables=[g.format_table(res), g.format_memory(res), g.format_parity(res)], goals=goals,
+                       notes=_fewer(repeats, 3), data=asdict(res))
+
+
 def suite_tts(repeats: int | None) -> SuiteResult:
     from mstar.bench.orpheus_bench import HF_SYSTEMS, SYSTEMS, VLLM, format_table, run_orpheus_bench, to_json
 
@@ -307,6 +320,7 @@ class Suite:
 
 SUITES: dict[str, Suite] = {
     "llm": Suite("LLM: mstar vs. vLLM CPU and HF transformers", suite_llm),
+    "gguf": Suite("GGUF: weights as stored vs. llama.cpp (and vLLM CPU)", suite_gguf),
     "engine": Suite("Engine: compiled attention and the default linears", suite_engine),
     "runtime": Suite("Runtime overhead", suite_runtime),
     "tts": Suite("Orpheus TTS vs. vLLM CPU + SNAC and HF generate", suite_tts),

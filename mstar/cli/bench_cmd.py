@@ -70,6 +70,9 @@ def _add_rollout(bsub) -> None:
     w.set_defaults(func=run_rollout)
 
 
+_LLM_SYSTEMS = "mstar,vllm-cpu,vllm-cpu-defaults,hf"
+
+
 def _add_compare(bsub) -> None:
     x = bsub.add_parser("compare", help="ours vs. the peer baselines in one run (suites: llm, rollout, t2i, omni)",
                         description="Run mstar and peer baselines side by side, same weights, same run. "
@@ -85,8 +88,11 @@ def _add_compare(bsub) -> None:
                                     "orpheus-tts does it, and HF generate; "
                                     "omni: Qwen3-Omni text-to-speech (random weights saved by transformers, loaded "
                                     "by mstar) vs. transformers generate(return_audio=True) one request at a time "
-                                    "and batched.")
-    x.add_argument("suite", choices=["rollout", "llm", "tts", "t2i", "policy", "omni"])
+                                    "and batched; "
+                                    "gguf: SmolLM2-135M-Instruct from its Q4_1 GGUF file (and Q8_0 / F16 conversions), "
+                                    "mstar's weights as stored / dequantized vs. llama.cpp (llama-cpp-python, built in "
+                                    ".venv-peers) and vLLM CPU, with memory and logits parity.")
+    x.add_argument("suite", choices=["rollout", "llm", "gguf", "tts", "t2i", "policy", "omni"])
     x.add_argument("--horizons", type=_batches, default=[4, 15, 30], help="rollout: horizons")
     x.add_argument("--batches", type=_batches, default=None,
                    help="rollout / t2i: batch sizes (default 1,8 / 1,4)")
@@ -99,9 +105,11 @@ def _add_compare(bsub) -> None:
     x.add_argument("--b1-requests", type=int, default=4,
                    help="llm: requests run one at a time for the batch-1 figures (default 4)")
     x.add_argument("--max-tokens", type=int, default=128, help="llm: new tokens per request (default 128)")
-    x.add_argument("--systems", default="mstar,vllm-cpu,vllm-cpu-defaults,hf",
+    x.add_argument("--systems", default=_LLM_SYSTEMS,
                    help="llm: comma-separated systems (default mstar,vllm-cpu,vllm-cpu-defaults,hf; vllm-cpu is "
-                        "vLLM configured as its CPU docs say, vllm-cpu-defaults as it comes)")
+                        "vLLM configured as its CPU docs say, vllm-cpu-defaults as it comes); gguf: default every "
+                        "one of mstar-q4_1,mstar-q8_0,mstar-fp32,mstar-bf16,llama.cpp-q4_1,llama.cpp-q8_0,llama.cpp-f16,"
+                        "vllm-cpu")
     x.add_argument("--workloads", default="concurrent,b1",
                    help="llm: concurrent (all requests at once) and/or b1 (one at a time)")
     x.add_argument("--model", "--workload", dest="model", choices=["random", "smollm2"], default="random",
@@ -294,6 +302,8 @@ def run_compare(args: argparse.Namespace) -> int:
         return run_orpheus(args)
     if args.suite == "llm":
         return run_compare_llm(args)
+    if args.suite == "gguf":
+        return run_compare_gguf(args)
     if args.suite == "t2i":
         return run_compare_t2i(args)
     if args.suite == "policy":
@@ -357,6 +367,25 @@ def run_compare_omni(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(to_json(res), f, indent=1)
+    return 0
+
+
+def run_compare_gguf(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from mstar.bench import gguf_bench as g
+
+    systems = g.SYSTEMS if args.systems == _LLM_SYSTEMS else [v.strip() for v in args.systems.split(",") if v.strip()]
+    res = g.run_gguf_bench(systems=systems, workloads=[v.strip() for v in args.workloads.split(",") if v.strip()],
+                           repeats=args.repeats or 3, max_tokens=args.max_tokens, concurrency=args.concurrency,
+                           b1_requests=args.b1_requests, cache_dir=args.cache_dir, peer_venv=args.peer_venv,
+                           log=g.main_log)
+    print(g.describe(res), "", g.format_table(res), "", g.format_memory(res), "", g.format_parity(res), "",
+          "\n".join(g.goal_lines(res)), sep="\n")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(asdict(res), f, indent=1)
     return 0
 
 

@@ -14,7 +14,9 @@ command read from stdin:
   position saved to ``out``;
 * ``{"cmd": "quit"}``.
 
-Answers: ``{"wall_s", "request_s": [per request], "tokens": [[ids]]}`` (greedy: llama.cpp's own
+The ready line carries ``model_bytes`` (llama.cpp's size of the model's tensors) and ``rss_load_kib``
+(this process's resident memory added by loading the model and its context: ``RssAnon``,
+``RssFile``...). Answers: ``{"wall_s", "request_s": [per request], "tokens": [[ids]]}`` (greedy: llama.cpp's own
 greedy sampler; EOS ignored, exactly N tokens) or ``{"error"}``. llama.cpp's logs go to stderr.
 """
 
@@ -134,6 +136,13 @@ class _Peer:
         return {"wall_s": time.perf_counter() - t0, "request_s": times, "tokens": tokens}
 
 
+def _rss_kib() -> dict[str, int]:
+    """This process's resident memory now (kB): anonymous and file-backed (the mapped model file)."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f if line.startswith("Rss"))
+    return {k: int(v.split()[0]) for k, v in fields.items()}
+
+
 def main() -> int:
     args = _args()
     out = os.fdopen(os.dup(1), "w", buffering=1)  # answers only; llama.cpp's prints go to stderr
@@ -143,13 +152,16 @@ def main() -> int:
     try:
         import llama_cpp
 
+        before = _rss_kib()
         peer = _Peer(args)
+        after = _rss_kib()
     except Exception as e:  # noqa: BLE001 - reported to the driver
         traceback.print_exc()
         print(json.dumps({"ready": False, "error": f"{type(e).__name__}: {e}"}), file=out, flush=True)
         return 1
     print(json.dumps({"ready": True, "llama_cpp": llama_cpp.__version__, "system": peer.system,
-                      "startup_s": time.perf_counter() - t0}), file=out, flush=True)
+                      "startup_s": time.perf_counter() - t0, "model_bytes": int(llama_cpp.llama_model_size(peer.model)),
+                      "rss_load_kib": {k: after[k] - before[k] for k in after}}), file=out, flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue
