@@ -38,6 +38,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--n-ctx", type=int, default=8192, help="KV cells shared by every sequence")
     ap.add_argument("--n-batch", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--kv-type", choices=["f16", "f32"], default="f16",
+                    help="the KV cache's type (llama.cpp's default: f16)")
     return ap.parse_args()
 
 
@@ -57,6 +59,8 @@ class _Peer:
         cp.n_ubatch = min(512, args.n_batch)
         cp.n_seq_max = args.max_num_seqs
         cp.n_threads = cp.n_threads_batch = args.threads
+        if args.kv_type == "f32":
+            cp.type_k = cp.type_v = L.GGML_TYPE_F32
         cp.kv_unified = True  # one KV cache for every sequence, as llama-server's parallel slots share it
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
