@@ -195,7 +195,7 @@ class QuantizedLinear:
         self.n_out = weight.shape[0] // (2 if silu_mul else 1)
         self._kernel = ops()
         if self._kernel is not None:
-            self.packed = pack_quantized(weight, silu_mul=silu_mul)
+            self.packed = self._kernel.to_huge_pages(pack_quantized(weight, silu_mul=silu_mul))
             self.weight = None
         else:  # the PyTorch path reads the file's blocks
             self.packed = None

@@ -15,6 +15,7 @@ torch::Tensor linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t n_out
 
 // quant_linear.cpp
 bool quant_dots_available();
+torch::Tensor to_huge_pages(torch::Tensor t);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t n_out, bool silu_mul,
                            c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> bias);
 
@@ -60,6 +61,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ W over a block-quantized packed weight (Q8_0, Q4_0, Q4_1), as stored",
         py::arg("x"), py::arg("packed"), py::arg("kind"), py::arg("n_out"), py::arg("silu_mul"),
         py::arg("residual") = py::none(), py::arg("bias") = py::none());
+  m.def("to_huge_pages", &to_huge_pages, "a copy of a tensor in memory advised for transparent huge pages");
   m.def("quant_dots_available", &quant_dots_available, "quantized linears use the CPU's u8 x s8 dot products (AVX512-VNNI)");
   m.def("linear_argmax", &linear_argmax, "argmax over the columns of x @ W (packed float32), row by row, without storing the product",
         py::arg("x"), py::arg("packed"), py::arg("n_out"));

@@ -35,7 +35,11 @@
 
 using namespace mstar_cpu;
 
+torch::Tensor huge_page_empty(at::IntArrayRef sizes, const torch::TensorOptions& options);  // linear.cpp
+
 namespace {
+
+constexpr int64_t kQAhead = 4;  // blocks of a panel fetched ahead of the first tile's multiplies
 
 constexpr int64_t kQBlock = 32;  // weights per block, along the input
 constexpr int64_t kQRows = 4;    // rows per tile: 4 x 4 integer accumulators, plus the weights' registers
@@ -178,13 +182,21 @@ constexpr bool kIntegerDots = false;
 #endif
 
 // Rows [r0, r0 + R) against one panel (all its blocks), stored through the epilogue.
+// `fetch_to`: the first tile of a task's panel fetches the panel's blocks kQAhead ahead, up to there
+// (the panel's end, or the run's next panel's first blocks); later tiles find them in L2.
 template <int R, int64_t Kind, typename TY>
-void quant_tile(const QuantRows& xq, int64_t r0, const uint8_t* panel, int64_t col0, TY* y, const Epilogue<TY>& ep) {
+void quant_tile(const QuantRows& xq, int64_t r0, const uint8_t* panel, int64_t col0, TY* y, const Epilogue<TY>& ep,
+                const uint8_t* fetch_to = nullptr) {
   vf16 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) acc[r][v] = vf16{};
   for (int64_t b = 0; b < xq.nb; ++b) {
     const uint8_t* w = panel + b * block_bytes(Kind);
+    if (fetch_to != nullptr) {
+      const uint8_t* ahead = w + kQAhead * block_bytes(Kind);
+      for (int64_t line = 0; line < block_bytes(Kind) && ahead + line < fetch_to; line += 64)
+        __builtin_prefetch(ahead + line, 0, 2);
+    }
     vi16 s[R][4];
     dot_block<R, Kind>(w, xq.q + r0 * xq.K + b * kQBlock, xq.K, s);
     vf16 dw[4], mw[4];
@@ -218,20 +230,25 @@ void run_quant(const QuantRows& xq, int64_t M, const uint8_t* packed, int64_t pa
   const int64_t run_len = panel_run_len(panels);
   const int64_t runs = (panels + run_len - 1) / run_len;
   const int64_t panel_bytes = xq.nb * block_bytes(Kind);
-  parallel_tasks(runs * chunks, M * xq.K * panels * kPanel / 4, [&](int64_t task) {
+  // the work estimate counts multiply-adds as the float32 panel linear does: a decode step streams
+  // the weights, and both threads get their share of the memory bandwidth
+  parallel_tasks(runs * chunks, 4 * M * xq.K * panels * kPanel, [&](int64_t task) {
     const int64_t first = (task / chunks) * run_len, last = std::min(panels, first + run_len);
     const int64_t chunk = task % chunks;
     const int64_t row_start = chunk * per_chunk, row_end = std::min(M, row_start + per_chunk);
+    const uint8_t* end = packed + last * panel_bytes;
     for (int64_t p = first; p < last; ++p) {
       const uint8_t* panel = packed + p * panel_bytes;
       const int64_t col0 = p * kPanel;
       int64_t r = row_start;
-      for (; r + kQRows <= row_end; r += kQRows) quant_tile<kQRows, Kind>(xq, r, panel, col0, y, ep);
+      const uint8_t* fetch = end;  // the first tile only
+      for (; r + kQRows <= row_end; r += kQRows, fetch = nullptr)
+        quant_tile<kQRows, Kind>(xq, r, panel, col0, y, ep, fetch);
       switch (row_end - r) {
         case 0: break;
-        case 1: quant_tile<1, Kind>(xq, r, panel, col0, y, ep); break;
-        case 2: quant_tile<2, Kind>(xq, r, panel, col0, y, ep); break;
-        default: quant_tile<3, Kind>(xq, r, panel, col0, y, ep); break;
+        case 1: quant_tile<1, Kind>(xq, r, panel, col0, y, ep, fetch); break;
+        case 2: quant_tile<2, Kind>(xq, r, panel, col0, y, ep, fetch); break;
+        default: quant_tile<3, Kind>(xq, r, panel, col0, y, ep, fetch); break;
       }
     }
   });
@@ -252,6 +269,14 @@ void quant_into(const QuantRows& xq, int64_t M, int64_t kind, const torch::Tenso
 }  // namespace
 
 bool quant_dots_available() { return kIntegerDots; }
+
+// A copy of t in memory advised for transparent huge pages (linear.cpp's huge_page_empty): a decode
+// step streams every packed weight, and 4 KiB pages cost TLB misses all along.
+torch::Tensor to_huge_pages(torch::Tensor t) {
+  auto out = huge_page_empty(t.sizes(), t.options());
+  out.copy_(t);
+  return out;
+}
 
 // x [M, K] float32 or bfloat16, contiguous (K a multiple of 32); packed [panels, K / 32, block
 // bytes] uint8 from `mstar.layers.quant.pack_quantized` for `kind` (0 Q8_0, 1 Q4_0, 2 Q4_1); n_out
