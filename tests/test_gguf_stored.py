@@ -138,3 +138,21 @@ def test_smollm2_answers_paris_as_stored():
         assert "Paris" in answer
     module = model.build_submodules(["LLM"])["LLM"]
     assert weight_bytes(module) <= 1.2 * path.stat().st_size
+
+
+def test_serve_flag_reaches_the_model_and_is_refused_elsewhere():
+    import argparse
+
+    from mstar.cli.serve_cmd import model_kwargs
+    from mstar.model.registry import import_target, registered_models
+    from mstar.models.llama.smollm2 import SmolLM2
+
+    args = argparse.Namespace(model="smollm2-135m", model_path=None, load_format=None, dtype=None,
+                              weights_as_stored=True)
+    assert model_kwargs(SmolLM2, args) == {"weights_as_stored": True}
+    bagel = import_target(registered_models()["bagel-tiny"])
+    with pytest.raises(ValueError, match="does not take --weights-as-stored"):
+        model_kwargs(bagel, argparse.Namespace(model="bagel-tiny", model_path=None, load_format=None, dtype=None,
+                                               weights_as_stored=True))
+    args.weights_as_stored = None  # the flag not given: nothing passed
+    assert model_kwargs(SmolLM2, args) == {}
