@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import sys
 import time
-import traceback
+
+from json_lines import answers_channel, serve  # beside this script (peers/json_lines.py)
 
 
 def _args() -> argparse.Namespace:
@@ -149,36 +149,19 @@ def _rss_kib() -> dict[str, int]:
 
 def main() -> int:
     args = _args()
-    out = os.fdopen(os.dup(1), "w", buffering=1)  # answers only; llama.cpp's prints go to stderr
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    t0 = time.perf_counter()
-    try:
+    out = answers_channel()
+
+    def start():
         import llama_cpp
 
-        before = _rss_kib()
+        t0, before = time.perf_counter(), _rss_kib()
         peer = _Peer(args)
         after = _rss_kib()
-    except Exception as e:  # noqa: BLE001 - reported to the driver
-        traceback.print_exc()
-        print(json.dumps({"ready": False, "error": f"{type(e).__name__}: {e}"}), file=out, flush=True)
-        return 1
-    print(json.dumps({"ready": True, "llama_cpp": llama_cpp.__version__, "system": peer.system,
-                      "startup_s": time.perf_counter() - t0, "model_bytes": int(llama_cpp.llama_model_size(peer.model)),
-                      "rss_load_kib": {k: after[k] - before[k] for k in after}}), file=out, flush=True)
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            cmd = json.loads(line)
-            if cmd["cmd"] == "quit":
-                break
-            ans = peer.answer(cmd)
-        except Exception as e:  # noqa: BLE001 - reported to the driver
-            traceback.print_exc()
-            ans = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(ans), file=out, flush=True)
-    return 0
+        return {"llama_cpp": llama_cpp.__version__, "system": peer.system, "startup_s": time.perf_counter() - t0,
+                "model_bytes": int(llama_cpp.llama_model_size(peer.model)),
+                "rss_load_kib": {k: after[k] - before[k] for k in after}}, peer.answer
+
+    return serve(out, start)
 
 
 if __name__ == "__main__":

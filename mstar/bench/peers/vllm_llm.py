@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-import traceback
+
+from json_lines import answers_channel, serve  # beside this script (peers/json_lines.py)
 
 
 def _args() -> argparse.Namespace:
@@ -39,15 +39,6 @@ def _args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def _answers_channel():
-    """The original stdout, for answers only; everything else that writes to fd 1 (vLLM's engine
-    processes inherit it) lands in stderr."""
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return out
-
-
 def _load(args: argparse.Namespace):
     """(the ``LLM``, the hello line's fields)."""
     t0 = time.perf_counter()
@@ -58,7 +49,7 @@ def _load(args: argparse.Namespace):
     extra = {"logits_processors": ["vllm_audio_codes:AudioCodeConstraint"]} if args.audio_constraint else {}
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, seed=args.seed, **extra)
-    return llm, {"ready": True, "vllm": vllm.__version__, "torch": torch.__version__,
+    return llm, {"vllm": vllm.__version__, "torch": torch.__version__,
                  "startup_s": time.perf_counter() - t0}
 
 
@@ -120,28 +111,13 @@ class _Peer:
 
 def main() -> int:
     args = _args()
-    out = _answers_channel()
-    try:
+    out = answers_channel()
+
+    def start():
         llm, hello = _load(args)
-    except Exception as e:  # noqa: BLE001 - reported to the driver
-        traceback.print_exc()
-        print(json.dumps({"ready": False, "error": f"{type(e).__name__}: {e}"}), file=out, flush=True)
-        return 1
-    print(json.dumps(hello), file=out, flush=True)
-    peer = _Peer(llm, out)
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            cmd = json.loads(line)
-            if cmd["cmd"] == "quit":
-                break
-            ans = peer.answer(cmd)
-        except Exception as e:  # noqa: BLE001 - reported to the driver
-            traceback.print_exc()
-            ans = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(ans), file=out, flush=True)
-    return 0
+        return hello, _Peer(llm, out).answer
+
+    return serve(out, start)
 
 
 if __name__ == "__main__":
