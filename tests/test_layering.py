@@ -91,6 +91,8 @@ RULES: list[tuple[str, tuple[str, ...] | None, tuple[str, ...]]] = [
     ("mstar.server", None, ("mstar.cli", *FAMILIES, *FAMILY_MODULES)),
     # the client speaks HTTP only
     ("mstar.client", ("mstar.client",), ()),
+    # the planner drives the runtime (and finds families through the registry), below the CLI
+    ("mstar.planner", None, ("mstar.server", "mstar.cli", *FAMILIES, *FAMILY_MODULES)),
 ]
 
 
