@@ -156,3 +156,14 @@ def test_serve_flag_reaches_the_model_and_is_refused_elsewhere():
                                                weights_as_stored=True))
     args.weights_as_stored = None  # the flag not given: nothing passed
     assert model_kwargs(SmolLM2, args) == {}
+
+
+def test_worker_processes_report_the_weights_they_hold(tiny, caplog):
+    import logging
+
+    expected = weight_bytes(build_llama_model(LlamaConfig.from_pretrained(tiny), model_path=tiny, weights_as_stored=True))
+    model = resolve_model("llama", model_path=str(tiny), weights_as_stored=True)
+    with caplog.at_level(logging.INFO, logger="mstar.runtime"), Runtime(model, workers="process"):
+        pass
+    said = [r.getMessage() for r in caplog.records if "weights in memory" in r.getMessage()]
+    assert said == [f"worker rank 0 ready: weights in memory {expected / 2**20:.1f} MiB"]

@@ -20,8 +20,9 @@ Workloads, greedy, ``max_tokens`` new tokens per request, EOS ignored: 16 chat p
 order rotates). Each mstar system is paired with its peer (``PAIRS``: the same file in llama.cpp;
 vLLM with mstar-fp32): the ratio is ours / theirs per repeat, and their tokens are compared.
 
-Memory: the bytes of the weights each mstar system holds (``gguf_loader.weight_bytes``) against the
-file size, and every system's resident memory added by loading the model, in a process of its own.
+Memory: the bytes of the weights each mstar system holds (``prepack.held_weight_bytes``: the
+parameters and the packed copies its kernels read) against the file size, and every system's
+resident memory added by loading the model, in a process of its own.
 Parity: the logits of two prompts at every position, mstar's and llama.cpp's, against the float32
 model of the same file (its blocks dequantized, float32 activations).
 """
@@ -215,8 +216,13 @@ def _rss_probe(path: str, stored: bool, dtype: str) -> dict[str, Any]:
         with open("/proc/self/status") as f:
             return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if line.startswith("Rss"))}
 
+    from mstar.models.llama.config import TINY
+
+    # the imports and the kernels' loading are paid first, by a tiny model (building this model twice
+    # would let the second build reuse the first one's freed memory, unseen)
+    LlamaLM(config=TINY, load_format="dummy", dtype=dtype).build_submodules(["LLM"])
     model = LlamaLM(model_path=path, dtype=dtype, weights_as_stored=stored)
-    model.build_submodules(["LLM"])  # the first build pays the imports and kernel loads: measured after it
+    model.tokenizer  # noqa: B018 - the file's metadata and vocabulary are read before the measurement
     before = rss()
     module = model.build_submodules(["LLM"])["LLM"]
     after = rss()

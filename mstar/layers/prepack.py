@@ -31,7 +31,8 @@ from torch import nn
 
 from mstar.layers.cpu_ops import ops
 
-__all__ = ["PrepackableLinear", "PrepackedGroup", "PrepackedLinear", "can_prepack", "hooked", "onednn_available",
+__all__ = ["PrepackableLinear", "PrepackedGroup", "PrepackedLinear", "can_prepack", "held_weight_bytes", "hooked",
+           "onednn_available",
            "prepack_available", "prepack_linears", "prepack_mode", "prepack_requested", "unchanged", "versions"]
 
 log = logging.getLogger(__name__)
@@ -302,3 +303,33 @@ def prepack_linears(module: nn.Module) -> int:
                 sub.prepacked = None
         return 0
     return count
+
+
+def held_weight_bytes(*modules: nn.Module) -> int:
+    """Bytes the modules' weights hold in memory, each storage once: their materialised parameters and
+    buffers, and the packed copies their submodules compute with (``prepacked`` linears and groups,
+    a quantized embedding's ``table``: anything with a ``packed`` tensor)."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor | None) -> None:
+        nonlocal total
+        if t is None or t.device.type == "meta" or t.numel() == 0:
+            return
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+
+    for module in modules:
+        for t in [*module.parameters(), *module.buffers()]:
+            add(t)
+        for sub in module.modules():
+            pre = getattr(sub, "prepacked", None)
+            for held in [*(pre if isinstance(pre, tuple | list) else (pre,)), getattr(sub, "table", None)]:
+                held = getattr(held, "linear", held)  # a PrepackedGroup's one multiply
+                packed = getattr(held, "packed", None)
+                add(packed if isinstance(packed, torch.Tensor) else None)
+                weight = getattr(held, "weight", None)  # a QuantizedLinear without the kernel: the file's blocks
+                add(getattr(weight, "blocks", None))
+    return total

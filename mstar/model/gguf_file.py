@@ -18,6 +18,7 @@ file's metadata once.
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -112,6 +113,16 @@ class GGUFFile:
         if kind in SUPPORTED_TYPES:
             return None
         return f"{name} has type {kind} (supported: {', '.join(SUPPORTED_TYPES)})"
+
+    def release_pages(self) -> None:
+        """Drop the file's pages read so far from this process's resident memory (after loading the
+        weights): the mapping stays valid and pages are read again if touched; the metadata is parsed."""
+        mapped = getattr(self._reader.data, "_mmap", None)  # numpy.memmap's mmap object
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                mapped.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):  # advice only
+                pass
 
     def raw(self, name: str) -> torch.Tensor:
         """The tensor's bytes as stored in the file (a uint8 copy, not dequantized)."""

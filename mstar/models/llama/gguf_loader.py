@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from mstar.layers.prepack import held_weight_bytes
 from mstar.layers.quant import QUANT_KINDS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from mstar.model.checkpoint import CheckpointError, LoadReport, listed
 from mstar.model.gguf_file import GGUFFile, is_gguf_path, open_gguf
@@ -139,6 +140,7 @@ def load_gguf_weights(module: torch.nn.Module, path: str | Path | GGUFFile, conf
             state[hf].copy_(tensor)
             report.tensors += 1
             report.bytes += gf.nbytes(name)
+    gf.release_pages()  # the values were copied: the file's pages need not stay resident
     report.seconds = time.perf_counter() - t0
     log.info("loaded %s: %d tensors (%.1f MiB in the file) dequantized in %.2f s", gf.path.name, report.tensors,
              report.bytes / 2**20, report.seconds)
@@ -223,6 +225,7 @@ def load_gguf_stored(module: torch.nn.Module, path: str | Path | GGUFFile, confi
     module.use_stored_head(head)
     report.tensors += 1 + (head is not table)
     report.bytes += gf.nbytes("token_embd.weight") + (gf.nbytes("output.weight") if head is not table else 0)
+    gf.release_pages()  # the blocks were copied: the file's pages need not stay resident
     report.seconds = time.perf_counter() - t0
     log.info("loaded %s: %d tensors (%.1f MiB in the file) kept as stored (%s) in %.2f s; weights in memory %.1f MiB",
              gf.path.name, report.tensors, report.bytes / 2**20,
@@ -232,19 +235,5 @@ def load_gguf_stored(module: torch.nn.Module, path: str | Path | GGUFFile, confi
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
-    """Bytes the module's weights hold in memory: its materialised parameters and buffers, and the
-    quantized linears it computes with (each counted once)."""
-    seen: set[int] = set()
-    total = 0
-    for t in [*module.parameters(), *module.buffers()]:
-        if t.device.type != "meta" and id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    for sub in module.modules():
-        pre = getattr(sub, "prepacked", None)
-        held = [*(pre if isinstance(pre, tuple) else (pre,)), getattr(sub, "table", None)]  # table: an embedding's
-        for lin in held:
-            if isinstance(lin, QuantizedLinear) and id(lin) not in seen:
-                seen.add(id(lin))
-                total += lin.nbytes
-    return total
+    """Bytes the module's weights hold in memory (``prepack.held_weight_bytes``)."""
+    return held_weight_bytes(module)

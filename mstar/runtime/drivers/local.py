@@ -150,6 +150,7 @@ class ProcessDriver:
                     if not msg.ok:
                         self.stop()
                         raise RuntimeError(f"worker rank {msg.rank} failed to start:\n{msg.error}")
+                    log.info("worker rank %d ready: weights in memory %.1f MiB", msg.rank, msg.weight_bytes / 2**20)
                     ready.add(msg.rank)
             if dead or time.monotonic() > deadline:
                 self.stop()

@@ -39,6 +39,15 @@ def worker_main(rank: int, model: Any, placement: Any, run_dir: str, device: str
     run_rank(rank, make_worker, transport, lambda: os.getppid() != parent_pid)  # the serving process died
 
 
+def weights_held(worker: Any) -> int:
+    """Bytes the weights of a worker's modules hold in memory (each module once)."""
+    from mstar.layers.prepack import held_weight_bytes
+
+    modules = {id(e.module): e.module for e in worker.engines.values() if isinstance(getattr(e, "module", None),
+                                                                                 torch.nn.Module)}
+    return held_weight_bytes(*modules.values())
+
+
 def run_rank(rank: int, make_worker: Callable[[], Any], transport: Any, orphaned: Callable[[], bool],
              cleanup: Callable[[], None] | None = None) -> None:
     """A rank's life: build its worker and report whether that worked (with the traceback if not),
@@ -52,7 +61,7 @@ def run_rank(rank: int, make_worker: Callable[[], Any], transport: Any, orphaned
         transport.close(linger_ms=5000)  # the reason must reach the conductor before this rank ends
         return
     freeze_startup_objects()  # full collections skip the model and the libraries (gc_freeze.py)
-    transport.send(CONDUCTOR, WorkerStatus(rank, True))
+    transport.send(CONDUCTOR, WorkerStatus(rank, True, weight_bytes=weights_held(worker)))
     try:
         serve(worker, transport, orphaned)
     finally:

@@ -205,6 +205,7 @@ class RayDriver:
                 if isinstance(msg, WorkerStatus):
                     if not msg.ok:
                         raise RuntimeError(f"worker rank {msg.rank} failed to start:\n{msg.error}")
+                    log.info("worker rank %d ready: weights in memory %.1f MiB", msg.rank, msg.weight_bytes / 2**20)
                     ready.add(msg.rank)
             ended, _ = ray.wait(list(self._runs), num_returns=len(self._runs), timeout=0)
             if ended:

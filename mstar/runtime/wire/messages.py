@@ -238,6 +238,7 @@ class WorkerStatus:
     rank: int
     ok: bool
     error: str = ""
+    weight_bytes: int = 0  # ready: bytes its modules' weights hold in memory (prepack.held_weight_bytes)
 
 
 @register_message
