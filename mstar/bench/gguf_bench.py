@@ -467,7 +467,7 @@ def format_memory(result: GgufBenchResult) -> str:
         weights = m.get("weight_bytes", m.get("model_bytes"))
         rss = m["rss_load_kib"]
         lines.append(f"| {name} | {kind.upper()} | {size / 2**20:.1f} | {weights / 2**20:.1f} | {weights / size:.2f} "
-                     f"| {rss.get('RssAnon', 0) / 1024:.0f} + {rss.get('RssFile', 0) / 1024:.0f} |")
+                     f"| {max(0, rss.get('RssAnon', 0)) / 1024:.0f} + {max(0, rss.get('RssFile', 0)) / 1024:.0f} |")  # a few pages may go
     return "\n".join(lines)
 
 
