@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mstar.bench import gguf_bench as g
+from mstar.bench import gguf_systems
 from mstar.bench.llm_bench import compare_tokens
 from mstar.bench.llm_systems import PeerUnavailable
 from mstar.bench.peers.llama_cpp_flags import cmake_args
@@ -32,7 +33,7 @@ def source(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["Q8_0", "F16"])
 def test_conversions_keep_the_metadata_and_the_values(source, tmp_path, kind):
-    target = g.convert(source, tmp_path / f"tiny.{kind}.gguf", kind)
+    target = gguf_systems.convert(source, tmp_path / f"tiny.{kind}.gguf", kind)
     src, out = GGUFFile(source), GGUFFile(target)
     assert LlamaConfig.from_pretrained(target) == LlamaConfig.from_pretrained(source)
     assert {k: v for k, v in out.metadata.items() if k != "general.file_type"} == \
@@ -73,7 +74,7 @@ def test_bad_arguments_and_a_missing_peer(tmp_path):
     with pytest.raises(ValueError, match="concurrency"):
         g.run_gguf_bench(concurrency=17)
     with pytest.raises(PeerUnavailable, match="make bench-peers"):
-        g.LlamaCppSystem("llama.cpp-q4_1", tmp_path / "x.gguf", tmp_path / "no-venv", 16, 2, tmp_path)
+        gguf_systems.LlamaCppSystem("llama.cpp-q4_1", tmp_path / "x.gguf", tmp_path / "no-venv", 16, 2, tmp_path)
 
 
 def _run(tok_s, tokens):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -25,6 +26,25 @@ def answers_channel() -> TextIO:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     return out
+
+
+def generation(generate: Callable[[list[list[int]], int], list[list[int]]], cmd: dict) -> dict:
+    """The answer to a ``concurrent`` (every prompt in one ``generate`` call) or ``sequential`` (one
+    call per prompt, in turn) command: ``{"wall_s", "request_s": [per request], "tokens": [[ids]]}``."""
+    prompts, n = cmd["prompts"], int(cmd["max_tokens"])
+    t0 = time.perf_counter()
+    if cmd["cmd"] == "concurrent":
+        tokens = generate(prompts, n)
+        wall = time.perf_counter() - t0
+        return {"wall_s": wall, "request_s": [wall] * len(prompts), "tokens": tokens}
+    if cmd["cmd"] != "sequential":
+        raise ValueError(f"unknown command {cmd['cmd']!r}")
+    tokens, times = [], []
+    for p in prompts:
+        t = time.perf_counter()
+        tokens += generate([p], n)
+        times.append(time.perf_counter() - t)
+    return {"wall_s": time.perf_counter() - t0, "request_s": times, "tokens": tokens}
 
 
 def serve(out: TextIO, start: Callable[[], tuple[dict[str, Any], Answer]]) -> int:

@@ -28,7 +28,7 @@ import os
 import sys
 import time
 
-from json_lines import answers_channel, serve  # beside this script (peers/json_lines.py)
+from json_lines import answers_channel, generation, serve  # beside this script (peers/json_lines.py)
 
 
 def _args() -> argparse.Namespace:
@@ -121,23 +121,11 @@ class _Peer:
         np.save(out, np.stack(rows))
 
     def answer(self, cmd: dict) -> dict:
-        t0 = time.perf_counter()
         if cmd["cmd"] == "logits":
+            t0 = time.perf_counter()
             self.logits(cmd["prompt"], cmd["out"])
             return {"wall_s": time.perf_counter() - t0}
-        prompts, n = cmd["prompts"], int(cmd["max_tokens"])
-        if cmd["cmd"] == "concurrent":
-            tokens = self.generate(prompts, n)
-            wall = time.perf_counter() - t0
-            return {"wall_s": wall, "request_s": [wall] * len(prompts), "tokens": tokens}
-        if cmd["cmd"] != "sequential":
-            raise ValueError(f"unknown command {cmd['cmd']!r}")
-        tokens, times = [], []
-        for p in prompts:
-            t = time.perf_counter()
-            tokens += self.generate([p], n)
-            times.append(time.perf_counter() - t)
-        return {"wall_s": time.perf_counter() - t0, "request_s": times, "tokens": tokens}
+        return generation(self.generate, cmd)
 
 
 def _rss_kib() -> dict[str, int]:

@@ -24,7 +24,7 @@ import json
 import sys
 import time
 
-from json_lines import answers_channel, serve  # beside this script (peers/json_lines.py)
+from json_lines import answers_channel, generation, serve  # beside this script (peers/json_lines.py)
 
 
 def _args() -> argparse.Namespace:
@@ -90,23 +90,11 @@ class _Peer:
 
     def answer(self, cmd: dict) -> dict:
         """The answer to one ``concurrent`` / ``sequential`` / ``stream`` command."""
-        prompts, n = cmd["prompts"], int(cmd["max_tokens"])
-        t0 = time.perf_counter()
         if cmd["cmd"] == "stream":
-            self.stream(prompts, n, cmd.get("sampling") or {}, cmd.get("audio_codes"))
+            t0 = time.perf_counter()
+            self.stream(cmd["prompts"], int(cmd["max_tokens"]), cmd.get("sampling") or {}, cmd.get("audio_codes"))
             return {"wall_s": time.perf_counter() - t0}
-        if cmd["cmd"] == "concurrent":
-            tokens = self.generate(prompts, n)
-            wall = time.perf_counter() - t0
-            return {"wall_s": wall, "request_s": [wall] * len(prompts), "tokens": tokens}
-        if cmd["cmd"] != "sequential":
-            raise ValueError(f"unknown command {cmd['cmd']!r}")
-        tokens, times = [], []
-        for p in prompts:
-            t = time.perf_counter()
-            tokens += self.generate([p], n)
-            times.append(time.perf_counter() - t)
-        return {"wall_s": time.perf_counter() - t0, "request_s": times, "tokens": tokens}
+        return generation(self.generate, cmd)
 
 
 def main() -> int:
