@@ -14,12 +14,12 @@ import torch
 
 import mstar.layers.quant as quant
 from mstar import Runtime
+from mstar.layers.prepack import held_weight_bytes
 from mstar.layers.quant import QuantizedEmbedding
 from mstar.model import resolve_model
 from mstar.model.checkpoint import CheckpointError, CheckpointNotFoundError
 from mstar.model.gguf_file import GGUFFile
 from mstar.models.llama.config import LlamaConfig
-from mstar.models.llama.gguf_loader import weight_bytes
 from mstar.models.llama.loader import build_llama_model
 from tests import test_gguf
 from tests.helpers import kv_blocks_in_use
@@ -62,7 +62,7 @@ def test_weights_stay_as_stored(tiny):
     quantized = sum(gf.nbytes(n) for n in gf.tensor_names if gf.type_name(n) != "F32")
     floats = sum(gf.nbytes(n) for n in gf.tensor_names if gf.type_name(n) == "F32")
     # the file's blocks (panels padded to 64 output columns) and the float norms; nothing dequantized
-    assert quantized + floats <= weight_bytes(module) <= 1.2 * (quantized + floats)
+    assert quantized + floats <= held_weight_bytes(module) <= 1.2 * (quantized + floats)
     assert all(p.numel() == 0 for n, p in module.named_parameters() if "norm" not in n)
     assert isinstance(module.model.embed_tokens, QuantizedEmbedding)
     assert module.model.layers[0].self_attn.fresh_prepacked()[0].kind == "Q4_0"
@@ -137,7 +137,7 @@ def test_smollm2_answers_paris_as_stored():
         answer = model.tokenizer.decode([int(t) for t in out.tensors("token")])
         assert "Paris" in answer
     module = model.build_submodules(["LLM"])["LLM"]
-    assert weight_bytes(module) <= 1.2 * path.stat().st_size
+    assert held_weight_bytes(module) <= 1.2 * path.stat().st_size
 
 
 def test_serve_flag_reaches_the_model_and_is_refused_elsewhere():
@@ -161,7 +161,7 @@ def test_serve_flag_reaches_the_model_and_is_refused_elsewhere():
 def test_worker_processes_report_the_weights_they_hold(tiny, caplog):
     import logging
 
-    expected = weight_bytes(build_llama_model(LlamaConfig.from_pretrained(tiny), model_path=tiny, weights_as_stored=True))
+    expected = held_weight_bytes(build_llama_model(LlamaConfig.from_pretrained(tiny), model_path=tiny, weights_as_stored=True))
     model = resolve_model("llama", model_path=str(tiny), weights_as_stored=True)
     with caplog.at_level(logging.INFO, logger="mstar.runtime"), Runtime(model, workers="process"):
         pass

@@ -44,7 +44,7 @@ import torch
 
 from mstar.bench import harness
 from mstar.bench.gguf_systems import QUESTIONS, LlamaCppSystem, chat_prompts, gguf_files
-from mstar.bench.llm_bench import Agreement, compare_tokens
+from mstar.bench.llm_bench import SystemStats, compare_tokens
 from mstar.bench.llm_systems import MstarSystem, PeerUnavailable, Run, VllmSystem
 from mstar.bench.stats import spread, spread_cell
 
@@ -62,7 +62,7 @@ MEMORY_GOAL = 1.2  # mstar's weights in memory / the file's size, kept as stored
 def _rss_probe(path: str, stored: bool, dtype: str) -> dict[str, Any]:
     """In a fresh process (``python -m mstar.bench.gguf_bench --probe``): resident memory (kB) added by
     building the LLM module, and its weights' bytes."""
-    from mstar.models.llama.gguf_loader import weight_bytes
+    from mstar.layers.prepack import held_weight_bytes
     from mstar.models.llama.model import LlamaLM
 
     def rss() -> dict[str, int]:
@@ -79,7 +79,7 @@ def _rss_probe(path: str, stored: bool, dtype: str) -> dict[str, Any]:
     before = rss()
     module = model.build_submodules(["LLM"])["LLM"]
     after = rss()
-    return {"rss_load_kib": {k: after[k] - before[k] for k in after}, "weight_bytes": weight_bytes(module)}
+    return {"rss_load_kib": {k: after[k] - before[k] for k in after}, "weight_bytes": held_weight_bytes(module)}
 
 
 def probe_memory(path: Path, stored: bool, dtype: str) -> dict[str, Any]:
@@ -127,16 +127,6 @@ def _parity(system: str, got: list[torch.Tensor], ref: list[torch.Tensor]) -> Lo
 
 # -- the run ----------------------------------------------------------------------------------------------
 @dataclass
-class Stats:
-    system: str
-    workload: str
-    tok_s: tuple[float, float, float]
-    ms_per_token: tuple[float, float, float]
-    ratio: tuple[float, float, float] | None  # its pair (mstar) / this, per repeat
-    agreement: Agreement | None  # this system's tokens vs its pair's
-
-
-@dataclass
 class GgufBenchResult:
     max_tokens: int
     concurrency: int
@@ -144,7 +134,7 @@ class GgufBenchResult:
     repeats: int
     prompt_lengths: list[int]
     files: dict[str, dict[str, Any]]  # kind -> {"path", "bytes"}
-    stats: list[Stats]
+    stats: list[SystemStats]
     memory: dict[str, dict[str, Any]]  # system -> {"weight_bytes"?, "rss_load_kib"}
     parity: list[LogitsParity]
     llama_cpp: str | None
@@ -157,7 +147,7 @@ class GgufBenchResult:
     vllm_setup: str | None = None
     notes: list[str] = field(default_factory=list)
 
-    def get(self, system: str, workload: str) -> Stats | None:
+    def get(self, system: str, workload: str) -> SystemStats | None:
         return next((s for s in self.stats if s.system == system and s.workload == workload), None)
 
 
@@ -265,14 +255,16 @@ def _measure(running: dict[str, Any], work: dict[str, list[list[int]]], workload
     return runs
 
 
-def _stats(runs: dict[tuple[str, str], list[Run]]) -> list[Stats]:
+def _stats(runs: dict[tuple[str, str], list[Run]]) -> list[SystemStats]:
     out = []
     for (system, w), rs in runs.items():
         pair = PAIRS.get(system)
         ours = runs.get((pair, w)) if pair else None
         ratio = spread([a.tok_s / b.tok_s for a, b in zip(ours, rs)]) if ours else None
         agree = compare_tokens(ours[-1].tokens, rs[-1].tokens) if ours else None
-        out.append(Stats(system, w, spread([r.tok_s for r in rs]), spread([r.ms_per_token for r in rs]), ratio, agree))
+        # ratio: its mstar pair / this system; agreement: this system's tokens vs its pair's
+        out.append(SystemStats(system, w, spread([r.tok_s for r in rs]), spread([r.ms_per_token for r in rs]), ratio,
+                               agree, [r.wall_s for r in rs]))
     return out
 
 

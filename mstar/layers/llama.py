@@ -30,10 +30,8 @@ prepacked layout of the route in use (column panels for mstar's kernel, gate/up 
 the fused SiLU-mul; or oneDNN's blocked layout), used while the weights they came from are
 unchanged; the norms and the rotary embedding then run through the compiled kernels too.
 
-Weights as stored (``use_stored``, a GGUF file's block-quantized projections): the q/k/v, o,
-gate/up and down projections are ``mstar.layers.quant.QuantizedLinear`` s in place of prepacked
-ones, used whatever the (then unmaterialised) ``nn.Linear`` parameters hold; such a module is not
-repacked, prepacked or sharded.
+Weights as stored (``use_stored``): ``mstar.layers.quant.QuantizedLinear`` s take the prepacked
+projections' place for good (the ``nn.Linear`` parameters are then unused; no repacking, no shards).
 
 Attention goes through ``backend``; ``LlamaBackbone`` defaults to ``default_backend()`` (decode rows
 through the compiled kernel where it can be built, see ``mstar.layers.paged_decode``).

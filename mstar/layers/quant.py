@@ -206,12 +206,6 @@ class QuantizedLinear:
         """Bytes this linear keeps in memory."""
         return self.packed.numel() if self.packed is not None else self.weight.nbytes
 
-    def fresh(self, source: object = None) -> bool:
-        return True  # nothing it was made from can change under it
-
-    def argmax(self, x: torch.Tensor) -> None:
-        return None
-
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape

@@ -230,10 +230,6 @@ def load_gguf_stored(module: torch.nn.Module, path: str | Path | GGUFFile, confi
     log.info("loaded %s: %d tensors (%.1f MiB in the file) kept as stored (%s) in %.2f s; weights in memory %.1f MiB",
              gf.path.name, report.tensors, report.bytes / 2**20,
              ", ".join(sorted({gf.type_name(n) for n in gf.tensor_names})), report.seconds,
-             weight_bytes(module) / 2**20)
+             held_weight_bytes(module) / 2**20)
     return report
 
-
-def weight_bytes(module: torch.nn.Module) -> int:
-    """Bytes the module's weights hold in memory (``prepack.held_weight_bytes``)."""
-    return held_weight_bytes(module)
