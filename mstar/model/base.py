@@ -116,6 +116,15 @@ class ModelDef:
         after ``validate_request``; the default ({}) checks nothing."""
         return {}
 
+    def sized_request(self, prompt_tokens: int, output_tokens: int, params: Mapping[str, Any],
+                      seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A request of these sizes with random content (``inputs``, ``params`` as ``Runtime.submit``
+        takes them), ``params`` added: what ``mstar plan`` profiles the model with and replays a
+        workload as. Its output must run to ``output_tokens`` (no early stop). Default: the model
+        cannot be planned."""
+        raise NotImplementedError(f"{self.name} makes no sized requests (ModelDef.sized_request): "
+                                  f"it cannot be profiled or planned yet")
+
     def build_submodules(self, node_names: Iterable[str]) -> dict[str, NodeSubmodule]:
         """Modules for ``node_names`` (the nodes placed on one rank). Views map to their base's module."""
         raise NotImplementedError(f"{type(self).__name__} declares a graph but no submodules")

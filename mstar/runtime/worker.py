@@ -194,7 +194,7 @@ class Worker:
             out = self.running_set.run(rows)  # run
             if out is not None:
                 if trace is not None:  # before postprocess moves the rows' iterations on
-                    trace.record(rows.items, started, wall, time.monotonic() - started)
+                    trace.record(rows.items, started, wall, time.monotonic() - started, self.engines[base])
                 self.post.rows_ran(self.running_set, rows, out)  # postprocess
                 return True
         results = self.admission.run(base, batch)  # run: any batch
@@ -207,7 +207,7 @@ class Worker:
         self.sched.batch_hist[base][sum(out is not DEFERRED for out in results)] += 1
         if trace is not None:
             trace.record([it for it, out in zip(batch, results) if out is not DEFERRED], started, wall,
-                         time.monotonic() - started)
+                         time.monotonic() - started, self.engines[base])
         continued, walks = self.post.results(batch, results)  # postprocess
         if continued:
             self.running_set.form(base, continued, walks)

@@ -105,6 +105,15 @@ class LlamaLM(LazyTokenizer, ModelDef):
     def finish_reason(self, state: WalkState) -> FinishReason | None:
         return prefill_finish(state) if state.last_walk == "prefill" else state.finish
 
+    def sized_request(self, prompt_tokens: int, output_tokens: int, params: Mapping[str, Any],
+                      seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Random prompt ids (never a special token: ids from 1 below the vocabulary's top 8) and
+        exactly ``output_tokens`` tokens (EOS ignored)."""
+        ids = torch.randint(1, max(2, self.config.vocab_size - 8), (prompt_tokens,),
+                            generator=torch.Generator().manual_seed(seed))
+        sampling = {**dict(params.get("sampling", {})), "ignore_eos": True}
+        return {"input_ids": ids}, {**params, "max_tokens": output_tokens, "sampling": sampling}
+
     def parse_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> LMRequest:
         vocab, max_pos = self.config.vocab_size, self.config.max_position_embeddings
         if "input_ids" not in inputs:

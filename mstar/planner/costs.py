@@ -1,0 +1,85 @@
+"""What one forward of a module costs on this machine, fitted to the forwards the real runtime ran.
+
+A forward's compute time is modelled as ``a + b * rows + c * tokens + d * context`` milliseconds:
+``rows`` the work items in the batch, ``tokens`` the new KV tokens it computes (a prompt's length,
+one per decode row), ``context`` the KV tokens its attention reads (0 for a stateless module). The
+coefficients are non-negative (a longer batch never gets cheaper) and fitted by least squares to
+the forwards the rank's trace recorded (``batch``, ``batch_tokens``, ``batch_context``,
+``compute_ms``), so a mixed batch (prompts with decode rows) is priced by the same four numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ForwardCost", "Forward", "nonnegative_least_squares"]
+
+FEATURES = ("fixed", "rows", "tokens", "context")
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One forward as a rank's trace recorded it."""
+
+    module: str
+    rows: int
+    tokens: int
+    context: int
+    ms: float
+
+
+def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: solve, drop the most negative coefficient's column,
+    solve again (an active-set method; enough for a handful of features)."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            return coef
+        del active[int(np.argmin(sol))]
+    return coef
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """A module's forward time in ms: ``fixed + rows * per_row + tokens * per_token + context *
+    per_context``; ``samples`` forwards were fitted, ``error`` their median relative error."""
+
+    fixed: float
+    per_row: float
+    per_token: float
+    per_context: float
+    samples: int = 0
+    error: float = 0.0
+
+    def ms(self, rows: int, tokens: int, context: int) -> float:
+        return self.fixed + self.per_row * rows + self.per_token * tokens + self.per_context * context
+
+    @classmethod
+    def fit(cls, forwards: Sequence[Forward]) -> ForwardCost:
+        """Fitted to ``forwards`` (at least one). Relative error is weighted in: each forward counts
+        by 1 / its time, so a decode step of 1 ms is fitted as closely as a prompt of 100 ms."""
+        if not forwards:
+            raise ValueError("no forwards to fit")
+        x = np.array([[1.0, f.rows, f.tokens, f.context] for f in forwards])
+        y = np.array([f.ms for f in forwards])
+        w = 1.0 / np.maximum(y, 1e-3)
+        coef = nonnegative_least_squares(x * w[:, None], y * w)
+        pred = x @ coef
+        err = float(np.median(np.abs(pred - y) / np.maximum(y, 1e-3)))
+        return cls(*(float(c) for c in coef), samples=len(forwards), error=err)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fixed_ms": self.fixed, "per_row_ms": self.per_row, "per_token_ms": self.per_token,
+                "per_context_ms": self.per_context, "samples": self.samples, "median_error": self.error}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ForwardCost:
+        return cls(d["fixed_ms"], d["per_row_ms"], d["per_token_ms"], d["per_context_ms"], d.get("samples", 0),
+                   d.get("median_error", 0.0))

@@ -1,0 +1,375 @@
+"""Profiling a model on this machine with the real runtime: what the planner's simulator needs.
+
+``profile_model`` starts the runtime (worker processes, as ``mstar serve`` runs) on placements it
+makes itself and submits sized requests of the workload's classes (``ModelDef.sized_request``):
+
+* **programs**: each class alone at three size points -> ``ClassProgram`` (programs.py);
+* **forward costs**: batches of 1, 2, 4, ... requests of each class at once and staggered, every
+  forward the traces recorded -> one ``ForwardCost`` per module (costs.py), per tensor-parallel size;
+* **gaps**: a rank's own time between two forwards of a request (scheduling, postprocess), and a
+  walk boundary's (the conductor's round trip), on one rank and, split over two, with the request's
+  KV caches moving (fitted per KV token moved);
+* **contention**: how much slower a rank computes while others compute too (worker processes share
+  the machine's cores; ``contention.py``);
+* **KV**: bytes per cached token of each KV module.
+
+The result is a JSON document (``Profile.save`` / ``load``), reused by ``mstar plan --profile``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mstar.planner.costs import Forward, ForwardCost
+from mstar.planner.programs import Affine, ClassProgram, emitting_runs
+from mstar.planner.workload import RequestClass, Workload
+
+__all__ = ["Profile", "forwards_in", "gaps_in", "profile_model"]
+
+PROFILE_VERSION = 1
+
+
+@dataclass
+class Profile:
+    model: str
+    machine: str
+    cores: int
+    max_batch: int
+    costs: dict[str, ForwardCost]  # "module@tp1"
+    step_gap_ms: float  # a rank's time between a request's consecutive forwards, past their compute
+    walk_gap_ms: float  # a walk boundary on the same rank
+    move_ms: Affine  # a walk boundary across ranks, the KV caches moving: ms at ``c + p * kv tokens``
+    contention: dict[int, float]  # k ranks computing at once -> each one's slowdown
+    kv_bytes_per_token: dict[str, int]
+    programs: dict[str, ClassProgram]
+    client_ms: dict[str, float] = field(default_factory=dict)  # overheads_in's: submit, emit, end
+    tp_sizes: tuple[int, ...] = (1,)
+    notes: list[str] = field(default_factory=list)
+
+    def cost(self, module: str, tp: int = 1) -> ForwardCost:
+        key = f"{module}@tp{tp}"
+        if key not in self.costs:
+            raise KeyError(f"the profile has no forward cost of {module!r} at tensor-parallel size {tp} "
+                           f"(profiled: {', '.join(sorted(self.costs))})")
+        return self.costs[key]
+
+    def slowdown(self, busy: int) -> float:
+        """How much slower a forward runs with ``busy`` ranks computing (itself included)."""
+        if busy <= 1 or not self.contention:
+            return 1.0
+        top = max(self.contention)
+        return self.contention[min(busy, top)] * (busy / top if busy > top else 1.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": PROFILE_VERSION, "model": self.model, "machine": self.machine, "cores": self.cores,
+                "max_batch": self.max_batch, "costs": {k: c.to_dict() for k, c in self.costs.items()},
+                "step_gap_ms": self.step_gap_ms, "walk_gap_ms": self.walk_gap_ms, "move_ms": vars(self.move_ms),
+                "contention": {str(k): v for k, v in self.contention.items()},
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "programs": {k: p.to_dict() for k, p in self.programs.items()}, "tp_sizes": list(self.tp_sizes),
+                "client_ms": self.client_ms, "notes": self.notes}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Profile:
+        if d.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {d.get('version')!r} is not {PROFILE_VERSION}: profile again")
+        return cls(d["model"], d["machine"], d["cores"], d["max_batch"],
+                   {k: ForwardCost.from_dict(c) for k, c in d["costs"].items()}, d["step_gap_ms"], d["walk_gap_ms"],
+                   Affine(**d["move_ms"]), {int(k): v for k, v in d["contention"].items()},
+                   dict(d["kv_bytes_per_token"]), {k: ClassProgram.from_dict(p) for k, p in d["programs"].items()},
+                   dict(d.get("client_ms", {})), tuple(d.get("tp_sizes", (1,))), list(d.get("notes", [])))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a planner profile ({e})") from e
+
+
+# -- reading traces ------------------------------------------------------------------------------------
+def forwards_in(traces: Sequence[dict[str, Any]], module_of: Callable[[str], str]) -> list[Forward]:
+    """Every forward the traces recorded, once (a batch appears in each of its requests' traces)."""
+    seen: dict[tuple[int, float, str], Forward] = {}
+    for t in traces:
+        for w in t["walks"]:
+            for r in w["nodes"]:
+                module = module_of(r["node"])
+                key = (r["rank"], r["start"], module)
+                if key not in seen:
+                    seen[key] = Forward(module, r["batch"], r["batch_tokens"], r["batch_context"], r["compute_ms"])
+    return list(seen.values())
+
+
+def gaps_in(traces: Sequence[dict[str, Any]]) -> tuple[list[float], list[tuple[int, float]]]:
+    """From traces of requests run alone: the gaps (ms) between a walk's consecutive runs past the
+    first one's compute, and per walk boundary (the KV tokens the request held, the ms from the last
+    run's end to the next walk's first run)."""
+    steps, bounds = [], []
+    for t in traces:
+        prev_end, held = None, 0
+        for w in t["walks"]:
+            runs = w["nodes"]
+            if not runs:
+                continue
+            if prev_end is not None:
+                bounds.append((held, (runs[0]["start"] - prev_end) * 1e3))
+            for a, b in zip(runs, runs[1:]):
+                steps.append((b["start"] - a["start"]) * 1e3 - a["compute_ms"])
+            last = runs[-1]
+            prev_end = last["start"] + last["compute_ms"] / 1e3
+            held = max(held, max(r["batch_context"] for r in runs))
+    return steps, bounds
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def overheads_in(traces: Sequence[dict[str, Any]], emitting: set[tuple[str, str]]) -> dict[str, float]:
+    """Medians (ms) over requests run alone (``_Runner.alone``'s traces): ``submit`` from the client's
+    submit to the first run's start, ``emit`` from the first emitting run's end to the client's first
+    item, ``end`` from the last run's end to the client seeing the request end."""
+    out: dict[str, list[float]] = {"submit": [], "emit": [], "end": []}
+    for t in traces:
+        c, runs = t["client"], [(w["walk"], r) for w in t["walks"] for r in w["nodes"]]
+        if not runs:
+            continue
+        out["submit"].append((runs[0][1]["start"] - c["sent"]) * 1e3)
+        emits = [r for walk, r in runs if (walk, r["node"]) in emitting]
+        if emits:
+            out["emit"].append((c["first"] - emits[0]["start"]) * 1e3 - emits[0]["compute_ms"])
+        last = max((r for _, r in runs), key=lambda r: r["start"] + r["compute_ms"] / 1e3)
+        out["end"].append((c["end"] - last["start"]) * 1e3 - last["compute_ms"])
+    return {k: max(0.0, _median(v)) for k, v in out.items()}
+
+
+def _median(values: Sequence[float], default: float = 0.0) -> float:
+    return float(np.median(values)) if len(values) else default
+
+
+# -- running the model ----------------------------------------------------------------------------------
+class _Runner:
+    """Sized requests of a workload's classes through one started runtime."""
+
+    def __init__(self, rt: Any, model: Any, classes: dict[str, RequestClass]) -> None:
+        self.rt, self.model, self.classes, self.seed = rt, model, classes, 0
+
+    def submit(self, name: str, prompt: int, output: int, label: str) -> Any:
+        self.seed += 1
+        inputs, params = self.model.sized_request(prompt, output, self.classes[name].params, self.seed)
+        return self.rt.submit(inputs, params, request_id=label)
+
+    def alone(self, name: str, prompt: int, output: int, label: str) -> dict[str, Any]:
+        """The request's trace, with the client's clock (``time.time()``, as the trace's) at submit,
+        first item and end under ``"client"``."""
+        sent = time.time()
+        handle, first = self.submit(name, prompt, output, label), None
+        for _ in handle:
+            if first is None:
+                first = time.time()
+        end = time.time()
+        handle.result()
+        trace = self.rt.trace(handle.request_id)[-1]
+        trace["client"] = {"sent": sent, "first": first if first is not None else end, "end": end}
+        return trace
+
+    def together(self, name: str, count: int, prompt: int, output: int, label: str, spacing_s: float = 0.0) -> list:
+        handles = []
+        for _ in range(count):
+            handles.append(self.submit(name, prompt, output, label))
+            if spacing_s:
+                time.sleep(spacing_s)
+        for h in handles:
+            h.result()
+        return self.rt.trace(label)
+
+
+def _sizes(c: RequestClass) -> list[tuple[int, int]]:
+    """Three size points spanning the class's lengths (fewer when a length is fixed)."""
+    plo, phi = min(c.prompt_tokens.values), c.prompt_tokens.largest
+    olo, ohi = max(2, min(c.output_tokens.values)), max(2, c.output_tokens.largest)
+    return list(dict.fromkeys([(plo, olo), (phi, olo), (plo, ohi)]))
+
+
+def _mid(c: RequestClass) -> tuple[int, int]:
+    return max(1, round(c.prompt_tokens.mean)), max(2, round(c.output_tokens.mean))
+
+
+def _placement(model: Any, groups: list[dict[str, Any]], max_batch: int) -> Any:
+    from mstar.placement import Placement
+
+    return Placement.from_dict({"model": model.name, "node_groups": groups,
+                                "runtime": {"trace_requests": 4096, "prefix_caching": False,
+                                            "max_batch_size": max_batch}})
+
+
+def _batches(max_batch: int) -> list[int]:
+    out, b = [], 1
+    while b <= max_batch:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def _sweep(run: _Runner, max_batch: int, label: str, say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Each class at its middle sizes in batches of 1, 2, 4, ... submitted at once, then the largest
+    staggered (prompts joining running decode rows): the traces of them all."""
+    traces = []
+    for name, c in run.classes.items():
+        prompt, output = _mid(c)
+        for b in _batches(max_batch):
+            traces += run.together(name, b, prompt, output, f"{label}-{name}-b{b}")
+        traces += run.together(name, max_batch, prompt, output, f"{label}-{name}-staggered", spacing_s=0.01)
+        say(f"  {name}: batches {_batches(max_batch)} at {prompt} prompt / {output} output tokens")
+    return traces
+
+
+def _warm(run: _Runner, max_batch: int) -> None:
+    for name, c in run.classes.items():  # first forwards build kernels and buffers: not measured
+        run.together(name, min(4, max_batch), *_mid(c), f"warm-{name}")
+
+
+def _kv_bytes(model: Any) -> dict[str, int]:
+    out = {}
+    for node, module in model.build_submodules(sorted(model.graph.node_names)).items():
+        spec = getattr(module, "kv_spec", None)
+        if spec is not None and model.module_of(node) == node:
+            itemsize = spec.dtype.itemsize if hasattr(spec.dtype, "itemsize") else 4
+            out[node] = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
+    return out
+
+
+def _split_groups(model: Any, kv: dict[str, int]) -> list[dict[str, Any]] | None:
+    """Every node on rank 0, but each KV module's walks after its first on rank 1 (so the caches
+    move at the walk boundary): None when no KV module is used by two walks."""
+    graph = model.graph
+    split = [n for n in sorted(kv) if sum(n in graph.nodes_in(w) for w in graph.walks) > 1]
+    if not split:
+        return None
+    first = [w for w in graph.walks if any(n in graph.nodes_in(w) for n in split)]
+    rest = sorted(graph.node_names - set(split))
+    groups = [{"node_names": split, "ranks": [0], "graph_walks": first[:1]},
+              {"node_names": split, "ranks": [1], "graph_walks": first[1:]}]
+    return groups + ([{"node_names": rest, "ranks": [0]}] if rest else [])
+
+
+
+def _programs(run: _Runner, say: Callable[[str], None]) -> tuple[dict[str, ClassProgram], list[dict[str, Any]]]:
+    programs, traces = {}, []
+    for name, c in run.classes.items():
+        sizes = _sizes(c)
+        alone = [run.alone(name, p, o, f"program-{name}-{p}-{o}") for p, o in sizes]
+        programs[name] = ClassProgram.fit(name, alone, sizes)
+        traces += alone
+        say(f"  {name}: walks {[w.walk for w in programs[name].walks]} at sizes {sizes}")
+    return programs, traces
+
+
+def _move_cost(model: Any, workload: Workload, kv: dict[str, int], max_batch: int, workers: str,
+               say: Callable[[str], None]) -> tuple[Affine, list[str]]:
+    """A walk boundary across two ranks (KV moving), fitted per KV token held: run each class alone
+    at its sizes on a placement that splits the KV modules' walks."""
+    from mstar.runtime.api import Runtime
+
+    groups = _split_groups(model, kv)
+    if groups is None:
+        return Affine(0.0), ["no KV module is used by two walks: no KV move profiled"]
+    bounds = []
+    with Runtime(model, _placement(model, groups, max_batch), workers=workers) as rt:
+        run = _Runner(rt, model, workload.classes())
+        _warm(run, 1)
+        for name, c in run.classes.items():
+            for p, o in _sizes(c):
+                for i in range(3):
+                    bounds += gaps_in([run.alone(name, p, o, f"move-{name}-{p}-{o}-{i}")])[1]
+    per_size: dict[int, list[float]] = {}
+    for held, ms in bounds:  # a median per size: a worker's wake-up makes single gaps noisy
+        per_size.setdefault(held, []).append(ms)
+    held = sorted(per_size)
+    fit = Affine.fit([(h, 0) for h in held], [_median(per_size[h]) for h in held])
+    if fit.p < 0 or len(held) < 2:
+        fit = Affine(_median([ms for _, ms in bounds]))
+    say(f"  walk boundary across ranks: {fit.c:.2f} ms + {fit.p * 1e3:.3f} µs per KV token")
+    return Affine(max(0.0, fit.c), fit.p), []
+
+
+def _tp_costs(model: Any, workload: Workload, ranks: int, max_batch: int, workers: str,
+              say: Callable[[str], None]) -> tuple[dict[str, ForwardCost], list[str]]:
+    from mstar.runtime.api import Runtime
+
+    groups = [{"node_names": sorted(model.graph.node_names), "ranks": list(range(ranks)), "tp_size": ranks}]
+    try:
+        rt = Runtime(model, _placement(model, groups, max_batch), workers=workers).start()
+    except Exception as e:  # noqa: BLE001 - a model without tensor parallelism is planned without it
+        return {}, [f"tensor parallelism over {ranks} ranks not profiled: {str(e).splitlines()[0]}"]
+    with rt:
+        run = _Runner(rt, model, workload.classes())
+        _warm(run, max_batch)
+        traces = _sweep(run, max_batch, f"tp{ranks}", say)
+    out = {}
+    for module, fs in _by_module(forwards_in(traces, model.module_of)).items():
+        out[f"{module}@tp{ranks}"] = ForwardCost.fit(fs)
+    return out, []
+
+
+def _by_module(forwards: list[Forward]) -> dict[str, list[Forward]]:
+    out: dict[str, list[Forward]] = {}
+    for f in forwards:
+        out.setdefault(f.module, []).append(f)
+    return out
+
+
+def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int = 16, workers: str = "process",
+                  tensor_parallel: bool = True, say: Callable[[str], None] = print) -> Profile:
+    """Profile ``model`` (a ``ModelDef``) for ``workload`` on this machine (module docstring);
+    ``ranks`` bounds the placements the planner may choose (2 or more: a KV move, tensor
+    parallelism over all of them, the contention of that many ranks)."""
+    from mstar.planner.contention import measure_contention
+    from mstar.runtime.api import Runtime
+
+    for c in workload.requests:  # fails early, naming the model, when it cannot make requests
+        model.sized_request(1, 2, c.params, 0)
+    kv, notes = _kv_bytes(model), []
+    say(f"profiling {model.name} on one rank ({workers} workers)")
+    single = [{"node_names": sorted(model.graph.node_names), "ranks": [0]}]
+    with Runtime(model, _placement(model, single, max_batch), workers=workers) as rt:
+        run = _Runner(rt, model, workload.classes())
+        _warm(run, max_batch)
+        programs, alone = _programs(run, say)
+        traces = _sweep(run, max_batch, "tp1", say)
+    costs = {f"{m}@tp1": ForwardCost.fit(fs) for m, fs in _by_module(forwards_in(traces + alone, model.module_of)).items()}
+    steps, bounds = gaps_in(alone)
+    move, tp_sizes, contention = Affine(0.0), (1,), {1: 1.0}
+    if ranks >= 2:
+        say(f"profiling a KV move and tensor parallelism over {ranks} ranks")
+        move, more = _move_cost(model, workload, kv, max_batch, workers, say)
+        notes += more
+        if tensor_parallel:
+            tp, more = _tp_costs(model, workload, ranks, max_batch, workers, say)
+            costs.update(tp)
+            notes += more
+            tp_sizes = (1, ranks) if tp else (1,)
+        contention = measure_contention(ranks)
+        say(f"  contention: {contention}")
+    return Profile(model.name, _cpu_name(), len(os.sched_getaffinity(0)), max_batch, costs,
+                   max(0.0, _median(steps)), max(0.0, _median([ms for _, ms in bounds])), move, contention, kv,
+                   programs, overheads_in(alone, emitting_runs(model.graph)), tp_sizes, notes)

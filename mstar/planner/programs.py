@@ -1,0 +1,179 @@
+"""What a request of a class runs, node by node, as a function of its prompt and output lengths.
+
+A request's trace run alone (batch 1) lists its walks and, per walk, its node runs with the new and
+attended KV tokens of each (``batch_tokens`` / ``batch_context`` of a forward of one row). A walk is
+read as a *head* (runs outside any loop, before it), a loop of *iterations* of one *body* (the nodes
+of one iteration, in order) and a *tail* (runs outside the loop, after it). Every number of that
+shape (how many iterations; each run's tokens and context) is affine in the prompt and output
+lengths, fitted exactly to traces at three size points (``ClassProgram.fit``), so the simulator
+can expand a request of any size (``ClassProgram.expand``) without tracing it. A body's first
+iteration keeps its own sizes; later iterations take the second one's, their context growing by
+the step seen between the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Affine", "ClassProgram", "ProgramRun", "RunShape", "WalkShape", "emitting_runs"]
+
+
+@dataclass(frozen=True)
+class Affine:
+    """``c + p * prompt_tokens + o * output_tokens``."""
+
+    c: float
+    p: float = 0.0
+    o: float = 0.0
+
+    def at(self, prompt: int, output: int) -> float:
+        return self.c + self.p * prompt + self.o * output
+
+    @classmethod
+    def fit(cls, sizes: Sequence[tuple[int, int]], values: Sequence[float]) -> Affine:
+        """Through ``values`` at ``sizes`` (least squares, minimum norm: a length that never varied
+        gets no coefficient)."""
+        x = np.array([[1.0, p, o] for p, o in sizes])
+        sol, *_ = np.linalg.lstsq(x, np.array(values, dtype=float), rcond=None)
+        c, p, o = (round(float(v), 9) for v in sol)
+        return cls(c, p, o)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    node: str
+    tokens: Affine
+    context: Affine
+
+
+@dataclass(frozen=True)
+class WalkShape:
+    walk: str
+    partition: str
+    head: tuple[RunShape, ...]
+    iterations: Affine
+    body: tuple[RunShape, ...]  # the first iteration's sizes
+    later: tuple[RunShape, ...]  # the second iteration's (a loop of one iteration: the first's)
+    context_step: tuple[float, ...]  # per body run: context added each iteration past the second
+    tail: tuple[RunShape, ...]
+
+
+@dataclass(frozen=True)
+class ProgramRun:
+    """One node run of an expanded request."""
+
+    walk_index: int
+    walk: str
+    partition: str
+    node: str
+    tokens: int
+    context: int
+
+
+def _split(runs: list[dict]) -> tuple[list[dict], list[list[dict]], list[dict]]:
+    """A walk's runs (by start) as head, iterations (each a list of runs) and tail."""
+    head, tail, iters, order = [], [], {}, []
+    for r in runs:
+        it = tuple(r["iteration"])
+        if not it:
+            (tail if iters else head).append(r)
+            continue
+        if it not in iters:
+            iters[it] = []
+            order.append(it)
+        iters[it].append(r)
+    return head, [iters[k] for k in order], tail
+
+
+def _shape(walk: str, runs_at: Sequence[list[dict]], sizes: Sequence[tuple[int, int]], what: str) -> list[RunShape]:
+    nodes = [r["node"] for r in runs_at[0]]
+    for runs in runs_at[1:]:
+        if [r["node"] for r in runs] != nodes:
+            raise ValueError(f"walk {walk!r}: the {what} runs {nodes} at one size but "
+                             f"{[r['node'] for r in runs]} at another: its shape depends on the lengths")
+    return [RunShape(n, Affine.fit(sizes, [runs[i]["batch_tokens"] for runs in runs_at]),
+                     Affine.fit(sizes, [runs[i]["batch_context"] for runs in runs_at]))
+            for i, n in enumerate(nodes)]
+
+
+@dataclass(frozen=True)
+class ClassProgram:
+    """The walks of one request class (module docstring)."""
+
+    name: str
+    walks: tuple[WalkShape, ...]
+
+    @classmethod
+    def fit(cls, name: str, traces: Sequence[dict[str, Any]], sizes: Sequence[tuple[int, int]]) -> ClassProgram:
+        """From the traces (``Runtime.trace``'s, one request each, run alone) at ``sizes`` (prompt,
+        output), one trace per size. ValueError when the walks or their bodies differ by size."""
+        walk_lists = [[(w["walk"], w["partition"]) for w in t["walks"]] for t in traces]
+        if any(wl != walk_lists[0] for wl in walk_lists):
+            raise ValueError(f"class {name!r}: its walks {walk_lists[0]} change with its lengths ({walk_lists[1:]})")
+        walks = []
+        for i, (walk, partition) in enumerate(walk_lists[0]):
+            parts = [_split(t["walks"][i]["nodes"]) for t in traces]
+            heads, iters, tails = ([p[k] for p in parts] for k in range(3))
+            first = [it[0] if it else [] for it in iters]
+            second = [it[1] if len(it) > 1 else (it[0] if it else []) for it in iters]
+            body = _shape(walk, first, sizes, "first iteration's")
+            later = _shape(walk, second, sizes, "second iteration's")
+            steps = []
+            for j in range(len(body)):
+                grow = [s[j]["batch_context"] - f[j]["batch_context"] for f, s, it in zip(first, second, iters)
+                        if len(it) > 2]
+                steps.append(float(np.median(grow)) if grow else 0.0)
+            walks.append(WalkShape(walk, partition, tuple(_shape(walk, heads, sizes, "head")),
+                                   Affine.fit(sizes, [len(it) for it in iters]), tuple(body), tuple(later),
+                                   tuple(steps), tuple(_shape(walk, tails, sizes, "tail"))))
+        return cls(name, tuple(walks))
+
+    def expand(self, prompt: int, output: int) -> list[ProgramRun]:
+        """Every node run of a request of these lengths, walk by walk, in order."""
+        out: list[ProgramRun] = []
+
+        def add(i: int, w: WalkShape, s: RunShape, extra: float = 0.0) -> None:
+            out.append(ProgramRun(i, w.walk, w.partition, s.node, max(0, round(s.tokens.at(prompt, output))),
+                                  max(0, round(s.context.at(prompt, output) + extra))))
+
+        for i, w in enumerate(self.walks):
+            for s in w.head:
+                add(i, w, s)
+            n = max(0, round(w.iterations.at(prompt, output)))
+            for k in range(n):
+                for j, s in enumerate(w.body if k == 0 else w.later):
+                    add(i, w, s, w.context_step[j] * max(0, k - 1))
+            for s in w.tail:
+                add(i, w, s)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        def run(s: RunShape) -> dict[str, Any]:
+            return {"node": s.node, "tokens": vars(s.tokens), "context": vars(s.context)}
+
+        return {"name": self.name, "walks": [
+            {"walk": w.walk, "partition": w.partition, "head": [run(s) for s in w.head],
+             "iterations": vars(w.iterations), "body": [run(s) for s in w.body],
+             "later": [run(s) for s in w.later], "context_step": list(w.context_step),
+             "tail": [run(s) for s in w.tail]} for w in self.walks]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ClassProgram:
+        def runs(items: list[dict]) -> tuple[RunShape, ...]:
+            return tuple(RunShape(r["node"], Affine(**r["tokens"]), Affine(**r["context"])) for r in items)
+
+        return cls(d["name"], tuple(
+            WalkShape(w["walk"], w["partition"], runs(w["head"]), Affine(**w["iterations"]), runs(w["body"]),
+                      runs(w["later"]), tuple(w["context_step"]), runs(w["tail"])) for w in d["walks"]))
+
+
+def emitting_runs(graph: Any) -> set[tuple[str, str]]:
+    """(walk, node) pairs whose node sends something to the client in that walk."""
+    from mstar.graph.plan import RouteKind
+
+    return {(walk, name) for walk in graph.walks for name, node in graph.plan(walk).nodes.items()
+            if any(r.kind is RouteKind.EMIT for r in node.routes)}

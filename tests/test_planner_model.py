@@ -1,0 +1,165 @@
+"""The planner's model of a deployment: forward costs fitted to traces (``planner.costs``), request
+programs read from traces (``planner.programs``), the profile (``planner.profile``) and the
+simulator of the runtime's scheduling (``planner.simulate``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mstar import Runtime
+from mstar.models.llama.model import LlamaTiny
+from mstar.placement import Placement
+from mstar.planner import parse_workload
+from mstar.planner.costs import Forward, ForwardCost, nonnegative_least_squares
+from mstar.planner.measure import replay
+from mstar.planner.profile import Profile, forwards_in, gaps_in, profile_model
+from mstar.planner.programs import Affine, ClassProgram, emitting_runs
+from mstar.planner.simulate import simulate
+from mstar.planner.workload import Arrival
+
+
+def _trace(rt, model, prompt, output, label):
+    inputs, params = model.sized_request(prompt, output, {}, prompt * 100 + output)
+    rt.submit(inputs, params, request_id=label).result()
+    return rt.trace(label)[-1]
+
+
+def test_traces_record_each_forwards_tokens_and_context():
+    model = LlamaTiny()
+    with Runtime(model) as rt:
+        alone = _trace(rt, model, 10, 3, "alone")
+        handles = [rt.submit(*model.sized_request(p, 3, {}, p), request_id="pair") for p in (10, 12)]
+        for h in handles:
+            h.result()
+        pair = rt.trace("pair")
+    runs = [(r["batch"], r["batch_tokens"], r["batch_context"]) for w in alone["walks"] for r in w["nodes"]]
+    assert runs == [(1, 10, 10), (1, 1, 11), (1, 1, 12), (1, 1, 13)]  # the prompt, then a token per step
+    forwards = forwards_in(pair, model.module_of)
+    rows = sum(len(w["nodes"]) for t in pair for w in t["walks"])
+    # every row is in one forward; the prompts' tokens and one per decode row, however they batched
+    assert sum(f.rows for f in forwards) == rows
+    assert sum(f.tokens for f in forwards) == 10 + 12 + (rows - 2)
+
+
+def test_a_class_program_fitted_at_three_sizes_predicts_a_fourth_exactly():
+    model = LlamaTiny()
+    sizes = [(8, 4), (20, 4), (8, 9)]
+    with Runtime(model) as rt:
+        traces = [_trace(rt, model, p, o, f"s{p}-{o}") for p, o in sizes]
+        other = _trace(rt, model, 15, 7, "other")
+    program = ClassProgram.fit("chat", traces, sizes)
+    expanded = program.expand(15, 7)
+    seen = [(w["walk"], r["node"], r["batch_tokens"], r["batch_context"]) for w in other["walks"] for r in w["nodes"]]
+    assert [(r.walk, r.node, r.tokens, r.context) for r in expanded] == seen
+    assert ClassProgram.from_dict(program.to_dict()) == program
+    assert emitting_runs(model.graph) == {("prefill", "LLM"), ("decode", "LLM")}
+
+
+def test_program_shapes_that_change_with_the_lengths_are_refused():
+    walks = [{"walk": "prefill", "partition": "main", "nodes": []}]
+    with pytest.raises(ValueError, match="change with its lengths"):
+        ClassProgram.fit("c", [{"walks": walks}, {"walks": walks * 2}], [(1, 2), (3, 2)])
+
+
+def test_forward_costs_are_fitted_non_negative():
+    truth = ForwardCost(0.5, 0.02, 0.01, 0.001)
+    rng = np.random.default_rng(0)
+    fs = [Forward("LLM", r, t, c, truth.ms(r, t, c)) for r, t, c in
+          zip(rng.integers(1, 16, 60), rng.integers(1, 500, 60), rng.integers(1, 2000, 60))]
+    fit = ForwardCost.fit(fs)
+    assert fit.ms(8, 100, 900) == pytest.approx(truth.ms(8, 100, 900), rel=1e-6) and fit.error < 1e-6
+    coef = nonnegative_least_squares(np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]]), np.array([3.0, 2.0, 1.0]))
+    assert (coef >= 0).all() and coef[1] == 0  # the falling slope is dropped
+    with pytest.raises(ValueError):
+        ForwardCost.fit([])
+
+
+def _profile(**changes) -> Profile:
+    prog = ClassProgram.fit("chat", [
+        {"walks": [{"walk": "prefill", "partition": "main", "nodes": [
+            {"node": "LLM", "iteration": [], "batch_tokens": p, "batch_context": p}]},
+            {"walk": "decode", "partition": "main", "nodes": [
+                {"node": "LLM", "iteration": [i], "batch_tokens": 1, "batch_context": p + i + 1} for i in range(o)]}]}
+        for p, o in [(10, 3), (20, 3), (10, 5)]], [(10, 3), (20, 3), (10, 5)])
+    base = dict(model="llama-tiny", machine="test", cores=2, max_batch=16,
+                costs={"LLM@tp1": ForwardCost(1.0, 0.5, 0.1, 0.0), "LLM@tp2": ForwardCost(2.0, 0.5, 0.05, 0.0)},
+                step_gap_ms=0.2, walk_gap_ms=1.0, move_ms=Affine(3.0, 0.01), contention={1: 1.0, 2: 2.0},
+                kv_bytes_per_token={"LLM": 512}, programs={"chat": prog}, client_ms={"submit": 2.0, "emit": 0.5, "end": 0.3})
+    base.update(changes)
+    return Profile(**base)
+
+
+def _placement(groups) -> Placement:
+    return Placement.from_dict({"model": "llama-tiny", "node_groups": groups})
+
+
+def test_one_request_alone_is_the_sum_of_its_steps():
+    model, prof = LlamaTiny(), _profile()
+    pred = simulate(prof, _placement([{"node_names": ["LLM"], "ranks": [0]}]), model.graph, model.module_of,
+                    [Arrival(0.0, "chat", 10, 3)])
+    (r,) = pred.requests
+    prefill = 1.0 + 0.5 + 0.1 * 10
+    decode = 1.0 + 0.5 + 0.1
+    assert r.ttft == pytest.approx((2.0 + prefill + 0.5) / 1e3)
+    assert r.e2e == pytest.approx((2.0 + prefill + 1.0 + 3 * decode + 2 * 0.2 + 0.3) / 1e3)
+    assert r.tpot == pytest.approx((r.e2e - r.ttft) / 2)
+    split = simulate(prof, _placement([{"node_names": ["LLM"], "ranks": [0], "graph_walks": ["prefill"]},
+                                       {"node_names": ["LLM"], "ranks": [1], "graph_walks": ["decode"]}]),
+                     model.graph, model.module_of, [Arrival(0.0, "chat", 10, 3)])
+    # the walk boundary moves 10 KV tokens: 3 + 0.01 * 10 ms instead of the 1 ms walk gap
+    assert split.requests[0].e2e - r.e2e == pytest.approx((3.1 - 1.0) / 1e3)
+
+
+def test_requests_together_batch_and_ranks_computing_at_once_slow_each_other():
+    model, prof = LlamaTiny(), _profile()
+    single = _placement([{"node_names": ["LLM"], "ranks": [0]}])
+    two = [Arrival(0.0, "chat", 10, 3), Arrival(0.0, "chat", 10, 3)]
+    pair = simulate(prof, single, model.graph, model.module_of, two)
+    alone = simulate(prof, single, model.graph, model.module_of, two[:1])
+    # one forward of both prompts: 0.5 + 0.1 * 10 ms more than one prompt alone
+    assert pair.requests[0].ttft - alone.requests[0].ttft == pytest.approx(1.5 / 1e3)
+    split = _placement([{"node_names": ["LLM"], "ranks": [0], "graph_walks": ["prefill"]},
+                        {"node_names": ["LLM"], "ranks": [1], "graph_walks": ["decode"]}])
+    late = [Arrival(0.0, "chat", 10, 40), Arrival(0.01, "chat", 200, 3)]
+    calm = simulate(_profile(contention={1: 1.0, 2: 1.0}), split, model.graph, model.module_of, late)
+    busy = simulate(prof, split, model.graph, model.module_of, late)
+    assert busy.requests[1].ttft > calm.requests[1].ttft  # its prompt runs while rank 1 decodes
+    assert busy.busy_s[0] > calm.busy_s[0] and set(busy.peak_kv_tokens) == {0, 1}
+
+
+def test_a_profile_round_trips_and_a_bad_file_says_so(tmp_path):
+    prof = _profile(tp_sizes=(1, 2), notes=["n"])
+    prof.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == prof
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="profile"):
+        Profile.load(tmp_path / "bad.json")
+    with pytest.raises(KeyError, match="tensor-parallel size 4"):
+        prof.cost("LLM", 4)
+
+
+def test_profiling_and_replaying_the_tiny_llama():
+    wl = parse_workload({"arrival_rate": 50, "duration_s": 0.2, "requests": [
+        {"name": "chat", "prompt_tokens": {"uniform": [8, 24]}, "output_tokens": {"uniform": [3, 6]}}]})
+    model, said = LlamaTiny(), []
+    prof = profile_model(model, wl, 1, max_batch=4, workers="inline", say=said.append)
+    assert set(prof.programs) == {"chat"} and set(prof.costs) == {"LLM@tp1"} and prof.contention == {1: 1.0}
+    assert prof.costs["LLM@tp1"].samples > 10 and prof.kv_bytes_per_token["LLM"] > 0
+    assert prof.step_gap_ms >= 0 and set(prof.client_ms) == {"submit", "emit", "end"}
+    assert any("chat" in line for line in said)
+    arrivals = wl.arrivals()
+    placement = Placement.single_rank(model.graph, model.name)
+    pred = simulate(prof, placement, model.graph, model.module_of, arrivals)
+    with Runtime(model, placement) as rt:
+        seen = replay(rt, model, wl, arrivals)
+    assert len(pred.requests) == len(seen.requests) == len(arrivals) > 0
+    assert all(0 < r.ttft <= r.e2e for r in pred.requests + seen.requests)
+
+
+def test_gaps_come_from_the_runs_of_one_request():
+    trace = {"walks": [{"nodes": [{"start": 1.0, "compute_ms": 2.0, "batch_context": 5}]},
+                       {"nodes": [{"start": 1.010, "compute_ms": 1.0, "batch_context": 6},
+                                  {"start": 1.0125, "compute_ms": 1.0, "batch_context": 7}]}]}
+    steps, bounds = gaps_in([trace])
+    assert steps == pytest.approx([1.5]) and bounds[0][0] == 5 and bounds[0][1] == pytest.approx(8.0)
