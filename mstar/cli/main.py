@@ -10,11 +10,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mstar", description="Serving runtime for composite multimodal models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    from mstar.cli import bench_cmd, graph_cmd, serve_cmd, trace_cmd
+    from mstar.cli import bench_cmd, graph_cmd, plan_cmd, serve_cmd, trace_cmd
 
     serve_cmd.add_parser(sub)
     graph_cmd.add_parser(sub)
     trace_cmd.add_parser(sub)
+    plan_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
     models = sub.add_parser("models", help="list the registered models")
     models.set_defaults(func=_list_models)

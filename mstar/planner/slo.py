@@ -59,6 +59,12 @@ class SLO:
     def met(self, samples: Mapping[str, Sequence[float]]) -> bool:
         return all(v.met for v in self.evaluate(samples))
 
+    def request_meets(self, sample: Mapping[str, float]) -> bool:
+        """Whether one request's own figures (metric -> seconds) are within every objective's limit
+        (a metric it has no figure of, such as one output token's TPOT, does not count against it):
+        what goodput counts."""
+        return all(sample.get(o.metric) is None or sample[o.metric] <= o.limit_s for o in self.objectives)
+
     def __str__(self) -> str:
         return ",".join(str(o) for o in self.objectives)
 
