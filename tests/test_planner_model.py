@@ -163,3 +163,28 @@ def test_gaps_come_from_the_runs_of_one_request():
                                   {"start": 1.0125, "compute_ms": 1.0, "batch_context": 7}]}]}
     steps, bounds = gaps_in([trace])
     assert steps == pytest.approx([1.5]) and bounds[0][0] == 5 and bounds[0][1] == pytest.approx(8.0)
+
+
+def test_a_streaming_models_program_fires_its_consumer_as_the_runtime_does():
+    from mstar.models.orpheus.model import OrpheusTiny
+
+    model = OrpheusTiny()
+    sizes = [(8, 30), (16, 30), (8, 44)]
+    with Runtime(model) as rt:
+        traces = [_trace(rt, model, p, o, f"s{p}-{o}") for p, o in sizes]
+        other = _trace(rt, model, 12, 51, "other")
+    program = ClassProgram.fit("speech", traces, sizes, model.graph)
+    (codec,) = program.consumers
+    assert (codec.partition, codec.producer, codec.edge) == ("codec", "llm", "audio_token")
+    assert codec.items.at(12, 51) == other["streamed"]["codec.snac_decoder.audio_token"]
+    assert ClassProgram.from_dict(program.to_dict()) == program
+    prof = _profile(programs={"speech": program}, costs={"LLM@tp1": ForwardCost(1.0, 0.1, 0.01, 0.0),
+                                                          "snac_decoder@tp1": ForwardCost(2.0, 0.5, 0.0, 0.0)})
+    placement = Placement.single_rank(model.graph, model.name)
+    pred = simulate(prof, placement, model.graph, model.module_of, [Arrival(0.0, "speech", 12, 51)])
+    seen: dict[str, int] = {}
+    for w in other["walks"]:
+        for r in w["nodes"]:
+            seen[r["node"]] = seen.get(r["node"], 0) + 1
+    assert pred.node_runs == seen  # every LLM step and every chunk the codec decoded
+    assert len(pred.requests) == 1 and pred.requests[0].e2e > pred.requests[0].ttft

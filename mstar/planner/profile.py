@@ -278,7 +278,7 @@ def _programs(run: _Runner, say: Callable[[str], None]) -> tuple[dict[str, Class
     for name, c in run.classes.items():
         sizes = _sizes(c)
         alone = [run.alone(name, p, o, f"program-{name}-{p}-{o}") for p, o in sizes]
-        programs[name] = ClassProgram.fit(name, alone, sizes)
+        programs[name] = ClassProgram.fit(name, alone, sizes, run.model.graph)
         traces += alone
         say(f"  {name}: walks {[w.walk for w in programs[name].walks]} at sizes {sizes}")
     return programs, traces

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Affine", "ClassProgram", "ProgramRun", "RunShape", "WalkShape", "emitting_runs"]
+__all__ = ["Affine", "ClassProgram", "ConsumerShape", "ProgramRun", "RunShape", "WalkShape", "emitting_runs",
+           "expand_walk", "stream_producers"]
 
 
 @dataclass(frozen=True)
@@ -100,75 +101,133 @@ def _shape(walk: str, runs_at: Sequence[list[dict]], sizes: Sequence[tuple[int, 
             for i, n in enumerate(nodes)]
 
 
+def _walk_shape(walk: str, partition: str, walk_runs: Sequence[list[dict]], sizes: Sequence[tuple[int, int]]) -> WalkShape:
+    """One walk's shape from its runs at each size."""
+    parts = [_split(runs) for runs in walk_runs]
+    heads, iters, tails = ([p[k] for p in parts] for k in range(3))
+    first = [it[0] if it else [] for it in iters]
+    second = [it[1] if len(it) > 1 else (it[0] if it else []) for it in iters]
+    body = _shape(walk, first, sizes, "first iteration's")
+    later = _shape(walk, second, sizes, "second iteration's")
+    steps = []
+    for j in range(len(body)):
+        grow = [s[j]["batch_context"] - f[j]["batch_context"] for f, s, it in zip(first, second, iters) if len(it) > 2]
+        steps.append(float(np.median(grow)) if grow else 0.0)
+    return WalkShape(walk, partition, tuple(_shape(walk, heads, sizes, "head")),
+                     Affine.fit(sizes, [len(it) for it in iters]), tuple(body), tuple(later), tuple(steps),
+                     tuple(_shape(walk, tails, sizes, "tail")))
+
+
+@dataclass(frozen=True)
+class ConsumerShape:
+    """A partition fed by a stream: one walk per chunk its policy fires (``firing``; the end of the
+    stream's chunk ``final``, when the stream's end fires one), the stream carrying ``items``."""
+
+    partition: str
+    producer: str  # the producing partition
+    edge: str  # the stream's edge
+    items: Affine
+    firing: WalkShape
+    final: WalkShape | None
+
+
+def _consumer(partition: str, producer: str, edge: str, traces: Sequence[dict[str, Any]],
+              sizes: Sequence[tuple[int, int]]) -> ConsumerShape:
+    walks = [[w for w in t["walks"] if w["partition"] == partition] for t in traces]
+    if not all(walks):
+        raise ValueError(f"partition {partition!r} ran no walk at some size: profile longer outputs")
+    finals = [ws[-1] if any(r.get("chunks", {}).get(edge, {}).get("is_final") for r in ws[-1]["nodes"]) else None
+              for ws in walks]
+    firing = _walk_shape(walks[0][0]["walk"], partition, [ws[0]["nodes"] for ws in walks], sizes)
+    final = None
+    if all(finals) and all(len(ws) > 1 for ws in walks):
+        final = _walk_shape(finals[0]["walk"], partition, [f["nodes"] for f in finals], sizes)
+    items = [next((n for k, n in t.get("streamed", {}).items() if k.startswith(f"{partition}.") and
+                   k.endswith(f".{edge}")), 0) for t in traces]
+    return ConsumerShape(partition, producer, edge, Affine.fit(sizes, items), firing, final)
+
+
 @dataclass(frozen=True)
 class ClassProgram:
-    """The walks of one request class (module docstring)."""
+    """The walks of one request class (module docstring): its root partition's, in order, and the
+    partitions its streams feed."""
 
     name: str
     walks: tuple[WalkShape, ...]
+    consumers: tuple[ConsumerShape, ...] = ()
 
     @classmethod
-    def fit(cls, name: str, traces: Sequence[dict[str, Any]], sizes: Sequence[tuple[int, int]]) -> ClassProgram:
+    def fit(cls, name: str, traces: Sequence[dict[str, Any]], sizes: Sequence[tuple[int, int]],
+            graph: Any = None) -> ClassProgram:
         """From the traces (``Runtime.trace``'s, one request each, run alone) at ``sizes`` (prompt,
-        output), one trace per size. ValueError when the walks or their bodies differ by size."""
-        walk_lists = [[(w["walk"], w["partition"]) for w in t["walks"]] for t in traces]
+        output), one trace per size; ``graph`` (the model's ``WalkGraph``) names the streams.
+        ValueError when the root walks or their bodies differ by size."""
+        connections = tuple(graph.topology.connections) if graph is not None else ()
+        fed = {c.to_partition for c in connections}
+        walk_lists = [[(w["walk"], w["partition"]) for w in t["walks"] if w["partition"] not in fed] for t in traces]
         if any(wl != walk_lists[0] for wl in walk_lists):
             raise ValueError(f"class {name!r}: its walks {walk_lists[0]} change with its lengths ({walk_lists[1:]})")
-        walks = []
-        for i, (walk, partition) in enumerate(walk_lists[0]):
-            parts = [_split(t["walks"][i]["nodes"]) for t in traces]
-            heads, iters, tails = ([p[k] for p in parts] for k in range(3))
-            first = [it[0] if it else [] for it in iters]
-            second = [it[1] if len(it) > 1 else (it[0] if it else []) for it in iters]
-            body = _shape(walk, first, sizes, "first iteration's")
-            later = _shape(walk, second, sizes, "second iteration's")
-            steps = []
-            for j in range(len(body)):
-                grow = [s[j]["batch_context"] - f[j]["batch_context"] for f, s, it in zip(first, second, iters)
-                        if len(it) > 2]
-                steps.append(float(np.median(grow)) if grow else 0.0)
-            walks.append(WalkShape(walk, partition, tuple(_shape(walk, heads, sizes, "head")),
-                                   Affine.fit(sizes, [len(it) for it in iters]), tuple(body), tuple(later),
-                                   tuple(steps), tuple(_shape(walk, tails, sizes, "tail"))))
-        return cls(name, tuple(walks))
+        roots = [[w for w in t["walks"] if w["partition"] not in fed] for t in traces]
+        walks = tuple(_walk_shape(walk, partition, [ws[i]["nodes"] for ws in roots], sizes)
+                      for i, (walk, partition) in enumerate(walk_lists[0]))
+        consumers = tuple(_consumer(c.to_partition, c.from_partition, c.edge_name, traces, sizes) for c in connections)
+        return cls(name, walks, consumers)
 
     def expand(self, prompt: int, output: int) -> list[ProgramRun]:
-        """Every node run of a request of these lengths, walk by walk, in order."""
+        """Every node run of the root partition for a request of these lengths, walk by walk, in order."""
         out: list[ProgramRun] = []
-
-        def add(i: int, w: WalkShape, s: RunShape, extra: float = 0.0) -> None:
-            out.append(ProgramRun(i, w.walk, w.partition, s.node, max(0, round(s.tokens.at(prompt, output))),
-                                  max(0, round(s.context.at(prompt, output) + extra))))
-
         for i, w in enumerate(self.walks):
-            for s in w.head:
-                add(i, w, s)
-            n = max(0, round(w.iterations.at(prompt, output)))
-            for k in range(n):
-                for j, s in enumerate(w.body if k == 0 else w.later):
-                    add(i, w, s, w.context_step[j] * max(0, k - 1))
-            for s in w.tail:
-                add(i, w, s)
+            out += expand_walk(w, i, prompt, output)
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        def run(s: RunShape) -> dict[str, Any]:
-            return {"node": s.node, "tokens": vars(s.tokens), "context": vars(s.context)}
-
-        return {"name": self.name, "walks": [
-            {"walk": w.walk, "partition": w.partition, "head": [run(s) for s in w.head],
-             "iterations": vars(w.iterations), "body": [run(s) for s in w.body],
-             "later": [run(s) for s in w.later], "context_step": list(w.context_step),
-             "tail": [run(s) for s in w.tail]} for w in self.walks]}
+        return {"name": self.name, "walks": [_walk_dict(w) for w in self.walks],
+                "consumers": [{"partition": c.partition, "producer": c.producer, "edge": c.edge,
+                               "items": vars(c.items), "firing": _walk_dict(c.firing),
+                               "final": _walk_dict(c.final) if c.final else None} for c in self.consumers]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ClassProgram:
-        def runs(items: list[dict]) -> tuple[RunShape, ...]:
-            return tuple(RunShape(r["node"], Affine(**r["tokens"]), Affine(**r["context"])) for r in items)
+        return cls(d["name"], tuple(_walk_of(w) for w in d["walks"]), tuple(
+            ConsumerShape(c["partition"], c["producer"], c["edge"], Affine(**c["items"]), _walk_of(c["firing"]),
+                          _walk_of(c["final"]) if c["final"] else None) for c in d.get("consumers", ())))
 
-        return cls(d["name"], tuple(
-            WalkShape(w["walk"], w["partition"], runs(w["head"]), Affine(**w["iterations"]), runs(w["body"]),
-                      runs(w["later"]), tuple(w["context_step"]), runs(w["tail"])) for w in d["walks"]))
+
+def expand_walk(w: WalkShape, index: int, prompt: int, output: int) -> list[ProgramRun]:
+    """The node runs of one walk of this shape for a request of these lengths."""
+    out: list[ProgramRun] = []
+
+    def add(s: RunShape, extra: float = 0.0) -> None:
+        out.append(ProgramRun(index, w.walk, w.partition, s.node, max(0, round(s.tokens.at(prompt, output))),
+                              max(0, round(s.context.at(prompt, output) + extra))))
+
+    for s in w.head:
+        add(s)
+    for k in range(max(0, round(w.iterations.at(prompt, output)))):
+        for j, s in enumerate(w.body if k == 0 else w.later):
+            add(s, w.context_step[j] * max(0, k - 1))
+    for s in w.tail:
+        add(s)
+    return out
+
+
+def _run_dict(s: RunShape) -> dict[str, Any]:
+    return {"node": s.node, "tokens": vars(s.tokens), "context": vars(s.context)}
+
+
+def _walk_dict(w: WalkShape) -> dict[str, Any]:
+    return {"walk": w.walk, "partition": w.partition, "head": [_run_dict(s) for s in w.head],
+            "iterations": vars(w.iterations), "body": [_run_dict(s) for s in w.body],
+            "later": [_run_dict(s) for s in w.later], "context_step": list(w.context_step),
+            "tail": [_run_dict(s) for s in w.tail]}
+
+
+def _walk_of(w: dict[str, Any]) -> WalkShape:
+    def runs(items: list[dict]) -> tuple[RunShape, ...]:
+        return tuple(RunShape(r["node"], Affine(**r["tokens"]), Affine(**r["context"])) for r in items)
+
+    return WalkShape(w["walk"], w["partition"], runs(w["head"]), Affine(**w["iterations"]), runs(w["body"]),
+                     runs(w["later"]), tuple(w["context_step"]), runs(w["tail"]))
 
 
 def emitting_runs(graph: Any) -> set[tuple[str, str]]:
@@ -177,3 +236,16 @@ def emitting_runs(graph: Any) -> set[tuple[str, str]]:
 
     return {(walk, name) for walk in graph.walks for name, node in graph.plan(walk).nodes.items()
             if any(r.kind is RouteKind.EMIT for r in node.routes)}
+
+
+def stream_producers(graph: Any) -> dict[tuple[str, str], set[str]]:
+    """(walk, node) -> the partitions it streams to."""
+    from mstar.graph.plan import RouteKind
+
+    out: dict[tuple[str, str], set[str]] = {}
+    for walk in graph.walks:
+        for name, node in graph.plan(walk).nodes.items():
+            for r in node.routes:
+                if r.kind is RouteKind.STREAM:
+                    out.setdefault((walk, name), set()).add(r.partition)
+    return out

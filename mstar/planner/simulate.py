@@ -6,8 +6,13 @@ It replays a workload's arrivals against a placement the way the workers run the
   walk after walk;
 * a node run waits in its module's queue on the rank its (node, walk) group places it (a
   tensor-parallel group's leader; the forward occupies every rank of the group);
-* a free rank runs the module whose oldest queued item came first (FCFS), batching up to the
-  group's ``max_batch_size`` of its queue, prompts and decode rows together (continuous batching);
+* a free rank runs, as ``RankScheduler`` does, the module of an item that waited past
+  ``scheduling_max_wait_ms`` (oldest first), else (``downstream_first``) the module of the deepest
+  partition with a ready item, else the oldest; it batches up to the group's ``max_batch_size`` of
+  that module's queue, prompts and decode rows together (continuous batching);
+* a stream's producer runs push one item each to the consumer partition's chunk policy (the graph's
+  own ``ChunkPolicy``); each chunk it fires is one walk of the consumer, walks of one request's
+  consumer one after another; the request ends when every partition has;
 * a forward takes the module's ``ForwardCost`` for its rows, new tokens and context, times the
   contention of the groups computing at once (``Profile.slowdown``); then the rank's step gap;
 * a request reaches its first queue after the client-to-worker time, its first item and its end
@@ -16,19 +21,21 @@ It replays a workload's arrivals against a placement the way the workers run the
   when its KV module moves to another group, after the KV move (``Profile.move_ms``).
 
 What it does not model (yet): KV admission and preemption (it reports each rank's peak KV instead),
-streams between partitions, parallel branches inside a walk (runs of one request are sequential).
+parallel branches inside a walk (a walk's runs are sequential), chains of streams (a consumer that
+streams on).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from mstar.planner.profile import Profile
-from mstar.planner.programs import ProgramRun, emitting_runs
+from mstar.planner.programs import ConsumerShape, ProgramRun, emitting_runs, expand_walk, stream_producers
 from mstar.planner.slo import percentile
 from mstar.planner.workload import Arrival
 
@@ -58,6 +65,7 @@ class Prediction:
     makespan_s: float  # first arrival to last completion
     busy_s: dict[int, float] = field(default_factory=dict)  # rank -> seconds computing
     peak_kv_tokens: dict[int, int] = field(default_factory=dict)  # rank -> most KV tokens held at once
+    node_runs: dict[str, int] = field(default_factory=dict)  # node -> rows it ran (over all requests)
 
     def samples(self) -> dict[str, list[float]]:
         out: dict[str, list[float]] = {}
@@ -82,24 +90,60 @@ class _Group:
 
 
 @dataclass
+class _Cursor:
+    """Where one partition of a request is: the runs of its current walk(s) and the next one."""
+
+    req: _Request
+    runs: list[ProgramRun]
+    depth: int  # 0 for the root partition, 1 for a partition its stream feeds
+    at: int = 0
+    consumer: _Consumer | None = None
+
+    @property
+    def run(self) -> ProgramRun:
+        return self.runs[self.at]
+
+
+@dataclass
+class _Consumer:
+    """A partition fed by a stream: its chunk policy, the items still to come, the walks waiting."""
+
+    shape: ConsumerShape
+    policy: Any
+    items: int
+    pushed: int = 0
+    pending: deque = field(default_factory=deque)  # run lists of fired walks, in order
+    cursor: _Cursor | None = None  # the walk running now
+    closed: bool = False  # the stream ended (its final chunk, if any, is pending)
+
+    @property
+    def idle(self) -> bool:
+        return self.closed and self.cursor is None and not self.pending
+
+
+@dataclass
 class _Request:
     arrival: Arrival
-    runs: list[ProgramRun]
-    emits: list[bool]
-    at: int = 0
+    consumers: list[_Consumer]
+    root: _Cursor | None = None
     first_emit: float | None = None
+    root_done: bool = False
 
 
 @dataclass(order=True)
 class _Item:
     ready: float
     seq: int
-    req: _Request = field(compare=False)
+    cursor: _Cursor = field(compare=False)
 
 
 class _Sim:
-    def __init__(self, profile: Profile, placement: Any, module_of: Any, emitting: set[tuple[str, str]]) -> None:
-        self.p, self.placement, self.module_of, self.emitting = profile, placement, module_of, emitting
+    def __init__(self, profile: Profile, placement: Any, module_of: Any, graph: Any) -> None:
+        self.p, self.placement, self.module_of = profile, placement, module_of
+        self.emitting, self.producers = emitting_runs(graph), stream_producers(graph)
+        limits = placement.limits
+        self.downstream_first = limits.scheduling == "downstream_first"
+        self.max_wait = limits.scheduling_max_wait_ms / 1e3
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = itertools.count()
         self.queues: dict[tuple[int, str], list[_Item]] = {}  # (leader rank, module) -> items
@@ -109,6 +153,7 @@ class _Sim:
         self.kv: dict[int, int] = {}
         self.peak: dict[int, int] = {}
         self.done: list[RequestTimes] = []
+        self.node_runs: dict[str, int] = {}
         self.groups: dict[tuple[str, str], _Group] = {}
 
     def group(self, node: str, walk: str) -> _Group:
@@ -121,22 +166,36 @@ class _Sim:
     def push(self, t: float, kind: str, payload: Any) -> None:
         heapq.heappush(self.events, (t, next(self.seq), kind, payload))
 
-    def ready(self, t: float, req: _Request) -> None:
-        run = req.runs[req.at]
+    def ready(self, t: float, cur: _Cursor) -> None:
+        run = cur.run
         g = self.group(run.node, run.walk)
-        self.queues.setdefault((g.leader, self.module_of(run.node)), []).append(_Item(t, next(self.seq), req))
+        self.queues.setdefault((g.leader, self.module_of(run.node)), []).append(_Item(t, next(self.seq), cur))
         self.push(t, "try", g.leader)
+
+    def _pick(self, t: float, rank: int) -> tuple[str, str] | None:
+        """The module this rank runs next: an item that waited past the limit first (oldest), else
+        the deepest partition's (``downstream_first``), else the oldest (FCFS)."""
+        best = None
+        for key, q in self.queues.items():
+            ready = [it for it in q if it.ready <= t]
+            if key[0] != rank or not ready:
+                continue
+            oldest = min(ready)
+            depth = max(it.cursor.depth for it in ready) if self.downstream_first else 0
+            late = t - oldest.ready > self.max_wait
+            order = (0, oldest.ready) if late else (1, -depth, oldest.ready)
+            if best is None or order < best[0]:
+                best = (order, key)
+        return None if best is None else best[1]
 
     def try_start(self, t: float, rank: int) -> None:
         if self.free_at.get(rank, 0.0) > t + 1e-12:
             return
-        waiting = [(min(it.ready for it in q if it.ready <= t), key) for key, q in self.queues.items()
-                   if key[0] == rank and any(it.ready <= t for it in q)]
-        if not waiting:
+        key = self._pick(t, rank)
+        if key is None:
             return
-        _, key = min(waiting)
         q = self.queues[key]
-        first = q[0].req.runs[q[0].req.at]
+        first = min(it for it in q if it.ready <= t).cursor.run
         g = self.group(first.node, first.walk)
         if any(self.free_at.get(r, 0.0) > t + 1e-12 for r in g.ranks):
             return
@@ -144,7 +203,7 @@ class _Sim:
         take = [it for it in q if it.ready <= t][:g.max_batch]
         for it in take:
             q.remove(it)
-        runs = [it.req.runs[it.req.at] for it in take]
+        runs = [it.cursor.run for it in take]
         cost = self.p.cost(key[1], g.tp).ms(len(runs), sum(r.tokens for r in runs), sum(r.context for r in runs))
         others = sum(1 for ranks, end in self.computing.items() if end > t and ranks != g.ranks)
         compute = cost * self.p.slowdown(others + 1) / 1e3
@@ -157,32 +216,68 @@ class _Sim:
 
     def finish(self, t: float, g: _Group, items: list[_Item]) -> None:
         for it in items:
-            req = it.req
-            run = req.runs[req.at]
-            if req.emits[req.at] and req.first_emit is None:
+            cur = it.cursor
+            run, req = cur.run, cur.req
+            if (run.walk, run.node) in self.emitting and req.first_emit is None:
                 req.first_emit = t
             self._hold_kv(g.leader, run)
-            req.at += 1
-            if req.at == len(req.runs):
-                self._end(t, req)
-                continue
-            nxt = req.runs[req.at]
+            self.node_runs[run.node] = self.node_runs.get(run.node, 0) + 1
+            cur.at += 1
+            if cur.consumer is None:
+                self._root_ran(t, req, run, g)
+            elif cur.at < len(cur.runs):
+                self.ready(t + self.p.step_gap_ms / 1e3, cur)
+            else:
+                cur.consumer.cursor = None
+                self._next_firing(t, req, cur.consumer)
+        for r in g.ranks:
+            self.push(self.free_at[r], "try", r)
+
+    def _root_ran(self, t: float, req: _Request, run: ProgramRun, g: _Group) -> None:
+        cur = req.root
+        for c in req.consumers:  # the run's stream items (one per run, until the stream's count)
+            if c.shape.partition in self.producers.get((run.walk, run.node), ()) and c.pushed < c.items:
+                c.pushed += 1
+                self._fired(t, req, c, c.policy.push([None]))
+        if cur.at < len(cur.runs):
+            nxt = cur.run
             delay = self.p.step_gap_ms
             if nxt.walk_index != run.walk_index:
                 moved = self.group(nxt.node, nxt.walk).leader != g.leader and nxt.context > nxt.tokens
                 delay = self.p.move_ms.at(run.context, 0) if moved else self.p.walk_gap_ms
-            self.ready(t + delay / 1e3, req)
-        for r in g.ranks:
-            self.push(self.free_at[r], "try", r)
+            self.ready(t + delay / 1e3, cur)
+            return
+        req.root_done = True
+        for c in req.consumers:
+            c.closed = True
+            self._fired(t, req, c, c.policy.finish())
+        self._maybe_end(t, req)
+
+    def _fired(self, t: float, req: _Request, c: _Consumer, chunks: list) -> None:
+        for chunk in chunks:
+            shape = c.shape.final if chunk.is_final and c.shape.final is not None else c.shape.firing
+            c.pending.append(expand_walk(shape, 0, req.arrival.prompt_tokens, req.arrival.output_tokens))
+        self._next_firing(t, req, c)
+
+    def _next_firing(self, t: float, req: _Request, c: _Consumer) -> None:
+        while c.cursor is None and c.pending:
+            runs = c.pending.popleft()
+            if runs:
+                c.cursor = _Cursor(req, runs, 1, consumer=c)
+                self.ready(t + self.p.walk_gap_ms / 1e3, c.cursor)
+        self._maybe_end(t, req)
 
     def _hold_kv(self, rank: int, run: ProgramRun) -> None:
         self.kv[rank] = self.kv.get(rank, 0) + run.tokens
         self.peak[rank] = max(self.peak.get(rank, 0), self.kv[rank])
 
-    def _end(self, t: float, req: _Request) -> None:
-        a = req.arrival
+    def _maybe_end(self, t: float, req: _Request) -> None:
+        if not req.root_done or not all(c.idle for c in req.consumers) or req.root is None:
+            return
+        a, cur = req.arrival, req.root
+        req.root = None  # ended: counted once
         held: dict[int, int] = {}
-        for run in req.runs:
+        for run in cur.runs:
             leader = self.group(run.node, run.walk).leader
             held[leader] = held.get(leader, 0) + run.tokens
         for rank, n in held.items():
@@ -199,7 +294,7 @@ class _Sim:
         while self.events:
             t, _, kind, payload = heapq.heappop(self.events)
             if kind == "arrive":
-                self.ready(t, payload)
+                self.ready(t, payload.root)
             elif kind == "try":
                 self.try_start(t, payload)
             else:
@@ -208,15 +303,19 @@ class _Sim:
 
 def simulate(profile: Profile, placement: Any, graph: Any, module_of: Any, arrivals: Sequence[Arrival]) -> Prediction:
     """Predicted latencies of ``arrivals`` served on ``placement`` (module docstring)."""
-    emitting = emitting_runs(graph)
-    sim = _Sim(profile, placement, module_of, emitting)
+    sim = _Sim(profile, placement, module_of, graph)
+    policies = {c.to_partition: c.chunk_policy_factory for c in graph.topology.connections}
     reqs = []
     for a in arrivals:
         if a.request_class not in profile.programs:
             raise ValueError(f"the profile has no program of request class {a.request_class!r}: profile again")
-        runs = profile.programs[a.request_class].expand(a.prompt_tokens, a.output_tokens)
-        reqs.append(_Request(a, runs, [(r.walk, r.node) in emitting for r in runs]))
+        program = profile.programs[a.request_class]
+        consumers = [_Consumer(c, policies[c.partition](), max(0, round(c.items.at(a.prompt_tokens, a.output_tokens))))
+                     for c in program.consumers]
+        req = _Request(a, consumers)
+        req.root = _Cursor(req, program.expand(a.prompt_tokens, a.output_tokens), 0)
+        reqs.append(req)
     sim.run(reqs)
     start = min((a.at_s for a in arrivals), default=0.0)
     end = max((r.arrival_s + r.e2e for r in sim.done), default=start)
-    return Prediction(sorted(sim.done, key=lambda r: r.arrival_s), end - start, sim.busy, sim.peak)
+    return Prediction(sorted(sim.done, key=lambda r: r.arrival_s), end - start, sim.busy, sim.peak, sim.node_runs)

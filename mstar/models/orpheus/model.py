@@ -91,6 +91,17 @@ class OrpheusTTS(LazyTokenizer, ModelDef):
         body = f"{voice}: {text}" if voice else text
         return [START_OF_HUMAN, *self.tokenizer.encode(body), *END_OF_PROMPT]
 
+    def sized_request(self, prompt_tokens: int, output_tokens: int, params: Mapping[str, Any],
+                      seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A prompt of ``prompt_tokens`` ids (the human / end-of-prompt markers around random text
+        bytes) and exactly ``output_tokens`` tokens (the stop token ignored)."""
+        body = max(0, prompt_tokens - 1 - len(END_OF_PROMPT))
+        text = torch.randint(ord("a"), ord("z") + 1, (body,), generator=torch.Generator().manual_seed(seed))
+        ids = [START_OF_HUMAN, *self.tokenizer.encode(bytes(text.tolist()).decode())[:body], *END_OF_PROMPT]
+        sampling = {**dict(params.get("sampling", {})), "ignore_eos": True}
+        return ({"input_ids": torch.tensor(ids, dtype=torch.long)},
+                {**params, "max_tokens": output_tokens, "sampling": sampling})
+
     # -- graph -----------------------------------------------------------------------------------
     def build_graph(self) -> WalkGraph:
         return orpheus_graph.build_graph(min(MAX_NEW_TOKENS, self.llm_config.max_position_embeddings))
