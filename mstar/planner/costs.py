@@ -3,8 +3,8 @@
 A forward's compute time is modelled as ``a + b * rows + c * tokens + d * context`` milliseconds:
 ``rows`` the work items in the batch, ``tokens`` the new KV tokens it computes (a prompt's length,
 one per decode row), ``context`` the KV tokens its attention reads (0 for a stateless module). The
-coefficients are non-negative (a longer batch never gets cheaper) and fitted by least squares to
-the forwards the rank's trace recorded (``batch``, ``batch_tokens``, ``batch_context``,
+coefficients are non-negative (a longer batch never gets cheaper) and fitted, least absolute
+relative error, to the forwards the rank's trace recorded (``batch``, ``batch_tokens``, ``batch_context``,
 ``compute_ms``), so a mixed batch (prompts with decode rows) is priced by the same four numbers.
 """
 
@@ -19,6 +19,7 @@ import numpy as np
 __all__ = ["ForwardCost", "Forward", "nonnegative_least_squares"]
 
 FEATURES = ("fixed", "rows", "tokens", "context")
+ROBUST_ROUNDS = 8
 
 
 @dataclass(frozen=True)
@@ -63,14 +64,19 @@ class ForwardCost:
 
     @classmethod
     def fit(cls, forwards: Sequence[Forward]) -> ForwardCost:
-        """Fitted to ``forwards`` (at least one). Relative error is weighted in: each forward counts
-        by 1 / its time, so a decode step of 1 ms is fitted as closely as a prompt of 100 ms."""
+        """Fitted to ``forwards`` (at least one), minimizing the sum of absolute relative errors (each
+        forward counts by 1 / its time, so a decode step of 1 ms is fitted as closely as a prompt of
+        100 ms; absolute, so outliers weigh little), by iteratively reweighted least squares."""
         if not forwards:
             raise ValueError("no forwards to fit")
         x = np.array([[1.0, f.rows, f.tokens, f.context] for f in forwards])
         y = np.array([f.ms for f in forwards])
         w = 1.0 / np.maximum(y, 1e-3)
         coef = nonnegative_least_squares(x * w[:, None], y * w)
+        for _ in range(ROBUST_ROUNDS):  # least absolute relative error (IRLS): a few odd forwards
+            rel = np.abs(x @ coef - y) * w  # (a worker's hiccup, a chunk with nothing to do) do not pull it
+            scale = w / np.sqrt(np.maximum(rel, 0.01))
+            coef = nonnegative_least_squares(x * scale[:, None], y * scale)
         pred = x @ coef
         err = float(np.median(np.abs(pred - y) / np.maximum(y, 1e-3)))
         return cls(*(float(c) for c in coef), samples=len(forwards), error=err)

@@ -33,9 +33,10 @@ from mstar.planner.costs import Forward, ForwardCost
 from mstar.planner.programs import Affine, ClassProgram, emitting_runs
 from mstar.planner.workload import RequestClass, Workload
 
-__all__ = ["Profile", "forwards_in", "gaps_in", "profile_model"]
+__all__ = ["FINAL", "Profile", "forwards_in", "gaps_in", "profile_model"]
 
 PROFILE_VERSION = 1
+FINAL = "#final"  # a module's cost key suffix for forwards of stream-final chunks only
 
 
 @dataclass
@@ -55,7 +56,11 @@ class Profile:
     tp_sizes: tuple[int, ...] = (1,)
     notes: list[str] = field(default_factory=list)
 
-    def cost(self, module: str, tp: int = 1) -> ForwardCost:
+    def cost(self, module: str, tp: int = 1, final: bool = False) -> ForwardCost:
+        """``module``'s forward cost at tensor-parallel size ``tp``; ``final``: of a batch of stream-final
+        chunks only, where the profile saw such forwards."""
+        if final and f"{module}{FINAL}@tp{tp}" in self.costs:
+            return self.costs[f"{module}{FINAL}@tp{tp}"]
         key = f"{module}@tp{tp}"
         if key not in self.costs:
             raise KeyError(f"the profile has no forward cost of {module!r} at tensor-parallel size {tp} "
@@ -101,16 +106,20 @@ class Profile:
 
 # -- reading traces ------------------------------------------------------------------------------------
 def forwards_in(traces: Sequence[dict[str, Any]], module_of: Callable[[str], str]) -> list[Forward]:
-    """Every forward the traces recorded, once (a batch appears in each of its requests' traces)."""
-    seen: dict[tuple[int, float, str], Forward] = {}
+    """Every forward the traces recorded, once (a batch appears in each of its requests' traces). A
+    forward whose every row took its stream's final chunk counts as ``module#final`` (a consumer
+    often does other work on the end of a stream: flushing, or nothing)."""
+    seen: dict[tuple[int, float, str], tuple[dict, bool]] = {}
     for t in traces:
         for w in t["walks"]:
             for r in w["nodes"]:
                 module = module_of(r["node"])
                 key = (r["rank"], r["start"], module)
-                if key not in seen:
-                    seen[key] = Forward(module, r["batch"], r["batch_tokens"], r["batch_context"], r["compute_ms"])
-    return list(seen.values())
+                final = bool(r.get("chunks")) and all(c.get("is_final") for c in r["chunks"].values())
+                first, all_final = seen.get(key, (r, True))
+                seen[key] = (first, all_final and final)
+    return [Forward(module + (FINAL if final else ""), r["batch"], r["batch_tokens"], r["batch_context"],
+                    r["compute_ms"]) for (_, _, module), (r, final) in seen.items()]
 
 
 def gaps_in(traces: Sequence[dict[str, Any]]) -> tuple[list[float], list[tuple[int, float]]]:

@@ -73,6 +73,7 @@ class ProgramRun:
     node: str
     tokens: int
     context: int
+    final: bool = False  # a stream consumer's run on the stream's final chunk
 
 
 def _split(runs: list[dict]) -> tuple[list[dict], list[list[dict]], list[dict]]:
@@ -193,13 +194,14 @@ class ClassProgram:
                           _walk_of(c["final"]) if c["final"] else None) for c in d.get("consumers", ())))
 
 
-def expand_walk(w: WalkShape, index: int, prompt: int, output: int) -> list[ProgramRun]:
-    """The node runs of one walk of this shape for a request of these lengths."""
+def expand_walk(w: WalkShape, index: int, prompt: int, output: int, final: bool = False) -> list[ProgramRun]:
+    """The node runs of one walk of this shape for a request of these lengths (``final``: a stream
+    consumer's walk on the final chunk)."""
     out: list[ProgramRun] = []
 
     def add(s: RunShape, extra: float = 0.0) -> None:
         out.append(ProgramRun(index, w.walk, w.partition, s.node, max(0, round(s.tokens.at(prompt, output))),
-                              max(0, round(s.context.at(prompt, output) + extra))))
+                              max(0, round(s.context.at(prompt, output) + extra)), final))
 
     for s in w.head:
         add(s)

@@ -13,8 +13,9 @@ It replays a workload's arrivals against a placement the way the workers run the
 * a stream's producer runs push one item each to the consumer partition's chunk policy (the graph's
   own ``ChunkPolicy``); each chunk it fires is one walk of the consumer, walks of one request's
   consumer one after another; the request ends when every partition has;
-* a forward takes the module's ``ForwardCost`` for its rows, new tokens and context, times the
-  contention of the groups computing at once (``Profile.slowdown``); then the rank's step gap;
+* a forward's work is the module's ``ForwardCost`` for its rows, new tokens and context; groups
+  computing at once share the machine (processor sharing: each progresses at 1 / ``Profile.slowdown``
+  of the number computing, re-paced whenever one starts or ends); then the rank's step gap;
 * a request reaches its first queue after the client-to-worker time, its first item and its end
   reach the client after theirs (``Profile.client_ms``);
 * a request's next run is ready after the step gap, or at a walk boundary after the walk gap, or,
@@ -130,6 +131,20 @@ class _Request:
     root_done: bool = False
 
 
+@dataclass
+class _Forward:
+    """A forward in flight: ``left`` seconds of its work alone remain as of ``since``."""
+
+    group: _Group
+    items: list[_Item]
+    left: float
+    since: float
+    version: int = 0
+
+    def __post_init__(self) -> None:
+        self.started = self.since
+
+
 @dataclass(order=True)
 class _Item:
     ready: float
@@ -148,7 +163,7 @@ class _Sim:
         self.seq = itertools.count()
         self.queues: dict[tuple[int, str], list[_Item]] = {}  # (leader rank, module) -> items
         self.free_at: dict[int, float] = {}
-        self.computing: dict[tuple[int, ...], float] = {}  # group ranks -> end of its forward
+        self.computing: dict[tuple[int, ...], _Forward] = {}  # group ranks -> its forward in flight
         self.busy: dict[int, float] = {}
         self.kv: dict[int, int] = {}
         self.peak: dict[int, int] = {}
@@ -204,17 +219,39 @@ class _Sim:
         for it in take:
             q.remove(it)
         runs = [it.cursor.run for it in take]
-        cost = self.p.cost(key[1], g.tp).ms(len(runs), sum(r.tokens for r in runs), sum(r.context for r in runs))
-        others = sum(1 for ranks, end in self.computing.items() if end > t and ranks != g.ranks)
-        compute = cost * self.p.slowdown(others + 1) / 1e3
-        end = t + compute
-        self.computing[g.ranks] = end
+        cost = self.p.cost(key[1], g.tp, all(r.final for r in runs)).ms(
+            len(runs), sum(r.tokens for r in runs), sum(r.context for r in runs))
+        self._progress(t)
+        self.computing[g.ranks] = _Forward(g, take, cost / 1e3, t)
         for r in g.ranks:
-            self.free_at[r] = end + self.p.step_gap_ms / 1e3
-            self.busy[r] = self.busy.get(r, 0.0) + compute
-        self.push(end, "done", (g, take))
+            self.free_at[r] = float("inf")
+        self._reschedule(t)
 
-    def finish(self, t: float, g: _Group, items: list[_Item]) -> None:
+    def _progress(self, t: float) -> None:
+        """Bring every forward in flight up to ``t`` at the speed the ranks computing together allow."""
+        speed = 1.0 / self.p.slowdown(len(self.computing))
+        for f in self.computing.values():
+            f.left = max(0.0, f.left - (t - f.since) * speed)
+            f.since = t
+
+    def _reschedule(self, t: float) -> None:
+        """(Re)schedule the end of every forward in flight (processor sharing: each ends at the pace of
+        the ranks computing now; an older scheduled end is stale once its version moved on)."""
+        slow = self.p.slowdown(len(self.computing))
+        for f in self.computing.values():
+            f.version += 1
+            self.push(t + f.left * slow, "done", (f, f.version))
+
+    def finish(self, t: float, f: _Forward, version: int) -> None:
+        if version != f.version or self.computing.get(f.group.ranks) is not f:
+            return  # rescheduled since
+        self._progress(t)
+        del self.computing[f.group.ranks]
+        self._reschedule(t)
+        g, items = f.group, f.items
+        for r in g.ranks:
+            self.free_at[r] = t + self.p.step_gap_ms / 1e3
+            self.busy[r] = self.busy.get(r, 0.0) + t - f.started
         for it in items:
             cur = it.cursor
             run, req = cur.run, cur.req
@@ -256,7 +293,8 @@ class _Sim:
     def _fired(self, t: float, req: _Request, c: _Consumer, chunks: list) -> None:
         for chunk in chunks:
             shape = c.shape.final if chunk.is_final and c.shape.final is not None else c.shape.firing
-            c.pending.append(expand_walk(shape, 0, req.arrival.prompt_tokens, req.arrival.output_tokens))
+            c.pending.append(expand_walk(shape, 0, req.arrival.prompt_tokens, req.arrival.output_tokens,
+                                         chunk.is_final))
         self._next_firing(t, req, c)
 
     def _next_firing(self, t: float, req: _Request, c: _Consumer) -> None:
