@@ -434,3 +434,19 @@ def test_kv_cache_memory_sizes_the_cache_unless_blocks_are_explicit():
     for bad in (0, -1.5, "4G", True):
         with pytest.raises(PlacementError, match="kv_cache_memory_gib must be a positive number"):
             Placement.from_dict({**base, "runtime": {"kv_cache_memory_gib": bad}})
+
+
+def test_threads_per_group_are_read_checked_and_agree_per_rank():
+    from mstar.placement import PlacementError
+
+    p = Placement.from_dict({"model": "m", "node_groups": [
+        {"node_names": ["a"], "ranks": [0], "threads": 1},
+        {"node_names": ["b"], "ranks": [0]},
+        {"node_names": ["c"], "ranks": [1], "threads": 3}]})
+    assert [p.threads_of(r) for r in (0, 1, 2)] == [1, 3, None]
+    assert p.to_dict()["node_groups"][0]["threads"] == 1 and "threads" not in p.to_dict()["node_groups"][1]
+    with pytest.raises(PlacementError, match="threads must be a positive int"):
+        Placement.from_dict({"model": "m", "node_groups": [{"node_names": ["a"], "ranks": [0], "threads": 0}]})
+    with pytest.raises(PlacementError, match="a rank has one thread count"):
+        Placement.from_dict({"model": "m", "node_groups": [{"node_names": ["a"], "ranks": [0], "threads": 1},
+                                                           {"node_names": ["b"], "ranks": [0], "threads": 2}]})

@@ -35,11 +35,13 @@ def test_cfg_flow_across_two_processes_equals_inline():
     with Runtime(ToyFlow()) as rt:
         inline = [o.tensors("image")[0] for o in rt.generate(ins)]
     placement = Placement.from_dict({"model": "toy-flow", "node_groups": [
-        {"node_names": ["LLM", "LLM_uncond"], "ranks": [0]}, {"node_names": ["combine", "decoder"], "ranks": [1]}]})
+        {"node_names": ["LLM", "LLM_uncond"], "ranks": [0], "threads": 1},
+        {"node_names": ["combine", "decoder"], "ranks": [1], "threads": 2}]})
     with Runtime(ToyFlow(), placement, workers="process") as rt:
         outs = rt.generate(ins)
         assert all(o.finished for o in outs), [o.error for o in outs]
         assert kv_blocks_in_use(rt) == 0
+        assert [r["threads"] for r in rt.stats()["ranks"]] == [1, 2]  # each rank's placement threads
     for a, o in zip(inline, outs):
         torch.testing.assert_close(o.tensors("image")[0], a, atol=1e-6, rtol=1e-6)
 

@@ -25,7 +25,8 @@ only for some walks::
       trace_requests: 256             # walk traces kept of the latest requests (0: none)
 
 Group keys: ``node_names`` and ``ranks`` (required), ``graph_walks`` (restrict the group to these
-walks), ``tp_size`` (default 1) and ``max_batch_size`` (override of ``runtime.max_batch_size``).
+walks), ``tp_size`` (default 1), ``max_batch_size`` (override of ``runtime.max_batch_size``) and
+``threads`` (each of its ranks' intra-op threads; groups sharing a rank must agree).
 
 Rules (``Placement.validate`` checks them against the model's ``WalkGraph``):
 
@@ -216,6 +217,10 @@ class Placement:
             raise PlacementError(f"{self.source}: node {node!r} has no placement for walk {walk!r}: "
                                  f"only {self._describe_groups(mentioned)} place it")
         return self.node_groups[idx]
+
+    def threads_of(self, rank: int) -> int | None:
+        """The intra-op threads a group gives ``rank`` (None: none sets it)."""
+        return next((g.threads for g in self.node_groups if rank in g.ranks and g.threads is not None), None)
 
     def ranks_of(self, node: str, walk: str) -> tuple[int, ...]:
         """Ranks that run ``node`` during ``walk``."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 TOP_LEVEL_KEYS = ("model", "name", "nodes", "node_groups", "runtime")
-GROUP_KEYS = ("node_names", "ranks", "graph_walks", "tp_size", "max_batch_size")
+GROUP_KEYS = ("node_names", "ranks", "graph_walks", "tp_size", "max_batch_size", "threads")
 RUNTIME_KEYS = ("max_batch_size", "kv_cache_blocks", "kv_block_size", "max_queue", "kv_cache_memory_gib",
                 "prefix_caching", "scheduling", "scheduling_max_wait_ms", "trace_requests")
 SCHEDULING_POLICIES = ("downstream_first", "fcfs")
@@ -93,6 +93,9 @@ class NodeGroup:
 
     ``graph_walks`` is None for a group that applies to every walk, or the walks it is limited to.
     ``max_batch_size`` is None to use ``RuntimeLimits.max_batch_size``.
+    ``threads``: the intra-op threads of each of its ranks' processes (None: torch's default, every
+    core; a tensor-parallel runtime's ranks share the cores). Ranks that compute at once should
+    split the cores between them rather than each spin threads on all of them.
     """
 
     node_names: tuple[str, ...]
@@ -100,6 +103,7 @@ class NodeGroup:
     graph_walks: tuple[str, ...] | None = None
     tp_size: int = 1
     max_batch_size: int | None = None
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "node_names", tuple(self.node_names))
@@ -123,4 +127,6 @@ class NodeGroup:
             d["tp_size"] = self.tp_size
         if self.max_batch_size is not None:
             d["max_batch_size"] = self.max_batch_size
+        if self.threads is not None:
+            d["threads"] = self.threads
         return d

@@ -68,7 +68,11 @@ def _parse_group(i: int, raw: object, source: str) -> NodeGroup:
     mbs = raw.get("max_batch_size")
     if mbs is not None:
         mbs = _pos_int(mbs, "max_batch_size", where)
-    return NodeGroup(node_names=names, ranks=tuple(ranks), graph_walks=walks, tp_size=tp, max_batch_size=mbs)
+    threads = raw.get("threads")
+    if threads is not None:
+        threads = _pos_int(threads, "threads", where)
+    return NodeGroup(node_names=names, ranks=tuple(ranks), graph_walks=walks, tp_size=tp, max_batch_size=mbs,
+                     threads=threads)
 
 
 def _parse_runtime(raw: object, source: str) -> RuntimeLimits:
@@ -135,6 +139,9 @@ def _check_groups(groups: Iterable[NodeGroup], source: str) -> None:
                 f"are not supported yet)")
         if g.max_batch_size is not None and (not _is_int(g.max_batch_size) or g.max_batch_size < 1):
             raise PlacementError(f"{where}: max_batch_size must be a positive int, got {g.max_batch_size!r}")
+        if g.threads is not None and (not _is_int(g.threads) or g.threads < 1):
+            raise PlacementError(f"{where}: threads must be a positive int, got {g.threads!r}")
+    _check_threads(groups, source)
 
     # at most one scoped and one unscoped group per (node, walk)
     for j, gj in enumerate(groups):
@@ -154,6 +161,20 @@ def _check_groups(groups: Iterable[NodeGroup], source: str) -> None:
                         raise PlacementError(
                             f"{_where(source, j, gj)}: node {n!r} is already placed by node_groups[{i}] "
                             f"({gi.label}) for walk {common[0]!r}; a node may have only one group per walk")
+
+
+def _check_threads(groups: list[NodeGroup], source: str) -> None:
+    """Groups sharing a rank that both set ``threads`` must agree (a rank is one process)."""
+    seen: dict[int, tuple[int, int]] = {}  # rank -> (threads, group index)
+    for i, g in enumerate(groups):
+        if g.threads is None:
+            continue
+        for r in g.ranks:
+            if r in seen and seen[r][0] != g.threads:
+                j = seen[r][1]
+                raise PlacementError(f"{_where(source, i, g)}: threads {g.threads} for rank {r}, but node_groups[{j}] "
+                                     f"({groups[j].label}) gives it {seen[r][0]}; a rank has one thread count")
+            seen[r] = (g.threads, i)
 
 
 def _applying_group(groups: Iterable[NodeGroup], node: str, walk: str) -> int | None:

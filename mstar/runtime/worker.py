@@ -237,4 +237,11 @@ class Worker:
             "walks": len(self.walks),
             "stream_buffers": len(self.inbox.buffers),
             "tensor_parallel": self.tp.stats(self.engines),
+            "threads": _torch_threads(),  # the process's intra-op threads (placement ``threads``)
         }
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

@@ -31,10 +31,9 @@ class MeshJoin:
 def serve_rank(rank: int, model: Any, placement: Any, device: str, join: MeshJoin,
                orphaned: Callable[[], bool] = lambda: False) -> None:
     """Run one rank until ``Shutdown`` (or ``orphaned()`` while idle); returns when it is over."""
-    import torch
+    from mstar.runtime.drivers.process import run_rank, set_rank_threads
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    from mstar.runtime.drivers.process import run_rank
+    set_rank_threads(placement, rank)
     from mstar.runtime.routing import Routing
     from mstar.runtime.wire.mesh_transport import MeshTransport
     from mstar.runtime.worker import Worker

@@ -20,11 +20,14 @@ from mstar.runtime.malloc import keep_freed_memory
 from mstar.runtime.wire.messages import CONDUCTOR, WorkerStatus
 
 
+def set_rank_threads(placement: Any, rank: int) -> None:
+    """The rank's intra-op threads: its groups' ``threads``, else torch's default (every core)."""
+    torch.set_num_threads(placement.threads_of(rank) or max(1, torch.get_num_threads()))
+
+
 def worker_main(rank: int, model: Any, placement: Any, run_dir: str, device: str, parent_pid: int,
                 dist_address: str | None = None) -> None:
-    import torch
-
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    set_rank_threads(placement, rank)
     from mstar.runtime.routing import Routing
     from mstar.runtime.tp.groups import connect
     from mstar.runtime.wire.transport import ZmqTransport

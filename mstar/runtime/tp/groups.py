@@ -272,7 +272,8 @@ def connect(model: ModelDef, placement: Placement, rank: int, address: str | Non
     import torch
 
     # one rank's spinning OpenMP threads would delay its peers at every collective: share the cores
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // placement.num_ranks))
+    # (unless the placement gives the rank its threads)
+    torch.set_num_threads(placement.threads_of(rank) or max(1, len(os.sched_getaffinity(0)) // placement.num_ranks))
     groups = join_process_groups(placement, rank, address, device)
     peers = {(model.module_of(n), g.ranks[0]): g.ranks for g in placement.node_groups if g.tp_size > 1
              for n in g.node_names}
