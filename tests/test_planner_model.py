@@ -13,7 +13,7 @@ from mstar.placement import Placement
 from mstar.planner import parse_workload
 from mstar.planner.costs import Forward, ForwardCost, nonnegative_least_squares
 from mstar.planner.measure import replay
-from mstar.planner.profile import Profile, forwards_in, gaps_in, profile_model
+from mstar.planner.profile import Profile, forwards_in, gaps_in, profile_model, stream_gaps_in
 from mstar.planner.programs import Affine, ClassProgram, emitting_runs
 from mstar.planner.simulate import simulate
 from mstar.planner.workload import Arrival
@@ -83,8 +83,8 @@ def _profile(**changes) -> Profile:
                 {"node": "LLM", "iteration": [i], "batch_tokens": 1, "batch_context": p + i + 1} for i in range(o)]}]}
         for p, o in [(10, 3), (20, 3), (10, 5)]], [(10, 3), (20, 3), (10, 5)])
     base = dict(model="llama-tiny", machine="test", cores=2, max_batch=16,
-                costs={"LLM@tp1": ForwardCost(1.0, 0.5, 0.1, 0.0), "LLM@tp2": ForwardCost(2.0, 0.5, 0.05, 0.0)},
-                step_gap_ms=0.2, walk_gap_ms=1.0, move_ms=Affine(3.0, 0.01), contention={1: 1.0, 2: 2.0},
+                costs={"LLM@tp1/t2": ForwardCost(1.0, 0.5, 0.1, 0.0), "LLM@tp2/t1": ForwardCost(2.0, 0.5, 0.05, 0.0)},
+                step_gap_ms=0.2, walk_gap_ms=1.0, stream_gap_ms=0.5, move_ms=Affine(3.0, 0.01), contention={"shared": {1: 1.0, 2: 2.0}, "split": {1: 1.0, 2: 1.0}}, threads=(2,),
                 kv_bytes_per_token={"LLM": 512}, programs={"chat": prog}, client_ms={"submit": 2.0, "emit": 0.5, "end": 0.3})
     base.update(changes)
     return Profile(**base)
@@ -122,7 +122,7 @@ def test_requests_together_batch_and_ranks_computing_at_once_slow_each_other():
     split = _placement([{"node_names": ["LLM"], "ranks": [0], "graph_walks": ["prefill"]},
                         {"node_names": ["LLM"], "ranks": [1], "graph_walks": ["decode"]}])
     late = [Arrival(0.0, "chat", 10, 40), Arrival(0.01, "chat", 200, 3)]
-    calm = simulate(_profile(contention={1: 1.0, 2: 1.0}), split, model.graph, model.module_of, late)
+    calm = simulate(_profile(contention={"shared": {1: 1.0, 2: 1.0}, "split": {1: 1.0, 2: 1.0}}), split, model.graph, model.module_of, late)
     busy = simulate(prof, split, model.graph, model.module_of, late)
     assert busy.requests[1].ttft > calm.requests[1].ttft  # its prompt runs while rank 1 decodes
     assert busy.busy_s[0] > calm.busy_s[0] and set(busy.peak_kv_tokens) == {0, 1}
@@ -144,8 +144,8 @@ def test_profiling_and_replaying_the_tiny_llama():
         {"name": "chat", "prompt_tokens": {"uniform": [8, 24]}, "output_tokens": {"uniform": [3, 6]}}]})
     model, said = LlamaTiny(), []
     prof = profile_model(model, wl, 1, max_batch=4, workers="inline", say=said.append)
-    assert set(prof.programs) == {"chat"} and set(prof.costs) == {"LLM@tp1"} and prof.contention == {1: 1.0}
-    assert prof.costs["LLM@tp1"].samples > 10 and prof.kv_bytes_per_token["LLM"] > 0
+    assert set(prof.programs) == {"chat"} and list(prof.costs) == [f"LLM@tp1/t{prof.cores}"] and prof.contention == {}
+    assert prof.cost("LLM").samples > 10 and prof.kv_bytes_per_token["LLM"] > 0
     assert prof.step_gap_ms >= 0 and set(prof.client_ms) == {"submit", "emit", "end"}
     assert any("chat" in line for line in said)
     arrivals = wl.arrivals()
@@ -158,8 +158,8 @@ def test_profiling_and_replaying_the_tiny_llama():
 
 
 def test_gaps_come_from_the_runs_of_one_request():
-    trace = {"walks": [{"nodes": [{"start": 1.0, "compute_ms": 2.0, "batch_context": 5}]},
-                       {"nodes": [{"start": 1.010, "compute_ms": 1.0, "batch_context": 6},
+    trace = {"walks": [{"partition": "main", "nodes": [{"start": 1.0, "compute_ms": 2.0, "batch_context": 5}]},
+                       {"partition": "main", "nodes": [{"start": 1.010, "compute_ms": 1.0, "batch_context": 6},
                                   {"start": 1.0125, "compute_ms": 1.0, "batch_context": 7}]}]}
     steps, bounds = gaps_in([trace])
     assert steps == pytest.approx([1.5]) and bounds[0][0] == 5 and bounds[0][1] == pytest.approx(8.0)
@@ -174,12 +174,15 @@ def test_a_streaming_models_program_fires_its_consumer_as_the_runtime_does():
         traces = [_trace(rt, model, p, o, f"s{p}-{o}") for p, o in sizes]
         other = _trace(rt, model, 12, 51, "other")
     program = ClassProgram.fit("speech", traces, sizes, model.graph)
+    gaps = stream_gaps_in([other], model.graph)  # one per chunk: its last item's LLM step -> the codec
+    assert len(gaps) == sum(w["partition"] == "codec" for w in other["walks"]) - 1  # the final one: at the end
+    assert all(g > 0 for g in gaps)
     (codec,) = program.consumers
     assert (codec.partition, codec.producer, codec.edge) == ("codec", "llm", "audio_token")
     assert codec.items.at(12, 51) == other["streamed"]["codec.snac_decoder.audio_token"]
     assert ClassProgram.from_dict(program.to_dict()) == program
-    prof = _profile(programs={"speech": program}, costs={"LLM@tp1": ForwardCost(1.0, 0.1, 0.01, 0.0),
-                                                          "snac_decoder@tp1": ForwardCost(2.0, 0.5, 0.0, 0.0)})
+    prof = _profile(programs={"speech": program}, costs={"LLM@tp1/t2": ForwardCost(1.0, 0.1, 0.01, 0.0),
+                                                          "snac_decoder@tp1/t2": ForwardCost(2.0, 0.5, 0.0, 0.0)})
     placement = Placement.single_rank(model.graph, model.name)
     pred = simulate(prof, placement, model.graph, model.module_of, [Arrival(0.0, "speech", 12, 51)])
     seen: dict[str, int] = {}

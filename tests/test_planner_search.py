@@ -36,8 +36,8 @@ def test_the_cheapest_placement_meeting_the_slo_is_chosen():
     assert loose.feasible and loose.chosen.candidate.ranks_used == 1 and len(loose.evaluated) == 3
     # costlier prompts (0.6 ms a token) hold up the decode steps behind them on one rank: only the
     # split, whose decode rank runs no prompt, meets the TPOT limit
-    slow = _profile(contention={1: 1.0, 2: 1.0})
-    slow.costs["LLM@tp1"] = type(slow.costs["LLM@tp1"])(1.0, 0.5, 0.6, 0.0)
+    slow = _profile(contention={"shared": {1: 1.0, 2: 1.0}, "split": {1: 1.0, 2: 1.0}})
+    slow.costs["LLM@tp1/t2"] = type(slow.costs["LLM@tp1/t2"])(1.0, 0.5, 0.6, 0.0)
     tight = plan(model, slow, wl, parse_slo("tpot_p95<=8ms"), 2)
     assert tight.feasible and "(decode)" in tight.chosen.candidate.name
     assert all(e.met or e.shortfall > 1 for e in tight.evaluated)
@@ -90,3 +90,18 @@ def test_goodput_counts_requests_within_every_limit_per_second():
     slo = parse_slo("ttft_p50<=200ms,tpot_p99<=20ms")
     assert goodput(pred, slo, 2.0) == pytest.approx(2 / 4.0)  # the second misses TTFT; over the 4 s makespan
     assert goodput(Prediction(reqs, 1.0), slo, 2.0) == pytest.approx(2 / 2.0)
+
+
+def test_ranks_may_split_the_cores_and_then_do_not_slow_each_other():
+    model = LlamaTiny()
+    prof = _profile(threads=(1, 2))
+    prof.costs["LLM@tp1/t1"] = type(prof.costs["LLM@tp1/t2"])(1.5, 0.6, 0.15, 0.0)
+    names = [c.name for c in candidates(model, prof, 2, ["LLM"])]
+    assert "rank 0 [1 thread]: LLM (prefill); rank 1 [1 thread]: LLM (decode)" in names
+    assert not any("thread" in n for n in names if n.startswith("rank 0: LLM") and "rank 1" not in n)
+    # two ranks on 1 thread each fit the 2 cores (the split table); on 2 each they share them
+    assert prof.slowdown([1, 1]) == 1.0 and prof.slowdown([2, 2]) == 2.0 and prof.slowdown([2, 2, 2]) == 3.0
+    assert prof.slowdown([2]) == 1.0
+    split = [c for c in candidates(model, prof, 2, ["LLM"]) if "[1 thread]" in c.name][0]
+    placement = Placement.from_dict(split.placement_dict(model.name, 16)).validate(model.graph)
+    assert [placement.threads_of(r) for r in (0, 1)] == [1, 1]

@@ -1,24 +1,29 @@
 """How much slower a rank computes while other ranks compute: measured, not assumed.
 
-Worker processes each run torch's intra-op pool over every core (tensor-parallel ranks split the
-cores), so ranks that compute at once share the cores, and their OpenMP threads may outnumber them.
-``measure_contention`` runs the same small matrix products (decode-sized: many short parallel
-regions, where oversubscription hurts most) in ``k`` spawned processes at once and reports each
-one's time per product over the time of one process alone.
+Worker processes run torch's intra-op pool over every core by default (a placement group's
+``threads`` gives its ranks fewer), so ranks that compute at once share the cores, and their
+OpenMP threads may outnumber them. ``measure_contention`` runs the same small matrix products
+(decode-sized: many short parallel regions, where oversubscription hurts most) in ``k`` spawned
+processes at once and reports each one's time per product over one process alone with the same
+threads, two ways:
+
+* ``shared``: every process with all the cores' threads (the default placement: oversubscribed);
+* ``split``: every process with ``cores // k`` threads (the cores split between the ranks).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 __all__ = ["measure_contention"]
 
 
-def _products(ready: object, start: object, seconds: float, out: object) -> None:
+def _products(threads: int, ready: object, start: object, seconds: float, out: object) -> None:
     import torch
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(threads)
     a, w = torch.randn(16, 1024), torch.randn(1024, 1024)
     for _ in range(20):  # warm
         a @ w
@@ -32,10 +37,11 @@ def _products(ready: object, start: object, seconds: float, out: object) -> None
     out.put((time.perf_counter() - t0) / n)
 
 
-def _per_product(k: int, seconds: float) -> float:
+def _per_product(k: int, threads: int, seconds: float) -> float:
     ctx = mp.get_context("spawn")
     ready, start, out = ctx.Queue(), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_products, args=(ready, start, seconds, out), daemon=True) for _ in range(k)]
+    procs = [ctx.Process(target=_products, args=(threads, ready, start, seconds, out), daemon=True)
+             for _ in range(k)]
     for p in procs:
         p.start()
     for _ in procs:  # every process imported torch and warmed up before the clock starts
@@ -47,15 +53,17 @@ def _per_product(k: int, seconds: float) -> float:
     return sum(times) / len(times)
 
 
-def measure_contention(max_ranks: int, seconds: float = 1.0, rounds: int = 3) -> dict[int, float]:
-    """``{k: slowdown}`` for ``k`` = 1 .. ``max_ranks`` processes computing at once (1.0 for one):
-    the median of ``rounds`` alternating rounds (oversubscribed threads make single rounds noisy)."""
-    ratios: dict[int, list[float]] = {k: [] for k in range(2, max_ranks + 1)}
+def measure_contention(max_ranks: int, seconds: float = 1.0, rounds: int = 3) -> dict[str, dict[int, float]]:
+    """``{"shared": {k: slowdown}, "split": {k: slowdown}}`` for ``k`` = 1 .. ``max_ranks`` processes
+    computing at once (module docstring): the median of ``rounds`` alternating rounds (oversubscribed
+    threads make single rounds noisy)."""
+    cores = len(os.sched_getaffinity(0))
+    ratios: dict[str, dict[int, list[float]]] = {"shared": {}, "split": {}}
     for _ in range(rounds):
-        alone = _per_product(1, seconds)
-        for k in ratios:
-            ratios[k].append(_per_product(k, seconds) / alone)
-    out = {1: 1.0}
-    for k, r in ratios.items():
-        out[k] = round(max(1.0, sorted(r)[len(r) // 2]), 3)
-    return out
+        alone = {t: _per_product(1, t, seconds) for t in {cores, *(max(1, cores // k) for k in range(2, max_ranks + 1))}}
+        for k in range(2, max_ranks + 1):
+            split = max(1, cores // k)
+            ratios["shared"].setdefault(k, []).append(_per_product(k, cores, seconds) / alone[cores])
+            ratios["split"].setdefault(k, []).append(_per_product(k, split, seconds) / alone[split])
+    return {way: {1: 1.0, **{k: round(max(1.0, sorted(r)[len(r) // 2]), 3) for k, r in per.items()}}
+            for way, per in ratios.items()}

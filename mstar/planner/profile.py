@@ -6,9 +6,9 @@ makes itself and submits sized requests of the workload's classes (``ModelDef.si
 * **programs**: each class alone at three size points -> ``ClassProgram`` (programs.py);
 * **forward costs**: batches of 1, 2, 4, ... requests of each class at once and staggered, every
   forward the traces recorded -> one ``ForwardCost`` per module (costs.py), per tensor-parallel size;
-* **gaps**: a rank's own time between two forwards of a request (scheduling, postprocess), and a
-  walk boundary's (the conductor's round trip), on one rank and, split over two, with the request's
-  KV caches moving (fitted per KV token moved);
+* **gaps**: a rank's own time between two forwards of a request (scheduling, postprocess), a walk
+  boundary's (the conductor's round trip), on one rank and, split over two, with the request's KV
+  caches moving (fitted per KV token moved), and a stream chunk's (producer run to consumer walk);
 * **contention**: how much slower a rank computes while others compute too (worker processes share
   the machine's cores; ``contention.py``);
 * **KV**: bytes per cached token of each KV module.
@@ -33,10 +33,15 @@ from mstar.planner.costs import Forward, ForwardCost
 from mstar.planner.programs import Affine, ClassProgram, emitting_runs
 from mstar.planner.workload import RequestClass, Workload
 
-__all__ = ["FINAL", "Profile", "forwards_in", "gaps_in", "profile_model"]
+__all__ = ["FINAL", "Profile", "cost_key", "forwards_in", "gaps_in", "profile_model", "stream_gaps_in"]
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 FINAL = "#final"  # a module's cost key suffix for forwards of stream-final chunks only
+
+
+def cost_key(module: str, tp: int, threads: int, final: bool = False) -> str:
+    """A forward cost's key in ``Profile.costs``: ``LLM@tp1/t2`` (``snac_decoder#final@tp1/t1``)."""
+    return f"{module}{FINAL if final else ''}@tp{tp}/t{threads}"
 
 
 @dataclass
@@ -45,43 +50,56 @@ class Profile:
     machine: str
     cores: int
     max_batch: int
-    costs: dict[str, ForwardCost]  # "module@tp1"
+    costs: dict[str, ForwardCost]  # cost_key -> its fit
     step_gap_ms: float  # a rank's time between a request's consecutive forwards, past their compute
     walk_gap_ms: float  # a walk boundary on the same rank
+    stream_gap_ms: float  # a stream's chunk: its last item's producer run end to the consumer's first run
     move_ms: Affine  # a walk boundary across ranks, the KV caches moving: ms at ``c + p * kv tokens``
-    contention: dict[int, float]  # k ranks computing at once -> each one's slowdown
+    contention: dict[str, dict[int, float]]  # measure_contention's: "shared" / "split" -> k -> slowdown
     kv_bytes_per_token: dict[str, int]
     programs: dict[str, ClassProgram]
     client_ms: dict[str, float] = field(default_factory=dict)  # overheads_in's: submit, emit, end
     tp_sizes: tuple[int, ...] = (1,)
+    threads: tuple[int, ...] = ()  # the thread counts one rank (tp 1) was profiled at
     notes: list[str] = field(default_factory=list)
 
-    def cost(self, module: str, tp: int = 1, final: bool = False) -> ForwardCost:
-        """``module``'s forward cost at tensor-parallel size ``tp``; ``final``: of a batch of stream-final
-        chunks only, where the profile saw such forwards."""
-        if final and f"{module}{FINAL}@tp{tp}" in self.costs:
-            return self.costs[f"{module}{FINAL}@tp{tp}"]
-        key = f"{module}@tp{tp}"
+    def default_threads(self, tp: int = 1) -> int:
+        """A rank's threads when its group sets none: every core, or its share under tensor parallelism."""
+        return max(1, self.cores // tp)
+
+    def cost(self, module: str, tp: int = 1, threads: int | None = None, final: bool = False) -> ForwardCost:
+        """``module``'s forward cost at tensor-parallel size ``tp`` with ``threads`` per rank (None:
+        the default); ``final``: of a batch of stream-final chunks only, where the profile saw such
+        forwards."""
+        threads = threads or self.default_threads(tp)
+        if final and cost_key(module, tp, threads, True) in self.costs:
+            return self.costs[cost_key(module, tp, threads, True)]
+        key = cost_key(module, tp, threads)
         if key not in self.costs:
-            raise KeyError(f"the profile has no forward cost of {module!r} at tensor-parallel size {tp} "
-                           f"(profiled: {', '.join(sorted(self.costs))})")
+            raise KeyError(f"the profile has no forward cost of {module!r} at tensor-parallel size {tp} with "
+                           f"{threads} thread(s) (profiled: {', '.join(sorted(self.costs))})")
         return self.costs[key]
 
-    def slowdown(self, busy: int) -> float:
-        """How much slower a forward runs with ``busy`` ranks computing (itself included)."""
-        if busy <= 1 or not self.contention:
+    def slowdown(self, threads: list[int]) -> float:
+        """How much slower each forward runs while groups using ``threads`` threads each compute at once:
+        the ``split`` table while they fit the cores, else the ``shared`` one (past the ranks measured,
+        growing in proportion)."""
+        k = len(threads)
+        if k <= 1 or not self.contention:
             return 1.0
-        top = max(self.contention)
-        return self.contention[min(busy, top)] * (busy / top if busy > top else 1.0)
+        table = self.contention["split" if sum(threads) <= self.cores else "shared"]
+        top = max(table)
+        return table[min(k, top)] * (k / top if k > top else 1.0)
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, "model": self.model, "machine": self.machine, "cores": self.cores,
                 "max_batch": self.max_batch, "costs": {k: c.to_dict() for k, c in self.costs.items()},
-                "step_gap_ms": self.step_gap_ms, "walk_gap_ms": self.walk_gap_ms, "move_ms": vars(self.move_ms),
-                "contention": {str(k): v for k, v in self.contention.items()},
+                "step_gap_ms": self.step_gap_ms, "walk_gap_ms": self.walk_gap_ms,
+                "stream_gap_ms": self.stream_gap_ms, "move_ms": vars(self.move_ms),
+                "contention": {way: {str(k): v for k, v in t.items()} for way, t in self.contention.items()},
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "programs": {k: p.to_dict() for k, p in self.programs.items()}, "tp_sizes": list(self.tp_sizes),
-                "client_ms": self.client_ms, "notes": self.notes}
+                "threads": list(self.threads), "client_ms": self.client_ms, "notes": self.notes}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Profile:
@@ -89,9 +107,11 @@ class Profile:
             raise ValueError(f"profile version {d.get('version')!r} is not {PROFILE_VERSION}: profile again")
         return cls(d["model"], d["machine"], d["cores"], d["max_batch"],
                    {k: ForwardCost.from_dict(c) for k, c in d["costs"].items()}, d["step_gap_ms"], d["walk_gap_ms"],
-                   Affine(**d["move_ms"]), {int(k): v for k, v in d["contention"].items()},
+                   d["stream_gap_ms"],
+                   Affine(**d["move_ms"]), {way: {int(k): v for k, v in t.items()} for way, t in d["contention"].items()},
                    dict(d["kv_bytes_per_token"]), {k: ClassProgram.from_dict(p) for k, p in d["programs"].items()},
-                   dict(d.get("client_ms", {})), tuple(d.get("tp_sizes", (1,))), list(d.get("notes", [])))
+                   dict(d.get("client_ms", {})), tuple(d.get("tp_sizes", (1,))), tuple(d.get("threads", ())),
+                   list(d.get("notes", [])))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
@@ -124,23 +144,47 @@ def forwards_in(traces: Sequence[dict[str, Any]], module_of: Callable[[str], str
 
 def gaps_in(traces: Sequence[dict[str, Any]]) -> tuple[list[float], list[tuple[int, float]]]:
     """From traces of requests run alone: the gaps (ms) between a walk's consecutive runs past the
-    first one's compute, and per walk boundary (the KV tokens the request held, the ms from the last
-    run's end to the next walk's first run)."""
+    first one's compute, and per walk boundary of the root partition (the first walk's: the KV
+    tokens the request held, the ms from the last run's end to the next walk's first run)."""
     steps, bounds = [], []
     for t in traces:
         prev_end, held = None, 0
+        root = t["walks"][0]["partition"] if t["walks"] else None
         for w in t["walks"]:
             runs = w["nodes"]
             if not runs:
                 continue
-            if prev_end is not None:
-                bounds.append((held, (runs[0]["start"] - prev_end) * 1e3))
             for a, b in zip(runs, runs[1:]):
                 steps.append((b["start"] - a["start"]) * 1e3 - a["compute_ms"])
+            if w["partition"] != root:
+                continue
+            if prev_end is not None:
+                bounds.append((held, (runs[0]["start"] - prev_end) * 1e3))
             last = runs[-1]
             prev_end = last["start"] + last["compute_ms"] / 1e3
             held = max(held, max(r["batch_context"] for r in runs))
     return steps, bounds
+
+
+def stream_gaps_in(traces: Sequence[dict[str, Any]], graph: Any) -> list[float]:
+    """From traces of requests run alone: per chunk a stream's policy fired, the ms from the end of
+    the producer run that pushed the chunk's last item to the consumer walk's first run."""
+    from mstar.planner.programs import stream_producers
+
+    producers, gaps = stream_producers(graph), []
+    for c in graph.topology.connections:
+        for t in traces:
+            pushes = [r for w in t["walks"] if w["partition"] == c.from_partition for r in w["nodes"]
+                      if c.to_partition in producers.get((w["walk"], r["node"]), ())]
+            pushes.sort(key=lambda r: r["start"])
+            consumer = [w["nodes"][0] for w in t["walks"] if w["partition"] == c.to_partition and w["nodes"]]
+            policy, fired = c.chunk_policy_factory(), []
+            for i in range(len(pushes)):
+                fired += [i] * len(policy.push([None]))
+            for i, run in zip(fired, consumer):
+                end = pushes[i]["start"] + pushes[i]["compute_ms"] / 1e3
+                gaps.append((run["start"] - end) * 1e3)
+    return gaps
 
 
 def _cpu_name() -> str:
@@ -334,41 +378,58 @@ def _tp_costs(model: Any, workload: Workload, ranks: int, max_batch: int, worker
         run = _Runner(rt, model, workload.classes())
         _warm(run, max_batch)
         traces = _sweep(run, max_batch, f"tp{ranks}", say)
-    out = {}
-    for module, fs in _by_module(forwards_in(traces, model.module_of)).items():
-        out[f"{module}@tp{ranks}"] = ForwardCost.fit(fs)
-    return out, []
+    threads = max(1, len(os.sched_getaffinity(0)) // ranks)
+    return _fit_costs(forwards_in(traces, model.module_of), ranks, threads), []
 
 
-def _by_module(forwards: list[Forward]) -> dict[str, list[Forward]]:
-    out: dict[str, list[Forward]] = {}
+def _fit_costs(forwards: list[Forward], tp: int, threads: int) -> dict[str, ForwardCost]:
+    """One cost per module (and per module's final-chunk forwards, ``FINAL``) at this TP size and threads."""
+    by: dict[str, list[Forward]] = {}
     for f in forwards:
-        out.setdefault(f.module, []).append(f)
+        by.setdefault(f.module, []).append(f)
+    return {f"{m}@tp{tp}/t{threads}": ForwardCost.fit(fs) for m, fs in by.items()}
+
+
+def _thread_sweeps(model: Any, workload: Workload, options: list[int], max_batch: int, workers: str,
+                   say: Callable[[str], None]) -> dict[str, ForwardCost]:
+    """Forward costs of one rank given ``threads``, for each of ``options``."""
+    from mstar.runtime.api import Runtime
+
+    out = {}
+    for threads in options:
+        single = [{"node_names": sorted(model.graph.node_names), "ranks": [0], "threads": threads}]
+        say(f"profiling {model.name} on one rank with {threads} thread(s)")
+        with Runtime(model, _placement(model, single, max_batch), workers=workers) as rt:
+            run = _Runner(rt, model, workload.classes())
+            _warm(run, max_batch)
+            out.update(_fit_costs(forwards_in(_sweep(run, max_batch, f"t{threads}", say), model.module_of), 1, threads))
     return out
 
 
 def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int = 16, workers: str = "process",
                   tensor_parallel: bool = True, say: Callable[[str], None] = print) -> Profile:
     """Profile ``model`` (a ``ModelDef``) for ``workload`` on this machine (module docstring);
-    ``ranks`` bounds the placements the planner may choose (2 or more: a KV move, tensor
-    parallelism over all of them, the contention of that many ranks)."""
+    ``ranks`` bounds the placements the planner may choose (2 or more: a KV move, the cores split
+    between ranks, tensor parallelism over all of them, the contention of that many ranks)."""
     from mstar.planner.contention import measure_contention
     from mstar.runtime.api import Runtime
 
     for c in workload.requests:  # fails early, naming the model, when it cannot make requests
         model.sized_request(1, 2, c.params, 0)
-    kv, notes = _kv_bytes(model), []
-    say(f"profiling {model.name} on one rank ({workers} workers)")
+    kv, notes, cores = _kv_bytes(model), [], len(os.sched_getaffinity(0))
+    say(f"profiling {model.name} on one rank ({workers} workers, {cores} threads)")
     single = [{"node_names": sorted(model.graph.node_names), "ranks": [0]}]
     with Runtime(model, _placement(model, single, max_batch), workers=workers) as rt:
         run = _Runner(rt, model, workload.classes())
         _warm(run, max_batch)
         programs, alone = _programs(run, say)
         traces = _sweep(run, max_batch, "tp1", say)
-    costs = {f"{m}@tp1": ForwardCost.fit(fs) for m, fs in _by_module(forwards_in(traces + alone, model.module_of)).items()}
+    costs = _fit_costs(forwards_in(traces + alone, model.module_of), 1, cores)
     steps, bounds = gaps_in(alone)
-    move, tp_sizes, contention = Affine(0.0), (1,), {1: 1.0}
+    move, tp_sizes, contention = Affine(0.0), (1,), {}
+    splits = sorted({max(1, cores // k) for k in range(2, ranks + 1)} - {cores})
     if ranks >= 2:
+        costs.update(_thread_sweeps(model, workload, splits, max_batch, workers, say))
         say(f"profiling a KV move and tensor parallelism over {ranks} ranks")
         move, more = _move_cost(model, workload, kv, max_batch, workers, say)
         notes += more
@@ -377,8 +438,10 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
             costs.update(tp)
             notes += more
             tp_sizes = (1, ranks) if tp else (1,)
-        contention = measure_contention(ranks)
+        contention = measure_contention(ranks, seconds=0.5)
         say(f"  contention: {contention}")
-    return Profile(model.name, _cpu_name(), len(os.sched_getaffinity(0)), max_batch, costs,
-                   max(0.0, _median(steps)), max(0.0, _median([ms for _, ms in bounds])), move, contention, kv,
-                   programs, overheads_in(alone, emitting_runs(model.graph)), tp_sizes, notes)
+    return Profile(model.name, _cpu_name(), cores, max_batch, costs,
+                   max(0.0, _median(steps)), max(0.0, _median([ms for _, ms in bounds])),
+                   max(0.0, _median(stream_gaps_in(alone, model.graph))), move, contention, kv,
+                   programs, overheads_in(alone, emitting_runs(model.graph)), tp_sizes, tuple(sorted({cores, *splits})),
+                   notes)

@@ -7,6 +7,8 @@ Candidates (``candidates``):
   ``HEAVY`` of them) over up to ``ranks`` ranks, the other nodes on rank 0;
 * each of those with one KV module's walks split (its first walk where it is, the later ones on
   another rank: a prefill / decode split; the caches move at the walk boundary);
+* each of those over several ranks also with the cores split evenly between its ranks (the groups'
+  ``threads``), where the profile measured that thread count;
 * every node as one tensor-parallel group over all ranks, when the profile measured it.
 
 Each is simulated on the workload's arrivals. The cost of a placement is the ranks it uses; the plan
@@ -124,7 +126,7 @@ def candidates(model: Any, profile: Profile, ranks: int, heavy: Sequence[str]) -
         on.setdefault(0, [])
         on[0] += rest
         base = tuple({"node_names": sorted(ns), "ranks": [r]} for r, ns in sorted(on.items()) if ns)
-        out.append(Candidate(describe(base), base))
+        out += _with_threads(base, profile)
         for node, r in zip(heavy, assign):
             split = _walk_split(model, node, walks) if node in kv else None
             if split is None:
@@ -136,10 +138,22 @@ def candidates(model: Any, profile: Profile, ranks: int, heavy: Sequence[str]) -
                 groups = [g for g in groups if g["node_names"]]
                 groups += [{"node_names": [node], "ranks": [r], "graph_walks": list(split[0])},
                            {"node_names": [node], "ranks": [other], "graph_walks": list(split[1])}]
-                out.append(Candidate(describe(groups), tuple(groups)))
+                out += _with_threads(groups, profile)
     if ranks in profile.tp_sizes and ranks > 1:
         groups = naive_groups(model, ranks)
         out.append(Candidate(describe(groups), tuple(groups)))
+    return out
+
+
+def _with_threads(groups: Sequence[dict[str, Any]], profile: Profile) -> list[Candidate]:
+    """The groups as they are (each rank on every core) and, over several ranks, with the cores split
+    evenly between the ranks, when the profile measured that thread count."""
+    out = [Candidate(describe(groups), tuple(groups))]
+    used = {r for g in groups for r in g["ranks"]}
+    share = profile.cores // len(used)
+    if len(used) > 1 and share >= 1 and share in profile.threads:
+        split = tuple(dict(g, threads=share) for g in groups)
+        out.append(Candidate(describe(split), split))
     return out
 
 
@@ -150,7 +164,8 @@ def describe(groups: Sequence[dict[str, Any]]) -> str:
         ranks = g["ranks"]
         where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]} (TP{g.get('tp_size', 1)})"
         walks = f" ({', '.join(g['graph_walks'])})" if g.get("graph_walks") else ""
-        parts.append(f"{where}: {', '.join(g['node_names'])}{walks}")
+        threads = f" [{g['threads']} thread{'s' if g['threads'] > 1 else ''}]" if g.get("threads") else ""
+        parts.append(f"{where}{threads}: {', '.join(g['node_names'])}{walks}")
     return "; ".join(parts)
 
 

@@ -13,9 +13,10 @@ It replays a workload's arrivals against a placement the way the workers run the
 * a stream's producer runs push one item each to the consumer partition's chunk policy (the graph's
   own ``ChunkPolicy``); each chunk it fires is one walk of the consumer, walks of one request's
   consumer one after another; the request ends when every partition has;
-* a forward's work is the module's ``ForwardCost`` for its rows, new tokens and context; groups
-  computing at once share the machine (processor sharing: each progresses at 1 / ``Profile.slowdown``
-  of the number computing, re-paced whenever one starts or ends); then the rank's step gap;
+* a forward's work is the module's ``ForwardCost`` for its rows, new tokens and context at its
+  rank's threads (the group's ``threads``, else the default); groups computing at once share the
+  machine (processor sharing: each progresses at 1 / ``Profile.slowdown`` of the threads computing,
+  re-paced whenever a forward starts or ends); then the rank's step gap;
 * a request reaches its first queue after the client-to-worker time, its first item and its end
   reach the client after theirs (``Profile.client_ms``);
 * a request's next run is ready after the step gap, or at a walk boundary after the walk gap, or,
@@ -84,6 +85,12 @@ class _Group:
     ranks: tuple[int, ...]
     tp: int
     max_batch: int
+    threads: int  # each rank's
+
+    @property
+    def demand(self) -> int:
+        """The threads its forwards run on, over all its ranks."""
+        return self.threads * self.tp
 
     @property
     def leader(self) -> int:
@@ -175,7 +182,8 @@ class _Sim:
         key = (node, walk)
         if key not in self.groups:
             g = self.placement.group_for(node, walk)
-            self.groups[key] = _Group(tuple(g.ranks), g.tp_size, self.placement.max_batch_size(node, walk))
+            threads = self.placement.threads_of(g.ranks[0]) or self.p.default_threads(g.tp_size)
+            self.groups[key] = _Group(tuple(g.ranks), g.tp_size, self.placement.max_batch_size(node, walk), threads)
         return self.groups[key]
 
     def push(self, t: float, kind: str, payload: Any) -> None:
@@ -219,7 +227,7 @@ class _Sim:
         for it in take:
             q.remove(it)
         runs = [it.cursor.run for it in take]
-        cost = self.p.cost(key[1], g.tp, all(r.final for r in runs)).ms(
+        cost = self.p.cost(key[1], g.tp, g.threads, all(r.final for r in runs)).ms(
             len(runs), sum(r.tokens for r in runs), sum(r.context for r in runs))
         self._progress(t)
         self.computing[g.ranks] = _Forward(g, take, cost / 1e3, t)
@@ -229,7 +237,7 @@ class _Sim:
 
     def _progress(self, t: float) -> None:
         """Bring every forward in flight up to ``t`` at the speed the ranks computing together allow."""
-        speed = 1.0 / self.p.slowdown(len(self.computing))
+        speed = 1.0 / self.p.slowdown([f.group.demand for f in self.computing.values()])
         for f in self.computing.values():
             f.left = max(0.0, f.left - (t - f.since) * speed)
             f.since = t
@@ -237,7 +245,7 @@ class _Sim:
     def _reschedule(self, t: float) -> None:
         """(Re)schedule the end of every forward in flight (processor sharing: each ends at the pace of
         the ranks computing now; an older scheduled end is stale once its version moved on)."""
-        slow = self.p.slowdown(len(self.computing))
+        slow = self.p.slowdown([f.group.demand for f in self.computing.values()])
         for f in self.computing.values():
             f.version += 1
             self.push(t + f.left * slow, "done", (f, f.version))
@@ -302,7 +310,7 @@ class _Sim:
             runs = c.pending.popleft()
             if runs:
                 c.cursor = _Cursor(req, runs, 1, consumer=c)
-                self.ready(t + self.p.walk_gap_ms / 1e3, c.cursor)
+                self.ready(t + self.p.stream_gap_ms / 1e3, c.cursor)
         self._maybe_end(t, req)
 
     def _hold_kv(self, rank: int, run: ProgramRun) -> None:
