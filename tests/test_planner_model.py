@@ -104,7 +104,8 @@ def test_one_request_alone_is_the_sum_of_its_steps():
     assert r.ttft == pytest.approx((2.0 + prefill + 0.5) / 1e3)
     assert r.e2e == pytest.approx((2.0 + prefill + 1.0 + 3 * decode + 2 * 0.2 + 0.3) / 1e3)
     assert r.tpot == pytest.approx((r.e2e - r.ttft) / 2)
-    split = simulate(prof, _placement([{"node_names": ["LLM"], "ranks": [0], "graph_walks": ["prefill"]},
+    calm = _profile(contention={"shared": {1: 1.0, 2: 1.0}, "split": {1: 1.0, 2: 1.0}})  # no contention
+    split = simulate(calm, _placement([{"node_names": ["LLM"], "ranks": [0], "graph_walks": ["prefill"]},
                                        {"node_names": ["LLM"], "ranks": [1], "graph_walks": ["decode"]}]),
                      model.graph, model.module_of, [Arrival(0.0, "chat", 10, 3)])
     # the walk boundary moves 10 KV tokens: 3 + 0.01 * 10 ms instead of the 1 ms walk gap
@@ -191,3 +192,15 @@ def test_a_streaming_models_program_fires_its_consumer_as_the_runtime_does():
             seen[r["node"]] = seen.get(r["node"], 0) + 1
     assert pred.node_runs == seen  # every LLM step and every chunk the codec decoded
     assert len(pred.requests) == 1 and pred.requests[0].e2e > pred.requests[0].ttft
+
+
+def test_ranks_whose_threads_outnumber_the_cores_slow_each_other_even_one_at_a_time():
+    model = LlamaTiny()
+    split = _placement([{"node_names": ["LLM"], "ranks": [0], "graph_walks": ["prefill"]},
+                        {"node_names": ["LLM"], "ranks": [1], "graph_walks": ["decode"]}])
+    one = [Arrival(0.0, "chat", 10, 3)]  # its prefill and decode never compute at once
+    spin = simulate(_profile(), split, model.graph, model.module_of, one)  # 2 ranks x 2 threads on 2 cores
+    calm = simulate(_profile(contention={"shared": {1: 1.0, 2: 1.0}, "split": {1: 1.0, 2: 1.0}}), split,
+                    model.graph, model.module_of, one)
+    compute = (1.0 + 0.5 + 0.1 * 10) + 3 * (1.0 + 0.5 + 0.1)  # the prompt and three decode steps, ms
+    assert spin.requests[0].e2e - calm.requests[0].e2e == pytest.approx(compute / 1e3)  # each twice as long

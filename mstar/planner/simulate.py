@@ -16,7 +16,9 @@ It replays a workload's arrivals against a placement the way the workers run the
 * a forward's work is the module's ``ForwardCost`` for its rows, new tokens and context at its
   rank's threads (the group's ``threads``, else the default); groups computing at once share the
   machine (processor sharing: each progresses at 1 / ``Profile.slowdown`` of the threads computing,
-  re-paced whenever a forward starts or ends); then the rank's step gap;
+  re-paced whenever a forward starts or ends; ranks whose threads outnumber the cores slow each
+  other all the time, at the ``shared`` slowdown of them all: idle OpenMP threads spin); then the
+  rank's step gap;
 * a request reaches its first queue after the client-to-worker time, its first item and its end
   reach the client after theirs (``Profile.client_ms``);
 * a request's next run is ready after the step gap, or at a walk boundary after the walk gap, or,
@@ -176,7 +178,22 @@ class _Sim:
         self.peak: dict[int, int] = {}
         self.done: list[RequestTimes] = []
         self.node_runs: dict[str, int] = {}
+        self.spinning = self._oversubscribed(placement)
         self.groups: dict[tuple[str, str], _Group] = {}
+
+    def _oversubscribed(self, placement: Any) -> list[int] | None:
+        """Each rank's threads when they add up to more than the cores (else None): idle OpenMP
+        threads spin between forwards, so such ranks slow each other even when only one computes."""
+        threads = []
+        for rank in range(placement.num_ranks):
+            tp = max((g.tp_size for g in placement.node_groups if rank in g.ranks), default=1)
+            threads.append(placement.threads_of(rank) or self.p.default_threads(tp))
+        return threads if len(threads) > 1 and sum(threads) > self.p.cores else None
+
+    def _slowdown(self) -> float:
+        if self.spinning is not None:
+            return self.p.slowdown(self.spinning)
+        return self.p.slowdown([f.group.demand for f in self.computing.values()])
 
     def group(self, node: str, walk: str) -> _Group:
         key = (node, walk)
@@ -237,7 +254,7 @@ class _Sim:
 
     def _progress(self, t: float) -> None:
         """Bring every forward in flight up to ``t`` at the speed the ranks computing together allow."""
-        speed = 1.0 / self.p.slowdown([f.group.demand for f in self.computing.values()])
+        speed = 1.0 / self._slowdown()
         for f in self.computing.values():
             f.left = max(0.0, f.left - (t - f.since) * speed)
             f.since = t
@@ -245,7 +262,7 @@ class _Sim:
     def _reschedule(self, t: float) -> None:
         """(Re)schedule the end of every forward in flight (processor sharing: each ends at the pace of
         the ranks computing now; an older scheduled end is stale once its version moved on)."""
-        slow = self.p.slowdown([f.group.demand for f in self.computing.values()])
+        slow = self._slowdown()
         for f in self.computing.values():
             f.version += 1
             self.push(t + f.left * slow, "done", (f, f.version))
