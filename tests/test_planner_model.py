@@ -33,8 +33,10 @@ def test_traces_record_each_forwards_tokens_and_context():
         for h in handles:
             h.result()
         pair = rt.trace("pair")
-    runs = [(r["batch"], r["batch_tokens"], r["batch_context"]) for w in alone["walks"] for r in w["nodes"]]
-    assert runs == [(1, 10, 10), (1, 1, 11), (1, 1, 12), (1, 1, 13)]  # the prompt, then a token per step
+    runs = [(r["batch"], r["batch_tokens"], r["batch_context"], r["batch_attention"])
+            for w in alone["walks"] for r in w["nodes"]]
+    # the prompt (its tokens attend to its 10), then a token per step attending to all before it
+    assert runs == [(1, 10, 10, 100), (1, 1, 11, 11), (1, 1, 12, 12), (1, 1, 13, 13)]
     forwards = forwards_in(pair, model.module_of)
     rows = sum(len(w["nodes"]) for t in pair for w in t["walks"])
     # every row is in one forward; the prompts' tokens and one per decode row, however they batched
@@ -78,9 +80,10 @@ def test_forward_costs_are_fitted_non_negative():
 def _profile(**changes) -> Profile:
     prog = ClassProgram.fit("chat", [
         {"walks": [{"walk": "prefill", "partition": "main", "nodes": [
-            {"node": "LLM", "iteration": [], "batch_tokens": p, "batch_context": p}]},
+            {"node": "LLM", "iteration": [], "batch": 1, "batch_tokens": p, "batch_context": p}]},
             {"walk": "decode", "partition": "main", "nodes": [
-                {"node": "LLM", "iteration": [i], "batch_tokens": 1, "batch_context": p + i + 1} for i in range(o)]}]}
+                {"node": "LLM", "iteration": [i], "batch": 1, "batch_tokens": 1, "batch_context": p + i + 1}
+                for i in range(o)]}]}
         for p, o in [(10, 3), (20, 3), (10, 5)]], [(10, 3), (20, 3), (10, 5)])
     base = dict(model="llama-tiny", machine="test", cores=2, max_batch=16,
                 costs={"LLM@tp1/t2": ForwardCost(1.0, 0.5, 0.1, 0.0), "LLM@tp2/t1": ForwardCost(2.0, 0.5, 0.05, 0.0)},

@@ -1,10 +1,11 @@
 """What one forward of a module costs on this machine, fitted to the forwards the real runtime ran.
 
-A forward's compute time is modelled as ``a + b * rows + c * tokens + d * context`` milliseconds:
+A forward's compute time is modelled as ``a + b * rows + c * tokens + d * attention`` milliseconds:
 ``rows`` the work items in the batch, ``tokens`` the new KV tokens it computes (a prompt's length,
-one per decode row), ``context`` the KV tokens its attention reads (0 for a stateless module). The
+one per decode row), ``attention`` its attention pairs (each row's new tokens times the KV tokens
+it attends to: a decode row's context, a prompt's square; 0 for a stateless module). The
 coefficients are non-negative (a longer batch never gets cheaper) and fitted, least absolute
-relative error, to the forwards the rank's trace recorded (``batch``, ``batch_tokens``, ``batch_context``,
+relative error, to the forwards the rank's trace recorded (``batch``, ``batch_tokens``, ``batch_attention``,
 ``compute_ms``), so a mixed batch (prompts with decode rows) is priced by the same four numbers.
 """
 
@@ -18,7 +19,7 @@ import numpy as np
 
 __all__ = ["ForwardCost", "Forward", "nonnegative_least_squares"]
 
-FEATURES = ("fixed", "rows", "tokens", "context")
+FEATURES = ("fixed", "rows", "tokens", "attention")
 ROBUST_ROUNDS = 8
 
 
@@ -29,7 +30,7 @@ class Forward:
     module: str
     rows: int
     tokens: int
-    context: int
+    attention: int
     ms: float
 
 
@@ -49,18 +50,18 @@ def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ForwardCost:
-    """A module's forward time in ms: ``fixed + rows * per_row + tokens * per_token + context *
-    per_context``; ``samples`` forwards were fitted, ``error`` their median relative error."""
+    """A module's forward time in ms: ``fixed + rows * per_row + tokens * per_token + attention *
+    per_pair``; ``samples`` forwards were fitted, ``error`` their median relative error."""
 
     fixed: float
     per_row: float
     per_token: float
-    per_context: float
+    per_pair: float
     samples: int = 0
     error: float = 0.0
 
-    def ms(self, rows: int, tokens: int, context: int) -> float:
-        return self.fixed + self.per_row * rows + self.per_token * tokens + self.per_context * context
+    def ms(self, rows: int, tokens: int, attention: int) -> float:
+        return self.fixed + self.per_row * rows + self.per_token * tokens + self.per_pair * attention
 
     @classmethod
     def fit(cls, forwards: Sequence[Forward]) -> ForwardCost:
@@ -69,7 +70,7 @@ class ForwardCost:
         100 ms; absolute, so outliers weigh little), by iteratively reweighted least squares."""
         if not forwards:
             raise ValueError("no forwards to fit")
-        x = np.array([[1.0, f.rows, f.tokens, f.context] for f in forwards])
+        x = np.array([[1.0, f.rows, f.tokens, f.attention] for f in forwards])
         y = np.array([f.ms for f in forwards])
         w = 1.0 / np.maximum(y, 1e-3)
         coef = nonnegative_least_squares(x * w[:, None], y * w)
@@ -83,9 +84,9 @@ class ForwardCost:
 
     def to_dict(self) -> dict[str, Any]:
         return {"fixed_ms": self.fixed, "per_row_ms": self.per_row, "per_token_ms": self.per_token,
-                "per_context_ms": self.per_context, "samples": self.samples, "median_error": self.error}
+                "per_pair_ms": self.per_pair, "samples": self.samples, "median_error": self.error}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ForwardCost:
-        return cls(d["fixed_ms"], d["per_row_ms"], d["per_token_ms"], d["per_context_ms"], d.get("samples", 0),
+        return cls(d["fixed_ms"], d["per_row_ms"], d["per_token_ms"], d["per_pair_ms"], d.get("samples", 0),
                    d.get("median_error", 0.0))

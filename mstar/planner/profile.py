@@ -35,7 +35,7 @@ from mstar.planner.workload import RequestClass, Workload
 
 __all__ = ["FINAL", "Profile", "cost_key", "forwards_in", "gaps_in", "profile_model", "stream_gaps_in"]
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 FINAL = "#final"  # a module's cost key suffix for forwards of stream-final chunks only
 
 
@@ -138,7 +138,7 @@ def forwards_in(traces: Sequence[dict[str, Any]], module_of: Callable[[str], str
                 final = bool(r.get("chunks")) and all(c.get("is_final") for c in r["chunks"].values())
                 first, all_final = seen.get(key, (r, True))
                 seen[key] = (first, all_final and final)
-    return [Forward(module + (FINAL if final else ""), r["batch"], r["batch_tokens"], r["batch_context"],
+    return [Forward(module + (FINAL if final else ""), r["batch"], r["batch_tokens"], r["batch_attention"],
                     r["compute_ms"]) for (_, _, module), (r, final) in seen.items()]
 
 
@@ -155,7 +155,8 @@ def gaps_in(traces: Sequence[dict[str, Any]]) -> tuple[list[float], list[tuple[i
             if not runs:
                 continue
             for a, b in zip(runs, runs[1:]):
-                steps.append((b["start"] - a["start"]) * 1e3 - a["compute_ms"])
+                if b["start"] != a["start"]:  # not two rows of one forward (a request's parallel branches)
+                    steps.append((b["start"] - a["start"]) * 1e3 - a["compute_ms"])
             if w["partition"] != root:
                 continue
             if prev_end is not None:

@@ -13,14 +13,14 @@ the step seen between the two.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 __all__ = ["Affine", "ClassProgram", "ConsumerShape", "ProgramRun", "RunShape", "WalkShape", "emitting_runs",
-           "expand_walk", "stream_producers"]
+           "expand_walk", "node_levels", "stream_producers"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ class ProgramRun:
     tokens: int
     context: int
     final: bool = False  # a stream consumer's run on the stream's final chunk
+    stage: int = 0  # runs of one walk with the same stage start together (parallel branches)
 
 
 def _split(runs: list[dict]) -> tuple[list[dict], list[list[dict]], list[dict]]:
@@ -97,8 +98,10 @@ def _shape(walk: str, runs_at: Sequence[list[dict]], sizes: Sequence[tuple[int, 
         if [r["node"] for r in runs] != nodes:
             raise ValueError(f"walk {walk!r}: the {what} runs {nodes} at one size but "
                              f"{[r['node'] for r in runs]} at another: its shape depends on the lengths")
-    return [RunShape(n, Affine.fit(sizes, [runs[i]["batch_tokens"] for runs in runs_at]),
-                     Affine.fit(sizes, [runs[i]["batch_context"] for runs in runs_at]))
+    # a run's forward may hold the request's own parallel branches (views of one module batch together):
+    # the trace's figures are the forward's, each branch's its share
+    return [RunShape(n, Affine.fit(sizes, [runs[i]["batch_tokens"] / runs[i]["batch"] for runs in runs_at]),
+                     Affine.fit(sizes, [runs[i]["batch_context"] / runs[i]["batch"] for runs in runs_at]))
             for i, n in enumerate(nodes)]
 
 
@@ -174,11 +177,12 @@ class ClassProgram:
         consumers = tuple(_consumer(c.to_partition, c.from_partition, c.edge_name, traces, sizes) for c in connections)
         return cls(name, walks, consumers)
 
-    def expand(self, prompt: int, output: int) -> list[ProgramRun]:
-        """Every node run of the root partition for a request of these lengths, walk by walk, in order."""
+    def expand(self, prompt: int, output: int, levels: Mapping[tuple[str, str], int] | None = None) -> list[ProgramRun]:
+        """Every node run of the root partition for a request of these lengths, walk by walk, in order
+        (``levels``: see ``expand_walk``)."""
         out: list[ProgramRun] = []
         for i, w in enumerate(self.walks):
-            out += expand_walk(w, i, prompt, output)
+            out += expand_walk(w, i, prompt, output, levels=levels)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -194,22 +198,54 @@ class ClassProgram:
                           _walk_of(c["final"]) if c["final"] else None) for c in d.get("consumers", ())))
 
 
-def expand_walk(w: WalkShape, index: int, prompt: int, output: int, final: bool = False) -> list[ProgramRun]:
+def expand_walk(w: WalkShape, index: int, prompt: int, output: int, final: bool = False,
+                levels: Mapping[tuple[str, str], int] | None = None) -> list[ProgramRun]:
     """The node runs of one walk of this shape for a request of these lengths (``final``: a stream
-    consumer's walk on the final chunk)."""
+    consumer's walk on the final chunk). With ``levels`` (``node_levels``), the runs of a loop
+    iteration are ordered by level and those of one level share a stage (they run in parallel);
+    otherwise every run is its own stage."""
     out: list[ProgramRun] = []
+    stage = 0
 
     def add(s: RunShape, extra: float = 0.0) -> None:
         out.append(ProgramRun(index, w.walk, w.partition, s.node, max(0, round(s.tokens.at(prompt, output))),
-                              max(0, round(s.context.at(prompt, output) + extra)), final))
+                              max(0, round(s.context.at(prompt, output) + extra)), final, stage))
+
+    def level(s: RunShape) -> int:
+        return levels.get((w.walk, s.node), 0) if levels is not None else 0
+
+    def segment(runs: Sequence[RunShape], steps: Sequence[float] = (), k: int = 0) -> None:
+        nonlocal stage
+        order = sorted(range(len(runs)), key=lambda j: level(runs[j]))
+        for pos, j in enumerate(order):
+            if pos and (levels is None or level(runs[j]) != level(runs[order[pos - 1]])):
+                stage += 1
+            add(runs[j], steps[j] * max(0, k - 1) if steps else 0.0)
+        stage += 1
 
     for s in w.head:
-        add(s)
+        segment([s])
     for k in range(max(0, round(w.iterations.at(prompt, output)))):
-        for j, s in enumerate(w.body if k == 0 else w.later):
-            add(s, w.context_step[j] * max(0, k - 1))
+        segment(w.body if k == 0 else w.later, w.context_step, k)
     for s in w.tail:
-        add(s)
+        segment([s])
+    return out
+
+
+def node_levels(graph: Any) -> dict[tuple[str, str], int]:
+    """(walk, node) -> its depth among the nodes of its loop iteration (or the walk's top level):
+    0 with no input from a node of the same frame, else one more than its deepest such producer.
+    Nodes of one level in one frame are parallel branches."""
+    from mstar.graph.plan import InputKind
+
+    out: dict[tuple[str, str], int] = {}
+    for walk in graph.walks:
+        plan = graph.plan(walk)
+        for name, node in plan.nodes.items():  # in rank order: a LOCAL producer comes first
+            producers = [b.producer.name for b in node.inputs.values() if b.kind is InputKind.LOCAL
+                         and b.producer is not None and not b.producer.is_loop
+                         and (walk, b.producer.name) in out and plan.nodes[b.producer.name].frame == node.frame]
+            out[(walk, name)] = 1 + max((out[(walk, p)] for p in producers), default=-1)
     return out
 
 

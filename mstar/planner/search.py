@@ -103,7 +103,7 @@ def _heaviest(profile: Profile, model: Any, workload: Workload, arrivals: Sequen
     work: dict[str, float] = {}
     for a in arrivals[:200]:
         for run in profile.programs[a.request_class].expand(a.prompt_tokens, a.output_tokens):
-            cost = profile.cost(model.module_of(run.node)).ms(1, run.tokens, run.context)
+            cost = profile.cost(model.module_of(run.node)).ms(1, run.tokens, run.tokens * run.context)
             work[run.node] = work.get(run.node, 0.0) + cost
     names = sorted(model.graph.node_names)
     return sorted(names, key=lambda n: (-work.get(n, 0.0), n))[:HEAVY]

@@ -3,7 +3,8 @@
 It replays a workload's arrivals against a placement the way the workers run them:
 
 * each request runs its class's program (``ClassProgram.expand``): node runs one after another,
-  walk after walk;
+  walk after walk, except a loop iteration's parallel branches (nodes of one level, ``node_levels``),
+  which start together, the next level waiting for them all;
 * a node run waits in its module's queue on the rank its (node, walk) group places it (a
   tensor-parallel group's leader; the forward occupies every rank of the group);
 * a free rank runs, as ``RankScheduler`` does, the module of an item that waited past
@@ -13,7 +14,8 @@ It replays a workload's arrivals against a placement the way the workers run the
 * a stream's producer runs push one item each to the consumer partition's chunk policy (the graph's
   own ``ChunkPolicy``); each chunk it fires is one walk of the consumer, walks of one request's
   consumer one after another; the request ends when every partition has;
-* a forward's work is the module's ``ForwardCost`` for its rows, new tokens and context at its
+* a forward's work is the module's ``ForwardCost`` for its rows, new tokens and attention pairs
+  (each row's tokens times its context) at its
   rank's threads (the group's ``threads``, else the default); groups computing at once share the
   machine (processor sharing: each progresses at 1 / ``Profile.slowdown`` of the threads computing,
   re-paced whenever a forward starts or ends; ranks whose threads outnumber the cores slow each
@@ -25,8 +27,7 @@ It replays a workload's arrivals against a placement the way the workers run the
   when its KV module moves to another group, after the KV move (``Profile.move_ms``).
 
 What it does not model (yet): KV admission and preemption (it reports each rank's peak KV instead),
-parallel branches inside a walk (a walk's runs are sequential), chains of streams (a consumer that
-streams on).
+chains of streams (a consumer that streams on).
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mstar.planner.profile import Profile
-from mstar.planner.programs import ConsumerShape, ProgramRun, emitting_runs, expand_walk, stream_producers
+from mstar.planner.programs import (
+    ConsumerShape,
+    ProgramRun,
+    emitting_runs,
+    expand_walk,
+    node_levels,
+    stream_producers,
+)
 from mstar.planner.slo import percentile
 from mstar.planner.workload import Arrival
 
@@ -106,12 +114,18 @@ class _Cursor:
     req: _Request
     runs: list[ProgramRun]
     depth: int  # 0 for the root partition, 1 for a partition its stream feeds
-    at: int = 0
+    at: int = 0  # the first run of the current stage
     consumer: _Consumer | None = None
+    end: int = 0  # past the current stage's last run
+    left: int = 0  # its runs not finished yet
 
-    @property
-    def run(self) -> ProgramRun:
-        return self.runs[self.at]
+    def stage(self) -> range:
+        """The runs that start together at ``at``: one, or a walk's parallel branches."""
+        first, end = self.runs[self.at], self.at + 1
+        while end < len(self.runs) and self.runs[end].walk_index == first.walk_index \
+                and self.runs[end].stage == first.stage:
+            end += 1
+        return range(self.at, end)
 
 
 @dataclass
@@ -159,12 +173,18 @@ class _Item:
     ready: float
     seq: int
     cursor: _Cursor = field(compare=False)
+    index: int = field(compare=False, default=0)  # the run's, in the cursor's runs
+
+    @property
+    def run(self) -> ProgramRun:
+        return self.cursor.runs[self.index]
 
 
 class _Sim:
     def __init__(self, profile: Profile, placement: Any, module_of: Any, graph: Any) -> None:
         self.p, self.placement, self.module_of = profile, placement, module_of
         self.emitting, self.producers = emitting_runs(graph), stream_producers(graph)
+        self.levels = node_levels(graph)
         limits = placement.limits
         self.downstream_first = limits.scheduling == "downstream_first"
         self.max_wait = limits.scheduling_max_wait_ms / 1e3
@@ -207,10 +227,14 @@ class _Sim:
         heapq.heappush(self.events, (t, next(self.seq), kind, payload))
 
     def ready(self, t: float, cur: _Cursor) -> None:
-        run = cur.run
-        g = self.group(run.node, run.walk)
-        self.queues.setdefault((g.leader, self.module_of(run.node)), []).append(_Item(t, next(self.seq), cur))
-        self.push(t, "try", g.leader)
+        """The cursor's next stage is ready at ``t``: each of its runs joins its module's queue."""
+        stage = cur.stage()
+        cur.end, cur.left = stage.stop, len(stage)
+        for i in stage:
+            run = cur.runs[i]
+            g = self.group(run.node, run.walk)
+            self.queues.setdefault((g.leader, self.module_of(run.node)), []).append(_Item(t, next(self.seq), cur, i))
+            self.push(t, "try", g.leader)
 
     def _pick(self, t: float, rank: int) -> tuple[str, str] | None:
         """The module this rank runs next: an item that waited past the limit first (oldest), else
@@ -235,7 +259,7 @@ class _Sim:
         if key is None:
             return
         q = self.queues[key]
-        first = min(it for it in q if it.ready <= t).cursor.run
+        first = min(it for it in q if it.ready <= t).run
         g = self.group(first.node, first.walk)
         if any(self.free_at.get(r, 0.0) > t + 1e-12 for r in g.ranks):
             return
@@ -243,9 +267,9 @@ class _Sim:
         take = [it for it in q if it.ready <= t][:g.max_batch]
         for it in take:
             q.remove(it)
-        runs = [it.cursor.run for it in take]
+        runs = [it.run for it in take]
         cost = self.p.cost(key[1], g.tp, g.threads, all(r.final for r in runs)).ms(
-            len(runs), sum(r.tokens for r in runs), sum(r.context for r in runs))
+            len(runs), sum(r.tokens for r in runs), sum(r.tokens * r.context for r in runs))
         self._progress(t)
         self.computing[g.ranks] = _Forward(g, take, cost / 1e3, t)
         for r in g.ranks:
@@ -278,13 +302,18 @@ class _Sim:
             self.free_at[r] = t + self.p.step_gap_ms / 1e3
             self.busy[r] = self.busy.get(r, 0.0) + t - f.started
         for it in items:
-            cur = it.cursor
-            run, req = cur.run, cur.req
+            cur, run = it.cursor, it.run
+            req = cur.req
             if (run.walk, run.node) in self.emitting and req.first_emit is None:
                 req.first_emit = t
             self._hold_kv(g.leader, run)
             self.node_runs[run.node] = self.node_runs.get(run.node, 0) + 1
-            cur.at += 1
+            if cur.consumer is None:
+                self._pushed(t, req, run)
+            cur.left -= 1
+            if cur.left:
+                continue  # a parallel branch still runs
+            cur.at = cur.end
             if cur.consumer is None:
                 self._root_ran(t, req, run, g)
             elif cur.at < len(cur.runs):
@@ -295,14 +324,18 @@ class _Sim:
         for r in g.ranks:
             self.push(self.free_at[r], "try", r)
 
-    def _root_ran(self, t: float, req: _Request, run: ProgramRun, g: _Group) -> None:
-        cur = req.root
-        for c in req.consumers:  # the run's stream items (one per run, until the stream's count)
+    def _pushed(self, t: float, req: _Request, run: ProgramRun) -> None:
+        """A root run's stream items: one per run, until the stream's count."""
+        for c in req.consumers:
             if c.shape.partition in self.producers.get((run.walk, run.node), ()) and c.pushed < c.items:
                 c.pushed += 1
                 self._fired(t, req, c, c.policy.push([None]))
+
+    def _root_ran(self, t: float, req: _Request, run: ProgramRun, g: _Group) -> None:
+        """The root partition's stage ended with ``run`` (on ``g``): its next stage, or its end."""
+        cur = req.root
         if cur.at < len(cur.runs):
-            nxt = cur.run
+            nxt = cur.runs[cur.at]
             delay = self.p.step_gap_ms
             if nxt.walk_index != run.walk_index:
                 moved = self.group(nxt.node, nxt.walk).leader != g.leader and nxt.context > nxt.tokens
@@ -319,7 +352,7 @@ class _Sim:
         for chunk in chunks:
             shape = c.shape.final if chunk.is_final and c.shape.final is not None else c.shape.firing
             c.pending.append(expand_walk(shape, 0, req.arrival.prompt_tokens, req.arrival.output_tokens,
-                                         chunk.is_final))
+                                         chunk.is_final, self.levels))
         self._next_firing(t, req, c)
 
     def _next_firing(self, t: float, req: _Request, c: _Consumer) -> None:
@@ -376,7 +409,7 @@ def simulate(profile: Profile, placement: Any, graph: Any, module_of: Any, arriv
         consumers = [_Consumer(c, policies[c.partition](), max(0, round(c.items.at(a.prompt_tokens, a.output_tokens))))
                      for c in program.consumers]
         req = _Request(a, consumers)
-        req.root = _Cursor(req, program.expand(a.prompt_tokens, a.output_tokens), 0)
+        req.root = _Cursor(req, program.expand(a.prompt_tokens, a.output_tokens, sim.levels), 0)
         reqs.append(req)
     sim.run(reqs)
     start = min((a.at_s for a in arrivals), default=0.0)

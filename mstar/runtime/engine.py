@@ -38,10 +38,12 @@ class StatelessEngine:
     module: NodeSubmodule
     holds_kv = False  # a KV cache engine's blocks and preemptions appear in the rank's stats
     batch_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=4096))  # the latest forwards' sizes
-    # the last forward's new tokens and attended context tokens, summed over its rows (a KV engine's;
-    # a stateless one's stay 0): what the rank's trace records of the forward, a planner's cost inputs
+    # the last forward's new tokens, attended context tokens and attention pairs (a row's new tokens
+    # times its context), summed over its rows (a KV engine's; a stateless one's stay 0): what the
+    # rank's trace records of the forward, a planner's cost inputs
     step_tokens: int = 0
     step_context: int = 0
+    step_attention: int = 0
     # (request id, key, number) -> None: the rank's trace notes of this module (``trace.NodeRuns.notes_of``;
     # a KV engine notes prefix-cache hits, preemptions and the blocks a request held at its end)
     trace_note: Any = None

@@ -5,7 +5,7 @@ Recording is local and cheap; nothing crosses ranks until someone asks:
 * each worker keeps, per request that ran there, its node runs (``NodeRuns``): the node, its walk
   (partition and walk number) and iteration, the size of the batch it ran in, its wait in the
   queue, the wall-clock start and the compute time of that forward, the new and attended KV tokens
-  of the whole forward (and a stream consumer's chunk)
+  and attention pairs of the whole forward (and a stream consumer's chunk)
   -- one tuple per row of a forward, for the last ``keep`` requests, at most ``max_runs`` each
   (beyond that a count and a total per node); and counts its engines note (prefix-cache hits,
   preemptions, KV blocks held at the end) and the tensor bytes it sends other ranks (``SentBytes``);
@@ -34,10 +34,11 @@ __all__ = ["NodeRuns", "RequestTrace", "SentBytes", "TraceGather", "TraceStore",
            "traces_in"]
 
 # a node run as a worker keeps it (a tuple: one is made per row of every forward)
-# (``batch_tokens`` / ``batch_context``: the forward's new and attended KV tokens over all its rows; 0 on a
+# (``batch_tokens`` / ``batch_context`` / ``batch_attention``: the forward's new KV tokens, attended KV
+# tokens and attention pairs, each row's new tokens times its context, over all its rows; 0 on a
 # stateless module)
 _RUN = ("node", "partition", "walk_seq", "iteration", "batch", "queued_ms", "start", "compute_ms", "chunks",
-        "batch_tokens", "batch_context")
+        "batch_tokens", "batch_context", "batch_attention")
 
 
 class NodeRuns:
@@ -69,6 +70,7 @@ class NodeRuns:
         items' ``queued_at`` clock), ``wall`` its ``time.time()`` start, ``seconds`` its length;
         ``engine`` the one that ran it (its ``step_tokens`` / ``step_context``)."""
         tokens, context = getattr(engine, "step_tokens", 0), getattr(engine, "step_context", 0)
+        attention = getattr(engine, "step_attention", 0)
         batch, ms, runs_of = len(items), seconds * 1e3, self._runs
         for it in items:
             runs = runs_of.get(it.request_id)
@@ -80,7 +82,7 @@ class NodeRuns:
             if len(runs) < self.max_runs:
                 queued = (started - it.queued_at) * 1e3 if it.queued_at else 0.0
                 runs.append((it.node, it.partition, it.walk_seq, it.iteration, batch, queued, wall, ms,
-                             it.chunks or None, tokens, context))
+                             it.chunks or None, tokens, context, attention))
             else:
                 agg = self._over.setdefault(it.request_id, {}).setdefault(it.node, [0, 0.0])
                 agg[0] += 1

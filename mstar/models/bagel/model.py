@@ -146,6 +146,17 @@ class BagelModel(LazyTokenizer, ModelDef):
         return SpecialTokens(*ids)
 
     # -- graph and state machine -----------------------------------------------------------------
+    def sized_request(self, prompt_tokens: int, output_tokens: int, params: Mapping[str, Any],
+                      seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Random prompt ids; ``target: image`` (the class's params: size, steps, guidance) makes an
+        image and ignores ``output_tokens``, else exactly ``output_tokens`` text tokens (EOS ignored)."""
+        ids = torch.randint(1, max(2, self.spec.llm.vocab_size - 8), (prompt_tokens,),
+                            generator=torch.Generator().manual_seed(seed))
+        if params.get("target") == "image":
+            return {"text_ids": [ids]}, {"seed": seed, **params}
+        sampling = {**dict(params.get("sampling", {})), "ignore_eos": True}
+        return {"text_ids": [ids]}, {**params, "max_tokens": output_tokens, "sampling": sampling}
+
     def build_graph(self) -> WalkGraph:
         return bagel_graph.build_graph()
 

@@ -70,6 +70,7 @@ class KVCacheEngine(KVRows, KVSwap, StatelessEngine):
         ei.num_tokens = [p.inputs.num_tokens if p.inputs.sequences is None else sum(q.num_tokens for q in p.sequences())
                          for p in admitted]
         self.step_tokens, self.step_context = sum(plan.query_lens), sum(plan.context_lens)
+        self.step_attention = sum(q * c for q, c in zip(plan.query_lens, plan.context_lens))
         out = self._call_raw(admitted, ei, tensors)
         self._keep_decode(admitted, ei, tensors, out)
         outs = iter(self._rows(out, len(admitted)))

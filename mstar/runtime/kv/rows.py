@@ -117,6 +117,7 @@ class KVRows:
             return None
         before, slots, block_lists = planned
         self.step_tokens, self.step_context = n, sum(before) + n
+        self.step_attention = self.step_context  # one new token per row
         for info, item, b in zip(infos, items, before):  # each row's ForwardInfo, brought up to date
             info.iteration, info.cache_len = item.iteration, b
         if same:  # the last forward's inputs, brought up to date (the same rows, lists and splits; a module
