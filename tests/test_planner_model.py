@@ -13,7 +13,7 @@ from mstar.placement import Placement
 from mstar.planner import parse_workload
 from mstar.planner.costs import Forward, ForwardCost, nonnegative_least_squares
 from mstar.planner.measure import replay
-from mstar.planner.profile import Profile, forwards_in, gaps_in, profile_model, stream_gaps_in
+from mstar.planner.profile import Profile, forwards_in, gaps_in, hops_in, profile_model, stream_gaps_in
 from mstar.planner.programs import Affine, ClassProgram, emitting_runs
 from mstar.planner.simulate import simulate
 from mstar.planner.workload import Arrival
@@ -87,7 +87,7 @@ def _profile(**changes) -> Profile:
         for p, o in [(10, 3), (20, 3), (10, 5)]], [(10, 3), (20, 3), (10, 5)])
     base = dict(model="llama-tiny", machine="test", cores=2, max_batch=16,
                 costs={"LLM@tp1/t2": ForwardCost(1.0, 0.5, 0.1, 0.0), "LLM@tp2/t1": ForwardCost(2.0, 0.5, 0.05, 0.0)},
-                step_gap_ms=0.2, walk_gap_ms=1.0, stream_gap_ms=0.5, move_ms=Affine(3.0, 0.01), contention={"shared": {1: 1.0, 2: 2.0}, "split": {1: 1.0, 2: 1.0}}, threads=(2,),
+                step_gap_ms=0.2, walk_gap_ms=1.0, stream_gap_ms=0.5, hop_ms=0.0, wake_ms=0.0, move_ms=Affine(3.0, 0.01), contention={"shared": {1: 1.0, 2: 2.0}, "split": {1: 1.0, 2: 1.0}}, threads=(2,),
                 kv_bytes_per_token={"LLM": 512}, programs={"chat": prog}, client_ms={"submit": 2.0, "emit": 0.5, "end": 0.3})
     base.update(changes)
     return Profile(**base)
@@ -161,6 +161,12 @@ def test_profiling_and_replaying_the_tiny_llama():
     assert all(0 < r.ttft <= r.e2e for r in pred.requests + seen.requests)
 
 
+def test_hops_are_the_gaps_between_dependent_runs_on_two_ranks():
+    walk = {"nodes": [{"start": 1.0, "compute_ms": 2.0, "rank": 0}, {"start": 1.003, "compute_ms": 1.0, "rank": 1},
+                      {"start": 1.0045, "compute_ms": 1.0, "rank": 1}, {"start": 1.007, "compute_ms": 1.0, "rank": 0}]}
+    assert hops_in([{"walks": [walk]}]) == pytest.approx([1.0, 1.5])  # 0 -> 1, then 1 -> 0; 1 -> 1 is no hop
+
+
 def test_gaps_come_from_the_runs_of_one_request():
     trace = {"walks": [{"partition": "main", "nodes": [{"start": 1.0, "compute_ms": 2.0, "batch_context": 5}]},
                        {"partition": "main", "nodes": [{"start": 1.010, "compute_ms": 1.0, "batch_context": 6},
@@ -195,6 +201,13 @@ def test_a_streaming_models_program_fires_its_consumer_as_the_runtime_does():
             seen[r["node"]] = seen.get(r["node"], 0) + 1
     assert pred.node_runs == seen  # every LLM step and every chunk the codec decoded
     assert len(pred.requests) == 1 and pred.requests[0].e2e > pred.requests[0].ttft
+    codec_rank = Placement.from_dict({"model": "orpheus-tiny", "node_groups": [
+        {"node_names": ["LLM"], "ranks": [0]}, {"node_names": ["snac_decoder"], "ranks": [1]}]})
+    calm = {"contention": {"shared": {1: 1.0, 2: 1.0}, "split": {1: 1.0, 2: 1.0}}}
+    near, far = (simulate(_profile(programs={"speech": program}, costs=prof.costs, hop_ms=hop, **calm), codec_rank,
+                          model.graph, model.module_of, [Arrival(0.0, "speech", 12, 51)]) for hop in (0.0, 3.0))
+    # each chunk crosses to the codec's rank: the hops delay the end, by at most one (they overlap the LLM)
+    assert 0 < far.requests[0].e2e - near.requests[0].e2e <= 3e-3 + 1e-9
 
 
 def test_ranks_whose_threads_outnumber_the_cores_slow_each_other_even_one_at_a_time():

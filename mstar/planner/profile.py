@@ -8,7 +8,9 @@ makes itself and submits sized requests of the workload's classes (``ModelDef.si
   forward the traces recorded -> one ``ForwardCost`` per module (costs.py), per tensor-parallel size;
 * **gaps**: a rank's own time between two forwards of a request (scheduling, postprocess), a walk
   boundary's (the conductor's round trip), on one rank and, split over two, with the request's KV
-  caches moving (fitted per KV token moved), and a stream chunk's (producer run to consumer walk);
+  caches moving (fitted per KV token moved), a stream chunk's (producer run to consumer walk), and a
+  hop between ranks inside a walk (a node's result sent to the next node's rank);
+* **wake-up**: what a forward costs more on a rank that was idle (its OpenMP threads asleep);
 * **contention**: how much slower a rank computes while others compute too (worker processes share
   the machine's cores; ``contention.py``);
 * **KV**: bytes per cached token of each KV module.
@@ -33,10 +35,12 @@ from mstar.planner.costs import Forward, ForwardCost
 from mstar.planner.programs import Affine, ClassProgram, emitting_runs
 from mstar.planner.workload import RequestClass, Workload
 
-__all__ = ["FINAL", "Profile", "cost_key", "forwards_in", "gaps_in", "profile_model", "stream_gaps_in"]
+__all__ = ["FINAL", "IDLE_S", "Profile", "cost_key", "forwards_in", "gaps_in", "profile_model", "stream_gaps_in",
+           "hops_in", "wake_penalties_in"]
 
 PROFILE_VERSION = 3
 FINAL = "#final"  # a module's cost key suffix for forwards of stream-final chunks only
+IDLE_S = 1e-3  # a rank idle this long before a forward pays Profile.wake_ms
 
 
 def cost_key(module: str, tp: int, threads: int, final: bool = False) -> str:
@@ -54,6 +58,8 @@ class Profile:
     step_gap_ms: float  # a rank's time between a request's consecutive forwards, past their compute
     walk_gap_ms: float  # a walk boundary on the same rank
     stream_gap_ms: float  # a stream's chunk: its last item's producer run end to the consumer's first run
+    hop_ms: float  # a walk's next run on another rank than the run it waits for: the message, past a step gap
+    wake_ms: float  # added to a forward on a rank idle for more than IDLE_S (its threads asleep, caches cold)
     move_ms: Affine  # a walk boundary across ranks, the KV caches moving: ms at ``c + p * kv tokens``
     contention: dict[str, dict[int, float]]  # measure_contention's: "shared" / "split" -> k -> slowdown
     kv_bytes_per_token: dict[str, int]
@@ -95,7 +101,7 @@ class Profile:
         return {"version": PROFILE_VERSION, "model": self.model, "machine": self.machine, "cores": self.cores,
                 "max_batch": self.max_batch, "costs": {k: c.to_dict() for k, c in self.costs.items()},
                 "step_gap_ms": self.step_gap_ms, "walk_gap_ms": self.walk_gap_ms,
-                "stream_gap_ms": self.stream_gap_ms, "move_ms": vars(self.move_ms),
+                "stream_gap_ms": self.stream_gap_ms, "hop_ms": self.hop_ms, "wake_ms": self.wake_ms, "move_ms": vars(self.move_ms),
                 "contention": {way: {str(k): v for k, v in t.items()} for way, t in self.contention.items()},
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "programs": {k: p.to_dict() for k, p in self.programs.items()}, "tp_sizes": list(self.tp_sizes),
@@ -107,7 +113,7 @@ class Profile:
             raise ValueError(f"profile version {d.get('version')!r} is not {PROFILE_VERSION}: profile again")
         return cls(d["model"], d["machine"], d["cores"], d["max_batch"],
                    {k: ForwardCost.from_dict(c) for k, c in d["costs"].items()}, d["step_gap_ms"], d["walk_gap_ms"],
-                   d["stream_gap_ms"],
+                   d["stream_gap_ms"], d["hop_ms"], d["wake_ms"],
                    Affine(**d["move_ms"]), {way: {int(k): v for k, v in t.items()} for way, t in d["contention"].items()},
                    dict(d["kv_bytes_per_token"]), {k: ClassProgram.from_dict(p) for k, p in d["programs"].items()},
                    dict(d.get("client_ms", {})), tuple(d.get("tp_sizes", (1,))), tuple(d.get("threads", ())),
@@ -165,6 +171,43 @@ def gaps_in(traces: Sequence[dict[str, Any]]) -> tuple[list[float], list[tuple[i
             prev_end = last["start"] + last["compute_ms"] / 1e3
             held = max(held, max(r["batch_context"] for r in runs))
     return steps, bounds
+
+
+def wake_penalties_in(traces: Sequence[dict[str, Any]], costs: dict[str, ForwardCost], cores: int,
+                      module_of: Callable[[str], str]) -> list[float]:
+    """From traces of requests run one after another: per forward that followed more than ``IDLE_S``
+    of its rank's idleness, its ms past what its module's cost predicts."""
+    forwards = {}
+    for t in traces:
+        for w in t["walks"]:
+            for r in w["nodes"]:
+                forwards[(r["rank"], r["start"])] = r
+    out, last_end = [], {}
+    for (rank, start), r in sorted(forwards.items()):
+        end = last_end.get(rank)
+        last_end[rank] = start + r["compute_ms"] / 1e3
+        key = cost_key(module_of(r["node"]), 1, cores)
+        if end is None or start - end <= IDLE_S or key not in costs:
+            continue
+        out.append(r["compute_ms"] - costs[key].ms(r["batch"], r["batch_tokens"], r["batch_attention"]))
+    return out
+
+
+def hops_in(traces: Sequence[dict[str, Any]]) -> list[float]:
+    """The ms between a run and the next run of its walk that depends on it on another rank: per run
+    whose latest-ending earlier run of the walk is on another rank, from that one's end to its start."""
+    out = []
+    for t in traces:
+        for w in t["walks"]:
+            done: list[tuple[float, int]] = []  # (end, rank) of the walk's runs so far
+            for r in sorted(w["nodes"], key=lambda r: r["start"]):
+                before = [d for d in done if d[0] <= r["start"]]
+                if before:
+                    end, rank = max(before)
+                    if rank != r["rank"]:
+                        out.append((r["start"] - end) * 1e3)
+                done.append((r["start"] + r["compute_ms"] / 1e3, r["rank"]))
+    return out
 
 
 def stream_gaps_in(traces: Sequence[dict[str, Any]], graph: Any) -> list[float]:
@@ -339,22 +382,25 @@ def _programs(run: _Runner, say: Callable[[str], None]) -> tuple[dict[str, Class
 
 
 def _move_cost(model: Any, workload: Workload, kv: dict[str, int], max_batch: int, workers: str,
-               say: Callable[[str], None]) -> tuple[Affine, list[str]]:
-    """A walk boundary across two ranks (KV moving), fitted per KV token held: run each class alone
-    at its sizes on a placement that splits the KV modules' walks."""
+               say: Callable[[str], None]) -> tuple[Affine, list[float]]:
+    """A walk boundary across two ranks (KV moving), fitted per KV token held, and the hops between
+    ranks inside walks (``hops_in``): run each class alone at its sizes on a placement that splits
+    the KV modules' walks (the other nodes stay on rank 0). None when nothing splits."""
     from mstar.runtime.api import Runtime
 
     groups = _split_groups(model, kv)
     if groups is None:
-        return Affine(0.0), ["no KV module is used by two walks: no KV move profiled"]
-    bounds = []
+        return None
+    bounds, hops = [], []
     with Runtime(model, _placement(model, groups, max_batch), workers=workers) as rt:
         run = _Runner(rt, model, workload.classes())
         _warm(run, 1)
         for name, c in run.classes.items():
             for p, o in _sizes(c):
                 for i in range(3):
-                    bounds += gaps_in([run.alone(name, p, o, f"move-{name}-{p}-{o}-{i}")])[1]
+                    trace = run.alone(name, p, o, f"move-{name}-{p}-{o}-{i}")
+                    bounds += gaps_in([trace])[1]
+                    hops += hops_in([trace])
     per_size: dict[int, list[float]] = {}
     for held, ms in bounds:  # a median per size: a worker's wake-up makes single gaps noisy
         per_size.setdefault(held, []).append(ms)
@@ -362,8 +408,9 @@ def _move_cost(model: Any, workload: Workload, kv: dict[str, int], max_batch: in
     fit = Affine.fit([(h, 0) for h in held], [_median(per_size[h]) for h in held])
     if fit.p < 0 or len(held) < 2:
         fit = Affine(_median([ms for _, ms in bounds]))
-    say(f"  walk boundary across ranks: {fit.c:.2f} ms + {fit.p * 1e3:.3f} µs per KV token")
-    return Affine(max(0.0, fit.c), fit.p), []
+    say(f"  walk boundary across ranks: {fit.c:.2f} ms + {fit.p * 1e3:.3f} µs per KV token; "
+        f"{len(hops)} hops between ranks inside a walk, median {_median(hops):.2f} ms")
+    return Affine(max(0.0, fit.c), fit.p), hops
 
 
 def _tp_costs(model: Any, workload: Workload, ranks: int, max_batch: int, workers: str,
@@ -418,6 +465,10 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
     for c in workload.requests:  # fails early, naming the model, when it cannot make requests
         model.sized_request(1, 2, c.params, 0)
     kv, notes, cores = _kv_bytes(model), [], len(os.sched_getaffinity(0))
+    contention: dict[str, dict[int, float]] = {}
+    if ranks >= 2:  # first, while no worker process of ours is alive
+        contention = measure_contention(ranks, seconds=0.5)
+        say(f"contention of {ranks} ranks computing at once: {contention}")
     say(f"profiling {model.name} on one rank ({workers} workers, {cores} threads)")
     single = [{"node_names": sorted(model.graph.node_names), "ranks": [0]}]
     with Runtime(model, _placement(model, single, max_batch), workers=workers) as rt:
@@ -427,22 +478,25 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
         traces = _sweep(run, max_batch, "tp1", say)
     costs = _fit_costs(forwards_in(traces + alone, model.module_of), 1, cores)
     steps, bounds = gaps_in(alone)
-    move, tp_sizes, contention = Affine(0.0), (1,), {}
+    move, tp_sizes, hop = Affine(0.0), (1,), 0.0
     splits = sorted({max(1, cores // k) for k in range(2, ranks + 1)} - {cores})
     if ranks >= 2:
         costs.update(_thread_sweeps(model, workload, splits, max_batch, workers, say))
         say(f"profiling a KV move and tensor parallelism over {ranks} ranks")
-        move, more = _move_cost(model, workload, kv, max_batch, workers, say)
-        notes += more
+        moved = _move_cost(model, workload, kv, max_batch, workers, say)
+        if moved is None:
+            notes.append("no KV module is used by two walks: no KV move or hop between ranks profiled")
+        else:
+            move, hops = moved
+            hop = max(0.0, _median(hops) - _median(steps)) if hops else 0.0
         if tensor_parallel:
             tp, more = _tp_costs(model, workload, ranks, max_batch, workers, say)
             costs.update(tp)
             notes += more
             tp_sizes = (1, ranks) if tp else (1,)
-        contention = measure_contention(ranks, seconds=0.5)
-        say(f"  contention: {contention}")
     return Profile(model.name, _cpu_name(), cores, max_batch, costs,
                    max(0.0, _median(steps)), max(0.0, _median([ms for _, ms in bounds])),
-                   max(0.0, _median(stream_gaps_in(alone, model.graph))), move, contention, kv,
+                   max(0.0, _median(stream_gaps_in(alone, model.graph))), hop,
+                   max(0.0, _median(wake_penalties_in(alone, costs, cores, model.module_of))), move, contention, kv,
                    programs, overheads_in(alone, emitting_runs(model.graph)), tp_sizes, tuple(sorted({cores, *splits})),
                    notes)

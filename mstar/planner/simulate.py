@@ -15,16 +15,18 @@ It replays a workload's arrivals against a placement the way the workers run the
   own ``ChunkPolicy``); each chunk it fires is one walk of the consumer, walks of one request's
   consumer one after another; the request ends when every partition has;
 * a forward's work is the module's ``ForwardCost`` for its rows, new tokens and attention pairs
-  (each row's tokens times its context) at its
-  rank's threads (the group's ``threads``, else the default); groups computing at once share the
-  machine (processor sharing: each progresses at 1 / ``Profile.slowdown`` of the threads computing,
-  re-paced whenever a forward starts or ends; ranks whose threads outnumber the cores slow each
-  other all the time, at the ``shared`` slowdown of them all: idle OpenMP threads spin); then the
-  rank's step gap;
+  (each row's tokens times its context) at its rank's threads (the group's ``threads``, else the
+  default), plus ``Profile.wake_ms`` on a rank idle for more than ``IDLE_S``; groups computing at
+  once share the machine (processor sharing: each progresses at 1 / ``Profile.slowdown`` of the
+  threads computing, re-paced whenever a forward starts or ends; ranks whose threads outnumber the
+  cores slow each other all the time, at the ``shared`` slowdown of them all: idle OpenMP threads
+  spin); then the rank's step gap;
 * a request reaches its first queue after the client-to-worker time, its first item and its end
   reach the client after theirs (``Profile.client_ms``);
-* a request's next run is ready after the step gap, or at a walk boundary after the walk gap, or,
-  when its KV module moves to another group, after the KV move (``Profile.move_ms``).
+* a request's next run is ready after the step gap (plus ``Profile.hop_ms`` when it runs on another
+  rank than the run it waits for), or at a walk boundary after the walk gap, or, when its KV module
+  moves to another group, after the KV move (``Profile.move_ms``); a stream's chunk reaches its
+  consumer after ``Profile.stream_gap_ms`` (plus the hop from another rank).
 
 What it does not model (yet): KV admission and preemption (it reports each rank's peak KV instead),
 chains of streams (a consumer that streams on).
@@ -39,7 +41,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar.planner.profile import Profile
+from mstar.planner.profile import IDLE_S, Profile
 from mstar.planner.programs import (
     ConsumerShape,
     ProgramRun,
@@ -192,6 +194,7 @@ class _Sim:
         self.seq = itertools.count()
         self.queues: dict[tuple[int, str], list[_Item]] = {}  # (leader rank, module) -> items
         self.free_at: dict[int, float] = {}
+        self.last_end: dict[int, float] = {}  # rank -> when its last forward ended
         self.computing: dict[tuple[int, ...], _Forward] = {}  # group ranks -> its forward in flight
         self.busy: dict[int, float] = {}
         self.kv: dict[int, int] = {}
@@ -270,6 +273,8 @@ class _Sim:
         runs = [it.run for it in take]
         cost = self.p.cost(key[1], g.tp, g.threads, all(r.final for r in runs)).ms(
             len(runs), sum(r.tokens for r in runs), sum(r.tokens * r.context for r in runs))
+        if any(t - self.last_end.get(r, -1.0) > IDLE_S for r in g.ranks):
+            cost += self.p.wake_ms  # its threads went to sleep
         self._progress(t)
         self.computing[g.ranks] = _Forward(g, take, cost / 1e3, t)
         for r in g.ranks:
@@ -301,6 +306,7 @@ class _Sim:
         for r in g.ranks:
             self.free_at[r] = t + self.p.step_gap_ms / 1e3
             self.busy[r] = self.busy.get(r, 0.0) + t - f.started
+            self.last_end[r] = t
         for it in items:
             cur, run = it.cursor, it.run
             req = cur.req
@@ -309,7 +315,7 @@ class _Sim:
             self._hold_kv(g.leader, run)
             self.node_runs[run.node] = self.node_runs.get(run.node, 0) + 1
             if cur.consumer is None:
-                self._pushed(t, req, run)
+                self._pushed(t, req, run, g.leader)
             cur.left -= 1
             if cur.left:
                 continue  # a parallel branch still runs
@@ -317,26 +323,31 @@ class _Sim:
             if cur.consumer is None:
                 self._root_ran(t, req, run, g)
             elif cur.at < len(cur.runs):
-                self.ready(t + self.p.step_gap_ms / 1e3, cur)
+                self.ready(t + (self.p.step_gap_ms + self._hop(g.leader, cur)) / 1e3, cur)
             else:
                 cur.consumer.cursor = None
-                self._next_firing(t, req, cur.consumer)
+                self._next_firing(t, req, cur.consumer, g.leader)
         for r in g.ranks:
             self.push(self.free_at[r], "try", r)
 
-    def _pushed(self, t: float, req: _Request, run: ProgramRun) -> None:
+    def _hop(self, src: int, cur: _Cursor) -> float:
+        """``Profile.hop_ms`` when a run of the cursor's next stage is on another rank than ``src``."""
+        leaders = {self.group(cur.runs[i].node, cur.runs[i].walk).leader for i in cur.stage()}
+        return self.p.hop_ms if leaders - {src} else 0.0
+
+    def _pushed(self, t: float, req: _Request, run: ProgramRun, src: int) -> None:
         """A root run's stream items: one per run, until the stream's count."""
         for c in req.consumers:
             if c.shape.partition in self.producers.get((run.walk, run.node), ()) and c.pushed < c.items:
                 c.pushed += 1
-                self._fired(t, req, c, c.policy.push([None]))
+                self._fired(t, req, c, c.policy.push([None]), src)
 
     def _root_ran(self, t: float, req: _Request, run: ProgramRun, g: _Group) -> None:
         """The root partition's stage ended with ``run`` (on ``g``): its next stage, or its end."""
         cur = req.root
         if cur.at < len(cur.runs):
             nxt = cur.runs[cur.at]
-            delay = self.p.step_gap_ms
+            delay = self.p.step_gap_ms + self._hop(g.leader, cur)
             if nxt.walk_index != run.walk_index:
                 moved = self.group(nxt.node, nxt.walk).leader != g.leader and nxt.context > nxt.tokens
                 delay = self.p.move_ms.at(run.context, 0) if moved else self.p.walk_gap_ms
@@ -345,22 +356,24 @@ class _Sim:
         req.root_done = True
         for c in req.consumers:
             c.closed = True
-            self._fired(t, req, c, c.policy.finish())
+            self._fired(t, req, c, c.policy.finish(), g.leader)
         self._maybe_end(t, req)
 
-    def _fired(self, t: float, req: _Request, c: _Consumer, chunks: list) -> None:
+    def _fired(self, t: float, req: _Request, c: _Consumer, chunks: list, src: int) -> None:
         for chunk in chunks:
             shape = c.shape.final if chunk.is_final and c.shape.final is not None else c.shape.firing
             c.pending.append(expand_walk(shape, 0, req.arrival.prompt_tokens, req.arrival.output_tokens,
                                          chunk.is_final, self.levels))
-        self._next_firing(t, req, c)
+        self._next_firing(t, req, c, src)
 
-    def _next_firing(self, t: float, req: _Request, c: _Consumer) -> None:
+    def _next_firing(self, t: float, req: _Request, c: _Consumer, src: int) -> None:
+        """The consumer's next fired walk, if it is free (``src``: the rank the chunk or the last walk
+        came from)."""
         while c.cursor is None and c.pending:
             runs = c.pending.popleft()
             if runs:
                 c.cursor = _Cursor(req, runs, 1, consumer=c)
-                self.ready(t + self.p.stream_gap_ms / 1e3, c.cursor)
+                self.ready(t + (self.p.stream_gap_ms + self._hop(src, c.cursor)) / 1e3, c.cursor)
         self._maybe_end(t, req)
 
     def _hold_kv(self, rank: int, run: ProgramRun) -> None:
