@@ -59,6 +59,16 @@ class ForwardCost:
     per_pair: float
     samples: int = 0
     error: float = 0.0
+    spread: tuple[float, ...] = ()  # measured / fitted time at the 0, 5, ..., 100th percentiles
+
+    def draw(self, u: float) -> float:
+        """The factor a forward's time is off the fit at quantile ``u`` in [0, 1] (1.0 without a spread):
+        what a simulator multiplies by, so its forwards vary as the measured ones did."""
+        if not self.spread:
+            return 1.0
+        x = u * (len(self.spread) - 1)
+        i = min(int(x), len(self.spread) - 2)
+        return self.spread[i] + (self.spread[i + 1] - self.spread[i]) * (x - i)
 
     def ms(self, rows: int, tokens: int, attention: int) -> float:
         return self.fixed + self.per_row * rows + self.per_token * tokens + self.per_pair * attention
@@ -80,13 +90,16 @@ class ForwardCost:
             coef = nonnegative_least_squares(x * scale[:, None], y * scale)
         pred = x @ coef
         err = float(np.median(np.abs(pred - y) / np.maximum(y, 1e-3)))
-        return cls(*(float(c) for c in coef), samples=len(forwards), error=err)
+        ratio = y / np.maximum(pred, 1e-6)
+        spread = tuple(round(float(q), 4) for q in np.percentile(ratio, np.arange(0, 101, 5)))
+        return cls(*(float(c) for c in coef), samples=len(forwards), error=err, spread=spread)
 
     def to_dict(self) -> dict[str, Any]:
         return {"fixed_ms": self.fixed, "per_row_ms": self.per_row, "per_token_ms": self.per_token,
-                "per_pair_ms": self.per_pair, "samples": self.samples, "median_error": self.error}
+                "per_pair_ms": self.per_pair, "samples": self.samples, "median_error": self.error,
+                "spread": list(self.spread)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ForwardCost:
         return cls(d["fixed_ms"], d["per_row_ms"], d["per_token_ms"], d["per_pair_ms"], d.get("samples", 0),
-                   d.get("median_error", 0.0))
+                   d.get("median_error", 0.0), tuple(d.get("spread", ())))

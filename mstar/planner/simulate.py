@@ -16,7 +16,7 @@ It replays a workload's arrivals against a placement the way the workers run the
   consumer one after another; the request ends when every partition has;
 * a forward's work is the module's ``ForwardCost`` for its rows, new tokens and attention pairs
   (each row's tokens times its context) at its rank's threads (the group's ``threads``, else the
-  default), plus ``Profile.wake_ms`` on a rank idle for more than ``IDLE_S``; groups computing at
+  default), times a draw from the profiled forwards' spread around the fit (seeded), plus ``Profile.wake_ms`` on a rank idle for more than ``IDLE_S``; groups computing at
   once share the machine (processor sharing: each progresses at 1 / ``Profile.slowdown`` of the
   threads computing, re-paced whenever a forward starts or ends; ranks whose threads outnumber the
   cores slow each other all the time, at the ``shared`` slowdown of them all: idle OpenMP threads
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -183,8 +184,9 @@ class _Item:
 
 
 class _Sim:
-    def __init__(self, profile: Profile, placement: Any, module_of: Any, graph: Any) -> None:
+    def __init__(self, profile: Profile, placement: Any, module_of: Any, graph: Any, seed: int) -> None:
         self.p, self.placement, self.module_of = profile, placement, module_of
+        self.rng = random.Random(seed)
         self.emitting, self.producers = emitting_runs(graph), stream_producers(graph)
         self.levels = node_levels(graph)
         limits = placement.limits
@@ -271,8 +273,9 @@ class _Sim:
         for it in take:
             q.remove(it)
         runs = [it.run for it in take]
-        cost = self.p.cost(key[1], g.tp, g.threads, all(r.final for r in runs)).ms(
-            len(runs), sum(r.tokens for r in runs), sum(r.tokens * r.context for r in runs))
+        fit = self.p.cost(key[1], g.tp, g.threads, all(r.final for r in runs))
+        cost = fit.ms(len(runs), sum(r.tokens for r in runs), sum(r.tokens * r.context for r in runs))
+        cost *= fit.draw(self.rng.random())  # as far off the fit as a measured forward may be
         if any(t - self.last_end.get(r, -1.0) > IDLE_S for r in g.ranks):
             cost += self.p.wake_ms  # its threads went to sleep
         self._progress(t)
@@ -410,9 +413,11 @@ class _Sim:
                 self.finish(t, *payload)
 
 
-def simulate(profile: Profile, placement: Any, graph: Any, module_of: Any, arrivals: Sequence[Arrival]) -> Prediction:
-    """Predicted latencies of ``arrivals`` served on ``placement`` (module docstring)."""
-    sim = _Sim(profile, placement, module_of, graph)
+def simulate(profile: Profile, placement: Any, graph: Any, module_of: Any, arrivals: Sequence[Arrival],
+             seed: int = 0) -> Prediction:
+    """Predicted latencies of ``arrivals`` served on ``placement`` (module docstring); ``seed`` draws
+    the forwards' spread."""
+    sim = _Sim(profile, placement, module_of, graph, seed)
     policies = {c.to_partition: c.chunk_policy_factory for c in graph.topology.connections}
     reqs = []
     for a in arrivals:
