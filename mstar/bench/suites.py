@@ -200,6 +200,16 @@ def suite_prefix(repeats: int | None) -> SuiteResult:
                        notes=_fewer(repeats, 3), data=res)
 
 
+def suite_plan(repeats: int | None) -> SuiteResult:
+    from mstar.bench.plan_bench import format_tables, goals, run_plan_bench
+
+    res = run_plan_bench(log=_log)
+    return SuiteResult("plan", "mstar bench plan", tables=format_tables(res),
+                       goals=[Goal(text, ok) for text, ok in goals(res)],
+                       notes=["One replay per placement and workload (8 s of seeded Poisson arrivals); "
+                              "--repeats does not apply."], data=res)
+
+
 def suite_realtime(repeats: int | None) -> SuiteResult:
     from mstar.bench.realtime_bench import format_table, run_realtime_bench
     from mstar.bench.stats import percentile
@@ -330,6 +340,7 @@ SUITES: dict[str, Suite] = {
     "policy": Suite("pi0.5 policy over openpi's websocket protocol vs. lerobot", suite_policy),
     "pressure": Suite("KV pressure: 4x oversubscription", suite_pressure),
     "prefix": Suite("Prefix caching: a shared system prompt, on vs. off", suite_prefix),
+    "plan": Suite("Placement planner: predicted vs. measured, planned vs. naive goodput", suite_plan),
     "realtime": Suite("Realtime: end of a spoken turn -> first answer delta, /v1/realtime vs. a chat completion",
                       suite_realtime),
     "trace": Suite("Walk traces: tok/s with traces kept vs. none", suite_trace),

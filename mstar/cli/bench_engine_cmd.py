@@ -1,5 +1,5 @@
 """The ``mstar bench`` subcommands that measure the engine alone, with no peer: ``pressure``
-(pressure_bench.py), ``prefix`` (prefix_bench.py), ``sampler`` (sampler_bench.py), ``soak``
+(pressure_bench.py), ``prefix`` (prefix_bench.py), ``plan`` (plan_bench.py), ``sampler`` (sampler_bench.py), ``soak``
 (soak_bench.py), ``tp`` (tp_bench.py), ``transport`` (transport_bench.py); ``bench_cmd`` mounts them."""
 
 from __future__ import annotations
@@ -145,6 +145,24 @@ def run_tp(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_plan(bsub) -> None:
+    from mstar.bench.plan_bench import add_arguments
+
+    pl = bsub.add_parser("plan", help="the placement planner's predictions vs. replays through the runtime, "
+                                      "and its plan's goodput vs. a naive placement",
+                         description="Profile each tiny model, compare the simulator's p50 / p95 with replays "
+                                     "of the same arrivals on two placements and two workloads, and the goodput "
+                                     "of `mstar plan`'s placement with everything on every rank.")
+    add_arguments(pl)
+    pl.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from mstar.bench.plan_bench import run
+
+    return run(args)
+
+
 def _add_sampler(bsub) -> None:
     sm = bsub.add_parser("sampler", help="decode throughput with the OpenAI sampling options or a JSON schema on "
                                          "every row vs. none",
@@ -202,4 +220,4 @@ def run_transport(args: argparse.Namespace) -> int:
 
 
 # the subcommands ``bench_cmd.add_parser`` mounts from here, in its order
-ENGINE_BENCHES = (_add_pressure, _add_prefix, _add_sampler, _add_soak, _add_tp, _add_transport)
+ENGINE_BENCHES = (_add_pressure, _add_prefix, _add_plan, _add_sampler, _add_soak, _add_tp, _add_transport)

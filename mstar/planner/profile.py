@@ -64,7 +64,9 @@ class Profile:
     contention: dict[str, dict[int, float]]  # measure_contention's: "shared" / "split" -> k -> slowdown
     kv_bytes_per_token: dict[str, int]
     programs: dict[str, ClassProgram]
-    client_ms: dict[str, float] = field(default_factory=dict)  # overheads_in's: submit, emit, end
+    # threads of a request's first rank -> overheads_in's (submit, emit, end): a worker whose threads
+    # take every core leaves the serving process less room
+    client_ms: dict[int, dict[str, float]] = field(default_factory=dict)
     tp_sizes: tuple[int, ...] = (1,)
     threads: tuple[int, ...] = ()  # the thread counts one rank (tp 1) was profiled at
     notes: list[str] = field(default_factory=list)
@@ -86,6 +88,13 @@ class Profile:
                            f"{threads} thread(s) (profiled: {', '.join(sorted(self.costs))})")
         return self.costs[key]
 
+    def client(self, threads: int) -> dict[str, float]:
+        """The client overheads (ms) of a request whose first rank runs ``threads`` threads (the nearest
+        thread count profiled)."""
+        if not self.client_ms:
+            return {}
+        return self.client_ms[min(self.client_ms, key=lambda t: (abs(t - threads), t))]
+
     def slowdown(self, threads: list[int]) -> float:
         """How much slower each forward runs while groups using ``threads`` threads each compute at once:
         the ``split`` table while they fit the cores, else the ``shared`` one (past the ranks measured,
@@ -105,7 +114,8 @@ class Profile:
                 "contention": {way: {str(k): v for k, v in t.items()} for way, t in self.contention.items()},
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "programs": {k: p.to_dict() for k, p in self.programs.items()}, "tp_sizes": list(self.tp_sizes),
-                "threads": list(self.threads), "client_ms": self.client_ms, "notes": self.notes}
+                "threads": list(self.threads), "client_ms": {str(k): v for k, v in self.client_ms.items()},
+                "notes": self.notes}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Profile:
@@ -116,7 +126,7 @@ class Profile:
                    d["stream_gap_ms"], d["hop_ms"], d["wake_ms"],
                    Affine(**d["move_ms"]), {way: {int(k): v for k, v in t.items()} for way, t in d["contention"].items()},
                    dict(d["kv_bytes_per_token"]), {k: ClassProgram.from_dict(p) for k, p in d["programs"].items()},
-                   dict(d.get("client_ms", {})), tuple(d.get("tp_sizes", (1,))), tuple(d.get("threads", ())),
+                   {int(k): v for k, v in d.get("client_ms", {}).items()}, tuple(d.get("tp_sizes", (1,))), tuple(d.get("threads", ())),
                    list(d.get("notes", [])))
 
     def save(self, path: str | Path) -> None:
@@ -439,19 +449,23 @@ def _fit_costs(forwards: list[Forward], tp: int, threads: int) -> dict[str, Forw
 
 
 def _thread_sweeps(model: Any, workload: Workload, options: list[int], max_batch: int, workers: str,
-                   say: Callable[[str], None]) -> dict[str, ForwardCost]:
-    """Forward costs of one rank given ``threads``, for each of ``options``."""
+                   say: Callable[[str], None]) -> tuple[dict[str, ForwardCost], dict[int, dict[str, float]]]:
+    """Forward costs and client overheads of one rank given ``threads``, for each of ``options``."""
     from mstar.runtime.api import Runtime
 
-    out = {}
+    costs, client = {}, {}
     for threads in options:
         single = [{"node_names": sorted(model.graph.node_names), "ranks": [0], "threads": threads}]
         say(f"profiling {model.name} on one rank with {threads} thread(s)")
         with Runtime(model, _placement(model, single, max_batch), workers=workers) as rt:
             run = _Runner(rt, model, workload.classes())
             _warm(run, max_batch)
-            out.update(_fit_costs(forwards_in(_sweep(run, max_batch, f"t{threads}", say), model.module_of), 1, threads))
-    return out
+            costs.update(_fit_costs(forwards_in(_sweep(run, max_batch, f"t{threads}", say), model.module_of), 1,
+                                    threads))
+            alone = [run.alone(name, p, o, f"client-{name}-{p}-{o}") for name, c in run.classes.items()
+                     for p, o in _sizes(c)]
+        client[threads] = overheads_in(alone, emitting_runs(model.graph))
+    return costs, client
 
 
 def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int = 16, workers: str = "process",
@@ -478,10 +492,13 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
         traces = _sweep(run, max_batch, "tp1", say)
     costs = _fit_costs(forwards_in(traces + alone, model.module_of), 1, cores)
     steps, bounds = gaps_in(alone)
+    client = {cores: overheads_in(alone, emitting_runs(model.graph))}
     move, tp_sizes, hop = Affine(0.0), (1,), 0.0
     splits = sorted({max(1, cores // k) for k in range(2, ranks + 1)} - {cores})
     if ranks >= 2:
-        costs.update(_thread_sweeps(model, workload, splits, max_batch, workers, say))
+        more_costs, more_client = _thread_sweeps(model, workload, splits, max_batch, workers, say)
+        costs.update(more_costs)
+        client.update(more_client)
         say(f"profiling a KV move and tensor parallelism over {ranks} ranks")
         moved = _move_cost(model, workload, kv, max_batch, workers, say)
         if moved is None:
@@ -498,5 +515,5 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
                    max(0.0, _median(steps)), max(0.0, _median([ms for _, ms in bounds])),
                    max(0.0, _median(stream_gaps_in(alone, model.graph))), hop,
                    max(0.0, _median(wake_penalties_in(alone, costs, cores, model.module_of))), move, contention, kv,
-                   programs, overheads_in(alone, emitting_runs(model.graph)), tp_sizes, tuple(sorted({cores, *splits})),
+                   programs, client, tp_sizes, tuple(sorted({cores, *splits})),
                    notes)

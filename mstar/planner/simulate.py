@@ -22,7 +22,7 @@ It replays a workload's arrivals against a placement the way the workers run the
   cores slow each other all the time, at the ``shared`` slowdown of them all: idle OpenMP threads
   spin); then the rank's step gap;
 * a request reaches its first queue after the client-to-worker time, its first item and its end
-  reach the client after theirs (``Profile.client_ms``);
+  reach the client after theirs (``Profile.client``, measured for its first rank's threads);
 * a request's next run is ready after the step gap (plus ``Profile.hop_ms`` when it runs on another
   rank than the run it waits for), or at a walk boundary after the walk gap, or, when its KV module
   moves to another group, after the KV move (``Profile.move_ms``); a stream's chunk reaches its
@@ -379,6 +379,10 @@ class _Sim:
                 self.ready(t + (self.p.stream_gap_ms + self._hop(src, c.cursor)) / 1e3, c.cursor)
         self._maybe_end(t, req)
 
+    def _client(self, req: _Request) -> dict[str, float]:
+        first = req.root.runs[0] if req.root is not None else None
+        return self.p.client(self.group(first.node, first.walk).threads if first else self.p.cores)
+
     def _hold_kv(self, rank: int, run: ProgramRun) -> None:
         self.kv[rank] = self.kv.get(rank, 0) + run.tokens
         self.peak[rank] = max(self.peak.get(rank, 0), self.kv[rank])
@@ -386,7 +390,7 @@ class _Sim:
     def _maybe_end(self, t: float, req: _Request) -> None:
         if not req.root_done or not all(c.idle for c in req.consumers) or req.root is None:
             return
-        a, cur = req.arrival, req.root
+        a, cur, client = req.arrival, req.root, self._client(req)
         req.root = None  # ended: counted once
         held: dict[int, int] = {}
         for run in cur.runs:
@@ -394,7 +398,6 @@ class _Sim:
             held[leader] = held.get(leader, 0) + run.tokens
         for rank, n in held.items():
             self.kv[rank] -= n
-        client = self.p.client_ms
         ttft = (req.first_emit + client.get("emit", 0.0) / 1e3 if req.first_emit is not None else t) - a.at_s
         e2e = t + client.get("end", 0.0) / 1e3 - a.at_s
         tpot = (e2e - ttft) / (a.output_tokens - 1) if a.output_tokens > 1 else None
@@ -402,7 +405,7 @@ class _Sim:
 
     def run(self, requests: Iterable[_Request]) -> None:
         for req in requests:
-            self.push(req.arrival.at_s + self.p.client_ms.get("submit", 0.0) / 1e3, "arrive", req)
+            self.push(req.arrival.at_s + self._client(req).get("submit", 0.0) / 1e3, "arrive", req)
         while self.events:
             t, _, kind, payload = heapq.heappop(self.events)
             if kind == "arrive":
