@@ -88,7 +88,7 @@ def _profile(**changes) -> Profile:
     base = dict(model="llama-tiny", machine="test", cores=2, max_batch=16,
                 costs={"LLM@tp1/t2": ForwardCost(1.0, 0.5, 0.1, 0.0), "LLM@tp2/t1": ForwardCost(2.0, 0.5, 0.05, 0.0)},
                 step_gap_ms=0.2, walk_gap_ms=1.0, stream_gap_ms=0.5, hop_ms=0.0, wake_ms=0.0, move_ms=Affine(3.0, 0.01), contention={"shared": {1: 1.0, 2: 2.0}, "split": {1: 1.0, 2: 1.0}}, threads=(2,),
-                kv_bytes_per_token={"LLM": 512}, programs={"chat": prog}, client_ms={2: {"submit": 2.0, "emit": 0.5, "end": 0.3}})
+                kv_bytes_per_token={"LLM": 512}, programs={"chat": prog}, client_ms={2: {"submit": [2.0], "emit": [0.5], "end": [0.3]}})
     base.update(changes)
     return Profile(**base)
 

@@ -64,9 +64,9 @@ class Profile:
     contention: dict[str, dict[int, float]]  # measure_contention's: "shared" / "split" -> k -> slowdown
     kv_bytes_per_token: dict[str, int]
     programs: dict[str, ClassProgram]
-    # threads of a request's first rank -> overheads_in's (submit, emit, end): a worker whose threads
-    # take every core leaves the serving process less room
-    client_ms: dict[int, dict[str, float]] = field(default_factory=dict)
+    # threads of a request's first rank -> overheads_in's (submit, emit, end percentiles): a worker
+    # whose threads take every core leaves the serving process less room
+    client_ms: dict[int, dict[str, list[float]]] = field(default_factory=dict)
     tp_sizes: tuple[int, ...] = (1,)
     threads: tuple[int, ...] = ()  # the thread counts one rank (tp 1) was profiled at
     notes: list[str] = field(default_factory=list)
@@ -88,12 +88,13 @@ class Profile:
                            f"{threads} thread(s) (profiled: {', '.join(sorted(self.costs))})")
         return self.costs[key]
 
-    def client(self, threads: int) -> dict[str, float]:
-        """The client overheads (ms) of a request whose first rank runs ``threads`` threads (the nearest
-        thread count profiled)."""
+    def client(self, threads: int, u: float = 0.5) -> dict[str, float]:
+        """The client overheads (ms) at quantile ``u`` of a request whose first rank runs ``threads``
+        threads (the nearest thread count profiled)."""
         if not self.client_ms:
             return {}
-        return self.client_ms[min(self.client_ms, key=lambda t: (abs(t - threads), t))]
+        per = self.client_ms[min(self.client_ms, key=lambda t: (abs(t - threads), t))]
+        return {k: _quantile(qs, u) for k, qs in per.items()}
 
     def slowdown(self, threads: list[int]) -> float:
         """How much slower each forward runs while groups using ``threads`` threads each compute at once:
@@ -251,10 +252,11 @@ def _cpu_name() -> str:
     return platform.machine()
 
 
-def overheads_in(traces: Sequence[dict[str, Any]], emitting: set[tuple[str, str]]) -> dict[str, float]:
-    """Medians (ms) over requests run alone (``_Runner.alone``'s traces): ``submit`` from the client's
-    submit to the first run's start, ``emit`` from the first emitting run's end to the client's first
-    item, ``end`` from the last run's end to the client seeing the request end."""
+def overheads_in(traces: Sequence[dict[str, Any]], emitting: set[tuple[str, str]]) -> dict[str, list[float]]:
+    """Over requests run alone (``_Runner.alone``'s traces), the 0, 5, ..., 100th percentiles (ms) of
+    ``submit``, from the client's submit to the first run's start, ``emit``, from the first emitting
+    run's end to the client's first item, and ``end``, from the last run's end to the client seeing
+    the request end."""
     out: dict[str, list[float]] = {"submit": [], "emit": [], "end": []}
     for t in traces:
         c, runs = t["client"], [(w["walk"], r) for w in t["walks"] for r in w["nodes"]]
@@ -266,7 +268,17 @@ def overheads_in(traces: Sequence[dict[str, Any]], emitting: set[tuple[str, str]
             out["emit"].append((c["first"] - emits[0]["start"]) * 1e3 - emits[0]["compute_ms"])
         last = max((r for _, r in runs), key=lambda r: r["start"] + r["compute_ms"] / 1e3)
         out["end"].append((c["end"] - last["start"]) * 1e3 - last["compute_ms"])
-    return {k: max(0.0, _median(v)) for k, v in out.items()}
+    return {k: [round(max(0.0, float(q)), 4) for q in np.percentile(v, np.arange(0, 101, 5))] if v else [0.0]
+            for k, v in out.items()}
+
+
+def _quantile(qs: Sequence[float], u: float) -> float:
+    """Linear interpolation in evenly spaced percentiles ``qs`` at ``u`` in [0, 1]."""
+    if len(qs) == 1:
+        return qs[0]
+    x = u * (len(qs) - 1)
+    i = min(int(x), len(qs) - 2)
+    return qs[i] + (qs[i + 1] - qs[i]) * (x - i)
 
 
 def _median(values: Sequence[float], default: float = 0.0) -> float:
@@ -448,6 +460,16 @@ def _fit_costs(forwards: list[Forward], tp: int, threads: int) -> dict[str, Forw
     return {f"{m}@tp{tp}/t{threads}": ForwardCost.fit(fs) for m, fs in by.items()}
 
 
+CLIENT_RUNS = 12  # requests run alone per thread count, for the client overheads' spread
+
+
+def _client_runs(run: _Runner) -> list[dict[str, Any]]:
+    """``CLIENT_RUNS`` requests of the classes, one at a time, at their sizes in turn."""
+    sizes = [(name, p, o) for name, c in run.classes.items() for p, o in _sizes(c)]
+    return [run.alone(name, p, o, f"client-{name}") for name, p, o in
+            (sizes[i % len(sizes)] for i in range(CLIENT_RUNS))]
+
+
 def _thread_sweeps(model: Any, workload: Workload, options: list[int], max_batch: int, workers: str,
                    say: Callable[[str], None]) -> tuple[dict[str, ForwardCost], dict[int, dict[str, float]]]:
     """Forward costs and client overheads of one rank given ``threads``, for each of ``options``."""
@@ -462,8 +484,7 @@ def _thread_sweeps(model: Any, workload: Workload, options: list[int], max_batch
             _warm(run, max_batch)
             costs.update(_fit_costs(forwards_in(_sweep(run, max_batch, f"t{threads}", say), model.module_of), 1,
                                     threads))
-            alone = [run.alone(name, p, o, f"client-{name}-{p}-{o}") for name, c in run.classes.items()
-                     for p, o in _sizes(c)]
+            alone = _client_runs(run)
         client[threads] = overheads_in(alone, emitting_runs(model.graph))
     return costs, client
 
@@ -490,9 +511,10 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
         _warm(run, max_batch)
         programs, alone = _programs(run, say)
         traces = _sweep(run, max_batch, "tp1", say)
+        client_alone = _client_runs(run)
     costs = _fit_costs(forwards_in(traces + alone, model.module_of), 1, cores)
     steps, bounds = gaps_in(alone)
-    client = {cores: overheads_in(alone, emitting_runs(model.graph))}
+    client = {cores: overheads_in(client_alone, emitting_runs(model.graph))}
     move, tp_sizes, hop = Affine(0.0), (1,), 0.0
     splits = sorted({max(1, cores // k) for k in range(2, ranks + 1)} - {cores})
     if ranks >= 2:

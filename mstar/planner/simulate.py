@@ -22,7 +22,8 @@ It replays a workload's arrivals against a placement the way the workers run the
   cores slow each other all the time, at the ``shared`` slowdown of them all: idle OpenMP threads
   spin); then the rank's step gap;
 * a request reaches its first queue after the client-to-worker time, its first item and its end
-  reach the client after theirs (``Profile.client``, measured for its first rank's threads);
+  reach the client after theirs (``Profile.client``, measured for its first rank's threads, drawn
+  per request from their spread);
 * a request's next run is ready after the step gap (plus ``Profile.hop_ms`` when it runs on another
   rank than the run it waits for), or at a walk boundary after the walk gap, or, when its KV module
   moves to another group, after the KV move (``Profile.move_ms``); a stream's chunk reaches its
@@ -155,6 +156,7 @@ class _Request:
     root: _Cursor | None = None
     first_emit: float | None = None
     root_done: bool = False
+    client: dict[str, float] | None = None  # its client overheads (ms), drawn when it arrives
 
 
 @dataclass
@@ -380,8 +382,11 @@ class _Sim:
         self._maybe_end(t, req)
 
     def _client(self, req: _Request) -> dict[str, float]:
-        first = req.root.runs[0] if req.root is not None else None
-        return self.p.client(self.group(first.node, first.walk).threads if first else self.p.cores)
+        """The request's client overheads: drawn once (seeded) from the profiled spread."""
+        if req.client is None:
+            first = req.root.runs[0]
+            req.client = self.p.client(self.group(first.node, first.walk).threads, self.rng.random())
+        return req.client
 
     def _hold_kv(self, rank: int, run: ProgramRun) -> None:
         self.kv[rank] = self.kv.get(rank, 0) + run.tokens
