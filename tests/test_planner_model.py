@@ -13,7 +13,15 @@ from mstar.placement import Placement
 from mstar.planner import parse_workload
 from mstar.planner.costs import Forward, ForwardCost, nonnegative_least_squares
 from mstar.planner.measure import replay
-from mstar.planner.profile import Profile, forwards_in, gaps_in, hops_in, profile_model, stream_gaps_in
+from mstar.planner.profile import (
+    Profile,
+    RankTiming,
+    forwards_in,
+    gaps_in,
+    hops_in,
+    profile_model,
+    stream_gaps_in,
+)
 from mstar.planner.programs import Affine, ClassProgram, emitting_runs
 from mstar.planner.simulate import simulate
 from mstar.planner.workload import Arrival
@@ -87,8 +95,10 @@ def _profile(**changes) -> Profile:
         for p, o in [(10, 3), (20, 3), (10, 5)]], [(10, 3), (20, 3), (10, 5)])
     base = dict(model="llama-tiny", machine="test", cores=2, max_batch=16,
                 costs={"LLM@tp1/t2": ForwardCost(1.0, 0.5, 0.1, 0.0), "LLM@tp2/t1": ForwardCost(2.0, 0.5, 0.05, 0.0)},
-                step_gap_ms=0.2, walk_gap_ms=1.0, stream_gap_ms=0.5, hop_ms=0.0, wake_ms=0.0, move_ms=Affine(3.0, 0.01), contention={"shared": {1: 1.0, 2: 2.0}, "split": {1: 1.0, 2: 1.0}}, threads=(2,),
-                kv_bytes_per_token={"LLM": 512}, programs={"chat": prog}, client_ms={2: {"submit": [2.0], "emit": [0.5], "end": [0.3]}})
+                timing={2: RankTiming(0.2, 0.0, {"submit": (2.0,), "emit": (0.5,), "end": (0.3,)})},
+                walk_gap_ms=1.0, stream_gap_ms=0.5, hop_ms=0.0, move_ms=Affine(3.0, 0.01),
+                contention={"shared": {1: 1.0, 2: 2.0}, "split": {1: 1.0, 2: 1.0}}, threads=(2,),
+                kv_bytes_per_token={"LLM": 512}, programs={"chat": prog})
     base.update(changes)
     return Profile(**base)
 
@@ -150,7 +160,7 @@ def test_profiling_and_replaying_the_tiny_llama():
     prof = profile_model(model, wl, 1, max_batch=4, workers="inline", say=said.append)
     assert set(prof.programs) == {"chat"} and list(prof.costs) == [f"LLM@tp1/t{prof.cores}"] and prof.contention == {}
     assert prof.cost("LLM").samples > 10 and prof.kv_bytes_per_token["LLM"] > 0
-    assert prof.step_gap_ms >= 0 and set(prof.client(prof.cores)) == {"submit", "emit", "end"}
+    assert prof.rank_timing(prof.cores).step_gap_ms >= 0 and set(prof.client(prof.cores)) == {"submit", "emit", "end"}
     assert any("chat" in line for line in said)
     arrivals = wl.arrivals()
     placement = Placement.single_rank(model.graph, model.name)

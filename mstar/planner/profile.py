@@ -35,17 +35,34 @@ from mstar.planner.costs import Forward, ForwardCost
 from mstar.planner.programs import Affine, ClassProgram, emitting_runs
 from mstar.planner.workload import RequestClass, Workload
 
-__all__ = ["FINAL", "IDLE_S", "Profile", "cost_key", "forwards_in", "gaps_in", "profile_model", "stream_gaps_in",
+__all__ = ["FINAL", "IDLE_S", "Profile", "RankTiming", "cost_key", "forwards_in", "gaps_in", "profile_model", "stream_gaps_in",
            "hops_in", "wake_penalties_in"]
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 FINAL = "#final"  # a module's cost key suffix for forwards of stream-final chunks only
-IDLE_S = 1e-3  # a rank idle this long before a forward pays Profile.wake_ms
+IDLE_S = 1e-3  # a rank idle this long before a forward pays its RankTiming.wake_ms
 
 
 def cost_key(module: str, tp: int, threads: int, final: bool = False) -> str:
     """A forward cost's key in ``Profile.costs``: ``LLM@tp1/t2`` (``snac_decoder#final@tp1/t1``)."""
     return f"{module}{FINAL if final else ''}@tp{tp}/t{threads}"
+
+
+@dataclass(frozen=True)
+class RankTiming:
+    """What a rank of some thread count spends beside its forwards (and its clients wait)."""
+
+    step_gap_ms: float  # between a request's consecutive forwards, past their compute
+    wake_ms: float  # added to a forward after more than IDLE_S idle (threads asleep, caches cold)
+    client: dict[str, tuple[float, ...]]  # overheads_in's percentiles (ms): submit, emit, end
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step_gap_ms": self.step_gap_ms, "wake_ms": self.wake_ms,
+                "client": {k: list(v) for k, v in self.client.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RankTiming:
+        return cls(d["step_gap_ms"], d["wake_ms"], {k: tuple(v) for k, v in d["client"].items()})
 
 
 @dataclass
@@ -55,18 +72,14 @@ class Profile:
     cores: int
     max_batch: int
     costs: dict[str, ForwardCost]  # cost_key -> its fit
-    step_gap_ms: float  # a rank's time between a request's consecutive forwards, past their compute
+    timing: dict[int, RankTiming]  # a rank's threads -> its timing beside the forwards
     walk_gap_ms: float  # a walk boundary on the same rank
     stream_gap_ms: float  # a stream's chunk: its last item's producer run end to the consumer's first run
     hop_ms: float  # a walk's next run on another rank than the run it waits for: the message, past a step gap
-    wake_ms: float  # added to a forward on a rank idle for more than IDLE_S (its threads asleep, caches cold)
     move_ms: Affine  # a walk boundary across ranks, the KV caches moving: ms at ``c + p * kv tokens``
     contention: dict[str, dict[int, float]]  # measure_contention's: "shared" / "split" -> k -> slowdown
     kv_bytes_per_token: dict[str, int]
     programs: dict[str, ClassProgram]
-    # threads of a request's first rank -> overheads_in's (submit, emit, end percentiles): a worker
-    # whose threads take every core leaves the serving process less room
-    client_ms: dict[int, dict[str, list[float]]] = field(default_factory=dict)
     tp_sizes: tuple[int, ...] = (1,)
     threads: tuple[int, ...] = ()  # the thread counts one rank (tp 1) was profiled at
     notes: list[str] = field(default_factory=list)
@@ -88,13 +101,13 @@ class Profile:
                            f"{threads} thread(s) (profiled: {', '.join(sorted(self.costs))})")
         return self.costs[key]
 
+    def rank_timing(self, threads: int) -> RankTiming:
+        """The timing of a rank of ``threads`` threads (the nearest thread count profiled)."""
+        return self.timing[min(self.timing, key=lambda t: (abs(t - threads), t))]
+
     def client(self, threads: int, u: float = 0.5) -> dict[str, float]:
-        """The client overheads (ms) at quantile ``u`` of a request whose first rank runs ``threads``
-        threads (the nearest thread count profiled)."""
-        if not self.client_ms:
-            return {}
-        per = self.client_ms[min(self.client_ms, key=lambda t: (abs(t - threads), t))]
-        return {k: _quantile(qs, u) for k, qs in per.items()}
+        """The client overheads (ms) at quantile ``u`` of a request whose first rank runs ``threads``."""
+        return {k: _quantile(qs, u) for k, qs in self.rank_timing(threads).client.items()}
 
     def slowdown(self, threads: list[int]) -> float:
         """How much slower each forward runs while groups using ``threads`` threads each compute at once:
@@ -110,25 +123,24 @@ class Profile:
     def to_dict(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, "model": self.model, "machine": self.machine, "cores": self.cores,
                 "max_batch": self.max_batch, "costs": {k: c.to_dict() for k, c in self.costs.items()},
-                "step_gap_ms": self.step_gap_ms, "walk_gap_ms": self.walk_gap_ms,
-                "stream_gap_ms": self.stream_gap_ms, "hop_ms": self.hop_ms, "wake_ms": self.wake_ms, "move_ms": vars(self.move_ms),
+                "timing": {str(k): t.to_dict() for k, t in self.timing.items()}, "walk_gap_ms": self.walk_gap_ms,
+                "stream_gap_ms": self.stream_gap_ms, "hop_ms": self.hop_ms, "move_ms": vars(self.move_ms),
                 "contention": {way: {str(k): v for k, v in t.items()} for way, t in self.contention.items()},
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "programs": {k: p.to_dict() for k, p in self.programs.items()}, "tp_sizes": list(self.tp_sizes),
-                "threads": list(self.threads), "client_ms": {str(k): v for k, v in self.client_ms.items()},
-                "notes": self.notes}
+                "threads": list(self.threads), "notes": self.notes}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Profile:
         if d.get("version") != PROFILE_VERSION:
             raise ValueError(f"profile version {d.get('version')!r} is not {PROFILE_VERSION}: profile again")
         return cls(d["model"], d["machine"], d["cores"], d["max_batch"],
-                   {k: ForwardCost.from_dict(c) for k, c in d["costs"].items()}, d["step_gap_ms"], d["walk_gap_ms"],
-                   d["stream_gap_ms"], d["hop_ms"], d["wake_ms"],
-                   Affine(**d["move_ms"]), {way: {int(k): v for k, v in t.items()} for way, t in d["contention"].items()},
+                   {k: ForwardCost.from_dict(c) for k, c in d["costs"].items()},
+                   {int(k): RankTiming.from_dict(t) for k, t in d["timing"].items()}, d["walk_gap_ms"],
+                   d["stream_gap_ms"], d["hop_ms"], Affine(**d["move_ms"]),
+                   {way: {int(k): v for k, v in t.items()} for way, t in d["contention"].items()},
                    dict(d["kv_bytes_per_token"]), {k: ClassProgram.from_dict(p) for k, p in d["programs"].items()},
-                   {int(k): v for k, v in d.get("client_ms", {}).items()}, tuple(d.get("tp_sizes", (1,))), tuple(d.get("threads", ())),
-                   list(d.get("notes", [])))
+                   tuple(d.get("tp_sizes", (1,))), tuple(d.get("threads", ())), list(d.get("notes", [])))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
@@ -184,7 +196,7 @@ def gaps_in(traces: Sequence[dict[str, Any]]) -> tuple[list[float], list[tuple[i
     return steps, bounds
 
 
-def wake_penalties_in(traces: Sequence[dict[str, Any]], costs: dict[str, ForwardCost], cores: int,
+def wake_penalties_in(traces: Sequence[dict[str, Any]], costs: dict[str, ForwardCost], threads: int,
                       module_of: Callable[[str], str]) -> list[float]:
     """From traces of requests run one after another: per forward that followed more than ``IDLE_S``
     of its rank's idleness, its ms past what its module's cost predicts."""
@@ -197,7 +209,7 @@ def wake_penalties_in(traces: Sequence[dict[str, Any]], costs: dict[str, Forward
     for (rank, start), r in sorted(forwards.items()):
         end = last_end.get(rank)
         last_end[rank] = start + r["compute_ms"] / 1e3
-        key = cost_key(module_of(r["node"]), 1, cores)
+        key = cost_key(module_of(r["node"]), 1, threads)
         if end is None or start - end <= IDLE_S or key not in costs:
             continue
         out.append(r["compute_ms"] - costs[key].ms(r["batch"], r["batch_tokens"], r["batch_attention"]))
@@ -470,23 +482,31 @@ def _client_runs(run: _Runner) -> list[dict[str, Any]]:
             (sizes[i % len(sizes)] for i in range(CLIENT_RUNS))]
 
 
+def _timing(traces: Sequence[dict[str, Any]], costs: dict[str, ForwardCost], threads: int, model: Any) -> RankTiming:
+    """A rank's timing beside its forwards, from requests it ran alone at ``threads`` threads."""
+    steps, _ = gaps_in(traces)
+    wake = wake_penalties_in(traces, costs, threads, model.module_of)
+    client = overheads_in(traces, emitting_runs(model.graph))
+    return RankTiming(max(0.0, _median(steps)), max(0.0, _median(wake)), {k: tuple(v) for k, v in client.items()})
+
+
 def _thread_sweeps(model: Any, workload: Workload, options: list[int], max_batch: int, workers: str,
-                   say: Callable[[str], None]) -> tuple[dict[str, ForwardCost], dict[int, dict[str, float]]]:
-    """Forward costs and client overheads of one rank given ``threads``, for each of ``options``."""
+                   say: Callable[[str], None]) -> tuple[dict[str, ForwardCost], dict[int, RankTiming]]:
+    """Forward costs and timing of one rank given ``threads``, for each of ``options``."""
     from mstar.runtime.api import Runtime
 
-    costs, client = {}, {}
+    costs, timing = {}, {}
     for threads in options:
         single = [{"node_names": sorted(model.graph.node_names), "ranks": [0], "threads": threads}]
         say(f"profiling {model.name} on one rank with {threads} thread(s)")
         with Runtime(model, _placement(model, single, max_batch), workers=workers) as rt:
             run = _Runner(rt, model, workload.classes())
             _warm(run, max_batch)
-            costs.update(_fit_costs(forwards_in(_sweep(run, max_batch, f"t{threads}", say), model.module_of), 1,
-                                    threads))
+            fitted = _fit_costs(forwards_in(_sweep(run, max_batch, f"t{threads}", say), model.module_of), 1, threads)
             alone = _client_runs(run)
-        client[threads] = overheads_in(alone, emitting_runs(model.graph))
-    return costs, client
+        costs.update(fitted)
+        timing[threads] = _timing(alone, fitted, threads, model)
+    return costs, timing
 
 
 def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int = 16, workers: str = "process",
@@ -514,13 +534,13 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
         client_alone = _client_runs(run)
     costs = _fit_costs(forwards_in(traces + alone, model.module_of), 1, cores)
     steps, bounds = gaps_in(alone)
-    client = {cores: overheads_in(client_alone, emitting_runs(model.graph))}
+    timing = {cores: _timing(alone + client_alone, costs, cores, model)}
     move, tp_sizes, hop = Affine(0.0), (1,), 0.0
     splits = sorted({max(1, cores // k) for k in range(2, ranks + 1)} - {cores})
     if ranks >= 2:
-        more_costs, more_client = _thread_sweeps(model, workload, splits, max_batch, workers, say)
+        more_costs, more_timing = _thread_sweeps(model, workload, splits, max_batch, workers, say)
         costs.update(more_costs)
-        client.update(more_client)
+        timing.update(more_timing)
         say(f"profiling a KV move and tensor parallelism over {ranks} ranks")
         moved = _move_cost(model, workload, kv, max_batch, workers, say)
         if moved is None:
@@ -533,9 +553,6 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
             costs.update(tp)
             notes += more
             tp_sizes = (1, ranks) if tp else (1,)
-    return Profile(model.name, _cpu_name(), cores, max_batch, costs,
-                   max(0.0, _median(steps)), max(0.0, _median([ms for _, ms in bounds])),
-                   max(0.0, _median(stream_gaps_in(alone, model.graph))), hop,
-                   max(0.0, _median(wake_penalties_in(alone, costs, cores, model.module_of))), move, contention, kv,
-                   programs, client, tp_sizes, tuple(sorted({cores, *splits})),
-                   notes)
+    return Profile(model.name, _cpu_name(), cores, max_batch, costs, timing,
+                   max(0.0, _median([ms for _, ms in bounds])), max(0.0, _median(stream_gaps_in(alone, model.graph))),
+                   hop, move, contention, kv, programs, tp_sizes, tuple(sorted({cores, *splits})), notes)

@@ -16,7 +16,7 @@ It replays a workload's arrivals against a placement the way the workers run the
   consumer one after another; the request ends when every partition has;
 * a forward's work is the module's ``ForwardCost`` for its rows, new tokens and attention pairs
   (each row's tokens times its context) at its rank's threads (the group's ``threads``, else the
-  default), times a draw from the profiled forwards' spread around the fit (seeded), plus ``Profile.wake_ms`` on a rank idle for more than ``IDLE_S``; groups computing at
+  default), times a draw from the profiled forwards' spread around the fit (seeded), plus its ``RankTiming.wake_ms`` on a rank idle for more than ``IDLE_S``; groups computing at
   once share the machine (processor sharing: each progresses at 1 / ``Profile.slowdown`` of the
   threads computing, re-paced whenever a forward starts or ends; ranks whose threads outnumber the
   cores slow each other all the time, at the ``shared`` slowdown of them all: idle OpenMP threads
@@ -279,7 +279,7 @@ class _Sim:
         cost = fit.ms(len(runs), sum(r.tokens for r in runs), sum(r.tokens * r.context for r in runs))
         cost *= fit.draw(self.rng.random())  # as far off the fit as a measured forward may be
         if any(t - self.last_end.get(r, -1.0) > IDLE_S for r in g.ranks):
-            cost += self.p.wake_ms  # its threads went to sleep
+            cost += self.p.rank_timing(g.threads).wake_ms  # its threads went to sleep, its caches cold
         self._progress(t)
         self.computing[g.ranks] = _Forward(g, take, cost / 1e3, t)
         for r in g.ranks:
@@ -309,7 +309,7 @@ class _Sim:
         self._reschedule(t)
         g, items = f.group, f.items
         for r in g.ranks:
-            self.free_at[r] = t + self.p.step_gap_ms / 1e3
+            self.free_at[r] = t + self.p.rank_timing(g.threads).step_gap_ms / 1e3
             self.busy[r] = self.busy.get(r, 0.0) + t - f.started
             self.last_end[r] = t
         for it in items:
@@ -328,7 +328,7 @@ class _Sim:
             if cur.consumer is None:
                 self._root_ran(t, req, run, g)
             elif cur.at < len(cur.runs):
-                self.ready(t + (self.p.step_gap_ms + self._hop(g.leader, cur)) / 1e3, cur)
+                self.ready(t + (self.p.rank_timing(g.threads).step_gap_ms + self._hop(g.leader, cur)) / 1e3, cur)
             else:
                 cur.consumer.cursor = None
                 self._next_firing(t, req, cur.consumer, g.leader)
@@ -352,7 +352,7 @@ class _Sim:
         cur = req.root
         if cur.at < len(cur.runs):
             nxt = cur.runs[cur.at]
-            delay = self.p.step_gap_ms + self._hop(g.leader, cur)
+            delay = self.p.rank_timing(g.threads).step_gap_ms + self._hop(g.leader, cur)
             if nxt.walk_index != run.walk_index:
                 moved = self.group(nxt.node, nxt.walk).leader != g.leader and nxt.context > nxt.tokens
                 delay = self.p.move_ms.at(run.context, 0) if moved else self.p.walk_gap_ms
