@@ -96,7 +96,7 @@ def _profile(**changes) -> Profile:
     base = dict(model="llama-tiny", machine="test", cores=2, max_batch=16,
                 costs={"LLM@tp1/t2": ForwardCost(1.0, 0.5, 0.1, 0.0), "LLM@tp2/t1": ForwardCost(2.0, 0.5, 0.05, 0.0)},
                 timing={2: RankTiming(0.2, 0.0, {"submit": (2.0,), "emit": (0.5,), "end": (0.3,)})},
-                walk_gap_ms=1.0, stream_gap_ms=0.5, hop_ms=0.0, move_ms=Affine(3.0, 0.01),
+                walk_gap_ms=1.0, stream_gap_ms=0.5, hop_ms=(0.0,), move_ms=Affine(3.0, 0.01),
                 contention={"shared": {1: 1.0, 2: 2.0}, "split": {1: 1.0, 2: 1.0}}, threads=(2,),
                 kv_bytes_per_token={"LLM": 512}, programs={"chat": prog})
     base.update(changes)
@@ -214,7 +214,7 @@ def test_a_streaming_models_program_fires_its_consumer_as_the_runtime_does():
     codec_rank = Placement.from_dict({"model": "orpheus-tiny", "node_groups": [
         {"node_names": ["LLM"], "ranks": [0]}, {"node_names": ["snac_decoder"], "ranks": [1]}]})
     calm = {"contention": {"shared": {1: 1.0, 2: 1.0}, "split": {1: 1.0, 2: 1.0}}}
-    near, far = (simulate(_profile(programs={"speech": program}, costs=prof.costs, hop_ms=hop, **calm), codec_rank,
+    near, far = (simulate(_profile(programs={"speech": program}, costs=prof.costs, hop_ms=(hop,), **calm), codec_rank,
                           model.graph, model.module_of, [Arrival(0.0, "speech", 12, 51)]) for hop in (0.0, 3.0))
     # each chunk crosses to the codec's rank: the hops delay the end, by at most one (they overlap the LLM)
     assert 0 < far.requests[0].e2e - near.requests[0].e2e <= 3e-3 + 1e-9

@@ -166,7 +166,7 @@ def run_plan_bench(cases: Sequence[PlanCase] = CASES, duration_s: float = 8.0, m
         model = resolve_model(case.model)
         wl = _workload(case, case.rates[1], duration_s)
         profile = profile_model(model, wl, 2, max_batch=max_batch, say=log)
-        out.profiles[case.model] = {"contention": profile.contention, "hop_ms": round(profile.hop_ms, 3),
+        out.profiles[case.model] = {"contention": profile.contention, "hop_ms_p50": round(profile.hop(), 3),
                                     "timing": {t: r.to_dict() for t, r in profile.timing.items()},
                                     "notes": profile.notes}
         out.checks += _validate(case, model, profile, duration_s, log)

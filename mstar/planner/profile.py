@@ -75,7 +75,9 @@ class Profile:
     timing: dict[int, RankTiming]  # a rank's threads -> its timing beside the forwards
     walk_gap_ms: float  # a walk boundary on the same rank
     stream_gap_ms: float  # a stream's chunk: its last item's producer run end to the consumer's first run
-    hop_ms: float  # a walk's next run on another rank than the run it waits for: the message, past a step gap
+    # a walk's next run on another rank than the run it waits for: the message past a step gap, as the
+    # 0, 5, ..., 100th percentiles (ms)
+    hop_ms: tuple[float, ...]
     move_ms: Affine  # a walk boundary across ranks, the KV caches moving: ms at ``c + p * kv tokens``
     contention: dict[str, dict[int, float]]  # measure_contention's: "shared" / "split" -> k -> slowdown
     kv_bytes_per_token: dict[str, int]
@@ -105,6 +107,10 @@ class Profile:
         """The timing of a rank of ``threads`` threads (the nearest thread count profiled)."""
         return self.timing[min(self.timing, key=lambda t: (abs(t - threads), t))]
 
+    def hop(self, u: float = 0.5) -> float:
+        """A hop between ranks (ms) at quantile ``u``."""
+        return _quantile(self.hop_ms, u)
+
     def client(self, threads: int, u: float = 0.5) -> dict[str, float]:
         """The client overheads (ms) at quantile ``u`` of a request whose first rank runs ``threads``."""
         return {k: _quantile(qs, u) for k, qs in self.rank_timing(threads).client.items()}
@@ -124,7 +130,7 @@ class Profile:
         return {"version": PROFILE_VERSION, "model": self.model, "machine": self.machine, "cores": self.cores,
                 "max_batch": self.max_batch, "costs": {k: c.to_dict() for k, c in self.costs.items()},
                 "timing": {str(k): t.to_dict() for k, t in self.timing.items()}, "walk_gap_ms": self.walk_gap_ms,
-                "stream_gap_ms": self.stream_gap_ms, "hop_ms": self.hop_ms, "move_ms": vars(self.move_ms),
+                "stream_gap_ms": self.stream_gap_ms, "hop_ms": list(self.hop_ms), "move_ms": vars(self.move_ms),
                 "contention": {way: {str(k): v for k, v in t.items()} for way, t in self.contention.items()},
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "programs": {k: p.to_dict() for k, p in self.programs.items()}, "tp_sizes": list(self.tp_sizes),
@@ -137,7 +143,7 @@ class Profile:
         return cls(d["model"], d["machine"], d["cores"], d["max_batch"],
                    {k: ForwardCost.from_dict(c) for k, c in d["costs"].items()},
                    {int(k): RankTiming.from_dict(t) for k, t in d["timing"].items()}, d["walk_gap_ms"],
-                   d["stream_gap_ms"], d["hop_ms"], Affine(**d["move_ms"]),
+                   d["stream_gap_ms"], tuple(d["hop_ms"]), Affine(**d["move_ms"]),
                    {way: {int(k): v for k, v in t.items()} for way, t in d["contention"].items()},
                    dict(d["kv_bytes_per_token"]), {k: ClassProgram.from_dict(p) for k, p in d["programs"].items()},
                    tuple(d.get("tp_sizes", (1,))), tuple(d.get("threads", ())), list(d.get("notes", [])))
@@ -535,7 +541,7 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
     costs = _fit_costs(forwards_in(traces + alone, model.module_of), 1, cores)
     steps, bounds = gaps_in(alone)
     timing = {cores: _timing(alone + client_alone, costs, cores, model)}
-    move, tp_sizes, hop = Affine(0.0), (1,), 0.0
+    move, tp_sizes, hop = Affine(0.0), (1,), (0.0,)
     splits = sorted({max(1, cores // k) for k in range(2, ranks + 1)} - {cores})
     if ranks >= 2:
         more_costs, more_timing = _thread_sweeps(model, workload, splits, max_batch, workers, say)
@@ -547,7 +553,9 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
             notes.append("no KV module is used by two walks: no KV move or hop between ranks profiled")
         else:
             move, hops = moved
-            hop = max(0.0, _median(hops) - _median(steps)) if hops else 0.0
+            if hops:
+                hop = tuple(round(max(0.0, float(q) - _median(steps)), 4)
+                            for q in np.percentile(hops, np.arange(0, 101, 5)))
         if tensor_parallel:
             tp, more = _tp_costs(model, workload, ranks, max_batch, workers, say)
             costs.update(tp)

@@ -24,7 +24,7 @@ It replays a workload's arrivals against a placement the way the workers run the
 * a request reaches its first queue after the client-to-worker time, its first item and its end
   reach the client after theirs (``Profile.client``, measured for its first rank's threads, drawn
   per request from their spread);
-* a request's next run is ready after the step gap (plus ``Profile.hop_ms`` when it runs on another
+* a request's next run is ready after the step gap (plus a hop, ``Profile.hop_ms``, when it runs on another
   rank than the run it waits for), or at a walk boundary after the walk gap, or, when its KV module
   moves to another group, after the KV move (``Profile.move_ms``); a stream's chunk reaches its
   consumer after ``Profile.stream_gap_ms`` (plus the hop from another rank).
@@ -336,9 +336,10 @@ class _Sim:
             self.push(self.free_at[r], "try", r)
 
     def _hop(self, src: int, cur: _Cursor) -> float:
-        """``Profile.hop_ms`` when a run of the cursor's next stage is on another rank than ``src``."""
+        """A hop (drawn from ``Profile.hop_ms``) when a run of the cursor's next stage is on another rank
+        than ``src``."""
         leaders = {self.group(cur.runs[i].node, cur.runs[i].walk).leader for i in cur.stage()}
-        return self.p.hop_ms if leaders - {src} else 0.0
+        return self.p.hop(self.rng.random()) if leaders - {src} else 0.0
 
     def _pushed(self, t: float, req: _Request, run: ProgramRun, src: int) -> None:
         """A root run's stream items: one per run, until the stream's count."""
