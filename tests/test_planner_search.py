@@ -105,3 +105,14 @@ def test_ranks_may_split_the_cores_and_then_do_not_slow_each_other():
     split = [c for c in candidates(model, prof, 2, ["LLM"]) if "[1 thread]" in c.name][0]
     placement = Placement.from_dict(split.placement_dict(model.name, 16)).validate(model.graph)
     assert [placement.threads_of(r) for r in (0, 1)] == [1, 1]
+
+
+def test_the_example_workloads_parse():
+    from pathlib import Path
+
+    from mstar.planner import load_workload
+
+    root = Path(__file__).resolve().parents[1] / "examples" / "workloads"
+    loaded = {p.stem: load_workload(p) for p in sorted(root.glob("*.yaml"))}
+    assert set(loaded) == {"chat", "speech", "t2i"} and all(w.arrivals() for w in loaded.values())
+    assert loaded["t2i"].requests[0].params["target"] == "image"
