@@ -157,3 +157,24 @@ def test_tcp_transport_needs_worker_processes():
         Runtime(ToyLM(), workers="process", ray_address="127.0.0.1:6379")
     with pytest.raises(ValueError, match="workers must be one of"):
         Runtime(ToyLM(), workers="threads")
+
+
+def test_interrupt_ends_a_waiting_receive_at_once(tmp_path):
+    import threading
+    import time
+
+    from mstar.runtime.wire.transport import ZmqTransport
+
+    t = ZmqTransport(str(tmp_path), -1)
+    try:
+        timer = threading.Timer(0.05, t.interrupt)  # another thread, as a caller's command does
+        timer.start()
+        started = time.monotonic()
+        assert t.recv(60_000) == []  # woken, with no message: the wake-up itself is not one
+        assert time.monotonic() - started < 30
+        timer.join()
+        t.interrupt()
+        t.interrupt()
+        assert t.recv(0) == []  # pending wake-ups are drained, never delivered
+    finally:
+        t.close()

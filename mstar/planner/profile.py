@@ -310,16 +310,19 @@ class _Runner:
     def __init__(self, rt: Any, model: Any, classes: dict[str, RequestClass]) -> None:
         self.rt, self.model, self.classes, self.seed = rt, model, classes, 0
 
-    def submit(self, name: str, prompt: int, output: int, label: str) -> Any:
+    def request(self, name: str, prompt: int, output: int) -> tuple[dict[str, Any], dict[str, Any]]:
         self.seed += 1
-        inputs, params = self.model.sized_request(prompt, output, self.classes[name].params, self.seed)
-        return self.rt.submit(inputs, params, request_id=label)
+        return self.model.sized_request(prompt, output, self.classes[name].params, self.seed)
+
+    def submit(self, name: str, prompt: int, output: int, label: str) -> Any:
+        return self.rt.submit(*self.request(name, prompt, output), request_id=label)
 
     def alone(self, name: str, prompt: int, output: int, label: str) -> dict[str, Any]:
-        """The request's trace, with the client's clock (``time.time()``, as the trace's) at submit,
-        first item and end under ``"client"``."""
+        """The request's trace, with the client's clock (``time.time()``, as the trace's) at submit
+        (the request already made), first item and end under ``"client"``."""
+        inputs, params = self.request(name, prompt, output)
         sent = time.time()
-        handle, first = self.submit(name, prompt, output, label), None
+        handle, first = self.rt.submit(inputs, params, request_id=label), None
         for _ in handle:
             if first is None:
                 first = time.time()

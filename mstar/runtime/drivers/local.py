@@ -262,4 +262,4 @@ class ProcessDriver:
         pass
 
     def wake(self) -> None:
-        pass  # the loop polls its socket with a short timeout and runs commands after it
+        self.transport.interrupt()  # the loop's receive returns: it runs the command at once

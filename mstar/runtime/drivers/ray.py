@@ -258,7 +258,8 @@ class RayDriver:
         pass
 
     def wake(self) -> None:
-        pass
+        if self.transport is not None:
+            self.transport.interrupt()  # the loop's receive returns: it runs the command at once
 
     # -- stop ----------------------------------------------------------------------------------------
     def stop(self) -> None:

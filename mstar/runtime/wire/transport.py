@@ -83,10 +83,47 @@ class ZmqTransport:
                 self.pushes[dest] = sock
             sock.send_multipart(frames, copy=False)
 
+    # the endpoint's in-process wake-up pair (``interrupt``), made by the first ``recv``
+    _wake_pull: Any = None
+    _wake_push: Any = None
+    _poller: Any = None
+
+    def _wake_pair(self) -> Any:
+        with self._lock:
+            if self._wake_pull is None:
+                zmq = self._zmq
+                address = f"inproc://mstar-wake-{os.getpid()}-{id(self)}"
+                pull, push = self.ctx.socket(zmq.PULL), self.ctx.socket(zmq.PUSH)
+                pull.bind(address)
+                push.setsockopt(zmq.LINGER, 0)
+                push.setsockopt(zmq.SNDHWM, 0)
+                push.connect(address)
+                self._poller = zmq.Poller()
+                self._poller.register(self.pull, zmq.POLLIN)
+                self._poller.register(pull, zmq.POLLIN)
+                self._wake_pull, self._wake_push = pull, push
+        return self._wake_pull
+
+    def interrupt(self) -> None:
+        """Make a ``recv`` waiting on this endpoint return now; any thread may call it (a caller's
+        command for the runtime's thread must not wait out the idle poll)."""
+        self._wake_pair()
+        with self._lock:
+            self._wake_push.send(b"", flags=self._zmq.NOBLOCK)
+
     def recv(self, timeout_ms: int) -> list[Any]:
-        """Every message waiting now; waits up to ``timeout_ms`` for the first one."""
+        """Every message waiting now; waits up to ``timeout_ms`` for the first one, or until
+        ``interrupt``."""
         out = []
-        if self.pull.poll(timeout_ms):
+        wake = self._wake_pair()
+        ready = dict(self._poller.poll(timeout_ms))
+        if wake in ready:
+            while True:
+                try:
+                    wake.recv(flags=self._zmq.NOBLOCK)
+                except self._zmq.Again:
+                    break
+        if self.pull in ready:
             while True:
                 try:
                     frames = self.pull.recv_multipart(flags=self._zmq.NOBLOCK, copy=False)
@@ -179,5 +216,8 @@ class ZmqTransport:
                 s.close(linger_ms)
             self.pushes.clear()
         self.pull.close(0)
+        if self._wake_pull is not None:
+            self._wake_pull.close(0)
+            self._wake_push.close(0)
         self._pool.close()
         self._attach.close()
