@@ -20,6 +20,7 @@ The result is a JSON document (``Profile.save`` / ``load``), reused by ``mstar p
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import platform
@@ -319,14 +320,19 @@ class _Runner:
 
     def alone(self, name: str, prompt: int, output: int, label: str) -> dict[str, Any]:
         """The request's trace, with the client's clock (``time.time()``, as the trace's) at submit
-        (the request already made), first item and end under ``"client"``."""
+        (the request already made), first item and end under ``"client"``. The client reads the
+        items on an event loop, as the server and ``measure.replay`` do."""
         inputs, params = self.request(name, prompt, output)
-        sent = time.time()
-        handle, first = self.rt.submit(inputs, params, request_id=label), None
-        for _ in handle:
-            if first is None:
-                first = time.time()
-        end = time.time()
+
+        async def read() -> tuple[Any, float, float | None, float]:
+            sent = time.time()
+            handle, first = self.rt.submit(inputs, params, request_id=label), None
+            async for _ in handle:
+                if first is None:
+                    first = time.time()
+            return handle, sent, first, time.time()
+
+        handle, sent, first, end = asyncio.run(read())
         handle.result()
         trace = self.rt.trace(handle.request_id)[-1]
         trace["client"] = {"sent": sent, "first": first if first is not None else end, "end": end}
