@@ -320,23 +320,37 @@ class _Runner:
 
     def alone(self, name: str, prompt: int, output: int, label: str) -> dict[str, Any]:
         """The request's trace, with the client's clock (``time.time()``, as the trace's) at submit
-        (the request already made), first item and end under ``"client"``. The client reads the
-        items on an event loop, as the server and ``measure.replay`` do."""
-        inputs, params = self.request(name, prompt, output)
+        (the request already made), first item and end under ``"client"``."""
+        return self.spaced([(name, prompt, output)], label, 0.0)[0]
 
-        async def read() -> tuple[Any, float, float | None, float]:
+    def spaced(self, sizes: Sequence[tuple[str, int, int]], label: str, gap_s: float) -> list[dict[str, Any]]:
+        """Requests of ``sizes`` one after another, ``gap_s`` apart, read on one event loop as the server
+        and ``measure.replay`` read them: their traces, with the client's clock as ``alone``'s."""
+        made = [self.request(*size) for size in sizes]
+
+        async def read(inputs: dict[str, Any], params: dict[str, Any]) -> tuple[Any, dict[str, float]]:
             sent = time.time()
             handle, first = self.rt.submit(inputs, params, request_id=label), None
             async for _ in handle:
                 if first is None:
                     first = time.time()
-            return handle, sent, first, time.time()
+            end = time.time()
+            return handle, {"sent": sent, "first": first if first is not None else end, "end": end}
 
-        handle, sent, first, end = asyncio.run(read())
-        handle.result()
-        trace = self.rt.trace(handle.request_id)[-1]
-        trace["client"] = {"sent": sent, "first": first if first is not None else end, "end": end}
-        return trace
+        async def main() -> list[tuple[Any, dict[str, float]]]:
+            out = []
+            for inputs, params in made:
+                out.append(await read(inputs, params))
+                await asyncio.sleep(gap_s)
+            return out
+
+        traces = []
+        for handle, client in asyncio.run(main()):
+            handle.result()
+            trace = self.rt.trace(handle.request_id)[-1]
+            trace["client"] = client
+            traces.append(trace)
+        return traces
 
     def together(self, name: str, count: int, prompt: int, output: int, label: str, spacing_s: float = 0.0) -> list:
         handles = []
@@ -488,13 +502,14 @@ def _fit_costs(forwards: list[Forward], tp: int, threads: int) -> dict[str, Forw
 
 
 CLIENT_RUNS = 12  # requests run alone per thread count, for the client overheads' spread
+CLIENT_GAP_S = 0.02
 
 
 def _client_runs(run: _Runner) -> list[dict[str, Any]]:
-    """``CLIENT_RUNS`` requests of the classes, one at a time, at their sizes in turn."""
+    """``CLIENT_RUNS`` requests of the classes at their sizes in turn, one at a time with a pause
+    between (the rank goes idle, as between a light workload's requests), on one event loop."""
     sizes = [(name, p, o) for name, c in run.classes.items() for p, o in _sizes(c)]
-    return [run.alone(name, p, o, f"client-{name}") for name, p, o in
-            (sizes[i % len(sizes)] for i in range(CLIENT_RUNS))]
+    return run.spaced([sizes[i % len(sizes)] for i in range(CLIENT_RUNS)], "client", CLIENT_GAP_S)
 
 
 def _timing(traces: Sequence[dict[str, Any]], costs: dict[str, ForwardCost], threads: int, model: Any) -> RankTiming:
