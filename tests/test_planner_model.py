@@ -230,3 +230,13 @@ def test_ranks_whose_threads_outnumber_the_cores_slow_each_other_even_one_at_a_t
                     model.graph, model.module_of, one)
     compute = (1.0 + 0.5 + 0.1 * 10) + 3 * (1.0 + 0.5 + 0.1)  # the prompt and three decode steps, ms
     assert spin.requests[0].e2e - calm.requests[0].e2e == pytest.approx(compute / 1e3)  # each twice as long
+
+
+def test_a_request_never_ends_before_its_first_item():
+    # a large drawn emit overhead and a small end one: the first item still comes no later than the end
+    model = LlamaTiny()
+    prof = _profile(timing={2: RankTiming(0.2, 0.0, {"submit": (0.0,), "emit": (50.0,), "end": (0.1,)})})
+    pred = simulate(prof, _placement([{"node_names": ["LLM"], "ranks": [0]}]), model.graph, model.module_of,
+                    [Arrival(0.0, "chat", 10, 2)])
+    (r,) = pred.requests
+    assert 0 < r.ttft == r.e2e and r.tpot == 0.0  # clamped to the end

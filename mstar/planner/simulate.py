@@ -404,8 +404,9 @@ class _Sim:
             held[leader] = held.get(leader, 0) + run.tokens
         for rank, n in held.items():
             self.kv[rank] -= n
-        ttft = (req.first_emit + client.get("emit", 0.0) / 1e3 if req.first_emit is not None else t) - a.at_s
         e2e = t + client.get("end", 0.0) / 1e3 - a.at_s
+        ttft = (req.first_emit + client.get("emit", 0.0) / 1e3 if req.first_emit is not None else t) - a.at_s
+        ttft = min(ttft, e2e)  # drawn overheads aside, a client never sees its first item after the end
         tpot = (e2e - ttft) / (a.output_tokens - 1) if a.output_tokens > 1 else None
         self.done.append(RequestTimes(a.request_class, a.at_s, ttft, e2e, tpot))
 
