@@ -1,6 +1,7 @@
 """The planner's model of a deployment: forward costs fitted to traces (``planner.costs``), request
-programs read from traces (``planner.programs``), the profile (``planner.profile``) and the
-simulator of the runtime's scheduling (``planner.simulate``)."""
+programs and gaps read from traces (``planner.programs``, ``planner.readings``), the profile
+(``planner.profile``, ``planner.profiling``) and the simulator of the runtime's scheduling
+(``planner.simulate``)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,10 @@ from mstar.placement import Placement
 from mstar.planner import parse_workload
 from mstar.planner.costs import Forward, ForwardCost, nonnegative_least_squares
 from mstar.planner.measure import replay
-from mstar.planner.profile import (
-    Profile,
-    RankTiming,
-    forwards_in,
-    gaps_in,
-    hops_in,
-    profile_model,
-    stream_gaps_in,
-)
+from mstar.planner.profile import Profile, RankTiming
+from mstar.planner.profiling import profile_model
 from mstar.planner.programs import Affine, ClassProgram, emitting_runs
+from mstar.planner.readings import forwards_in, gaps_in, hops_in, stream_gaps_in
 from mstar.planner.simulate import simulate
 from mstar.planner.workload import Arrival
 

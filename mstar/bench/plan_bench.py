@@ -159,7 +159,7 @@ def _side_by_side(case: PlanCase, model: Any, profile: Any, duration_s: float, l
 def run_plan_bench(cases: Sequence[PlanCase] = CASES, duration_s: float = 8.0, max_batch: int = 16,
                    log: Callable[[str], None] = print) -> PlanBench:
     from mstar.model.registry import resolve_model
-    from mstar.planner.profile import profile_model
+    from mstar.planner.profiling import profile_model
 
     out = PlanBench()
     for case in cases:

@@ -101,7 +101,8 @@ def placement_yaml(result, model: str, max_batch: int, slo) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from mstar.planner import load_workload, parse_slo
-    from mstar.planner.profile import Profile, profile_model
+    from mstar.planner.profile import Profile
+    from mstar.planner.profiling import profile_model
     from mstar.planner.search import plan
 
     if args.ranks < 1:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ForwardCost", "Forward", "nonnegative_least_squares"]
+__all__ = ["Forward", "ForwardCost", "nonnegative_least_squares", "percentiles", "quantile"]
 
 FEATURES = ("fixed", "rows", "tokens", "attention")
 ROBUST_ROUNDS = 8
@@ -32,6 +32,22 @@ class Forward:
     tokens: int
     attention: int
     ms: float
+
+
+def percentiles(values: Sequence[float], floor: float | None = None) -> tuple[float, ...]:
+    """The 0, 5, ..., 100th percentiles of ``values`` (each at least ``floor`` when given): how the
+    profile keeps a measured spread, read back by ``quantile``."""
+    qs = np.percentile(np.asarray(values, dtype=float), np.arange(0, 101, 5))
+    return tuple(round(float(q if floor is None else max(floor, q)), 4) for q in qs)
+
+
+def quantile(qs: Sequence[float], u: float) -> float:
+    """``u`` in [0, 1] read off evenly spaced percentiles ``qs`` (linearly interpolated)."""
+    if len(qs) == 1:
+        return qs[0]
+    x = u * (len(qs) - 1)
+    i = min(int(x), len(qs) - 2)
+    return qs[i] + (qs[i + 1] - qs[i]) * (x - i)
 
 
 def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -64,11 +80,7 @@ class ForwardCost:
     def draw(self, u: float) -> float:
         """The factor a forward's time is off the fit at quantile ``u`` in [0, 1] (1.0 without a spread):
         what a simulator multiplies by, so its forwards vary as the measured ones did."""
-        if not self.spread:
-            return 1.0
-        x = u * (len(self.spread) - 1)
-        i = min(int(x), len(self.spread) - 2)
-        return self.spread[i] + (self.spread[i + 1] - self.spread[i]) * (x - i)
+        return quantile(self.spread, u) if self.spread else 1.0
 
     def ms(self, rows: int, tokens: int, attention: int) -> float:
         return self.fixed + self.per_row * rows + self.per_token * tokens + self.per_pair * attention
@@ -91,7 +103,7 @@ class ForwardCost:
         pred = x @ coef
         err = float(np.median(np.abs(pred - y) / np.maximum(y, 1e-3)))
         ratio = y / np.maximum(pred, 1e-6)
-        spread = tuple(round(float(q), 4) for q in np.percentile(ratio, np.arange(0, 101, 5)))
+        spread = percentiles(ratio)
         return cls(*(float(c) for c in coef), samples=len(forwards), error=err, spread=spread)
 
     def to_dict(self) -> dict[str, Any]:
