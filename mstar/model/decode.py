@@ -9,8 +9,8 @@ flag goes to the request's state, where ``next_walk`` and ``finish_reason`` read
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from mstar.graph.finish import FinishReason, reason_of
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from mstar.layers.sampling import SamplingParams
     from mstar.model.base import WalkState
 
-__all__ = ["generation_finish", "generation_finish_rows", "prefill_finish", "stop_token_set"]
+__all__ = ["exact_length_params", "generation_finish", "generation_finish_rows", "prefill_finish", "stop_token_set"]
 
 
 def stop_token_set(sp: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:
@@ -52,3 +52,10 @@ def prefill_finish(state: WalkState, signal: str = "stop") -> FinishReason | Non
 
 
 _STOP, _LENGTH = FinishReason.STOP, FinishReason.LENGTH
+
+
+def exact_length_params(params: Mapping[str, Any], output_tokens: int) -> dict[str, Any]:
+    """``params`` for a generation of exactly ``output_tokens`` tokens (``max_tokens``, EOS ignored):
+    what a decoding family's ``ModelDef.sized_request`` submits."""
+    sampling = {**dict(params.get("sampling", {})), "ignore_eos": True}
+    return {**params, "max_tokens": output_tokens, "sampling": sampling}

@@ -33,6 +33,7 @@ import torch
 from mstar.graph import WalkGraph
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.model.checkpoint import check_load_format, reject_checkpoint, resolve_dtype
+from mstar.model.decode import exact_length_params
 from mstar.model.tokenizer import LazyTokenizer
 from mstar.model.validation import check_int
 from mstar.models.bagel import graph as bagel_graph
@@ -154,8 +155,7 @@ class BagelModel(LazyTokenizer, ModelDef):
                             generator=torch.Generator().manual_seed(seed))
         if params.get("target") == "image":
             return {"text_ids": [ids]}, {"seed": seed, **params}
-        sampling = {**dict(params.get("sampling", {})), "ignore_eos": True}
-        return {"text_ids": [ids]}, {**params, "max_tokens": output_tokens, "sampling": sampling}
+        return {"text_ids": [ids]}, exact_length_params(params, output_tokens)
 
     def build_graph(self) -> WalkGraph:
         return bagel_graph.build_graph()

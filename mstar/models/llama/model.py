@@ -27,7 +27,7 @@ from mstar.layers.llama import check_llama_architecture
 from mstar.layers.sampling import request_sampling
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.model.checkpoint import CheckpointError, check_load_format, reject_checkpoint
-from mstar.model.decode import prefill_finish
+from mstar.model.decode import exact_length_params, prefill_finish
 from mstar.model.tokenizer import LazyTokenizer
 from mstar.models.llama import graph as llama_graph
 from mstar.models.llama.config import TINY, LlamaConfig
@@ -111,8 +111,7 @@ class LlamaLM(LazyTokenizer, ModelDef):
         exactly ``output_tokens`` tokens (EOS ignored)."""
         ids = torch.randint(1, max(2, self.config.vocab_size - 8), (prompt_tokens,),
                             generator=torch.Generator().manual_seed(seed))
-        sampling = {**dict(params.get("sampling", {})), "ignore_eos": True}
-        return {"input_ids": ids}, {**params, "max_tokens": output_tokens, "sampling": sampling}
+        return {"input_ids": ids}, exact_length_params(params, output_tokens)
 
     def parse_request(self, inputs: Mapping[str, list[Any]], params: Mapping[str, Any]) -> LMRequest:
         vocab, max_pos = self.config.vocab_size, self.config.max_position_embeddings

@@ -23,7 +23,7 @@ from mstar.layers.prepack import prepack_linears, prepack_requested
 from mstar.layers.sampling import request_sampling
 from mstar.model import ModelDef, NodeSubmodule, WalkState
 from mstar.model.checkpoint import check_load_format, reject_checkpoint
-from mstar.model.decode import prefill_finish
+from mstar.model.decode import exact_length_params, prefill_finish
 from mstar.model.tokenizer import LazyTokenizer
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.loader import LOAD_FORMATS, build_llama_model, resolve_dtype
@@ -98,9 +98,7 @@ class OrpheusTTS(LazyTokenizer, ModelDef):
         body = max(0, prompt_tokens - 1 - len(END_OF_PROMPT))
         text = torch.randint(ord("a"), ord("z") + 1, (body,), generator=torch.Generator().manual_seed(seed))
         ids = [START_OF_HUMAN, *self.tokenizer.encode(bytes(text.tolist()).decode())[:body], *END_OF_PROMPT]
-        sampling = {**dict(params.get("sampling", {})), "ignore_eos": True}
-        return ({"input_ids": torch.tensor(ids, dtype=torch.long)},
-                {**params, "max_tokens": output_tokens, "sampling": sampling})
+        return {"input_ids": torch.tensor(ids, dtype=torch.long)}, exact_length_params(params, output_tokens)
 
     # -- graph -----------------------------------------------------------------------------------
     def build_graph(self) -> WalkGraph:
