@@ -167,10 +167,8 @@ class _Forward:
     items: list[_Item]
     left: float
     since: float
+    started: float
     version: int = 0
-
-    def __post_init__(self) -> None:
-        self.started = self.since
 
 
 @dataclass(order=True)
@@ -281,7 +279,7 @@ class _Sim:
         if any(t - self.last_end.get(r, -1.0) > IDLE_S for r in g.ranks):
             cost += self.p.rank_timing(g.threads).wake_ms  # its threads went to sleep, its caches cold
         self._progress(t)
-        self.computing[g.ranks] = _Forward(g, take, cost / 1e3, t)
+        self.computing[g.ranks] = _Forward(g, take, cost / 1e3, t, t)
         for r in g.ranks:
             self.free_at[r] = float("inf")
         self._reschedule(t)
