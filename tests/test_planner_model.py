@@ -14,10 +14,18 @@ from mstar.placement import Placement
 from mstar.planner import parse_workload
 from mstar.planner.costs import Forward, ForwardCost, nonnegative_least_squares
 from mstar.planner.measure import replay
-from mstar.planner.profile import Profile, RankTiming
+from mstar.planner.profile import AfterIdle, Profile, RankTiming
 from mstar.planner.profiling import profile_model
 from mstar.planner.programs import Affine, ClassProgram, emitting_runs
-from mstar.planner.readings import forwards_in, gaps_in, hops_in, stream_gaps_in
+from mstar.planner.readings import (
+    after_idle_in,
+    forwards_in,
+    gaps_in,
+    hops_in,
+    overheads_in,
+    stream_gaps_in,
+    wake_penalties_in,
+)
 from mstar.planner.simulate import simulate
 from mstar.planner.workload import Arrival
 
@@ -90,7 +98,7 @@ def _profile(**changes) -> Profile:
         for p, o in [(10, 3), (20, 3), (10, 5)]], [(10, 3), (20, 3), (10, 5)])
     base = dict(model="llama-tiny", machine="test", cores=2, max_batch=16,
                 costs={"LLM@tp1/t2": ForwardCost(1.0, 0.5, 0.1, 0.0), "LLM@tp2/t1": ForwardCost(2.0, 0.5, 0.05, 0.0)},
-                timing={2: RankTiming(0.2, 0.0, {"submit": (2.0,), "emit": (0.5,), "end": (0.3,)})},
+                timing={2: RankTiming(0.2, (AfterIdle(0.0, (0.0,), {"submit": (2.0,), "emit": (0.5,), "end": (0.3,)}),))},
                 walk_gap_ms=1.0, stream_gap_ms=0.5, hop_ms=(0.0,), move_ms=Affine(3.0, 0.01),
                 contention={"shared": {1: 1.0, 2: 2.0}, "split": {1: 1.0, 2: 1.0}}, threads=(2,),
                 kv_bytes_per_token={"LLM": 512}, programs={"chat": prog})
@@ -230,8 +238,52 @@ def test_ranks_whose_threads_outnumber_the_cores_slow_each_other_even_one_at_a_t
 def test_a_request_never_ends_before_its_first_item():
     # a large drawn emit overhead and a small end one: the first item still comes no later than the end
     model = LlamaTiny()
-    prof = _profile(timing={2: RankTiming(0.2, 0.0, {"submit": (0.0,), "emit": (50.0,), "end": (0.1,)})})
+    prof = _profile(timing={2: RankTiming(0.2, (AfterIdle(0.0, (0.0,), {"submit": (0.0,), "emit": (50.0,), "end": (0.1,)}),))})
     pred = simulate(prof, _placement([{"node_names": ["LLM"], "ranks": [0]}]), model.graph, model.module_of,
                     [Arrival(0.0, "chat", 10, 2)])
     (r,) = pred.requests
     assert 0 < r.ttft == r.e2e and r.tpot == 0.0  # clamped to the end
+
+
+def test_what_idling_costs_grows_with_the_idle_time():
+    timing = RankTiming(0.2, (AfterIdle(0.003, (1.0,), {"submit": (2.0,)}), AfterIdle(0.3, (9.0,), {"submit": (5.0,)})))
+    assert timing.wake_ms(0.0005) == 0.0  # a rank between steps pays nothing
+    assert timing.wake_ms(0.002) == pytest.approx(0.5)  # growing to the first level's
+    assert timing.wake_ms(0.1515) == pytest.approx(5.0)  # linear between the levels
+    assert timing.wake_ms(10.0) == timing.wake_ms(float("inf")) == 9.0  # the last level's past it
+    assert timing.client(0.0)["submit"] == 2.0 and timing.client(0.1515)["submit"] == pytest.approx(3.5)
+    assert RankTiming.from_dict(timing.to_dict()) == timing
+
+
+def test_a_request_after_a_long_idle_pays_the_wake_up_and_a_slower_submit():
+    model = LlamaTiny()
+    single = _placement([{"node_names": ["LLM"], "ranks": [0]}])
+    idle = _profile(timing={2: RankTiming(0.2, (AfterIdle(0.003, (1.0,), {"submit": (2.0,), "emit": (0.5,), "end": (0.3,)}),
+                                                AfterIdle(0.3, (9.0,), {"submit": (5.0,), "emit": (0.5,), "end": (0.3,)})))})
+    calm = _profile()  # no wake-up, a 2 ms submit
+    first = [Arrival(0.0, "chat", 10, 3)]  # the rank never ran: idle for ever
+    woke = simulate(idle, single, model.graph, model.module_of, first).requests[0]
+    base = simulate(calm, single, model.graph, model.module_of, first).requests[0]
+    assert woke.ttft - base.ttft == pytest.approx((5.0 - 2.0 + 9.0) / 1e3)
+    # a second request 3 ms after the first one's end finds the rank idle about 3 ms: the first level's
+    again = simulate(idle, single, model.graph, model.module_of, first + [Arrival(woke.e2e + 0.003, "chat", 10, 3)])
+    assert again.requests[1].ttft == pytest.approx(base.ttft + 1.0 / 1e3, abs=4e-4)  # the end overhead aside
+
+
+def test_idle_readings_come_from_requests_one_after_another():
+    def run(start: float, ms: float) -> dict:
+        return {"node": "LLM", "rank": 0, "start": start, "compute_ms": ms, "batch": 1, "batch_tokens": 10,
+                "batch_attention": 100}
+
+    traces = [{"walks": [{"walk": "prefill", "nodes": [run(1.0, 2.0)]}],
+               "client": {"sent": 0.999, "first": 1.0025, "end": 1.003}},
+              {"walks": [{"walk": "prefill", "nodes": [run(1.305, 6.0)]}],
+               "client": {"sent": 1.302, "first": 1.3115, "end": 1.312}}]
+    over = overheads_in(traces, {("prefill", "LLM")})
+    # the first request is left out (its rank's idle time before it unknown); the second came 0.3 s after
+    assert len(over) == 1 and over[0][0] == pytest.approx(0.3)
+    assert over[0][1] == pytest.approx({"submit": 3.0, "emit": 0.5, "end": 1.0})
+    wakes = wake_penalties_in(traces, {"LLM@tp1/t2": ForwardCost(1.0, 0.0, 0.1, 0.0)}, 2, lambda n: n)
+    assert wakes == [pytest.approx((0.303, 4.0))]  # 6 ms where the cost says 2
+    (level,) = after_idle_in(wakes, over)  # both nearest the 0.3 s level
+    assert level.idle_s == pytest.approx(0.3015) and level.wake[10] == 4.0 and level.client["submit"][10] == 3.0

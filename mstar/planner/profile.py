@@ -5,8 +5,8 @@ placement with. ``profiling.profile_model`` makes one with the real runtime; it 
 * **programs**: what each request class runs, by its lengths (``ClassProgram``, programs.py);
 * **forward costs**: one ``ForwardCost`` per module (costs.py), per tensor-parallel size and thread
   count (``cost_key``), and for a stream consumer's final chunks apart;
-* **rank timing** per thread count (``RankTiming``): the step gap, the wake-up cost of a rank that
-  idled, the client's overheads;
+* **rank timing** per thread count (``RankTiming``): the step gap and, by how long the rank idled
+  before (``AfterIdle``), a forward's wake-up cost and the client's overheads;
 * **gaps**: a walk boundary's on one rank and, the KV caches moving, across two; a stream chunk's;
   a hop between ranks inside a walk;
 * **contention**: how much slower ranks compute together, the cores shared or split (contention.py);
@@ -23,11 +23,15 @@ from typing import Any
 from mstar.planner.costs import ForwardCost, quantile
 from mstar.planner.programs import Affine, ClassProgram
 
-__all__ = ["FINAL", "IDLE_S", "PROFILE_VERSION", "Profile", "RankTiming", "cost_key"]
+__all__ = ["FINAL", "IDLE_LEVELS_S", "IDLE_S", "PROFILE_VERSION", "AfterIdle", "Profile", "RankTiming", "cost_key"]
 
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 FINAL = "#final"  # a module's cost key suffix for forwards of stream-final chunks only
-IDLE_S = 1e-3  # a rank idle this long before a forward pays its RankTiming.wake_ms
+IDLE_S = 1e-3  # a rank idle this long before a forward pays a wake-up cost (RankTiming.wake_ms)
+# The pauses the profile leaves between requests run alone, to see what idling costs: a rank's OpenMP
+# threads stop spinning and sleep, a VM's idle vCPU is descheduled by its host, caches go cold; the
+# longer the pause, the slower the first forward after it (and the client's submit).
+IDLE_LEVELS_S = (0.003, 0.02, 0.08, 0.3)
 
 
 def cost_key(module: str, tp: int, threads: int, final: bool = False) -> str:
@@ -36,20 +40,61 @@ def cost_key(module: str, tp: int, threads: int, final: bool = False) -> str:
 
 
 @dataclass(frozen=True)
+class AfterIdle:
+    """What requests run alone after their rank idled about ``idle_s`` paid, as the 0, 5, ..., 100th
+    percentiles (ms)."""
+
+    idle_s: float  # the median idle time before the requests measured
+    wake: tuple[float, ...]  # a forward's ms past its module's cost (threads asleep, caches cold)
+    client: dict[str, tuple[float, ...]]  # readings.overheads_in's: submit, emit, end
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"idle_s": self.idle_s, "wake": list(self.wake), "client": {k: list(v) for k, v in self.client.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AfterIdle:
+        return cls(d["idle_s"], tuple(d["wake"]), {k: tuple(v) for k, v in d["client"].items()})
+
+
+def _between(levels: tuple[AfterIdle, ...], idle_s: float, read: Any) -> float:
+    """``read(level)`` at ``idle_s``: linear between the two levels around it, the nearest one outside."""
+    if idle_s <= levels[0].idle_s:
+        return read(levels[0])
+    for lo, hi in zip(levels, levels[1:]):
+        if idle_s <= hi.idle_s:
+            w = (idle_s - lo.idle_s) / (hi.idle_s - lo.idle_s) if hi.idle_s > lo.idle_s else 1.0
+            return read(lo) + (read(hi) - read(lo)) * w
+    return read(levels[-1])
+
+
+@dataclass(frozen=True)
 class RankTiming:
     """What a rank of some thread count spends beside its forwards (and its clients wait)."""
 
     step_gap_ms: float  # between a request's consecutive forwards, past their compute
-    wake_ms: float  # added to a forward after more than IDLE_S idle (threads asleep, caches cold)
-    client: dict[str, tuple[float, ...]]  # overheads_in's percentiles (ms): submit, emit, end
+    after_idle: tuple[AfterIdle, ...]  # by idle_s, ascending (at least one)
+
+    def wake_ms(self, idle_s: float, u: float = 0.5) -> float:
+        """Added to a forward after its rank idled ``idle_s`` (quantile ``u`` of the spread): nothing
+        up to ``IDLE_S``, then growing to the first level's."""
+        if idle_s <= IDLE_S:
+            return 0.0
+        ms = _between(self.after_idle, idle_s, lambda a: quantile(a.wake, u))
+        first = self.after_idle[0].idle_s
+        return ms * min(1.0, (idle_s - IDLE_S) / (first - IDLE_S)) if first > IDLE_S else ms
+
+    def client(self, idle_s: float, u: float = 0.5) -> dict[str, float]:
+        """The client overheads (ms, quantile ``u``) of a request reaching a rank idle for ``idle_s``."""
+        keys = self.after_idle[0].client
+        return {k: _between(self.after_idle, idle_s, lambda a, k=k: quantile(a.client.get(k, (0.0,)), u))
+                for k in keys}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step_gap_ms": self.step_gap_ms, "wake_ms": self.wake_ms,
-                "client": {k: list(v) for k, v in self.client.items()}}
+        return {"step_gap_ms": self.step_gap_ms, "after_idle": [a.to_dict() for a in self.after_idle]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RankTiming:
-        return cls(d["step_gap_ms"], d["wake_ms"], {k: tuple(v) for k, v in d["client"].items()})
+        return cls(d["step_gap_ms"], tuple(AfterIdle.from_dict(a) for a in d["after_idle"]))
 
 
 @dataclass
@@ -98,9 +143,10 @@ class Profile:
         """A hop between ranks (ms) at quantile ``u``."""
         return quantile(self.hop_ms, u)
 
-    def client(self, threads: int, u: float = 0.5) -> dict[str, float]:
-        """The client overheads (ms) at quantile ``u`` of a request whose first rank runs ``threads``."""
-        return {k: quantile(qs, u) for k, qs in self.rank_timing(threads).client.items()}
+    def client(self, threads: int, idle_s: float = 0.0, u: float = 0.5) -> dict[str, float]:
+        """The client overheads (ms) at quantile ``u`` of a request whose first rank runs ``threads``
+        and idled ``idle_s`` before it."""
+        return self.rank_timing(threads).client(idle_s, u)
 
     def slowdown(self, threads: list[int]) -> float:
         """How much slower each forward runs while groups using ``threads`` threads each compute at once:

@@ -6,7 +6,8 @@ submits sized requests of the workload's classes (``ModelDef.sized_request``):
 * each class alone at three size points -> its ``ClassProgram``;
 * batches of 1, 2, 4, ... requests of each class at once and staggered, at every thread count a
   rank may get and over all ranks tensor-parallel -> every forward the traces recorded, fitted;
-* requests a pause apart -> each thread count's ``RankTiming``;
+* requests run alone after pauses of each of ``IDLE_LEVELS_S`` -> each thread count's ``RankTiming``
+  (what a forward and the client pay after the rank idled that long);
 * the KV modules' walks split over two ranks -> the KV move and the hops between ranks;
 * spawned processes computing at once -> contention (contention.py), first, while no worker lives.
 """
@@ -22,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from mstar.planner.costs import Forward, ForwardCost, percentiles
-from mstar.planner.profile import Profile, RankTiming
+from mstar.planner.profile import IDLE_LEVELS_S, Profile, RankTiming
 from mstar.planner.programs import Affine, ClassProgram, emitting_runs
 from mstar.planner.readings import (
+    after_idle_in,
     forwards_in,
     gaps_in,
     hops_in,
@@ -64,11 +66,12 @@ class _Runner:
     def alone(self, name: str, prompt: int, output: int, label: str) -> dict[str, Any]:
         """The request's trace, with the client's clock (``time.time()``, as the trace's) at submit
         (the request already made), first item and end under ``"client"``."""
-        return self.spaced([(name, prompt, output)], label, 0.0)[0]
+        return self.spaced([(name, prompt, output)], label, [0.0])[0]
 
-    def spaced(self, sizes: Sequence[tuple[str, int, int]], label: str, gap_s: float) -> list[dict[str, Any]]:
-        """Requests of ``sizes`` one after another, ``gap_s`` apart, read on one event loop as the server
-        and ``measure.replay`` read them: their traces, with the client's clock as ``alone``'s."""
+    def spaced(self, sizes: Sequence[tuple[str, int, int]], label: str, gaps_s: Sequence[float]) -> list[dict[str, Any]]:
+        """Requests of ``sizes`` one after another, the i-th ``gaps_s[i]`` after the previous one's end,
+        read on one event loop as the server and ``measure.replay`` read them: their traces, with the
+        client's clock as ``alone``'s."""
         made = [self.request(*size) for size in sizes]
 
         async def read(inputs: dict[str, Any], params: dict[str, Any]) -> tuple[Any, dict[str, float]]:
@@ -82,9 +85,9 @@ class _Runner:
 
         async def main() -> list[tuple[Any, dict[str, float]]]:
             out = []
-            for inputs, params in made:
+            for (inputs, params), gap in zip(made, gaps_s):
+                await asyncio.sleep(gap)
                 out.append(await read(inputs, params))
-                await asyncio.sleep(gap_s)
             return out
 
         traces = []
@@ -163,17 +166,18 @@ def _kv_bytes(model: Any) -> dict[str, int]:
 
 def _split_groups(model: Any, kv: dict[str, int]) -> list[dict[str, Any]] | None:
     """Every node on rank 0, but each KV module's walks after its first on rank 1 (so the caches
-    move at the walk boundary): None when no KV module is used by two walks."""
+    move at the walk boundary), the cores split between the two (two ranks each spinning every core's
+    thread would price their contention into the move): None when no KV module is used by two walks."""
     graph = model.graph
     split = [n for n in sorted(kv) if sum(n in graph.nodes_in(w) for w in graph.walks) > 1]
     if not split:
         return None
     first = [w for w in graph.walks if any(n in graph.nodes_in(w) for n in split)]
     rest = sorted(graph.node_names - set(split))
-    groups = [{"node_names": split, "ranks": [0], "graph_walks": first[:1]},
-              {"node_names": split, "ranks": [1], "graph_walks": first[1:]}]
-    return groups + ([{"node_names": rest, "ranks": [0]}] if rest else [])
-
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    groups = [{"node_names": split, "ranks": [0], "graph_walks": first[:1], "threads": threads},
+              {"node_names": split, "ranks": [1], "graph_walks": first[1:], "threads": threads}]
+    return groups + ([{"node_names": rest, "ranks": [0], "threads": threads}] if rest else [])
 
 
 def _programs(run: _Runner, say: Callable[[str], None]) -> tuple[dict[str, ClassProgram], list[dict[str, Any]]]:
@@ -244,23 +248,25 @@ def _fit_costs(forwards: list[Forward], tp: int, threads: int) -> dict[str, Forw
     return {f"{m}@tp{tp}/t{threads}": ForwardCost.fit(fs) for m, fs in by.items()}
 
 
-CLIENT_RUNS = 12  # requests run alone per thread count, for the client overheads' spread
-CLIENT_GAP_S = 0.02
+CLIENT_RUNS = 8  # requests run alone per thread count and idle level, for what idling costs
 
 
 def _client_runs(run: _Runner) -> list[dict[str, Any]]:
-    """``CLIENT_RUNS`` requests of the classes at their sizes in turn, one at a time with a pause
-    between (the rank goes idle, as between a light workload's requests), on one event loop."""
+    """``CLIENT_RUNS`` requests per level of ``IDLE_LEVELS_S``, of the classes at their sizes in turn,
+    one at a time, each after a pause of its level (the levels interleaved, so that a drift of the
+    machine spreads over them all), on one event loop."""
     sizes = [(name, p, o) for name, c in run.classes.items() for p, o in _sizes(c)]
-    return run.spaced([sizes[i % len(sizes)] for i in range(CLIENT_RUNS)], "client", CLIENT_GAP_S)
+    n = CLIENT_RUNS * len(IDLE_LEVELS_S)
+    gaps = [IDLE_LEVELS_S[i % len(IDLE_LEVELS_S)] for i in range(n)]
+    return run.spaced([sizes[i % len(sizes)] for i in range(n)], "client", gaps)
 
 
 def _timing(traces: Sequence[dict[str, Any]], costs: dict[str, ForwardCost], threads: int, model: Any) -> RankTiming:
     """A rank's timing beside its forwards, from requests it ran alone at ``threads`` threads."""
     steps, _ = gaps_in(traces)
-    wake = wake_penalties_in(traces, costs, threads, model.module_of)
-    client = overheads_in(traces, emitting_runs(model.graph))
-    return RankTiming(max(0.0, median(steps)), max(0.0, median(wake)), client)
+    return RankTiming(max(0.0, median(steps)),
+                      after_idle_in(wake_penalties_in(traces, costs, threads, model.module_of),
+                                    overheads_in(traces, emitting_runs(model.graph))))
 
 
 def _thread_sweeps(model: Any, workload: Workload, options: list[int], max_batch: int, workers: str,
@@ -307,7 +313,7 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
         client_alone = _client_runs(run)
     costs = _fit_costs(forwards_in(traces + alone, model.module_of), 1, cores)
     steps, bounds = gaps_in(alone)
-    timing = {cores: _timing(alone + client_alone, costs, cores, model)}
+    timing = {cores: _timing(client_alone, costs, cores, model)}
     move, tp_sizes, hop = Affine(0.0), (1,), (0.0,)
     splits = sorted({max(1, cores // k) for k in range(2, ranks + 1)} - {cores})
     if ranks >= 2:

@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 
 from mstar.planner.costs import Forward, ForwardCost, percentiles
-from mstar.planner.profile import FINAL, IDLE_S, cost_key
+from mstar.planner.profile import FINAL, IDLE_LEVELS_S, IDLE_S, AfterIdle, cost_key
 
-__all__ = ["forwards_in", "gaps_in", "hops_in", "median", "overheads_in", "stream_gaps_in", "wake_penalties_in"]
+__all__ = ["after_idle_in", "forwards_in", "gaps_in", "hops_in", "median", "overheads_in", "stream_gaps_in",
+           "wake_penalties_in"]
 
 
 def forwards_in(traces: Sequence[dict[str, Any]], module_of: Callable[[str], str]) -> list[Forward]:
@@ -59,23 +60,34 @@ def gaps_in(traces: Sequence[dict[str, Any]]) -> tuple[list[float], list[tuple[i
     return steps, bounds
 
 
-def wake_penalties_in(traces: Sequence[dict[str, Any]], costs: dict[str, ForwardCost], threads: int,
-                      module_of: Callable[[str], str]) -> list[float]:
-    """From traces of requests run one after another: per forward that followed more than ``IDLE_S``
-    of its rank's idleness, its ms past what its module's cost predicts."""
-    forwards = {}
+def _forwards_by_rank(traces: Sequence[dict[str, Any]]) -> dict[int, list[tuple[float, dict[str, Any]]]]:
+    """Each rank's forwards (one run per forward), by start."""
+    out: dict[int, dict[float, dict[str, Any]]] = {}
     for t in traces:
         for w in t["walks"]:
             for r in w["nodes"]:
-                forwards[(r["rank"], r["start"])] = r
-    out, last_end = [], {}
-    for (rank, start), r in sorted(forwards.items()):
-        end = last_end.get(rank)
-        last_end[rank] = start + r["compute_ms"] / 1e3
-        key = cost_key(module_of(r["node"]), 1, threads)
-        if end is None or start - end <= IDLE_S or key not in costs:
-            continue
-        out.append(r["compute_ms"] - costs[key].ms(r["batch"], r["batch_tokens"], r["batch_attention"]))
+                out.setdefault(r["rank"], {})[r["start"]] = r
+    return {rank: sorted(runs.items()) for rank, runs in out.items()}
+
+
+def _idle_before(by_rank: dict[int, list[tuple[float, dict[str, Any]]]], rank: int, at: float) -> float | None:
+    """How long ``rank`` had been idle at ``at`` (s): since its last forward ending by then; None
+    before its first forward in the traces."""
+    ends = [s + r["compute_ms"] / 1e3 for s, r in by_rank.get(rank, ()) if s + r["compute_ms"] / 1e3 <= at]
+    return at - max(ends) if ends else None
+
+
+def wake_penalties_in(traces: Sequence[dict[str, Any]], costs: dict[str, ForwardCost], threads: int,
+                      module_of: Callable[[str], str]) -> list[tuple[float, float]]:
+    """From traces of requests run one after another: per forward that followed more than ``IDLE_S``
+    of its rank's idleness, that idle time (s) and its ms past what its module's cost predicts."""
+    out = []
+    for runs in _forwards_by_rank(traces).values():
+        for (start, r), (prev_start, prev) in zip(runs[1:], runs):
+            idle = start - prev_start - prev["compute_ms"] / 1e3
+            key = cost_key(module_of(r["node"]), 1, threads)
+            if idle > IDLE_S and key in costs:
+                out.append((idle, r["compute_ms"] - costs[key].ms(r["batch"], r["batch_tokens"], r["batch_attention"])))
     return out
 
 
@@ -117,23 +129,49 @@ def stream_gaps_in(traces: Sequence[dict[str, Any]], graph: Any) -> list[float]:
     return gaps
 
 
-def overheads_in(traces: Sequence[dict[str, Any]], emitting: set[tuple[str, str]]) -> dict[str, tuple[float, ...]]:
-    """Over requests run alone (``profiling._Runner.spaced``'s traces), the 0, 5, ..., 100th percentiles (ms) of
-    ``submit``, from the client's submit to the first run's start, ``emit``, from the first emitting
-    run's end to the client's first item, and ``end``, from the last run's end to the client seeing
-    the request end."""
-    out: dict[str, list[float]] = {"submit": [], "emit": [], "end": []}
+def overheads_in(traces: Sequence[dict[str, Any]], emitting: set[tuple[str, str]]) -> list[tuple[float, dict[str, float]]]:
+    """Per request run alone (``profiling._Runner.spaced``'s traces), how long its first rank had been
+    idle when the client submitted it (s) and its overheads (ms): ``submit``, from the client's submit
+    to the first run's start, ``emit``, from the first emitting run's end to the client's first item,
+    and ``end``, from the last run's end to the client seeing the request end. A request before
+    which its rank ran nothing in the traces is left out (its idle time unknown)."""
+    by_rank, out = _forwards_by_rank(traces), []
     for t in traces:
         c, runs = t["client"], [(w["walk"], r) for w in t["walks"] for r in w["nodes"]]
-        if not runs:
+        idle = _idle_before(by_rank, runs[0][1]["rank"], c["sent"]) if runs else None
+        if idle is None:
             continue
-        out["submit"].append((runs[0][1]["start"] - c["sent"]) * 1e3)
+        seen = {"submit": (runs[0][1]["start"] - c["sent"]) * 1e3}
         emits = [r for walk, r in runs if (walk, r["node"]) in emitting]
         if emits:
-            out["emit"].append((c["first"] - emits[0]["start"]) * 1e3 - emits[0]["compute_ms"])
+            seen["emit"] = (c["first"] - emits[0]["start"]) * 1e3 - emits[0]["compute_ms"]
         last = max((r for _, r in runs), key=lambda r: r["start"] + r["compute_ms"] / 1e3)
-        out["end"].append((c["end"] - last["start"]) * 1e3 - last["compute_ms"])
-    return {k: percentiles(v, floor=0.0) if v else (0.0,) for k, v in out.items()}
+        seen["end"] = (c["end"] - last["start"]) * 1e3 - last["compute_ms"]
+        out.append((max(0.0, idle), seen))
+    return out
+
+
+def after_idle_in(wakes: Sequence[tuple[float, float]], overheads: Sequence[tuple[float, dict[str, float]]],
+                  levels: Sequence[float] = IDLE_LEVELS_S) -> tuple[AfterIdle, ...]:
+    """``wake_penalties_in``'s and ``overheads_in``'s readings, each at the idle level nearest its
+    idle time (geometrically): one ``AfterIdle`` per level that has any."""
+    def level(idle: float) -> int:
+        return min(range(len(levels)), key=lambda i: abs(np.log(max(idle, 1e-4) / levels[i])))
+
+    bins: dict[int, tuple[list[float], list[float], dict[str, list[float]]]] = {}
+    for idle, ms in wakes:
+        b = bins.setdefault(level(idle), ([], [], {}))
+        b[0].append(idle)
+        b[1].append(ms)
+    for idle, seen in overheads:
+        b = bins.setdefault(level(idle), ([], [], {}))
+        b[0].append(idle)
+        for k, ms in seen.items():
+            b[2].setdefault(k, []).append(ms)
+    out = [AfterIdle(round(median(idles), 5), percentiles(ms, floor=0.0) if ms else (0.0,),
+                     {k: percentiles(v, floor=0.0) for k, v in client.items()})
+           for _, (idles, ms, client) in sorted(bins.items())]
+    return tuple(out) or (AfterIdle(0.0, (0.0,), {}),)
 
 
 def median(values: Sequence[float], default: float = 0.0) -> float:

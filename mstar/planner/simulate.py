@@ -16,14 +16,15 @@ It replays a workload's arrivals against a placement the way the workers run the
   consumer one after another; the request ends when every partition has;
 * a forward's work is the module's ``ForwardCost`` for its rows, new tokens and attention pairs
   (each row's tokens times its context) at its rank's threads (the group's ``threads``, else the
-  default), times a draw from the profiled forwards' spread around the fit (seeded), plus its ``RankTiming.wake_ms`` on a rank idle for more than ``IDLE_S``; groups computing at
+  default), times a draw from the profiled forwards' spread around the fit (seeded), plus a draw of
+  ``RankTiming.wake_ms`` for as long as its rank idled before (nothing up to ``IDLE_S``); groups computing at
   once share the machine (processor sharing: each progresses at 1 / ``Profile.slowdown`` of the
   threads computing, re-paced whenever a forward starts or ends; ranks whose threads outnumber the
   cores slow each other all the time, at the ``shared`` slowdown of them all: idle OpenMP threads
   spin); then the rank's step gap;
 * a request reaches its first queue after the client-to-worker time, its first item and its end
-  reach the client after theirs (``Profile.client``, measured for its first rank's threads, drawn
-  per request from their spread);
+  reach the client after theirs (``Profile.client``, measured for its first rank's threads and how
+  long that rank had idled when the request came, drawn per request from their spread);
 * a request's next run is ready after the step gap (plus a hop, ``Profile.hop_ms``, when it runs on another
   rank than the run it waits for), or at a walk boundary after the walk gap, or, when its KV module
   moves to another group, after the KV move (``Profile.move_ms``); a stream's chunk reaches its
@@ -43,7 +44,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar.planner.profile import IDLE_S, Profile
+from mstar.planner.profile import Profile
 from mstar.planner.programs import (
     ConsumerShape,
     ProgramRun,
@@ -276,13 +277,19 @@ class _Sim:
         fit = self.p.cost(key[1], g.tp, g.threads, all(r.final for r in runs))
         cost = fit.ms(len(runs), sum(r.tokens for r in runs), sum(r.tokens * r.context for r in runs))
         cost *= fit.draw(self.rng.random())  # as far off the fit as a measured forward may be
-        if any(t - self.last_end.get(r, -1.0) > IDLE_S for r in g.ranks):
-            cost += self.p.rank_timing(g.threads).wake_ms  # its threads went to sleep, its caches cold
+        # its threads went to sleep, its caches cold: the longer it idled, the more it pays
+        cost += self.p.rank_timing(g.threads).wake_ms(max(self._idle(r, t) for r in g.ranks), self.rng.random())
         self._progress(t)
         self.computing[g.ranks] = _Forward(g, take, cost / 1e3, t, t)
         for r in g.ranks:
             self.free_at[r] = float("inf")
         self._reschedule(t)
+
+    def _idle(self, rank: int, t: float) -> float:
+        """How long ``rank`` has been idle at ``t`` (0 while it computes; forever before its first forward)."""
+        if self.free_at.get(rank, 0.0) > t:
+            return 0.0
+        return t - self.last_end[rank] if rank in self.last_end else float("inf")
 
     def _progress(self, t: float) -> None:
         """Bring every forward in flight up to ``t`` at the speed the ranks computing together allow."""
@@ -380,11 +387,12 @@ class _Sim:
                 self.ready(t + (self.p.stream_gap_ms + self._hop(src, c.cursor)) / 1e3, c.cursor)
         self._maybe_end(t, req)
 
-    def _client(self, req: _Request) -> dict[str, float]:
-        """The request's client overheads: drawn once (seeded) from the profiled spread."""
+    def _client(self, req: _Request, t: float) -> dict[str, float]:
+        """The request's client overheads, drawn once (seeded) from the profiled spread when it is
+        submitted at ``t``, after its first rank idled as long as it has then."""
         if req.client is None:
-            first = req.root.runs[0]
-            req.client = self.p.client(self.group(first.node, first.walk).threads, self.rng.random())
+            g = self.group(req.root.runs[0].node, req.root.runs[0].walk)
+            req.client = self.p.client(g.threads, max(self._idle(r, t) for r in g.ranks), self.rng.random())
         return req.client
 
     def _hold_kv(self, rank: int, run: ProgramRun) -> None:
@@ -394,7 +402,7 @@ class _Sim:
     def _maybe_end(self, t: float, req: _Request) -> None:
         if not req.root_done or not all(c.idle for c in req.consumers) or req.root is None:
             return
-        a, cur, client = req.arrival, req.root, self._client(req)
+        a, cur, client = req.arrival, req.root, self._client(req, t)
         req.root = None  # ended: counted once
         held: dict[int, int] = {}
         for run in cur.runs:
@@ -410,10 +418,12 @@ class _Sim:
 
     def run(self, requests: Iterable[_Request]) -> None:
         for req in requests:
-            self.push(req.arrival.at_s + self._client(req).get("submit", 0.0) / 1e3, "arrive", req)
+            self.push(req.arrival.at_s, "submit", req)
         while self.events:
             t, _, kind, payload = heapq.heappop(self.events)
-            if kind == "arrive":
+            if kind == "submit":
+                self.push(t + self._client(payload, t).get("submit", 0.0) / 1e3, "arrive", payload)
+            elif kind == "arrive":
                 self.ready(t, payload.root)
             elif kind == "try":
                 self.try_start(t, payload)
