@@ -99,13 +99,23 @@ class _Runner:
         return traces
 
     def together(self, name: str, count: int, prompt: int, output: int, label: str, spacing_s: float = 0.0) -> list:
-        handles = []
-        for _ in range(count):
-            handles.append(self.submit(name, prompt, output, label))
-            if spacing_s:
-                time.sleep(spacing_s)
-        for h in handles:
-            h.result()
+        """``count`` requests at once (or ``spacing_s`` apart), their items read on one event loop as
+        the server reads them (the loop's wake-ups take the client's process some CPU, beside the
+        ranks'): their traces."""
+        async def drain(handle: Any) -> None:
+            async for _ in handle:
+                pass
+            handle.result()
+
+        async def main() -> None:
+            readers = []
+            for i in range(count):
+                if i and spacing_s:
+                    await asyncio.sleep(spacing_s)
+                readers.append(asyncio.ensure_future(drain(self.submit(name, prompt, output, label))))
+            await asyncio.gather(*readers)
+
+        asyncio.run(main())
         return self.rt.trace(label)
 
 
