@@ -32,6 +32,11 @@ def test_goals_judge_every_judged_check_and_two_models_goodput():
     validation, sides = format_tables(res)
     assert "split (not judged)" in validation and "50%" in validation
     assert "naive: no request within the SLO" in sides
+    # the same replay twice: the third table shows how far the host's own measurements differ
+    res.repeats = [Check("m", "light (1/s)", "split", "e2e", (0.1, 0.2), (0.125, 0.2), judged=False)]
+    *_, noise = format_tables(res)
+    assert "replayed again" in noise and "| 100.0 | 125.0 | 20% | 200.0 | 200.0 | 0% |" in noise
+    assert goals(res)[0][1]  # not a check of the planner
 
 
 def test_the_cases_are_the_issues_placements_and_unknown_models_are_refused():

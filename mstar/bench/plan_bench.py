@@ -10,7 +10,10 @@ For three models (the tiny twins, as CI can run them) it profiles the model once
    the runtime (worker processes, as ``mstar serve`` runs);
 2. **goodput**: the planner's placement for the heavy workload and an SLO against the naive one
    (every node on every rank: one tensor-parallel group over both), both replayed: requests within
-   every limit of the SLO per second.
+   every limit of the SLO per second;
+3. **the host's noise**: the light workload on the split placement replayed once more, minutes after
+   the first time: how far two measurements of the same thing differ on this machine (a bound on
+   how close any prediction made from an earlier profile can be).
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ class Side:
 class PlanBench:
     checks: list[Check] = field(default_factory=list)
     sides: list[Side] = field(default_factory=list)
+    repeats: list[Check] = field(default_factory=list)  # "predicted": the first replay, "measured": the next
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> a summary
 
 
@@ -120,15 +124,19 @@ def _replay(model: Any, groups: Sequence[dict[str, Any]], workload: Any, max_bat
         return placement, replay(rt, model, workload, arrivals)
 
 
-def _validate(case: PlanCase, model: Any, profile: Any, duration_s: float, log: Callable[[str], None]) -> list[Check]:
+def _validate(case: PlanCase, model: Any, profile: Any, duration_s: float,
+              log: Callable[[str], None]) -> tuple[list[Check], Any]:
+    """The checks, and the measured light workload on the split placement (for ``_again``)."""
     from mstar.planner.simulate import simulate
 
     single = ({"node_names": sorted(model.graph.node_names), "ranks": [0]},)
-    out = []
+    out, light_split = [], None
     for wname, rate in zip(("light", "heavy"), case.rates):
         wl = _workload(case, rate, duration_s)
         for pname, groups in (("one rank", single), (case.split_name, case.split)):
             placement, measured = _replay(model, groups, wl, profile.max_batch)
+            if wname == "light" and groups is case.split:
+                light_split = measured
             predicted = simulate(profile, placement, model.graph, model.module_of, wl.arrivals())
             for m in case.metrics:
                 out.append(Check(case.model, f"{wname} ({rate:g}/s)", pname, m,
@@ -137,7 +145,15 @@ def _validate(case: PlanCase, model: Any, profile: Any, duration_s: float, log: 
                                  groups is case.split or case.judge_single))
             log(f"  {case.model} {wname} {pname}: " + ", ".join(
                 f"{c.metric} p50 {c.predicted[0] * 1e3:.1f}/{c.measured[0] * 1e3:.1f} ms" for c in out[-len(case.metrics):]))
-    return out
+    return out, light_split
+
+
+def _again(case: PlanCase, model: Any, first: Any, duration_s: float, max_batch: int) -> list[Check]:
+    """The light workload on the split placement replayed once more: ``first`` against this one."""
+    wl = _workload(case, case.rates[0], duration_s)
+    _, again = _replay(model, case.split, wl, max_batch)
+    return [Check(case.model, f"light ({case.rates[0]:g}/s)", case.split_name, m, (first.figure(m, 50), first.figure(m, 95)),
+                  (again.figure(m, 50), again.figure(m, 95)), judged=False) for m in case.metrics]
 
 
 def _side_by_side(case: PlanCase, model: Any, profile: Any, duration_s: float, log: Callable[[str], None]) -> Side:
@@ -172,8 +188,10 @@ def run_plan_bench(cases: Sequence[PlanCase] = CASES, duration_s: float = 8.0, m
         out.profiles[case.model] = {"contention": profile.contention, "hop_ms_p50": round(profile.hop(), 3),
                                     "timing": {t: r.to_dict() for t, r in profile.timing.items()},
                                     "notes": profile.notes}
-        out.checks += _validate(case, model, profile, duration_s, log)
+        checks, light_split = _validate(case, model, profile, duration_s, log)
+        out.checks += checks
         out.sides.append(_side_by_side(case, model, profile, duration_s, log))
+        out.repeats += _again(case, model, light_split, duration_s, max_batch)
     return out
 
 
@@ -200,7 +218,14 @@ def format_tables(res: PlanBench) -> list[str]:
          "goodput naive req/s", "planned / naive", "predicted planned / naive req/s"],
         [(s.model, s.slo, s.planned, s.naive, f"{s.goodput[0]:.2f}", f"{s.goodput[1]:.2f}", _ratio(s),
           f"{s.predicted[0]:.2f} / {s.predicted[1]:.2f}") for s in res.sides])
-    return [validation, sides]
+    if not res.repeats:
+        return [validation, sides]
+    noise = markdown_table(
+        ["model", "workload", "placement", "metric", "p50 first replay ms", "p50 replayed again ms", "p50 difference",
+         "p95 first replay ms", "p95 replayed again ms", "p95 difference"],
+        [(c.model, c.workload, c.placement, c.metric, _ms(c.predicted[0]), _ms(c.measured[0]), _pct(c.errors()[0]),
+          _ms(c.predicted[1]), _ms(c.measured[1]), _pct(c.errors()[1])) for c in res.repeats])
+    return [validation, sides, noise]
 
 
 def goals(res: PlanBench) -> list[tuple[str, bool]]:

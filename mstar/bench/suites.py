@@ -206,8 +206,10 @@ def suite_plan(repeats: int | None) -> SuiteResult:
     res = run_plan_bench(log=_log)
     return SuiteResult("plan", "mstar bench plan", tables=format_tables(res),
                        goals=[Goal(text, ok) for text, ok in goals(res)],
-                       notes=["One replay per placement and workload (8 s of seeded Poisson arrivals); "
-                              "--repeats does not apply."], data=res)
+                       notes=["One replay per placement and workload (8 s of seeded Poisson arrivals, longer "
+                              "where that gives fewer than 60 requests), the light split one replayed again "
+                              "after the rest (the third table: this host's own noise); --repeats does not "
+                              "apply."], data=res)
 
 
 def suite_realtime(repeats: int | None) -> SuiteResult:
