@@ -164,7 +164,7 @@ def test_profiling_and_replaying_the_tiny_llama():
     assert set(prof.programs) == {"chat"} and list(prof.costs) == [f"LLM@tp1/t{prof.cores}"] and prof.contention == {}
     assert prof.cost("LLM").samples > 10 and prof.kv_bytes_per_token["LLM"] > 0
     assert prof.rank_timing(prof.cores).step_gap_ms >= 0 and set(prof.client(prof.cores)) == {"submit", "emit", "end"}
-    assert any("chat" in line for line in said)
+    assert any("chat" in line for line in said) and any("after idling" in line for line in said)
     arrivals = wl.arrivals()
     placement = Placement.single_rank(model.graph, model.name)
     pred = simulate(prof, placement, model.graph, model.module_of, arrivals)

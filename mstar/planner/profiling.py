@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mstar.planner.costs import Forward, ForwardCost, percentiles
+from mstar.planner.costs import Forward, ForwardCost, percentiles, quantile
 from mstar.planner.profile import IDLE_LEVELS_S, Profile, RankTiming
 from mstar.planner.programs import Affine, ClassProgram, emitting_runs
 from mstar.planner.readings import (
@@ -279,6 +279,13 @@ def _timing(traces: Sequence[dict[str, Any]], costs: dict[str, ForwardCost], thr
                                     overheads_in(traces, emitting_runs(model.graph))))
 
 
+def _said(timing: RankTiming, threads: int) -> str:
+    """What idling costs a rank of ``threads`` threads (medians), in a line."""
+    return f"  {threads} thread(s), after idling " + "; ".join(
+        f"{a.idle_s * 1e3:.0f} ms: +{quantile(a.wake, 0.5):.1f} ms to a forward, "
+        f"{quantile(a.client.get('submit', (0.0,)), 0.5):.1f} ms from submit to start" for a in timing.after_idle)
+
+
 def _thread_sweeps(model: Any, workload: Workload, options: list[int], max_batch: int, workers: str,
                    say: Callable[[str], None]) -> tuple[dict[str, ForwardCost], dict[int, RankTiming]]:
     """Forward costs and timing of one rank given ``threads``, for each of ``options``."""
@@ -295,6 +302,7 @@ def _thread_sweeps(model: Any, workload: Workload, options: list[int], max_batch
             alone = _client_runs(run)
         costs.update(fitted)
         timing[threads] = _timing(alone, fitted, threads, model)
+        say(_said(timing[threads], threads))
     return costs, timing
 
 
@@ -324,6 +332,7 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
     costs = _fit_costs(forwards_in(traces + alone, model.module_of), 1, cores)
     steps, bounds = gaps_in(alone)
     timing = {cores: _timing(client_alone, costs, cores, model)}
+    say(_said(timing[cores], cores))
     move, tp_sizes, hop = Affine(0.0), (1,), (0.0,)
     splits = sorted({max(1, cores // k) for k in range(2, ranks + 1)} - {cores})
     if ranks >= 2:
