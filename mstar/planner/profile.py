@@ -31,7 +31,7 @@ IDLE_S = 1e-3  # a rank idle this long before a forward pays a wake-up cost (Ran
 # The pauses the profile leaves between requests run alone, to see what idling costs: a rank's OpenMP
 # threads stop spinning and sleep, a VM's idle vCPU is descheduled by its host, caches go cold; the
 # longer the pause, the slower the first forward after it (and the client's submit).
-IDLE_LEVELS_S = (0.003, 0.02, 0.08, 0.3)
+IDLE_LEVELS_S = (0.003, 0.02, 0.08, 0.3, 1.0)
 
 
 def cost_key(module: str, tp: int, threads: int, final: bool = False) -> str:
