@@ -287,3 +287,16 @@ def test_idle_readings_come_from_requests_one_after_another():
     assert wakes == [pytest.approx((0.303, 4.0))]  # 6 ms where the cost says 2
     (level,) = after_idle_in(wakes, over)  # both nearest the 0.3 s level
     assert level.idle_s == pytest.approx(0.3015) and level.wake[10] == 4.0 and level.client["submit"][10] == 3.0
+
+
+def test_the_kv_move_is_profiled_with_the_cores_split_between_the_two_ranks():
+    import os
+
+    from mstar.planner.profiling import _kv_bytes, _split_groups
+
+    model = LlamaTiny()
+    groups = _split_groups(model, _kv_bytes(model))
+    assert [(g["ranks"], g["graph_walks"]) for g in groups] == [([0], ["prefill"]), ([1], ["decode"])]
+    # two ranks each spinning a thread per core would price their contention into the move
+    assert {g["threads"] for g in groups} == {max(1, len(os.sched_getaffinity(0)) // 2)}
+    Placement.from_dict({"model": model.name, "node_groups": groups})  # a valid placement
