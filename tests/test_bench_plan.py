@@ -8,7 +8,7 @@ import argparse
 import pytest
 import yaml
 
-from mstar.bench.plan_bench import CASES, Check, PlanBench, Side, format_tables, goals, run
+from mstar.bench.plan_bench import CASES, Check, PlanBench, Repeat, Side, format_tables, goals, run
 from mstar.cli.main import main
 from mstar.planner.profile import Profile
 
@@ -32,10 +32,10 @@ def test_goals_judge_every_judged_check_and_two_models_goodput():
     validation, sides = format_tables(res)
     assert "split (not judged)" in validation and "50%" in validation
     assert "naive: no request within the SLO" in sides
-    # the same replay twice: the third table shows how far the host's own measurements differ
-    res.repeats = [Check("m", "light (1/s)", "split", "e2e", (0.1, 0.2), (0.125, 0.2), judged=False)]
+    # the same replay (prediction) twice: the third table shows how far the host's own figures differ
+    res.repeats = [Repeat("m", "light (1/s)", "split", "e2e", "replayed again", (0.1, 0.2), (0.125, 0.2))]
     *_, noise = format_tables(res)
-    assert "replayed again" in noise and "| 100.0 | 125.0 | 20% | 200.0 | 200.0 | 0% |" in noise
+    assert "| replayed again | 100.0 | 125.0 | 25% | 200.0 | 200.0 | 0% |" in noise
     assert goals(res)[0][1]  # not a check of the planner
 
 

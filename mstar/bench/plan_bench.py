@@ -11,9 +11,10 @@ For three models (the tiny twins, as CI can run them) it profiles the model once
 2. **goodput**: the planner's placement for the heavy workload and an SLO against the naive one
    (every node on every rank: one tensor-parallel group over both), both replayed: requests within
    every limit of the SLO per second;
-3. **the host's noise**: the light workload on the split placement replayed once more, minutes after
-   the first time: how far two measurements of the same thing differ on this machine (a bound on
-   how close any prediction made from an earlier profile can be).
+3. **the host's noise**: the light workload on the split placement replayed once more, and the
+   model profiled once more and that workload predicted from the new profile, minutes after the
+   first time: how far two measurements (two predictions) of the same thing differ on this machine,
+   a floor under how close a prediction from an earlier profile can come to a replay.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 from mstar.bench.harness import markdown_table
 
-__all__ = ["CASES", "PlanCase", "run", "run_plan_bench"]
+__all__ = ["CASES", "PlanCase", "Repeat", "run", "run_plan_bench"]
 
 ERROR_GOAL = 0.25  # predicted within 25% of measured
 GOODPUT_GOAL = 1.3  # planned / naive goodput, on at least two of the three models
@@ -83,6 +84,22 @@ class Check:
 
 
 @dataclass
+class Repeat:
+    """One figure of the light split workload obtained twice, minutes apart."""
+
+    model: str
+    workload: str
+    placement: str
+    metric: str
+    compared: str  # "replayed again" / "profiled again, predicted"
+    first: tuple[float, float]  # p50, p95 (s)
+    second: tuple[float, float]
+
+    def differences(self) -> tuple[float, float]:
+        return tuple(abs(b - a) / a if a > 0 else 0.0 for a, b in zip(self.first, self.second))
+
+
+@dataclass
 class Side:
     model: str
     slo: str
@@ -100,7 +117,7 @@ class Side:
 class PlanBench:
     checks: list[Check] = field(default_factory=list)
     sides: list[Side] = field(default_factory=list)
-    repeats: list[Check] = field(default_factory=list)  # "predicted": the first replay, "measured": the next
+    repeats: list[Repeat] = field(default_factory=list)
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> a summary
 
 
@@ -125,8 +142,8 @@ def _replay(model: Any, groups: Sequence[dict[str, Any]], workload: Any, max_bat
 
 
 def _validate(case: PlanCase, model: Any, profile: Any, duration_s: float,
-              log: Callable[[str], None]) -> tuple[list[Check], Any]:
-    """The checks, and the measured light workload on the split placement (for ``_again``)."""
+              log: Callable[[str], None]) -> tuple[list[Check], tuple[Any, Any]]:
+    """The checks, and the light workload on the split placement measured and predicted (for ``_again``)."""
     from mstar.planner.simulate import simulate
 
     single = ({"node_names": sorted(model.graph.node_names), "ranks": [0]},)
@@ -135,9 +152,9 @@ def _validate(case: PlanCase, model: Any, profile: Any, duration_s: float,
         wl = _workload(case, rate, duration_s)
         for pname, groups in (("one rank", single), (case.split_name, case.split)):
             placement, measured = _replay(model, groups, wl, profile.max_batch)
-            if wname == "light" and groups is case.split:
-                light_split = measured
             predicted = simulate(profile, placement, model.graph, model.module_of, wl.arrivals())
+            if wname == "light" and groups is case.split:
+                light_split = (measured, predicted)
             for m in case.metrics:
                 out.append(Check(case.model, f"{wname} ({rate:g}/s)", pname, m,
                                  (predicted.figure(m, 50), predicted.figure(m, 95)),
@@ -148,12 +165,22 @@ def _validate(case: PlanCase, model: Any, profile: Any, duration_s: float,
     return out, light_split
 
 
-def _again(case: PlanCase, model: Any, first: Any, duration_s: float, max_batch: int) -> list[Check]:
-    """The light workload on the split placement replayed once more: ``first`` against this one."""
+def _again(case: PlanCase, model: Any, first: tuple[Any, Any], duration_s: float, max_batch: int,
+           log: Callable[[str], None]) -> list[Repeat]:
+    """The light workload on the split placement replayed once more, and predicted from a new
+    profile: each against ``first`` (the measured and predicted ones of ``_validate``)."""
+    from mstar.planner.profiling import profile_model
+    from mstar.planner.simulate import simulate
+
     wl = _workload(case, case.rates[0], duration_s)
-    _, again = _replay(model, case.split, wl, max_batch)
-    return [Check(case.model, f"light ({case.rates[0]:g}/s)", case.split_name, m, (first.figure(m, 50), first.figure(m, 95)),
-                  (again.figure(m, 50), again.figure(m, 95)), judged=False) for m in case.metrics]
+    placement, again = _replay(model, case.split, wl, max_batch)
+    profile = profile_model(model, _workload(case, case.rates[1], duration_s), 2, max_batch=max_batch, say=log)
+    predicted = simulate(profile, placement, model.graph, model.module_of, wl.arrivals())
+    out = []
+    for compared, a, b in (("replayed again", first[0], again), ("profiled again, predicted", first[1], predicted)):
+        out += [Repeat(case.model, f"light ({case.rates[0]:g}/s)", case.split_name, m, compared,
+                       (a.figure(m, 50), a.figure(m, 95)), (b.figure(m, 50), b.figure(m, 95))) for m in case.metrics]
+    return out
 
 
 def _side_by_side(case: PlanCase, model: Any, profile: Any, duration_s: float, log: Callable[[str], None]) -> Side:
@@ -191,7 +218,7 @@ def run_plan_bench(cases: Sequence[PlanCase] = CASES, duration_s: float = 8.0, m
         checks, light_split = _validate(case, model, profile, duration_s, log)
         out.checks += checks
         out.sides.append(_side_by_side(case, model, profile, duration_s, log))
-        out.repeats += _again(case, model, light_split, duration_s, max_batch)
+        out.repeats += _again(case, model, light_split, duration_s, max_batch, log)
     return out
 
 
@@ -221,10 +248,10 @@ def format_tables(res: PlanBench) -> list[str]:
     if not res.repeats:
         return [validation, sides]
     noise = markdown_table(
-        ["model", "workload", "placement", "metric", "p50 first replay ms", "p50 replayed again ms", "p50 difference",
-         "p95 first replay ms", "p95 replayed again ms", "p95 difference"],
-        [(c.model, c.workload, c.placement, c.metric, _ms(c.predicted[0]), _ms(c.measured[0]), _pct(c.errors()[0]),
-          _ms(c.predicted[1]), _ms(c.measured[1]), _pct(c.errors()[1])) for c in res.repeats])
+        ["model", "workload", "placement", "metric", "twice", "p50 first ms", "p50 second ms", "p50 difference",
+         "p95 first ms", "p95 second ms", "p95 difference"],
+        [(r.model, r.workload, r.placement, r.metric, r.compared, _ms(r.first[0]), _ms(r.second[0]),
+          _pct(r.differences()[0]), _ms(r.first[1]), _ms(r.second[1]), _pct(r.differences()[1])) for r in res.repeats])
     return [validation, sides, noise]
 
 

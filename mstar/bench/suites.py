@@ -207,9 +207,9 @@ def suite_plan(repeats: int | None) -> SuiteResult:
     return SuiteResult("plan", "mstar bench plan", tables=format_tables(res),
                        goals=[Goal(text, ok) for text, ok in goals(res)],
                        notes=["One replay per placement and workload (8 s of seeded Poisson arrivals, longer "
-                              "where that gives fewer than 60 requests), the light split one replayed again "
-                              "after the rest (the third table: this host's own noise); --repeats does not "
-                              "apply."], data=res)
+                              "where that gives fewer than 60 requests); the light split one replayed again and "
+                              "predicted from a second profile after the rest (the third table: this host's own "
+                              "noise); --repeats does not apply."], data=res)
 
 
 def suite_realtime(repeats: int | None) -> SuiteResult:
