@@ -69,6 +69,11 @@ CASES = (
 )
 
 
+def _relative(base: tuple[float, float], other: tuple[float, float]) -> tuple[float, float]:
+    """How far each of ``other`` is from ``base``, relative to it (0 where ``base`` is 0)."""
+    return tuple(abs(o - b) / b if b > 0 else 0.0 for b, o in zip(base, other))
+
+
 @dataclass
 class Check:
     model: str
@@ -80,7 +85,7 @@ class Check:
     judged: bool = True  # one of the placements the goal is about
 
     def errors(self) -> tuple[float, float]:
-        return tuple(abs(p - m) / m if m > 0 else 0.0 for p, m in zip(self.predicted, self.measured))
+        return _relative(self.measured, self.predicted)
 
 
 @dataclass
@@ -96,7 +101,7 @@ class Repeat:
     second: tuple[float, float]
 
     def differences(self) -> tuple[float, float]:
-        return tuple(abs(b - a) / a if a > 0 else 0.0 for a, b in zip(self.first, self.second))
+        return _relative(self.first, self.second)
 
 
 @dataclass
