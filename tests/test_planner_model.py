@@ -31,7 +31,8 @@ from mstar.planner.workload import Arrival
 
 
 def _trace(rt, model, prompt, output, label):
-    inputs, params = model.sized_request(prompt, output, {}, prompt * 100 + output)
+    # seeded sampling: a streaming model streams only some sampled tokens (Orpheus: its audio ones)
+    inputs, params = model.sized_request(prompt, output, {"sampling": {"seed": 7}}, prompt * 100 + output)
     rt.submit(inputs, params, request_id=label).result()
     return rt.trace(label)[-1]
 
@@ -98,8 +99,9 @@ def _profile(**changes) -> Profile:
         for p, o in [(10, 3), (20, 3), (10, 5)]], [(10, 3), (20, 3), (10, 5)])
     base = dict(model="llama-tiny", machine="test", cores=2, max_batch=16,
                 costs={"LLM@tp1/t2": ForwardCost(1.0, 0.5, 0.1, 0.0), "LLM@tp2/t1": ForwardCost(2.0, 0.5, 0.05, 0.0)},
-                timing={2: RankTiming(0.2, (AfterIdle(0.0, (0.0,), {"submit": (2.0,), "emit": (0.5,), "end": (0.3,)}),))},
-                walk_gap_ms=1.0, stream_gap_ms=0.5, hop_ms=(0.0,), move_ms=Affine(3.0, 0.01),
+                timing={2: RankTiming(0.2, (AfterIdle(0.0, (0.0,), {"submit": (2.0,), "emit": (0.5,), "end": (0.3,)}),),
+                                      walk_gap_ms=1.0, stream_gap_ms=0.5)},
+                hop_ms=(0.0,), move_ms=Affine(3.0, 0.01),
                 contention={"shared": {1: 1.0, 2: 2.0}, "split": {1: 1.0, 2: 1.0}}, threads=(2,),
                 kv_bytes_per_token={"LLM": 512}, programs={"chat": prog})
     base.update(changes)
@@ -174,6 +176,40 @@ def test_profiling_and_replaying_the_tiny_llama():
     assert all(0 < r.ttft <= r.e2e for r in pred.requests + seen.requests)
 
 
+def test_a_stream_gap_starts_when_the_consumers_rank_is_free():
+    from mstar.models.orpheus.model import OrpheusTiny
+
+    graph = OrpheusTiny().graph
+    (conn,) = graph.topology.connections
+    policy = conn.chunk_policy_factory()
+    first = next(i for i in range(100) if policy.push([None]))  # the push that fires the first chunk
+    llm = [{"node": "LLM", "start": 1.0 + i * 2e-3, "compute_ms": 1.0, "rank": 0} for i in range(first + 2)]
+    # the codec shares the LLM's rank: it waits for the next LLM step, then starts 0.3 ms after it
+    codec = [{"node": "snac_decoder", "start": llm[first + 1]["start"] + 1.3e-3, "compute_ms": 1.0, "rank": 0}]
+    trace = {"walks": [{"walk": "decode", "partition": "llm", "nodes": llm},
+                       {"walk": "snac_chunk", "partition": "codec", "nodes": codec}]}
+    assert stream_gaps_in([trace], graph) == pytest.approx([0.3])  # not 2.3: from the push's end
+    codec[0]["rank"] = 1  # on a rank of its own, nothing ran before it: from the push's end
+    assert stream_gaps_in([trace], graph) == pytest.approx([2.3])
+
+
+def test_fewer_threads_are_profiled_with_the_partitions_apart(monkeypatch):
+    from mstar.models.bagel.model import BagelTiny
+    from mstar.models.orpheus.model import OrpheusTiny
+    from mstar.planner import profiling
+
+    monkeypatch.setattr(profiling.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    orpheus = OrpheusTiny()  # the speech LM and its stream's codec: apart, the heavier on rank 0
+    groups = profiling._spread_groups(orpheus, 2, {"LLM": 10.0, "snac_decoder": 3.0})  # 2 ranks of 2 threads
+    assert groups == [{"node_names": ["LLM"], "ranks": [0], "threads": 2},
+                      {"node_names": ["snac_decoder"], "ranks": [1], "threads": 2}]
+    assert [g["node_names"] for g in profiling._spread_groups(orpheus, 2, {"LLM": 1.0, "snac_decoder": 3.0})] == [
+        ["snac_decoder"], ["LLM"]]
+    bagel = BagelTiny()  # one partition: its walks' nodes stay on one rank
+    assert profiling._spread_groups(bagel, 1, {"LLM": 10.0}) == [
+        {"node_names": sorted(bagel.graph.node_names), "ranks": [0], "threads": 1}]
+
+
 def test_hops_are_the_gaps_between_dependent_runs_on_two_ranks():
     walk = {"nodes": [{"start": 1.0, "compute_ms": 2.0, "rank": 0}, {"start": 1.003, "compute_ms": 1.0, "rank": 1},
                       {"start": 1.0045, "compute_ms": 1.0, "rank": 1}, {"start": 1.007, "compute_ms": 1.0, "rank": 0}]}
@@ -186,6 +222,11 @@ def test_gaps_come_from_the_runs_of_one_request():
                                   {"start": 1.0125, "compute_ms": 1.0, "batch_context": 7}]}]}
     steps, bounds = gaps_in([trace])
     assert steps == pytest.approx([1.5]) and bounds[0][0] == 5 and bounds[0][1] == pytest.approx(8.0)
+    hopping = {"walks": [{"partition": "main", "nodes": [
+        {"start": 1.0, "compute_ms": 1.0, "rank": 0, "batch_context": 5}, {"start": 1.003, "compute_ms": 1.0, "rank": 1,
+                                                                           "batch_context": 5},
+        {"start": 1.0045, "compute_ms": 1.0, "rank": 1, "batch_context": 5}]}]}
+    assert gaps_in([hopping])[0] == pytest.approx([0.5])  # the hop 0 -> 1 is not a step gap
 
 
 def test_a_streaming_models_program_fires_its_consumer_as_the_runtime_does():
@@ -217,10 +258,14 @@ def test_a_streaming_models_program_fires_its_consumer_as_the_runtime_does():
     codec_rank = Placement.from_dict({"model": "orpheus-tiny", "node_groups": [
         {"node_names": ["LLM"], "ranks": [0]}, {"node_names": ["snac_decoder"], "ranks": [1]}]})
     calm = {"contention": {"shared": {1: 1.0, 2: 1.0}, "split": {1: 1.0, 2: 1.0}}}
-    near, far = (simulate(_profile(programs={"speech": program}, costs=prof.costs, hop_ms=(hop,), **calm), codec_rank,
-                          model.graph, model.module_of, [Arrival(0.0, "speech", 12, 51)]) for hop in (0.0, 3.0))
-    # each chunk crosses to the codec's rank: the hops delay the end, by at most one (they overlap the LLM)
-    assert 0 < far.requests[0].e2e - near.requests[0].e2e <= 3e-3 + 1e-9
+    idle = (AfterIdle(0.0, (0.0,), {"submit": (2.0,), "emit": (0.5,), "end": (0.3,)}),)
+    near, far = (simulate(_profile(programs={"speech": program}, costs=prof.costs, hop_ms=(3.0,), **calm,
+                                   timing={2: RankTiming(0.2, idle, walk_gap_ms=1.0, stream_gap_ms=gap)}), codec_rank,
+                          model.graph, model.module_of, [Arrival(0.0, "speech", 12, 51)]) for gap in (0.5, 3.5))
+    # each chunk reaches the codec's rank after the stream gap (a hop is not added: the profile measured
+    # the gap across ranks): the gaps delay the end, by at most two (the others overlap the LLM; the last
+    # chunk's walk and then the final chunk's, queued behind it, each wait one)
+    assert 3e-3 - 1e-9 <= far.requests[0].e2e - near.requests[0].e2e <= 6e-3 + 1e-9
 
 
 def test_ranks_whose_threads_outnumber_the_cores_slow_each_other_even_one_at_a_time():

@@ -5,10 +5,10 @@ placement with. ``profiling.profile_model`` makes one with the real runtime; it 
 * **programs**: what each request class runs, by its lengths (``ClassProgram``, programs.py);
 * **forward costs**: one ``ForwardCost`` per module (costs.py), per tensor-parallel size and thread
   count (``cost_key``), and for a stream consumer's final chunks apart;
-* **rank timing** per thread count (``RankTiming``): the step gap and, by how long the rank idled
-  before (``AfterIdle``), a forward's wake-up cost and the client's overheads;
-* **gaps**: a walk boundary's on one rank and, the KV caches moving, across two; a stream chunk's;
-  a hop between ranks inside a walk;
+* **rank timing** per thread count (``RankTiming``): the step gap, a walk boundary's gap on one
+  rank, a stream chunk's gap and, by how long the rank idled before (``AfterIdle``), a forward's
+  wake-up cost and the client's overheads;
+* **gaps between ranks**: a walk boundary's, the KV caches moving; a hop inside a walk;
 * **contention**: how much slower ranks compute together, the cores shared or split (contention.py);
 * **KV**: bytes per cached token of each KV module.
 """
@@ -25,7 +25,7 @@ from mstar.planner.programs import Affine, ClassProgram
 
 __all__ = ["FINAL", "IDLE_LEVELS_S", "IDLE_S", "PROFILE_VERSION", "AfterIdle", "Profile", "RankTiming", "cost_key"]
 
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 FINAL = "#final"  # a module's cost key suffix for forwards of stream-final chunks only
 IDLE_S = 1e-3  # a rank idle this long before a forward pays a wake-up cost (RankTiming.wake_ms)
 # The pauses the profile leaves between requests run alone, to see what idling costs: a rank's OpenMP
@@ -73,6 +73,10 @@ class RankTiming:
 
     step_gap_ms: float  # between a request's consecutive forwards, past their compute
     after_idle: tuple[AfterIdle, ...]  # by idle_s, ascending (at least one)
+    walk_gap_ms: float = 0.0  # a walk boundary on the same rank: the last run's end to the next walk's first
+    # a stream's chunk: its last item's producer run end (or the consumer's rank's last forward's, were it
+    # later) to the consumer's first run; measured where the profile placed the two (readings.stream_gaps_in)
+    stream_gap_ms: float = 0.0
 
     def wake_ms(self, idle_s: float, u: float = 0.5) -> float:
         """Added to a forward after its rank idled ``idle_s`` (quantile ``u`` of the spread): nothing
@@ -90,11 +94,13 @@ class RankTiming:
                 for k in keys}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step_gap_ms": self.step_gap_ms, "after_idle": [a.to_dict() for a in self.after_idle]}
+        return {"step_gap_ms": self.step_gap_ms, "after_idle": [a.to_dict() for a in self.after_idle],
+                "walk_gap_ms": self.walk_gap_ms, "stream_gap_ms": self.stream_gap_ms}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RankTiming:
-        return cls(d["step_gap_ms"], tuple(AfterIdle.from_dict(a) for a in d["after_idle"]))
+        return cls(d["step_gap_ms"], tuple(AfterIdle.from_dict(a) for a in d["after_idle"]), d["walk_gap_ms"],
+                   d["stream_gap_ms"])
 
 
 @dataclass
@@ -105,8 +111,6 @@ class Profile:
     max_batch: int
     costs: dict[str, ForwardCost]  # cost_key -> its fit
     timing: dict[int, RankTiming]  # a rank's threads -> its timing beside the forwards
-    walk_gap_ms: float  # a walk boundary on the same rank
-    stream_gap_ms: float  # a stream's chunk: its last item's producer run end to the consumer's first run
     # a walk's next run on another rank than the run it waits for: the message past a step gap, as the
     # 0, 5, ..., 100th percentiles (ms)
     hop_ms: tuple[float, ...]
@@ -162,8 +166,7 @@ class Profile:
     def to_dict(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, "model": self.model, "machine": self.machine, "cores": self.cores,
                 "max_batch": self.max_batch, "costs": {k: c.to_dict() for k, c in self.costs.items()},
-                "timing": {str(k): t.to_dict() for k, t in self.timing.items()}, "walk_gap_ms": self.walk_gap_ms,
-                "stream_gap_ms": self.stream_gap_ms, "hop_ms": list(self.hop_ms), "move_ms": vars(self.move_ms),
+                "timing": {str(k): t.to_dict() for k, t in self.timing.items()}, "hop_ms": list(self.hop_ms), "move_ms": vars(self.move_ms),
                 "contention": {way: {str(k): v for k, v in t.items()} for way, t in self.contention.items()},
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "programs": {k: p.to_dict() for k, p in self.programs.items()}, "tp_sizes": list(self.tp_sizes),
@@ -175,8 +178,7 @@ class Profile:
             raise ValueError(f"profile version {d.get('version')!r} is not {PROFILE_VERSION}: profile again")
         return cls(d["model"], d["machine"], d["cores"], d["max_batch"],
                    {k: ForwardCost.from_dict(c) for k, c in d["costs"].items()},
-                   {int(k): RankTiming.from_dict(t) for k, t in d["timing"].items()}, d["walk_gap_ms"],
-                   d["stream_gap_ms"], tuple(d["hop_ms"]), Affine(**d["move_ms"]),
+                   {int(k): RankTiming.from_dict(t) for k, t in d["timing"].items()}, tuple(d["hop_ms"]), Affine(**d["move_ms"]),
                    {way: {int(k): v for k, v in t.items()} for way, t in d["contention"].items()},
                    dict(d["kv_bytes_per_token"]), {k: ClassProgram.from_dict(p) for k, p in d["programs"].items()},
                    tuple(d.get("tp_sizes", (1,))), tuple(d.get("threads", ())), list(d.get("notes", [])))

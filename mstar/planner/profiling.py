@@ -4,8 +4,10 @@ It starts the runtime (worker processes, as ``mstar serve`` runs) on placements 
 submits sized requests of the workload's classes (``ModelDef.sized_request``):
 
 * each class alone at three size points -> its ``ClassProgram``;
-* batches of 1, 2, 4, ... requests of each class at once and staggered, at every thread count a
-  rank may get and over all ranks tensor-parallel -> every forward the traces recorded, fitted;
+* batches of 1, 2, 4, ... requests of each class at once and staggered, on one rank of all the
+  cores, at every fewer thread count a rank may get (the partitions spread over the ranks the cores
+  then hold, as a placement splitting the cores would run them) and over all ranks tensor-parallel
+  -> every forward the traces recorded, fitted;
 * requests run alone after pauses of each of ``IDLE_LEVELS_S`` -> each thread count's ``RankTiming``
   (what a forward and the client pay after the rank idled that long);
 * the KV modules' walks split over two ranks -> the KV move and the hops between ranks;
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mstar.planner.costs import Forward, ForwardCost, percentiles, quantile
-from mstar.planner.profile import IDLE_LEVELS_S, Profile, RankTiming
+from mstar.planner.profile import FINAL, IDLE_LEVELS_S, Profile, RankTiming
 from mstar.planner.programs import Affine, ClassProgram, emitting_runs
 from mstar.planner.readings import (
     after_idle_in,
@@ -273,10 +275,11 @@ def _client_runs(run: _Runner) -> list[dict[str, Any]]:
 
 def _timing(traces: Sequence[dict[str, Any]], costs: dict[str, ForwardCost], threads: int, model: Any) -> RankTiming:
     """A rank's timing beside its forwards, from requests it ran alone at ``threads`` threads."""
-    steps, _ = gaps_in(traces)
+    steps, bounds = gaps_in(traces)
     return RankTiming(max(0.0, median(steps)),
                       after_idle_in(wake_penalties_in(traces, costs, threads, model.module_of),
-                                    overheads_in(traces, emitting_runs(model.graph))))
+                                    overheads_in(traces, emitting_runs(model.graph))),
+                      max(0.0, median([ms for _, ms in bounds])), max(0.0, median(stream_gaps_in(traces, model.graph))))
 
 
 def _said(timing: RankTiming, threads: int) -> str:
@@ -286,16 +289,43 @@ def _said(timing: RankTiming, threads: int) -> str:
         f"{quantile(a.client.get('submit', (0.0,)), 0.5):.1f} ms from submit to start" for a in timing.after_idle)
 
 
-def _thread_sweeps(model: Any, workload: Workload, options: list[int], max_batch: int, workers: str,
-                   say: Callable[[str], None]) -> tuple[dict[str, ForwardCost], dict[int, RankTiming]]:
-    """Forward costs and timing of one rank given ``threads``, for each of ``options``."""
+def _spread_groups(model: Any, threads: int, weights: dict[str, float]) -> list[dict[str, Any]]:
+    """Each partition's nodes (partitions sharing a module as one) on one rank of ``threads``
+    threads, as many ranks as the cores hold, the heaviest (by ``weights``, their modules' compute in
+    the sweep on one rank) first, each on the rank least loaded so far: a placement that splits the
+    cores runs partitions that compute at once (a producer and its stream's consumer) apart, so they
+    are profiled apart (a rank hosting more of them spends longer between its steps, and its caches
+    serve them all). A walk's own nodes stay together: apart, each step would hop between ranks and
+    leave no step gap to read."""
+    graph, units = model.graph, []
+    for part in graph.partitions:
+        nodes = {n for w in graph.walks_of(part) for n in graph.nodes_in(w)}
+        modules = {model.module_of(n) for n in nodes}
+        for u in [u for u in units if u[1] & modules]:
+            units.remove(u)
+            nodes, modules = nodes | u[0], modules | u[1]
+        units.append((nodes, modules))
+    ranks = max(1, len(os.sched_getaffinity(0)) // threads)
+    load, placed = [0.0] * ranks, [set() for _ in range(ranks)]
+    for nodes, modules in sorted(units, key=lambda u: (-sum(weights.get(m, 0.0) for m in u[1]), sorted(u[0]))):
+        rank = load.index(min(load))
+        load[rank] += sum(weights.get(m, 0.0) for m in modules)
+        placed[rank] |= nodes
+    return [{"node_names": sorted(n), "ranks": [r], "threads": threads} for r, n in enumerate(placed) if n]
+
+
+def _thread_sweeps(model: Any, workload: Workload, options: list[int], weights: dict[str, float], max_batch: int,
+                   workers: str, say: Callable[[str], None]) -> tuple[dict[str, ForwardCost], dict[int, RankTiming]]:
+    """Forward costs and timing of a rank given ``threads``, for each of ``options``, the partitions
+    spread over the ranks the cores hold (``_spread_groups``)."""
     from mstar.runtime.api import Runtime
 
     costs, timing = {}, {}
     for threads in options:
-        single = [{"node_names": sorted(model.graph.node_names), "ranks": [0], "threads": threads}]
-        say(f"profiling {model.name} on one rank with {threads} thread(s)")
-        with Runtime(model, _placement(model, single, max_batch), workers=workers) as rt:
+        groups = _spread_groups(model, threads, weights)
+        say(f"profiling {model.name} with {threads} thread(s) per rank: " +
+            "; ".join(f"rank {g['ranks'][0]}: {', '.join(g['node_names'])}" for g in groups))
+        with Runtime(model, _placement(model, groups, max_batch), workers=workers) as rt:
             run = _Runner(rt, model, workload.classes())
             _warm(run, max_batch)
             fitted = _fit_costs(forwards_in(_sweep(run, max_batch, f"t{threads}", say), model.module_of), 1, threads)
@@ -329,14 +359,18 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
         programs, alone = _programs(run, say)
         traces = _sweep(run, max_batch, "tp1", say)
         client_alone = _client_runs(run)
-    costs = _fit_costs(forwards_in(traces + alone, model.module_of), 1, cores)
-    steps, bounds = gaps_in(alone)
+    forwards = forwards_in(traces + alone, model.module_of)
+    costs = _fit_costs(forwards, 1, cores)
+    weights: dict[str, float] = {}
+    for f in forwards:
+        module = f.module.removesuffix(FINAL)
+        weights[module] = weights.get(module, 0.0) + f.ms
     timing = {cores: _timing(client_alone, costs, cores, model)}
     say(_said(timing[cores], cores))
     move, tp_sizes, hop = Affine(0.0), (1,), (0.0,)
     splits = sorted({max(1, cores // k) for k in range(2, ranks + 1)} - {cores})
     if ranks >= 2:
-        more_costs, more_timing = _thread_sweeps(model, workload, splits, max_batch, workers, say)
+        more_costs, more_timing = _thread_sweeps(model, workload, splits, weights, max_batch, workers, say)
         costs.update(more_costs)
         timing.update(more_timing)
         say(f"profiling a KV move and tensor parallelism over {ranks} ranks")
@@ -345,13 +379,12 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
             notes.append("no KV module is used by two walks: no KV move or hop between ranks profiled")
         else:
             move, hops = moved
-            if hops:
-                hop = percentiles([ms - median(steps) for ms in hops], floor=0.0)
+            if hops:  # the move's ranks split the cores
+                gap = timing[max(1, cores // 2)].step_gap_ms
+                hop = percentiles([ms - gap for ms in hops], floor=0.0)
         if tensor_parallel:
             tp, more = _tp_costs(model, workload, ranks, max_batch, workers, say)
             costs.update(tp)
             notes += more
             tp_sizes = (1, ranks) if tp else (1,)
-    return Profile(model.name, _cpu_name(), cores, max_batch, costs, timing,
-                   max(0.0, median([ms for _, ms in bounds])), max(0.0, median(stream_gaps_in(alone, model.graph))),
-                   hop, move, contention, kv, programs, tp_sizes, tuple(sorted({cores, *splits})), notes)
+    return Profile(model.name, _cpu_name(), cores, max_batch, costs, timing, hop, move, contention, kv, programs, tp_sizes, tuple(sorted({cores, *splits})), notes)

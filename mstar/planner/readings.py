@@ -36,8 +36,8 @@ def forwards_in(traces: Sequence[dict[str, Any]], module_of: Callable[[str], str
 
 
 def gaps_in(traces: Sequence[dict[str, Any]]) -> tuple[list[float], list[tuple[int, float]]]:
-    """From traces of requests run alone: the gaps (ms) between a walk's consecutive runs past the
-    first one's compute, and per walk boundary of the root partition (the first walk's: the KV
+    """From traces of requests run alone: the gaps (ms) between a walk's consecutive runs on one rank
+    past the first one's compute (``hops_in`` has those across ranks), and per walk boundary of the root partition (the first walk's: the KV
     tokens the request held, the ms from the last run's end to the next walk's first run)."""
     steps, bounds = [], []
     for t in traces:
@@ -48,7 +48,8 @@ def gaps_in(traces: Sequence[dict[str, Any]]) -> tuple[list[float], list[tuple[i
             if not runs:
                 continue
             for a, b in zip(runs, runs[1:]):
-                if b["start"] != a["start"]:  # not two rows of one forward (a request's parallel branches)
+                # not two rows of one forward (a request's parallel branches), nor a hop to another rank
+                if b["start"] != a["start"] and a.get("rank") == b.get("rank"):
                     steps.append((b["start"] - a["start"]) * 1e3 - a["compute_ms"])
             if w["partition"] != root:
                 continue
@@ -110,10 +111,12 @@ def hops_in(traces: Sequence[dict[str, Any]]) -> list[float]:
 
 def stream_gaps_in(traces: Sequence[dict[str, Any]], graph: Any) -> list[float]:
     """From traces of requests run alone: per chunk a stream's policy fired, the ms from the end of
-    the producer run that pushed the chunk's last item to the consumer walk's first run."""
+    the producer run that pushed the chunk's last item (or, were it later, of the last forward its
+    consumer's rank ran before the consumer: the simulator keeps a rank busy on its own) to the
+    consumer walk's first run."""
     from mstar.planner.programs import stream_producers
 
-    producers, gaps = stream_producers(graph), []
+    producers, gaps, by_rank = stream_producers(graph), [], _forwards_by_rank(traces)
     for c in graph.topology.connections:
         for t in traces:
             pushes = [r for w in t["walks"] if w["partition"] == c.from_partition for r in w["nodes"]
@@ -125,7 +128,9 @@ def stream_gaps_in(traces: Sequence[dict[str, Any]], graph: Any) -> list[float]:
                 fired += [i] * len(policy.push([None]))
             for i, run in zip(fired, consumer):
                 end = pushes[i]["start"] + pushes[i]["compute_ms"] / 1e3
-                gaps.append((run["start"] - end) * 1e3)
+                busy = _idle_before(by_rank, run["rank"], run["start"])
+                free = run["start"] - busy if busy is not None else end
+                gaps.append((run["start"] - max(end, free)) * 1e3)
     return gaps
 
 

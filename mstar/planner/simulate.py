@@ -26,9 +26,10 @@ It replays a workload's arrivals against a placement the way the workers run the
   reach the client after theirs (``Profile.client``, measured for its first rank's threads and how
   long that rank had idled when the request came, drawn per request from their spread);
 * a request's next run is ready after the step gap (plus a hop, ``Profile.hop_ms``, when it runs on another
-  rank than the run it waits for), or at a walk boundary after the walk gap, or, when its KV module
-  moves to another group, after the KV move (``Profile.move_ms``); a stream's chunk reaches its
-  consumer after ``Profile.stream_gap_ms`` (plus the hop from another rank).
+  rank than the run it waits for), or at a walk boundary after the rank's walk gap, or, when its KV
+  module moves to another group, after the KV move (``Profile.move_ms``); a stream's chunk reaches its
+  consumer after the consumer rank's stream gap (``RankTiming.stream_gap_ms``, no hop added: the
+  profile measured it across ranks wherever it placed the two apart).
 
 What it does not model (yet): KV admission and preemption (it reports each rank's peak KV instead),
 chains of streams (a consumer that streams on).
@@ -325,7 +326,7 @@ class _Sim:
             self._hold_kv(g.leader, run)
             self.node_runs[run.node] = self.node_runs.get(run.node, 0) + 1
             if cur.consumer is None:
-                self._pushed(t, req, run, g.leader)
+                self._pushed(t, req, run)
             cur.left -= 1
             if cur.left:
                 continue  # a parallel branch still runs
@@ -336,7 +337,7 @@ class _Sim:
                 self.ready(t + (self.p.rank_timing(g.threads).step_gap_ms + self._hop(g.leader, cur)) / 1e3, cur)
             else:
                 cur.consumer.cursor = None
-                self._next_firing(t, req, cur.consumer, g.leader)
+                self._next_firing(t, req, cur.consumer)
         for r in g.ranks:
             self.push(self.free_at[r], "try", r)
 
@@ -346,12 +347,12 @@ class _Sim:
         leaders = {self.group(cur.runs[i].node, cur.runs[i].walk).leader for i in cur.stage()}
         return self.p.hop(self.rng.random()) if leaders - {src} else 0.0
 
-    def _pushed(self, t: float, req: _Request, run: ProgramRun, src: int) -> None:
+    def _pushed(self, t: float, req: _Request, run: ProgramRun) -> None:
         """A root run's stream items: one per run, until the stream's count."""
         for c in req.consumers:
             if c.shape.partition in self.producers.get((run.walk, run.node), ()) and c.pushed < c.items:
                 c.pushed += 1
-                self._fired(t, req, c, c.policy.push([None]), src)
+                self._fired(t, req, c, c.policy.push([None]))
 
     def _root_ran(self, t: float, req: _Request, run: ProgramRun, g: _Group) -> None:
         """The root partition's stage ended with ``run`` (on ``g``): its next stage, or its end."""
@@ -361,30 +362,30 @@ class _Sim:
             delay = self.p.rank_timing(g.threads).step_gap_ms + self._hop(g.leader, cur)
             if nxt.walk_index != run.walk_index:
                 moved = self.group(nxt.node, nxt.walk).leader != g.leader and nxt.context > nxt.tokens
-                delay = self.p.move_ms.at(run.context, 0) if moved else self.p.walk_gap_ms
+                delay = self.p.move_ms.at(run.context, 0) if moved else self.p.rank_timing(g.threads).walk_gap_ms
             self.ready(t + delay / 1e3, cur)
             return
         req.root_done = True
         for c in req.consumers:
             c.closed = True
-            self._fired(t, req, c, c.policy.finish(), g.leader)
+            self._fired(t, req, c, c.policy.finish())
         self._maybe_end(t, req)
 
-    def _fired(self, t: float, req: _Request, c: _Consumer, chunks: list, src: int) -> None:
+    def _fired(self, t: float, req: _Request, c: _Consumer, chunks: list) -> None:
         for chunk in chunks:
             shape = c.shape.final if chunk.is_final and c.shape.final is not None else c.shape.firing
             c.pending.append(expand_walk(shape, 0, req.arrival.prompt_tokens, req.arrival.output_tokens,
                                          chunk.is_final, self.levels))
-        self._next_firing(t, req, c, src)
+        self._next_firing(t, req, c)
 
-    def _next_firing(self, t: float, req: _Request, c: _Consumer, src: int) -> None:
-        """The consumer's next fired walk, if it is free (``src``: the rank the chunk or the last walk
-        came from)."""
+    def _next_firing(self, t: float, req: _Request, c: _Consumer) -> None:
+        """The consumer's next fired walk, if it is free."""
         while c.cursor is None and c.pending:
             runs = c.pending.popleft()
             if runs:
                 c.cursor = _Cursor(req, runs, 1, consumer=c)
-                self.ready(t + (self.p.stream_gap_ms + self._hop(src, c.cursor)) / 1e3, c.cursor)
+                g = self.group(runs[0].node, runs[0].walk)
+                self.ready(t + self.p.rank_timing(g.threads).stream_gap_ms / 1e3, c.cursor)
         self._maybe_end(t, req)
 
     def _client(self, req: _Request, t: float) -> dict[str, float]:
