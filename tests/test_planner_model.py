@@ -297,7 +297,27 @@ def test_what_idling_costs_grows_with_the_idle_time():
     assert timing.wake_ms(0.1515) == pytest.approx(5.0)  # linear between the levels
     assert timing.wake_ms(10.0) == timing.wake_ms(float("inf")) == 9.0  # the last level's past it
     assert timing.client(0.0)["submit"] == 2.0 and timing.client(0.1515)["submit"] == pytest.approx(3.5)
+    # a peer's message wakes a rank as a client's submit does: what the submit grew past its warm level
+    assert timing.woken_ms(0.0) == 0.0 and timing.woken_ms(0.1515) == pytest.approx(1.5)
+    assert timing.woken_ms(float("inf")) == pytest.approx(3.0)
     assert RankTiming.from_dict(timing.to_dict()) == timing
+
+
+def test_a_kv_move_to_an_idle_rank_pays_its_wake_up():
+    model = LlamaTiny()
+    split = _placement([{"node_names": ["LLM"], "ranks": [0], "graph_walks": ["prefill"], "threads": 1},
+                        {"node_names": ["LLM"], "ranks": [1], "graph_walks": ["decode"], "threads": 1}])
+    levels = (AfterIdle(0.003, (0.0,), {"submit": (2.0,), "emit": (0.5,), "end": (0.3,)}),
+              AfterIdle(0.3, (0.0,), {"submit": (5.0,), "emit": (0.5,), "end": (0.3,)}))
+    costs = {"LLM@tp1/t1": ForwardCost(1.0, 0.5, 0.1, 0.0)}
+    calm = {"contention": {"shared": {1: 1.0, 2: 1.0}, "split": {1: 1.0, 2: 1.0}}}
+    sleepy = _profile(costs=costs, timing={1: RankTiming(0.2, levels)}, **calm)
+    flat = _profile(costs=costs, timing={1: RankTiming(0.2, levels[:1])}, **calm)
+    one = [Arrival(0.0, "chat", 10, 3)]  # the decode rank never ran: its wake-up is the last level's
+    woke, base = (simulate(p, split, model.graph, model.module_of, one).requests[0] for p in (sleepy, flat))
+    # the submit to the idle prefill rank and the move to the idle decode rank: 3 ms more each
+    assert woke.ttft - base.ttft == pytest.approx(3.0 / 1e3)
+    assert woke.e2e - base.e2e == pytest.approx(6.0 / 1e3)
 
 
 def test_a_request_after_a_long_idle_pays_the_wake_up_and_a_slower_submit():

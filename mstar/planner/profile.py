@@ -93,6 +93,15 @@ class RankTiming:
         return {k: _between(self.after_idle, idle_s, lambda a, k=k: quantile(a.client.get(k, (0.0,)), u))
                 for k in keys}
 
+    def woken_ms(self, idle_s: float, u: float = 0.5) -> float:
+        """What a peer's message (a KV move) reaching this rank after it idled ``idle_s`` pays beyond one
+        reaching it after the shortest pause profiled (quantile ``u``): the client's submit's growth
+        with the pause, the same wake-up of a worker blocked waiting for its next message (the KV move
+        is profiled on ranks that never idle)."""
+        submit = {a.idle_s: a.client.get("submit", (0.0,)) for a in self.after_idle}
+        warm = quantile(submit[self.after_idle[0].idle_s], u)
+        return max(0.0, self.client(idle_s, u).get("submit", warm) - warm)
+
     def to_dict(self) -> dict[str, Any]:
         return {"step_gap_ms": self.step_gap_ms, "after_idle": [a.to_dict() for a in self.after_idle],
                 "walk_gap_ms": self.walk_gap_ms, "stream_gap_ms": self.stream_gap_ms}

@@ -27,7 +27,8 @@ It replays a workload's arrivals against a placement the way the workers run the
   long that rank had idled when the request came, drawn per request from their spread);
 * a request's next run is ready after the step gap (plus a hop, ``Profile.hop_ms``, when it runs on another
   rank than the run it waits for), or at a walk boundary after the rank's walk gap, or, when its KV
-  module moves to another group, after the KV move (``Profile.move_ms``); a stream's chunk reaches its
+  module moves to another group, after the KV move (``Profile.move_ms``, plus ``RankTiming.woken_ms``
+  for as long as the new rank idled); a stream's chunk reaches its
   consumer after the consumer rank's stream gap (``RankTiming.stream_gap_ms``, no hop added: the
   profile measured it across ranks wherever it placed the two apart).
 
@@ -361,8 +362,11 @@ class _Sim:
             nxt = cur.runs[cur.at]
             delay = self.p.rank_timing(g.threads).step_gap_ms + self._hop(g.leader, cur)
             if nxt.walk_index != run.walk_index:
-                moved = self.group(nxt.node, nxt.walk).leader != g.leader and nxt.context > nxt.tokens
-                delay = self.p.move_ms.at(run.context, 0) if moved else self.p.rank_timing(g.threads).walk_gap_ms
+                dest = self.group(nxt.node, nxt.walk)
+                delay = self.p.rank_timing(g.threads).walk_gap_ms
+                if dest.leader != g.leader and nxt.context > nxt.tokens:  # the KV moves, waking its new rank
+                    delay = self.p.move_ms.at(run.context, 0) + self.p.rank_timing(dest.threads).woken_ms(
+                        max(self._idle(r, t) for r in dest.ranks), self.rng.random())
             self.ready(t + delay / 1e3, cur)
             return
         req.root_done = True
