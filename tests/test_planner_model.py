@@ -89,6 +89,9 @@ def test_forward_costs_are_fitted_non_negative():
         ForwardCost.fit([])
 
 
+CALM = {"shared": {1: 1.0, 2: 1.0}, "split": {1: 1.0, 2: 1.0}}  # ranks computing at once slow nobody
+
+
 def _profile(**changes) -> Profile:
     prog = ClassProgram.fit("chat", [
         {"walks": [{"walk": "prefill", "partition": "main", "nodes": [
@@ -223,9 +226,8 @@ def test_gaps_come_from_the_runs_of_one_request():
     steps, bounds = gaps_in([trace])
     assert steps == pytest.approx([1.5]) and bounds[0][0] == 5 and bounds[0][1] == pytest.approx(8.0)
     hopping = {"walks": [{"partition": "main", "nodes": [
-        {"start": 1.0, "compute_ms": 1.0, "rank": 0, "batch_context": 5}, {"start": 1.003, "compute_ms": 1.0, "rank": 1,
-                                                                           "batch_context": 5},
-        {"start": 1.0045, "compute_ms": 1.0, "rank": 1, "batch_context": 5}]}]}
+        {"start": start, "compute_ms": 1.0, "rank": rank, "batch_context": 5}
+        for start, rank in ((1.0, 0), (1.003, 1), (1.0045, 1))]}]}
     assert gaps_in([hopping])[0] == pytest.approx([0.5])  # the hop 0 -> 1 is not a step gap
 
 
@@ -257,9 +259,8 @@ def test_a_streaming_models_program_fires_its_consumer_as_the_runtime_does():
     assert len(pred.requests) == 1 and pred.requests[0].e2e > pred.requests[0].ttft
     codec_rank = Placement.from_dict({"model": "orpheus-tiny", "node_groups": [
         {"node_names": ["LLM"], "ranks": [0]}, {"node_names": ["snac_decoder"], "ranks": [1]}]})
-    calm = {"contention": {"shared": {1: 1.0, 2: 1.0}, "split": {1: 1.0, 2: 1.0}}}
     idle = (AfterIdle(0.0, (0.0,), {"submit": (2.0,), "emit": (0.5,), "end": (0.3,)}),)
-    near, far = (simulate(_profile(programs={"speech": program}, costs=prof.costs, hop_ms=(3.0,), **calm,
+    near, far = (simulate(_profile(programs={"speech": program}, costs=prof.costs, hop_ms=(3.0,), contention=CALM,
                                    timing={2: RankTiming(0.2, idle, walk_gap_ms=1.0, stream_gap_ms=gap)}), codec_rank,
                           model.graph, model.module_of, [Arrival(0.0, "speech", 12, 51)]) for gap in (0.5, 3.5))
     # each chunk reaches the codec's rank after the stream gap (a hop is not added: the profile measured
@@ -310,9 +311,8 @@ def test_a_kv_move_to_an_idle_rank_pays_its_wake_up():
     levels = (AfterIdle(0.003, (0.0,), {"submit": (2.0,), "emit": (0.5,), "end": (0.3,)}),
               AfterIdle(0.3, (0.0,), {"submit": (5.0,), "emit": (0.5,), "end": (0.3,)}))
     costs = {"LLM@tp1/t1": ForwardCost(1.0, 0.5, 0.1, 0.0)}
-    calm = {"contention": {"shared": {1: 1.0, 2: 1.0}, "split": {1: 1.0, 2: 1.0}}}
-    sleepy = _profile(costs=costs, timing={1: RankTiming(0.2, levels)}, **calm)
-    flat = _profile(costs=costs, timing={1: RankTiming(0.2, levels[:1])}, **calm)
+    sleepy = _profile(costs=costs, timing={1: RankTiming(0.2, levels)}, contention=CALM)
+    flat = _profile(costs=costs, timing={1: RankTiming(0.2, levels[:1])}, contention=CALM)
     one = [Arrival(0.0, "chat", 10, 3)]  # the decode rank never ran: its wake-up is the last level's
     woke, base = (simulate(p, split, model.graph, model.module_of, one).requests[0] for p in (sleepy, flat))
     # the submit to the idle prefill rank and the move to the idle decode rank: 3 ms more each

@@ -98,8 +98,7 @@ class RankTiming:
         reaching it after the shortest pause profiled (quantile ``u``): the client's submit's growth
         with the pause, the same wake-up of a worker blocked waiting for its next message (the KV move
         is profiled on ranks that never idle)."""
-        submit = {a.idle_s: a.client.get("submit", (0.0,)) for a in self.after_idle}
-        warm = quantile(submit[self.after_idle[0].idle_s], u)
+        warm = quantile(self.after_idle[0].client.get("submit", (0.0,)), u)
         return max(0.0, self.client(idle_s, u).get("submit", warm) - warm)
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,7 +174,8 @@ class Profile:
     def to_dict(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, "model": self.model, "machine": self.machine, "cores": self.cores,
                 "max_batch": self.max_batch, "costs": {k: c.to_dict() for k, c in self.costs.items()},
-                "timing": {str(k): t.to_dict() for k, t in self.timing.items()}, "hop_ms": list(self.hop_ms), "move_ms": vars(self.move_ms),
+                "timing": {str(k): t.to_dict() for k, t in self.timing.items()}, "hop_ms": list(self.hop_ms),
+                "move_ms": vars(self.move_ms),
                 "contention": {way: {str(k): v for k, v in t.items()} for way, t in self.contention.items()},
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "programs": {k: p.to_dict() for k, p in self.programs.items()}, "tp_sizes": list(self.tp_sizes),

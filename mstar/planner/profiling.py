@@ -307,9 +307,10 @@ def _spread_groups(model: Any, threads: int, weights: dict[str, float]) -> list[
         units.append((nodes, modules))
     ranks = max(1, len(os.sched_getaffinity(0)) // threads)
     load, placed = [0.0] * ranks, [set() for _ in range(ranks)]
-    for nodes, modules in sorted(units, key=lambda u: (-sum(weights.get(m, 0.0) for m in u[1]), sorted(u[0]))):
+    weighed = [(sum(weights.get(m, 0.0) for m in modules), nodes) for nodes, modules in units]
+    for weight, nodes in sorted(weighed, key=lambda u: (-u[0], sorted(u[1]))):
         rank = load.index(min(load))
-        load[rank] += sum(weights.get(m, 0.0) for m in modules)
+        load[rank] += weight
         placed[rank] |= nodes
     return [{"node_names": sorted(n), "ranks": [r], "threads": threads} for r, n in enumerate(placed) if n]
 
@@ -387,4 +388,5 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
             costs.update(tp)
             notes += more
             tp_sizes = (1, ranks) if tp else (1,)
-    return Profile(model.name, _cpu_name(), cores, max_batch, costs, timing, hop, move, contention, kv, programs, tp_sizes, tuple(sorted({cores, *splits})), notes)
+    return Profile(model.name, _cpu_name(), cores, max_batch, costs, timing, hop, move, contention, kv, programs,
+                   tp_sizes, tuple(sorted({cores, *splits})), notes)

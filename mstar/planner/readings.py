@@ -37,8 +37,9 @@ def forwards_in(traces: Sequence[dict[str, Any]], module_of: Callable[[str], str
 
 def gaps_in(traces: Sequence[dict[str, Any]]) -> tuple[list[float], list[tuple[int, float]]]:
     """From traces of requests run alone: the gaps (ms) between a walk's consecutive runs on one rank
-    past the first one's compute (``hops_in`` has those across ranks), and per walk boundary of the root partition (the first walk's: the KV
-    tokens the request held, the ms from the last run's end to the next walk's first run)."""
+    past the first one's compute (``hops_in`` has those across ranks), and per walk boundary of the
+    root partition (the first walk's: the KV tokens the request held, the ms from the last run's end
+    to the next walk's first run)."""
     steps, bounds = [], []
     for t in traces:
         prev_end, held = None, 0

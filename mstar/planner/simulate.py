@@ -28,9 +28,9 @@ It replays a workload's arrivals against a placement the way the workers run the
 * a request's next run is ready after the step gap (plus a hop, ``Profile.hop_ms``, when it runs on another
   rank than the run it waits for), or at a walk boundary after the rank's walk gap, or, when its KV
   module moves to another group, after the KV move (``Profile.move_ms``, plus ``RankTiming.woken_ms``
-  for as long as the new rank idled); a stream's chunk reaches its
-  consumer after the consumer rank's stream gap (``RankTiming.stream_gap_ms``, no hop added: the
-  profile measured it across ranks wherever it placed the two apart).
+  for as long as the new rank idled); a stream's chunk reaches its consumer after the consumer
+  rank's stream gap (``RankTiming.stream_gap_ms``, no hop added: the profile measured it across
+  ranks wherever it placed the two apart).
 
 What it does not model (yet): KV admission and preemption (it reports each rank's peak KV instead),
 chains of streams (a consumer that streams on).
