@@ -89,6 +89,19 @@ def test_forward_costs_are_fitted_non_negative():
         ForwardCost.fit([])
 
 
+def test_a_single_odd_forward_is_drawn_about_as_often_as_it_was_measured():
+    # 199 forwards on the fit, one 20x off (a worker's hiccup): the draws' mean is the measured mean,
+    # not the hiccup spread over the top 5 percent of draws
+    fs = [Forward("LLM", 1, 1, 0, 2.0)] * 199 + [Forward("LLM", 1, 1, 0, 40.0)]
+    fit = ForwardCost.fit(fs)
+    assert len(fit.spread) == 101
+    draws = [fit.draw(u) for u in np.linspace(0.0, 1.0, 100_001)]
+    assert float(np.mean(draws)) == pytest.approx(1.0 + 19.0 / 200, rel=0.02)
+    assert float(np.median(draws)) == pytest.approx(1.0)
+    few = ForwardCost.fit([Forward("LLM", 1, 1, 0, ms) for ms in (1.0, 1.1, 1.2, 0.9)])
+    assert len(few.spread) == 21  # no finer than its samples
+
+
 CALM = {"shared": {1: 1.0, 2: 1.0}, "split": {1: 1.0, 2: 1.0}}  # ranks computing at once slow nobody
 
 

@@ -21,6 +21,7 @@ __all__ = ["Forward", "ForwardCost", "nonnegative_least_squares", "percentiles",
 
 FEATURES = ("fixed", "rows", "tokens", "attention")
 ROBUST_ROUNDS = 8
+MIN_STEPS, MAX_STEPS = 20, 100  # a spread's percentile steps: 5 to 1 percent
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,12 @@ class Forward:
 
 
 def percentiles(values: Sequence[float], floor: float | None = None) -> tuple[float, ...]:
-    """The 0, 5, ..., 100th percentiles of ``values`` (each at least ``floor`` when given): how the
-    profile keeps a measured spread, read back by ``quantile``."""
-    qs = np.percentile(np.asarray(values, dtype=float), np.arange(0, 101, 5))
+    """Evenly spaced percentiles of ``values``, the 0th to the 100th, each at least ``floor`` when
+    given: how the profile keeps a measured spread, read back by ``quantile``. One step per sample,
+    between 5 and 1 percent: at 5 percent steps, a single odd reading among hundreds (a worker's
+    hiccup) would be drawn, interpolated from the 95th percentile up, by one draw in twenty."""
+    steps = min(MAX_STEPS, max(MIN_STEPS, len(values)))
+    qs = np.percentile(np.asarray(values, dtype=float), np.linspace(0.0, 100.0, steps + 1))
     return tuple(round(float(q if floor is None else max(floor, q)), 4) for q in qs)
 
 
@@ -75,7 +79,7 @@ class ForwardCost:
     per_pair: float
     samples: int = 0
     error: float = 0.0
-    spread: tuple[float, ...] = ()  # measured / fitted time at the 0, 5, ..., 100th percentiles
+    spread: tuple[float, ...] = ()  # measured / fitted time at evenly spaced percentiles (``percentiles``)
 
     def draw(self, u: float) -> float:
         """The factor a forward's time is off the fit at quantile ``u`` in [0, 1] (1.0 without a spread):

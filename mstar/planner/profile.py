@@ -25,7 +25,7 @@ from mstar.planner.programs import Affine, ClassProgram
 
 __all__ = ["FINAL", "IDLE_LEVELS_S", "IDLE_S", "PROFILE_VERSION", "AfterIdle", "Profile", "RankTiming", "cost_key"]
 
-PROFILE_VERSION = 6
+PROFILE_VERSION = 7
 FINAL = "#final"  # a module's cost key suffix for forwards of stream-final chunks only
 IDLE_S = 1e-3  # a rank idle this long before a forward pays a wake-up cost (RankTiming.wake_ms)
 # The pauses the profile leaves between requests run alone, to see what idling costs: a rank's OpenMP
@@ -41,8 +41,8 @@ def cost_key(module: str, tp: int, threads: int, final: bool = False) -> str:
 
 @dataclass(frozen=True)
 class AfterIdle:
-    """What requests run alone after their rank idled about ``idle_s`` paid, as the 0, 5, ..., 100th
-    percentiles (ms)."""
+    """What requests run alone after their rank idled about ``idle_s`` paid, as evenly spaced
+    percentiles (ms, ``costs.percentiles``)."""
 
     idle_s: float  # the median idle time before the requests measured
     wake: tuple[float, ...]  # a forward's ms past its module's cost (threads asleep, caches cold)
@@ -119,8 +119,8 @@ class Profile:
     max_batch: int
     costs: dict[str, ForwardCost]  # cost_key -> its fit
     timing: dict[int, RankTiming]  # a rank's threads -> its timing beside the forwards
-    # a walk's next run on another rank than the run it waits for: the message past a step gap, as the
-    # 0, 5, ..., 100th percentiles (ms)
+    # a walk's next run on another rank than the run it waits for: the message past a step gap, as
+    # evenly spaced percentiles (ms, ``costs.percentiles``)
     hop_ms: tuple[float, ...]
     move_ms: Affine  # a walk boundary across ranks, the KV caches moving: ms at ``c + p * kv tokens``
     contention: dict[str, dict[int, float]]  # measure_contention's: "shared" / "split" -> k -> slowdown
