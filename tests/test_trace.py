@@ -1,5 +1,5 @@
 """Per-request walk traces (``mstar.runtime.trace``): a request's walks with their node runs (rank,
-iteration, batch, queue wait, compute time), found by id or label, for the latest
+iteration, batch, queue wait, compute time, postprocess time), found by id or label, for the latest
 ``trace_requests`` requests; across ranks; over HTTP at ``GET /v1/requests/{id}/trace``."""
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ def test_a_request_trace_has_its_walks_and_their_node_runs():
     for run in prefill + decode:
         assert run["rank"] == 0 and run["batch"] == 1 and run["compute_ms"] > 0 and run["queued_ms"] >= 0
     assert all(a["start"] <= b["start"] for a, b in zip(decode, decode[1:]))
+    # after each forward its postprocess (routing, sending): the rank runs nothing else meanwhile
+    assert all(run["post_ms"] > 0 for run in prefill + decode)
+    for a, b in zip(prefill + decode, decode):
+        assert b["start"] >= a["start"] + (a["compute_ms"] + a["post_ms"]) / 1e3 - 1e-4  # two clocks, rounding
 
 
 def test_requests_running_together_show_their_batch():

@@ -4,8 +4,9 @@ Recording is local and cheap; nothing crosses ranks until someone asks:
 
 * each worker keeps, per request that ran there, its node runs (``NodeRuns``): the node, its walk
   (partition and walk number) and iteration, the size of the batch it ran in, its wait in the
-  queue, the wall-clock start and the compute time of that forward, the new and attended KV tokens
-  and attention pairs of the whole forward (and a stream consumer's chunk)
+  queue, the wall-clock start and the compute time of that forward, the time its postprocess took
+  after it (routing and sending its outputs), the new and attended KV tokens and attention pairs of
+  the whole forward (and a stream consumer's chunk)
   -- one tuple per row of a forward, for the last ``keep`` requests, at most ``max_runs`` each
   (beyond that a count and a total per node); and counts its engines note (prefix-cache hits,
   preemptions, KV blocks held at the end) and the tensor bytes it sends other ranks (``SentBytes``);
@@ -37,8 +38,10 @@ __all__ = ["NodeRuns", "RequestTrace", "SentBytes", "TraceGather", "TraceStore",
 # (``batch_tokens`` / ``batch_context`` / ``batch_attention``: the forward's new KV tokens, attended KV
 # tokens and attention pairs, each row's new tokens times its context, over all its rows; 0 on a
 # stateless module)
+# (``post_ms``: from the forward's end until its outputs were routed and sent, the rank busy with no
+# forward; a message to another rank costs its sender here)
 _RUN = ("node", "partition", "walk_seq", "iteration", "batch", "queued_ms", "start", "compute_ms", "chunks",
-        "batch_tokens", "batch_context", "batch_attention")
+        "batch_tokens", "batch_context", "batch_attention", "post_ms")
 
 
 class NodeRuns:
@@ -49,6 +52,8 @@ class NodeRuns:
         self._runs: OrderedDict[str, list[tuple]] = OrderedDict()
         self._over: dict[str, dict[str, list[float]]] = {}  # request -> node -> [runs, compute ms] past max_runs
         self._notes: OrderedDict[str, dict[str, dict[str, int]]] = OrderedDict()  # request -> module -> key -> sum
+        self._unposted: list[tuple[list[tuple], int]] = []  # the last forward's runs (list, index): post_ms due
+        self._ended = 0.0  # the last forward's end (``time.monotonic()``)
 
     def notes_of(self, module: str):
         """What ``module``'s engine calls to note a number about a request (summed per key; zeros
@@ -72,6 +77,7 @@ class NodeRuns:
         tokens, context = getattr(engine, "step_tokens", 0), getattr(engine, "step_context", 0)
         attention = getattr(engine, "step_attention", 0)
         batch, ms, runs_of = len(items), seconds * 1e3, self._runs
+        self._unposted, self._ended = [], started + seconds
         for it in items:
             runs = runs_of.get(it.request_id)
             if runs is None:
@@ -82,11 +88,21 @@ class NodeRuns:
             if len(runs) < self.max_runs:
                 queued = (started - it.queued_at) * 1e3 if it.queued_at else 0.0
                 runs.append((it.node, it.partition, it.walk_seq, it.iteration, batch, queued, wall, ms,
-                             it.chunks or None, tokens, context, attention))
+                             it.chunks or None, tokens, context, attention, 0.0))
+                self._unposted.append((runs, len(runs) - 1))
             else:
                 agg = self._over.setdefault(it.request_id, {}).setdefault(it.node, [0, 0.0])
                 agg[0] += 1
                 agg[1] += ms
+
+    def posted(self, now: float) -> None:
+        """The last recorded forward's postprocess ended at ``now`` (``time.monotonic()``): its runs'
+        ``post_ms``. Called after every step; a step that recorded nothing changes nothing."""
+        ms = (now - self._ended) * 1e3
+        for runs, i in self._unposted:
+            if i < len(runs):
+                runs[i] = runs[i][:-1] + (ms,)
+        self._unposted = []
 
     def forget(self, request_id: str) -> None:
         """Drop what was kept of an untraced request (so it takes no other request's place)."""
@@ -272,6 +288,7 @@ def trace_json(trace: RequestTrace, per_rank: list[dict | None]) -> dict[str, An
         for r in nodes:
             r["iteration"] = list(r["iteration"])
             r["queued_ms"], r["compute_ms"] = round(r["queued_ms"], 3), round(r["compute_ms"], 3)
+            r["post_ms"] = round(r["post_ms"], 3)
         walks.append({"walk": w.walk, "partition": w.partition, "start": w.start, "end": w.end, "nodes": nodes})
     return {"request_id": trace.request_id, "status": trace.status, "finish_reason": trace.finish_reason,
             "error": trace.error, "submitted": trace.submitted, "ended": trace.ended, "walks": walks,

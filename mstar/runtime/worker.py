@@ -180,6 +180,8 @@ class Worker:
             return self._step()
         finally:
             self.post.flush()
+            if self.trace is not None:  # the forward's outputs are sent: its postprocess's end
+                self.trace.posted(time.monotonic())
 
     def _step(self) -> bool:
         picked = self.sched.next_batch()  # schedule
