@@ -16,7 +16,7 @@ from mstar.planner.costs import Forward, ForwardCost, nonnegative_least_squares
 from mstar.planner.measure import replay
 from mstar.planner.profile import AfterIdle, Profile, RankTiming
 from mstar.planner.profiling import profile_model
-from mstar.planner.programs import Affine, ClassProgram, emitting_runs
+from mstar.planner.programs import Affine, ClassProgram, emitting_runs, parallel_branches
 from mstar.planner.readings import (
     after_idle_in,
     forwards_in,
@@ -209,7 +209,7 @@ def test_a_stream_gap_starts_when_the_consumers_rank_is_free():
     assert stream_gaps_in([trace], graph) == pytest.approx([2.3])
 
 
-def test_fewer_threads_are_profiled_with_the_partitions_apart(monkeypatch):
+def test_fewer_threads_are_profiled_with_partitions_and_parallel_branches_apart(monkeypatch):
     from mstar.models.bagel.model import BagelTiny
     from mstar.models.orpheus.model import OrpheusTiny
     from mstar.planner import profiling
@@ -221,7 +221,15 @@ def test_fewer_threads_are_profiled_with_the_partitions_apart(monkeypatch):
                       {"node_names": ["snac_decoder"], "ranks": [1], "threads": 2}]
     assert [g["node_names"] for g in profiling._spread_groups(orpheus, 2, {"LLM": 1.0, "snac_decoder": 3.0})] == [
         ["snac_decoder"], ["LLM"]]
-    bagel = BagelTiny()  # one partition: its walks' nodes stay on one rank
+    bagel = BagelTiny()  # one partition; a guided step's passes apart from its main pass, over the other ranks
+    assert parallel_branches(bagel.graph) == [("image_gen_cfg", ("LLM", "LLM_cfg_img", "LLM_cfg_text"))]
+    main = {"node_names": ["LLM", "combine_cfg", "vae_decoder", "vae_encoder", "vit_encoder"], "ranks": [0], "threads": 1}
+    assert profiling._spread_groups(bagel, 1, {"LLM": 10.0}) == [
+        main, {"node_names": ["LLM_cfg_img"], "ranks": [1], "threads": 1},
+        {"node_names": ["LLM_cfg_text"], "ranks": [2], "threads": 1}]
+    assert profiling._spread_groups(bagel, 2, {"LLM": 10.0}) == [  # two ranks: both passes on the other
+        dict(main, threads=2), {"node_names": ["LLM_cfg_img", "LLM_cfg_text"], "ranks": [1], "threads": 2}]
+    monkeypatch.setattr(profiling.os, "sched_getaffinity", lambda pid: {0})  # one rank: nothing apart
     assert profiling._spread_groups(bagel, 1, {"LLM": 10.0}) == [
         {"node_names": sorted(bagel.graph.node_names), "ranks": [0], "threads": 1}]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from mstar.planner.costs import Forward, ForwardCost, percentiles, quantile
 from mstar.planner.profile import FINAL, IDLE_LEVELS_S, Profile, RankTiming
-from mstar.planner.programs import Affine, ClassProgram, emitting_runs
+from mstar.planner.programs import Affine, ClassProgram, emitting_runs, parallel_branches
 from mstar.planner.readings import (
     after_idle_in,
     forwards_in,
@@ -290,13 +290,19 @@ def _said(timing: RankTiming, threads: int) -> str:
 
 
 def _spread_groups(model: Any, threads: int, weights: dict[str, float]) -> list[dict[str, Any]]:
-    """Each partition's nodes (partitions sharing a module as one) on one rank of ``threads``
-    threads, as many ranks as the cores hold, the heaviest (by ``weights``, their modules' compute in
-    the sweep on one rank) first, each on the rank least loaded so far: a placement that splits the
-    cores runs partitions that compute at once (a producer and its stream's consumer) apart, so they
-    are profiled apart (a rank hosting more of them spends longer between its steps, and its caches
-    serve them all). A walk's own nodes stay together: apart, each step would hop between ranks and
-    leave no step gap to read."""
+    """The model over as many ranks of ``threads`` threads as the cores hold, what computes at once
+    apart, as a placement that splits the cores runs it (so the profile sees what that costs: a rank
+    hosting more spends longer between its steps and its caches serve them all; a step whose work
+    crosses ranks sends between them and starts its walks on both):
+
+    * each partition's nodes (partitions sharing a module as one) on one rank, the heaviest (by
+      ``weights``, their modules' compute in the sweep on one rank) first, each on the rank least
+      loaded so far: a stream's producer and its consumer apart;
+    * a walk's parallel branches (``parallel_branches``) that no other walk runs dealt, in name
+      order, over the other ranks: a guided step's passes apart from its main one (which holds the
+      KV other walks fill), the step that joins them back on the main one's rank.
+
+    The rest of a walk stays together: a step gap is read between its runs on one rank."""
     graph, units = model.graph, []
     for part in graph.partitions:
         nodes = {n for w in graph.walks_of(part) for n in graph.nodes_in(w)}
@@ -312,6 +318,14 @@ def _spread_groups(model: Any, threads: int, weights: dict[str, float]) -> list[
         rank = load.index(min(load))
         load[rank] += weight
         placed[rank] |= nodes
+    if ranks > 1:
+        for _, nodes in parallel_branches(graph):
+            home = next(r for r in range(ranks) if nodes[0] in placed[r])
+            others = [r for r in range(ranks) if r != home]
+            alone = [n for n in nodes if sum(n in graph.nodes_in(w) for w in graph.walks) == 1]
+            for i, node in enumerate(alone[:len(nodes) - 1]):  # one branch stays home at least
+                placed[home].discard(node)
+                placed[others[i % len(others)]].add(node)
     return [{"node_names": sorted(n), "ranks": [r], "threads": threads} for r, n in enumerate(placed) if n]
 
 

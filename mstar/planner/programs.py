@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Affine", "ClassProgram", "ConsumerShape", "ProgramRun", "RunShape", "WalkShape", "emitting_runs",
-           "expand_walk", "node_levels", "stream_producers"]
+           "expand_walk", "node_levels", "parallel_branches", "stream_producers"]
 
 
 @dataclass(frozen=True)
@@ -246,6 +246,19 @@ def node_levels(graph: Any) -> dict[tuple[str, str], int]:
                          and b.producer is not None and not b.producer.is_loop
                          and (walk, b.producer.name) in out and plan.nodes[b.producer.name].frame == node.frame]
             out[(walk, name)] = 1 + max((out[(walk, p)] for p in producers), default=-1)
+    return out
+
+
+def parallel_branches(graph: Any) -> list[tuple[str, tuple[str, ...]]]:
+    """(walk, its nodes) per set of a walk's parallel branches: two or more nodes of one level
+    (``node_levels``) in one loop frame (a guided diffusion step's conditional and unconditional
+    passes), in name order."""
+    levels, out = node_levels(graph), []
+    for walk in graph.walks:
+        by: dict[tuple[Any, int], list[str]] = {}
+        for name, node in graph.plan(walk).nodes.items():
+            by.setdefault((node.frame, levels[(walk, name)]), []).append(name)
+        out += [(walk, tuple(sorted(nodes))) for nodes in by.values() if len(nodes) > 1]
     return out
 
 
