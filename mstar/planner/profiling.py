@@ -260,7 +260,9 @@ def _fit_costs(forwards: list[Forward], tp: int, threads: int) -> dict[str, Forw
     return {f"{m}@tp{tp}/t{threads}": ForwardCost.fit(fs) for m, fs in by.items()}
 
 
-CLIENT_RUNS = 8  # requests run alone per thread count and idle level, for what idling costs
+# requests run alone per thread count and idle level, for what idling costs (with 8 a level's median
+# could come out above the next, longer level's)
+CLIENT_RUNS = 16
 
 
 def _client_runs(run: _Runner) -> list[dict[str, Any]]:
