@@ -83,6 +83,18 @@ def test_bad_input_to_mstar_plan_is_a_clear_error(tmp_path, capsys):
     assert "no program of request class 'other'" in capsys.readouterr().err
 
 
+def test_a_model_that_makes_no_sized_requests_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    from mstar.model.base import ModelDef
+    from mstar.models.llama.model import LlamaTiny
+
+    monkeypatch.setattr(LlamaTiny, "sized_request", ModelDef.sized_request)  # as a family without one
+    (tmp_path / "ok.yaml").write_text(yaml.safe_dump(WORKLOAD))
+    assert main(["plan", "llama-tiny", "--ranks", "2", "--workload", str(tmp_path / "ok.yaml"),
+                 "--slo", "ttft_p95<=1s"]) == 2
+    err = capsys.readouterr().err
+    assert "llama-tiny makes no sized requests" in err and "Traceback" not in err
+
+
 def test_goodput_counts_requests_within_every_limit_per_second():
     reqs = [RequestTimes("c", 0.0, 0.1, 0.5, 0.01), RequestTimes("c", 0.1, 0.3, 0.6, 0.01),
             RequestTimes("c", 0.2, 0.1, 0.3, None)]

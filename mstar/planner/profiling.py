@@ -362,7 +362,10 @@ def profile_model(model: Any, workload: Workload, ranks: int, *, max_batch: int 
     from mstar.runtime.api import Runtime
 
     for c in workload.requests:  # fails early, naming the model, when it cannot make requests
-        model.sized_request(1, 2, c.params, 0)
+        try:
+            model.sized_request(1, 2, c.params, 0)
+        except NotImplementedError as e:  # a user's error to read (the CLI's), not a crash
+            raise ValueError(str(e)) from e
     kv, notes, cores = _kv_bytes(model), [], len(os.sched_getaffinity(0))
     contention: dict[str, dict[int, float]] = {}
     if ranks >= 2:  # first, while no worker process of ours is alive
