@@ -187,7 +187,8 @@ class Profile:
             raise ValueError(f"profile version {d.get('version')!r} is not {PROFILE_VERSION}: profile again")
         return cls(d["model"], d["machine"], d["cores"], d["max_batch"],
                    {k: ForwardCost.from_dict(c) for k, c in d["costs"].items()},
-                   {int(k): RankTiming.from_dict(t) for k, t in d["timing"].items()}, tuple(d["hop_ms"]), Affine(**d["move_ms"]),
+                   {int(k): RankTiming.from_dict(t) for k, t in d["timing"].items()}, tuple(d["hop_ms"]),
+                   Affine(**d["move_ms"]),
                    {way: {int(k): v for k, v in t.items()} for way, t in d["contention"].items()},
                    dict(d["kv_bytes_per_token"]), {k: ClassProgram.from_dict(p) for k, p in d["programs"].items()},
                    tuple(d.get("tp_sizes", (1,))), tuple(d.get("threads", ())), list(d.get("notes", [])))

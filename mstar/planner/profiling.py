@@ -5,8 +5,8 @@ submits sized requests of the workload's classes (``ModelDef.sized_request``):
 
 * each class alone at three size points -> its ``ClassProgram``;
 * batches of 1, 2, 4, ... requests of each class at once and staggered, on one rank of all the
-  cores, at every fewer thread count a rank may get (the partitions spread over the ranks the cores
-  then hold, as a placement splitting the cores would run them) and over all ranks tensor-parallel
+  cores, at every fewer thread count a rank may get (partitions and a walk's parallel branches
+  spread over the ranks the cores then hold, as a placement splitting the cores would run them) and over all ranks tensor-parallel
   -> every forward the traces recorded, fitted;
 * requests run alone after pauses of each of ``IDLE_LEVELS_S`` -> each thread count's ``RankTiming``
   (what a forward and the client pay after the rank idled that long);
@@ -333,8 +333,8 @@ def _spread_groups(model: Any, threads: int, weights: dict[str, float]) -> list[
 
 def _thread_sweeps(model: Any, workload: Workload, options: list[int], weights: dict[str, float], max_batch: int,
                    workers: str, say: Callable[[str], None]) -> tuple[dict[str, ForwardCost], dict[int, RankTiming]]:
-    """Forward costs and timing of a rank given ``threads``, for each of ``options``, the partitions
-    spread over the ranks the cores hold (``_spread_groups``)."""
+    """Forward costs and timing of a rank given ``threads``, for each of ``options``, the model spread
+    over the ranks the cores hold (``_spread_groups``)."""
     from mstar.runtime.api import Runtime
 
     costs, timing = {}, {}

@@ -99,9 +99,8 @@ class NodeRuns:
         """The last recorded forward's postprocess ended at ``now`` (``time.monotonic()``): its runs'
         ``post_ms``. Called after every step; a step that recorded nothing changes nothing."""
         ms = (now - self._ended) * 1e3
-        for runs, i in self._unposted:
-            if i < len(runs):
-                runs[i] = runs[i][:-1] + (ms,)
+        for runs, i in self._unposted:  # a request's list only grows (or is dropped whole)
+            runs[i] = runs[i][:-1] + (ms,)
         self._unposted = []
 
     def forget(self, request_id: str) -> None:
